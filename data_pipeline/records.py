@@ -1,0 +1,130 @@
+"""Frozen records shared by the shard writer and reader: one captured sample, one shard ref.
+
+Shard directory layout (schema version SHARD_SCHEMA_VERSION):
+  <prefix>-<NNNNNN>.tar   complete shards, renamed into place only once fully written
+  .tmp-*.tar              shards being written; never read
+  manifest.jsonl          one ShardRecord per line, appended after the shard's rename
+  .manifest.lock          fcntl lock serialising renames and manifest appends
+  DONE                    written by mark_done() once every producer has closed
+Inside a shard, sample i is stored as tar members `<i:08d>.<field>`:
+  input_ids.npy int32 [T], loss_mask.npy uint8 [T], target_argmax.npy int32 [T],
+  features.npy [T, k*H] (bf16 as the raw uint16 bit pattern; fp16/fp32 natively),
+  meta.json {schema_version, key, T, dtype, features_shape, features_encoding, extra}.
+The sample's own key lives in meta.json, so keys may contain any characters.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from data_pipeline.provenance import Provenance
+
+MANIFEST_NAME = "manifest.jsonl"
+MANIFEST_LOCK_NAME = ".manifest.lock"
+DONE_NAME = "DONE"
+TMP_PREFIX = ".tmp-"
+
+TORCH_FEATURE_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+DTYPE_NAMES = {v: k for k, v in TORCH_FEATURE_DTYPES.items()}
+
+
+@dataclass(frozen=True, eq=False)
+class Sample:
+    """One captured sequence. `meta` holds caller-defined JSON-serialisable extras."""
+
+    key: str
+    input_ids: torch.Tensor  # int32 [T]
+    loss_mask: torch.Tensor  # uint8 [T], 1 on response tokens
+    features: torch.Tensor  # [T, k*H] in the target dtype
+    target_argmax: torch.Tensor  # int32 [T], the target's next-token argmax per position
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, str) or not self.key:
+            raise ValueError(f"Sample.key must be a non-empty string, got {self.key!r}")
+        t = _check_tensor(self.key, "input_ids", self.input_ids, torch.int32, 1)
+        _check_tensor(self.key, "loss_mask", self.loss_mask, torch.uint8, 1)
+        _check_tensor(self.key, "target_argmax", self.target_argmax, torch.int32, 1)
+        if not isinstance(self.features, torch.Tensor) or self.features.dim() != 2:
+            raise ValueError(f"sample {self.key!r}: features must be a 2-D tensor [T, k*H]")
+        if self.features.dtype not in DTYPE_NAMES:
+            raise ValueError(
+                f"sample {self.key!r}: features dtype {self.features.dtype} is not one of {list(TORCH_FEATURE_DTYPES)}"
+            )
+        for name in ("loss_mask", "target_argmax"):
+            if getattr(self, name).shape[0] != t:
+                raise ValueError(
+                    f"sample {self.key!r}: {name} has {getattr(self, name).shape[0]} tokens, input_ids has {t}"
+                )
+        if self.features.shape[0] != t:
+            raise ValueError(f"sample {self.key!r}: features has {self.features.shape[0]} rows, input_ids has {t}")
+        if not isinstance(self.meta, Mapping):
+            raise ValueError(f"sample {self.key!r}: meta must be a mapping, got {type(self.meta)}")
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def dtype_name(self) -> str:
+        return DTYPE_NAMES[self.features.dtype]
+
+
+def _check_tensor(key: str, name: str, t: Any, dtype: torch.dtype, dim: int) -> int:
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != dim:
+        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"sample {key!r}: {name} must be a {dim}-D {dtype} tensor, got {got}")
+    return int(t.shape[0])
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """One complete shard as listed in manifest.jsonl (the unit passed between components)."""
+
+    name: str  # file name inside the shard directory, e.g. "actor0-000003.tar"
+    n_samples: int
+    n_tokens: int
+    n_bytes: int
+    keys: tuple[str, ...]  # sample keys in storage order
+    provenance: Provenance
+
+    def to_json(self) -> str:
+        """One manifest line, without the trailing newline."""
+        d = {
+            "name": self.name,
+            "n_samples": self.n_samples,
+            "n_tokens": self.n_tokens,
+            "n_bytes": self.n_bytes,
+            "keys": list(self.keys),
+            "provenance": self.provenance.to_dict(),
+        }
+        return json.dumps(d, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, line: str, where: str = "<manifest line>") -> ShardRecord:
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not a valid manifest line ({e})") from e
+        fields = {"name", "n_samples", "n_tokens", "n_bytes", "keys", "provenance"}
+        if not isinstance(d, dict) or set(d) != fields:
+            got = sorted(d) if isinstance(d, dict) else type(d).__name__
+            raise ValueError(f"{where}: manifest line must have exactly {sorted(fields)}, got {got}")
+        prov = Provenance.from_dict(d["provenance"], where)
+        return cls(
+            name=d["name"],
+            n_samples=int(d["n_samples"]),
+            n_tokens=int(d["n_tokens"]),
+            n_bytes=int(d["n_bytes"]),
+            keys=tuple(d["keys"]),
+            provenance=prov,
+        )

@@ -1,0 +1,75 @@
+"""Attention for the drafter and the DFlash training block mask.
+
+Training puts all blocks of a sequence in one forward: block j (anchor a_j) sees the context
+entries at positions < a_j (strictly: the anchor's own feature stays hidden), its own B entries
+bidirectionally, and no other block. On CUDA this is a sparse flex_attention BlockMask; on CPU an
+equivalent dense boolean mask through sdpa. Both are built from one mask rule below.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+try:  # flex_attention exists in every torch we support, but keep CPU-only builds importable.
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+except ImportError:  # pragma: no cover
+    BlockMask = None  # type: ignore[assignment]
+
+AttentionMask = torch.Tensor  # dense bool [b, Q, K] (True = may attend), or a flex BlockMask
+
+
+def _mask_rule(q_idx, kv_idx, anchor, keep, context_len: int, block_size: int):
+    """The one definition of who sees what; works on index tensors of any broadcast shape."""
+    block_of_q = q_idx // block_size
+    is_ctx = kv_idx < context_len
+    sees_ctx = is_ctx & (kv_idx < anchor)
+    sees_own_block = ~is_ctx & ((kv_idx - context_len) // block_size == block_of_q)
+    return keep & (sees_ctx | sees_own_block)
+
+
+def block_mask_dense(anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """[b, N*B, S+N*B] bool mask for anchors/keep [b, N]."""
+    b, n = anchors.shape
+    q_idx = torch.arange(n * block_size, device=anchors.device)
+    kv_idx = torch.arange(context_len + n * block_size, device=anchors.device)
+    anchor_q = anchors.repeat_interleave(block_size, dim=1)[:, :, None]  # [b, Q, 1]
+    keep_q = keep.repeat_interleave(block_size, dim=1)[:, :, None]
+    return _mask_rule(q_idx[None, :, None], kv_idx[None, None, :], anchor_q, keep_q, context_len, block_size)
+
+
+def block_mask_flex(anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int):
+    """The same mask as a sparse flex_attention BlockMask."""
+    b, n = anchors.shape
+
+    def mask_mod(bi, hi, q_idx, kv_idx):
+        j = q_idx // block_size
+        return _mask_rule(q_idx, kv_idx, anchors[bi, j], keep[bi, j], context_len, block_size)
+
+    return create_block_mask(
+        mask_mod, B=b, H=None, Q_LEN=n * block_size, KV_LEN=context_len + n * block_size, device=anchors.device
+    )
+
+
+@functools.cache
+def _compiled_flex():
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def attend(q, k, v, mask, scale: float) -> torch.Tensor:
+    """q [b, Hq, Q, d], k/v [b, Hkv, K, d] -> [b, Hq, Q, d]. GQA by head grouping.
+
+    Rows that may see nothing (invalid padding blocks) return zeros, as flex_attention does,
+    instead of sdpa's NaN.
+    """
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+    if BlockMask is not None and isinstance(mask, BlockMask):
+        fn = _compiled_flex() if q.is_cuda else flex_attention
+        return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+    dense = mask[:, None]  # [b, 1, Q, K]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale, enable_gqa=True)
+    empty = ~dense.any(-1, keepdim=True)
+    return out.masked_fill(empty, 0.0)

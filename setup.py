@@ -1,0 +1,37 @@
+"""dflash-dist: distributed training of DFlash speculative-decoding drafters."""
+
+from setuptools import find_packages, setup
+
+# Pinned so a fresh CPU machine resolves the set checked in ../shared/PLATFORM.md.
+# torch is pinned to the CPU wheel; install it first (`pip install torch==2.13.0`).
+INSTALL_REQUIRES = [
+    "torch==2.13.0",
+    "transformers==5.24.0",
+    "flash-linear-attention==0.6.0",
+    "fla-core==0.6.0",
+    "deepspeed==0.19.8",
+    "ray[default]==2.60.0",
+    "webdataset==1.0.2",
+    "tensorboard==2.21.0",
+    "safetensors",
+    "numpy",
+    "pyyaml",
+    "tqdm",
+]
+
+TEST_REQUIRES = [
+    "pytest==9.2.0",
+    "ruff",
+]
+
+setup(
+    name="dflash-dist",
+    version="0.1.0",
+    description="Distributed training of DFlash block-diffusion drafters for speculative decoding",
+    python_requires=">=3.10",
+    packages=find_packages(include=["dflash_dist*", "data_pipeline*", "launcher*"]),
+    package_data={"": ["*.yaml"]},
+    install_requires=INSTALL_REQUIRES,
+    extras_require={"test": TEST_REQUIRES},
+    entry_points={"console_scripts": ["dflash-dist=launcher.cli:main"]},
+)

@@ -1,0 +1,70 @@
+"""Export in the z-lab/HF format and import back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash_dist.model.export import export_drafter, load_drafter
+from tests.test_drafter import small_drafter
+
+
+def test_round_trip_identical_logits(tmp_path):
+    d = small_drafter(k=3, block=4)
+    for p in d.parameters():  # move off the init values so the test sees real weights travel
+        if p.requires_grad:
+            p.data.add_(torch.randn_like(p) * 0.05)
+    out = export_drafter(d, tmp_path / "export")
+    back = load_drafter(out, d.embed_tokens.weight, d.lm_head.weight)
+    f = torch.randn(12, 96)
+    assert torch.equal(back.draft_block(f, 5, 12), d.draft_block(f, 5, 12))
+    assert back.config == d.config
+
+
+def test_export_format_matches_zlab(tmp_path, golden_dir):
+    d = small_drafter(k=3, block=4)
+    out = export_drafter(d, tmp_path / "e")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    assert cfg["block_size"] == 4 and cfg["num_target_layers"] == 5
+    assert cfg["dflash_config"] == {"mask_token_id": 63, "target_layer_ids": [1, 2, 3]}
+    keys = set(load_file(str(out / "model.safetensors")))
+    golden_keys = {k for k in load_file(str(golden_dir / "drafter_forward.safetensors"))
+                   if k.startswith(("layers.", "fc.", "hidden_norm.", "norm."))}
+    assert keys == golden_keys  # same key names as z-lab's drafter (both have 2 layers)
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_golden_config_loads(golden_dir, tmp_path):
+    """z-lab's own config.json + weights load through our importer."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    g = load_file(str(golden_dir / "drafter_forward.safetensors"))
+    (tmp_path / "zlab").mkdir()
+    shutil.copy(golden_dir / "drafter_config.json", tmp_path / "zlab" / "config.json")
+    save_file({k: v for k, v in g.items() if not k.startswith("target.") and "." in k and k.split(".")[0]
+               in ("layers", "fc", "hidden_norm", "norm")}, str(tmp_path / "zlab" / "model.safetensors"))
+    d = load_drafter(tmp_path / "zlab", g["target.model.embed_tokens.weight"], g["target.lm_head.weight"])
+    logits = d.draft_block(g["context_features"][0], int(g["block_input_ids"][0, 0]), 32)
+    assert torch.allclose(logits, g["draft_logits"][0], atol=2e-5)
+
+
+def test_load_errors_name_the_problem(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_drafter(tmp_path)
+    d = small_drafter()
+    out = export_drafter(d, tmp_path / "e")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["num_hidden_layers"] = 3
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="missing"):
+        load_drafter(out)
+    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6}
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="rope_type"):
+        load_drafter(out)

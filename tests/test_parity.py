@@ -1,0 +1,55 @@
+"""The parity checker against the reference implementations' golden data."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.conftest import REPO
+
+
+def _run(path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash_dist.parity", str(path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_parity_passes_on_golden(golden_dir):
+    proc = _run(golden_dir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("ok", "FAIL"))]
+    groups = {ln.split()[1].split("/")[0] for ln in lines}
+    assert groups == {"layer_ids", "target", "drafter", "loss", "ddtree"}
+    assert all(ln.startswith("ok") for ln in lines)
+    assert all("max|d|=" in ln for ln in lines)
+    assert len(lines) >= 50  # every quantity of the README compared, incl. 15 DDTree trees
+
+
+def test_parity_fails_on_a_perturbed_drafter(golden_dir, tmp_path):
+    bad = tmp_path / "golden"
+    shutil.copytree(golden_dir, bad)
+    g = load_file(str(bad / "drafter_forward.safetensors"))
+    g["fc.weight"] = g["fc.weight"].clone()
+    g["fc.weight"][:, -64:] += 1e-3  # perturb only the last captured layer's slice of fc
+    save_file(g, str(bad / "drafter_forward.safetensors"))
+    proc = _run(bad)
+    assert proc.returncode == 1
+    assert "FAIL drafter/draft_logits" in proc.stdout
+    assert "ok   ddtree" in proc.stdout  # unrelated checks still pass
+
+
+def test_parity_rejects_a_non_fixture_dir(tmp_path):
+    proc = _run(tmp_path)
+    assert proc.returncode == 2 and "not a golden fixture directory" in proc.stderr
+
+
+def test_golden_anchor_block_matches_inference_forward(golden_dir):
+    """The training forward's block anchored at 32 reproduces the z-lab inference scenario."""
+    from dflash_dist.parity import build_drafter
+
+    drafter, g = build_drafter(golden_dir, "cpu")
+    logits = drafter.draft_block(g["context_features"][0], int(g["block_input_ids"][0, 0]), 32)
+    assert torch.allclose(logits, g["draft_logits"][0], atol=2e-5)

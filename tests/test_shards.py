@@ -1,0 +1,392 @@
+"""Shard writer / reader / provenance: bit-exact round trips, atomicity, concurrency, resume."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_pipeline.provenance import (
+    SHARD_SCHEMA_VERSION,
+    Provenance,
+    ProvenanceMismatch,
+    check_compatible,
+    hash_weight_files,
+)
+from data_pipeline.records import MANIFEST_NAME, TMP_PREFIX, Sample
+from data_pipeline.shard_reader import ShardStream, iter_shard_samples, read_manifest
+from data_pipeline.shard_writer import ShardWriter, mark_done
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def make_prov(**overrides) -> Provenance:
+    fields = dict(
+        schema_version=SHARD_SCHEMA_VERSION,
+        target_id="tiny-qwen3_5",
+        target_hash="ab" * 32,
+        layer_ids=(1, 2),
+        hidden_size=16,
+        dtype="bfloat16",
+        kernel_path="torch",
+        template_hash="tmpl-1",
+        torch_version="2.13.0",
+    )
+    fields.update(overrides)
+    return Provenance(**fields)
+
+
+def random_bits(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    """Arbitrary bit patterns (NaN payloads, -0, subnormals included) viewed as `dtype`."""
+    int_dtype = {2: torch.int16, 4: torch.int32}[torch.empty(0, dtype=dtype).element_size()]
+    info = torch.iinfo(int_dtype)
+    raw = torch.randint(info.min, info.max + 1, shape, dtype=torch.int64, generator=g)
+    return raw.to(int_dtype).view(dtype)
+
+
+def make_sample(key: str, prov: Provenance, T: int = 12, seed: int = 0, **meta) -> Sample:
+    g = torch.Generator().manual_seed(seed)
+    return Sample(
+        key=key,
+        input_ids=torch.randint(0, 250_000, (T,), dtype=torch.int32, generator=g),
+        loss_mask=torch.randint(0, 2, (T,), dtype=torch.uint8, generator=g),
+        features=random_bits((T, prov.feature_width), DTYPES[prov.dtype], g),
+        target_argmax=torch.randint(0, 250_000, (T,), dtype=torch.int32, generator=g),
+        meta=meta,
+    )
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def assert_same(a: Sample, b: Sample) -> None:
+    assert a.key == b.key and dict(a.meta) == dict(b.meta)
+    assert a.features.dtype == b.features.dtype and a.features.shape == b.features.shape
+    assert torch.equal(bits(a.features), bits(b.features))
+    for name in ("input_ids", "loss_mask", "target_argmax"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+
+
+def write_shards(out: Path, prov: Provenance, prefix: str, n_shards: int, per_shard: int) -> list[str]:
+    keys = []
+    with ShardWriter(out, prov, prefix=prefix) as w:
+        for s in range(n_shards):
+            for i in range(per_shard):
+                key = f"{prefix}/{s}/{i}"
+                w.write(make_sample(key, prov, T=5 + i, seed=len(keys)))
+                keys.append(key)
+            w.flush()
+    return keys
+
+
+def stream_keys(stream: ShardStream, limit: int | None = None) -> list[str]:
+    out = []
+    for sample in stream:
+        out.append(sample.key)
+        if limit is not None and len(out) == limit:
+            break
+    return out
+
+
+def deadline(seconds: float):
+    end = time.monotonic() + seconds
+    return lambda: time.monotonic() > end
+
+
+# --- processes started with spawn (module level so the child can import them) ---------------
+
+
+def _produce(out: str, prefix: str, n: int, max_bytes: int, start) -> None:
+    prov = make_prov()
+    start.wait()  # both producers write at the same time
+    with ShardWriter(out, prov, max_shard_bytes=max_bytes, prefix=prefix) as w:
+        for i in range(n):
+            w.write(make_sample(f"{prefix}-{i}", prov, T=20, seed=i))
+
+
+def _produce_then_die(out: str) -> None:
+    prov = make_prov()
+    w = ShardWriter(out, prov, prefix="dies")
+    for i in range(3):
+        w.write(make_sample(f"ok-{i}", prov, seed=i))
+    w.flush()  # one complete shard
+    for i in range(3):
+        w.write(make_sample(f"lost-{i}", prov, seed=10 + i))
+    os._exit(3)  # killed mid-shard: no close, no cleanup
+
+
+# --- tests --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
+def test_round_trip_bit_exact(tmp_path: Path, dtype: str) -> None:
+    prov = make_prov(dtype=dtype)
+    samples = [make_sample(f"src/q.{i} é", prov, T=3 + i, seed=i, idx=i, src="gsm8k") for i in range(4)]
+    with ShardWriter(tmp_path, prov, prefix="rt") as w:
+        for s in samples:
+            w.write(s)
+    (record,) = read_manifest(tmp_path)
+    assert record.name == "rt-000000.tar" and record.provenance == prov
+    assert record.keys == tuple(s.key for s in samples)
+    assert record.n_tokens == sum(s.num_tokens for s in samples)
+    assert record.n_bytes == (tmp_path / record.name).stat().st_size
+    for a, b in zip(samples, iter_shard_samples(tmp_path / record.name), strict=True):
+        assert_same(a, b)
+    with tarfile.open(tmp_path / record.name) as tf:  # npy + json only: nothing pickled
+        assert {n.split(".", 1)[1] for n in tf.getnames()} == {
+            "features.npy",
+            "input_ids.npy",
+            "loss_mask.npy",
+            "target_argmax.npy",
+            "meta.json",
+        }
+
+
+def test_writer_rejects_bad_samples(tmp_path: Path) -> None:
+    prov = make_prov()
+    with ShardWriter(tmp_path, prov) as w:
+        with pytest.raises(ValueError, match="features width"):
+            w.write(make_sample("a", make_prov(hidden_size=8)))
+        with pytest.raises(ValueError, match="float32"):
+            w.write(make_sample("a", make_prov(dtype="float32")))
+        w.write(make_sample("a", prov))
+        with pytest.raises(ValueError, match="already written"):
+            w.write(make_sample("a", prov))
+    with pytest.raises(ValueError, match="input_ids must be a 1-D torch.int32"):
+        Sample("k", torch.zeros(3), torch.zeros(3, dtype=torch.uint8), torch.zeros(3, 4), torch.zeros(3))
+
+
+def test_exception_in_context_leaves_no_partial_shard(tmp_path: Path) -> None:
+    prov = make_prov()
+    with pytest.raises(RuntimeError), ShardWriter(tmp_path, prov, prefix="p") as w:
+        for i in range(3):
+            w.write(make_sample(f"k{i}", prov, seed=i))
+        w.flush()
+        w.write(make_sample("partial", prov))
+        raise RuntimeError("producer crashed")
+    assert sorted(os.listdir(tmp_path)) == [".manifest.lock", MANIFEST_NAME, "p-000000.tar"]
+    (record,) = read_manifest(tmp_path)
+    assert record.keys == ("k0", "k1", "k2")
+
+
+def test_killed_writer_leaves_only_tmp_and_no_manifest_line(tmp_path: Path) -> None:
+    proc = mp.get_context("spawn").Process(target=_produce_then_die, args=(str(tmp_path),))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 3
+    records = read_manifest(tmp_path)
+    assert [r.name for r in records] == ["dies-000000.tar"]
+    assert [k for r in records for k in r.keys] == ["ok-0", "ok-1", "ok-2"]
+    tmps = [n for n in os.listdir(tmp_path) if n.startswith(TMP_PREFIX)]
+    assert len(tmps) == 1 and not any(TMP_PREFIX in line for line in (tmp_path / MANIFEST_NAME).open())
+    assert sorted(n for n in os.listdir(tmp_path) if n.endswith(".tar") and n not in tmps) == ["dies-000000.tar"]
+    # A restarted producer continues the numbering; readers see only complete shards.
+    prov = make_prov()
+    with ShardWriter(tmp_path, prov, prefix="dies") as w:
+        w.write(make_sample("again", prov))
+    mark_done(tmp_path)
+    assert [r.name for r in read_manifest(tmp_path)] == ["dies-000000.tar", "dies-000001.tar"]
+    assert stream_keys(ShardStream(tmp_path, prov, poll_s=0.01)) == ["ok-0", "ok-1", "ok-2", "again"]
+    with pytest.raises(ValueError, match="still being written"):
+        next(iter_shard_samples(tmp_path / tmps[0]))
+
+
+def test_shard_size_limit(tmp_path: Path) -> None:
+    prov = make_prov(layer_ids=(1, 2, 3, 4), hidden_size=32)  # 256 bf16 = 512 B per token
+    limit = 48 * 1024
+    with ShardWriter(tmp_path, prov, max_shard_bytes=limit, prefix="lim") as w:
+        keys = [f"s{i}" for i in range(30)]
+        for i, key in enumerate(keys):
+            w.write(make_sample(key, prov, T=12 + i % 7, seed=i))
+    records = read_manifest(tmp_path)
+    assert len(records) >= 3
+    assert [r.name for r in records] == [f"lim-{i:06d}.tar" for i in range(len(records))]
+    for r in records:
+        assert r.n_bytes == (tmp_path / r.name).stat().st_size <= limit
+    assert all(r.n_bytes > limit - 12 * 1024 for r in records[:-1])  # filled, not split early
+    assert [k for r in records for k in r.keys] == keys
+
+
+def test_concurrent_writer_processes(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    start = ctx.Barrier(2)
+    procs = [ctx.Process(target=_produce, args=(str(tmp_path), p, 24, 16 * 1024, start)) for p in ("a", "b")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    lines = (tmp_path / MANIFEST_NAME).read_bytes().split(b"\n")
+    assert lines[-1] == b"" and all(json.loads(line) for line in lines[:-1])
+    records = read_manifest(tmp_path)
+    names = [r.name for r in records]
+    assert len(set(names)) == len(names) > 2
+    assert sorted(n for n in os.listdir(tmp_path) if n.endswith(".tar")) == sorted(names)
+    keys = [k for r in records for k in r.keys]
+    assert sorted(keys) == sorted(f"{p}-{i}" for p in ("a", "b") for i in range(24))
+    for r in records:
+        assert [s.key for s in iter_shard_samples(tmp_path / r.name)] == list(r.keys)
+
+
+def test_concurrent_threads_same_prefix(tmp_path: Path) -> None:
+    prov = make_prov()
+
+    def produce(tag: str) -> None:
+        with ShardWriter(tmp_path, prov, prefix="same") as w:
+            for i in range(12):
+                w.write(make_sample(f"{tag}{i}", prov, seed=i))
+                if i % 3 == 2:
+                    w.flush()
+
+    threads = [threading.Thread(target=produce, args=(t,)) for t in "xyz"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    records = read_manifest(tmp_path)
+    assert sorted(r.name for r in records) == [f"same-{i:06d}.tar" for i in range(12)]
+    assert sorted(k for r in records for k in r.keys) == sorted(f"{t}{i}" for t in "xyz" for i in range(12))
+
+
+def test_stream_two_ranks_disjoint_complete(tmp_path: Path) -> None:
+    prov = make_prov()
+    keys = write_shards(tmp_path, prov, "r", n_shards=7, per_shard=3)
+    mark_done(tmp_path)
+    got = [stream_keys(ShardStream(tmp_path, prov, rank=r, world_size=2, poll_s=0.01)) for r in (0, 1)]
+    assert not set(got[0]) & set(got[1])
+    assert sorted(got[0] + got[1]) == sorted(keys)
+    assert got[0] == [k for k in keys if int(k.split("/")[1]) % 2 == 0]  # manifest index % 2
+
+
+def test_stream_follows_growing_manifest(tmp_path: Path) -> None:
+    prov = make_prov()
+    out = tmp_path / "growing"  # does not exist yet when the stream starts
+    written: list[str] = []
+
+    def produce() -> None:
+        time.sleep(0.1)
+        with ShardWriter(out, prov, prefix="g") as w:
+            for i in range(15):
+                w.write(make_sample(f"g{i}", prov, seed=i))
+                written.append(f"g{i}")
+                if i % 3 == 2:
+                    w.flush()
+                    time.sleep(0.05)
+        time.sleep(0.1)
+        mark_done(out)
+
+    writer = threading.Thread(target=produce)
+    writer.start()
+    got, seen_before_done = [], 0
+    for sample in ShardStream(out, prov, poll_s=0.01, stop_when=deadline(20)):
+        got.append(sample.key)
+        seen_before_done += not (out / "DONE").exists()
+    writer.join()
+    assert got == written == [f"g{i}" for i in range(15)]
+    assert seen_before_done > 0  # it read shards while the producer was still writing
+    assert (out / "DONE").exists()
+
+
+def test_stream_stop_when_without_done(tmp_path: Path) -> None:
+    prov = make_prov()
+    write_shards(tmp_path, prov, "s", n_shards=1, per_shard=2)
+    assert len(stream_keys(ShardStream(tmp_path, prov, poll_s=0.01, stop_when=deadline(0.2)))) == 2
+
+
+def test_provenance_mismatch_names_field_and_shard(tmp_path: Path) -> None:
+    found = make_prov(kernel_path="fla")
+    write_shards(tmp_path, found, "fla", n_shards=1, per_shard=2)
+    expected = make_prov(kernel_path="torch")
+    # A writer of another provenance is refused before it writes anything into the directory.
+    with pytest.raises(ProvenanceMismatch, match="kernel_path"):
+        ShardWriter(tmp_path, expected, prefix="other")
+    mark_done(tmp_path)
+    with pytest.raises(ProvenanceMismatch) as err:
+        stream_keys(ShardStream(tmp_path, expected, poll_s=0.01))
+    msg = str(err.value)
+    assert "kernel_path: expected 'torch', found 'fla'" in msg
+    assert "fla-000000.tar" in msg and "re-extract" in msg and "change the config" in msg
+    assert err.value.fields == ("kernel_path",)
+    assert isinstance(err.value, ValueError)
+    with pytest.raises(ProvenanceMismatch) as err2:
+        check_compatible(expected, make_prov(layer_ids=(1, 3), dtype="float32"), "x.tar")
+    assert err2.value.fields == ("layer_ids", "dtype")
+    check_compatible(expected, make_prov(torch_version="9.9", fla_version="0.6.0"), "x.tar")
+
+
+def test_provenance_json_and_validation() -> None:
+    prov = make_prov()
+    assert Provenance.from_json(prov.to_json()) == prov
+    assert Provenance.from_json(prov.to_json()).layer_ids == (1, 2)
+    with pytest.raises(ValueError, match="unknown fields \\['kernel'\\]"):
+        Provenance.from_dict({**prov.to_dict(), "kernel": "fla"})
+    with pytest.raises(ValueError, match="kernel_path must be one of"):
+        make_prov(kernel_path="cuda")
+
+
+def test_hash_weight_files(tmp_path: Path) -> None:
+    (tmp_path / "model-00001.safetensors").write_bytes(b"w1" * 1000)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"w2")
+    (tmp_path / "config.json").write_text("{}")
+    h = hash_weight_files(tmp_path)
+    assert len(h) == 64 and h == hash_weight_files(tmp_path, chunk_bytes=7)
+    (tmp_path / "config.json").write_text('{"x": 1}')
+    assert hash_weight_files(tmp_path) == h  # only weight files count
+    (tmp_path / "pytorch_model.bin").write_bytes(b"w3")
+    assert hash_weight_files(tmp_path) != h
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        hash_weight_files(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("first", [0, 5, 7, 20])
+def test_state_dict_resume_is_exact(tmp_path: Path, first: int) -> None:
+    prov = make_prov()
+    keys = write_shards(tmp_path, prov, "st", n_shards=4, per_shard=5)
+    mark_done(tmp_path)
+    a = ShardStream(tmp_path, prov, poll_s=0.01)
+    head = stream_keys(a, limit=first) if first else []
+    state = json.loads(json.dumps(a.state_dict()))  # must survive a JSON checkpoint
+    b = ShardStream(tmp_path, prov, poll_s=0.01)
+    b.load_state_dict(state)
+    assert head + stream_keys(b) == keys
+    with pytest.raises(ValueError, match="same world size"):
+        ShardStream(tmp_path, prov, rank=0, world_size=2).load_state_dict(state)
+
+
+def test_partial_manifest_line_is_ignored_then_repaired(tmp_path: Path) -> None:
+    prov = make_prov()
+    write_shards(tmp_path, prov, "m", n_shards=1, per_shard=2)
+    with open(tmp_path / MANIFEST_NAME, "ab") as f:
+        f.write(b'{"name": "m-000001.tar", "n_sam')  # a writer died mid-append
+    assert [r.name for r in read_manifest(tmp_path)] == ["m-000000.tar"]
+    write_shards(tmp_path, prov, "m", n_shards=1, per_shard=2)
+    assert [r.name for r in read_manifest(tmp_path)] == ["m-000000.tar", "m-000001.tar"]
+
+
+def test_writer_refuses_done_directory(tmp_path: Path) -> None:
+    mark_done(tmp_path)
+    with pytest.raises(ValueError, match="marked DONE"):
+        ShardWriter(tmp_path, make_prov())
+
+
+def test_bytes_per_token_overhead(tmp_path: Path) -> None:
+    k, H, T, n = 5, 1024, 200, 8
+    prov = make_prov(layer_ids=(1, 9, 17, 25, 33), hidden_size=H)
+    with ShardWriter(tmp_path, prov, prefix="big") as w:
+        for i in range(n):
+            w.write(make_sample(f"b{i}", prov, T=T, seed=i))
+    (record,) = read_manifest(tmp_path)
+    ideal = record.n_tokens * k * H * 2
+    overhead = record.n_bytes / ideal - 1
+    print(f"\nbytes/token {record.n_bytes / record.n_tokens:.1f} vs k*H*2={k * H * 2}: +{overhead:.3%}")
+    assert record.n_tokens == n * T and 0 < overhead < 0.02

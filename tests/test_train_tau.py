@@ -1,0 +1,39 @@
+"""End to end on CPU: a tiny drafter trained on a tiny Qwen3.5 target's captured features."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from dflash_dist.demo import DemoConfig, drafter_for, evaluate, make_data, tiny_qwen35_target, train
+from dflash_dist.model.replay import replay_sequence
+
+
+def test_training_raises_replay_tau():
+    cfg = replace(DemoConfig(), num_prompts=12, steps=200, budgets=(4,))
+    target = tiny_qwen35_target(cfg)
+    drafter = drafter_for(target, cfg)
+    prompts, responses, ids, loss_mask, cap = make_data(target, cfg, drafter.config.mask_token_id)
+    before = evaluate(target, drafter, prompts, responses, cfg)
+    losses = train(drafter, ids, cap.features, loss_mask, cfg, log_every=0)
+    after = evaluate(target, drafter, prompts, responses, cfg)
+    assert sum(losses[-20:]) / 20 < 0.5 * sum(losses[:20]) / 20
+    assert after.tau_chain > 1.5 and after.tau_chain > before.tau_chain + 0.5
+    assert 1.0 <= after.tau_ddtree(4) <= 5.0  # budget 4: at most 4 nodes + bonus
+    assert after.kernel_path == "torch"
+    assert sum(after.accept_hist) == after.rounds
+
+
+def test_replay_rounds_cover_the_continuation():
+    cfg = replace(DemoConfig(), num_prompts=2)
+    target = tiny_qwen35_target(cfg)
+    drafter = drafter_for(target, cfg)
+    prompts, responses, ids, _, cap = make_data(target, cfg, drafter.config.mask_token_id)
+    seq = ids[0].tolist()
+    chain, trees = replay_sequence(drafter, seq, cap.features[0], cfg.prompt_len, (4,))
+    # each round accepts tau-1 drafts plus the bonus token: together they walk to the end
+    assert sum(chain) == len(seq) - 1 - cfg.prompt_len
+    assert sum(trees[4]) == len(seq) - 1 - cfg.prompt_len
+    assert all(1 <= t <= cfg.block_size for t in chain)
+    assert torch.equal(torch.tensor(seq[cfg.prompt_len:]), torch.tensor(responses[0]))

@@ -1,0 +1,245 @@
+"""The run configuration: one typed tree, loaded from YAML plus `key.path=value` overrides.
+
+Unknown keys and wrong types are errors naming the field path (STYLE 3). Derived values (layer
+ids, mask id, world size) are computed where they are needed, never stored twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or override; the message names the field."""
+
+
+@dataclass
+class RunSection:
+    name: str = "dflash"
+    seed: int = 0
+    out_dir: str = "runs/dflash"
+
+
+@dataclass
+class TargetSection:
+    kind: str = "hf"  # "hf": a local HF model directory; "tiny_stdlib": the project's own tiny target
+    path: str | None = None
+    dtype: str = "bfloat16"
+    device: str = "auto"  # auto: cuda when available
+    attn_implementation: str = "sdpa"
+    allow_torch_gdn_on_cuda: bool = False
+
+
+@dataclass
+class DataSection:
+    train_jsonl: str | None = None  # OpenAI `messages` JSONL; tiny_stdlib generates its own if unset
+    eval_jsonl: str | None = None
+    max_train_samples: int | None = None
+    max_eval_prompts: int = 16
+    max_length: int = 2048
+
+
+@dataclass
+class CaptureSection:
+    num_actors: int = 1
+    num_layers: int = 5  # k, when layer_ids is not given
+    layer_ids: list[int] | None = None
+    regenerate: bool = True  # replace assistant responses by the target's greedy ones
+    max_new_tokens: int = 256
+    batch_size: int = 8
+    shard_bytes: int = 1 << 30
+    cpus_per_actor: float = 1.0
+    gpus_per_actor: float = 0.0
+
+
+@dataclass
+class DrafterSection:
+    num_layers: int = 5
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    intermediate_size: int | None = None  # default: the target's
+    block_size: int = 16
+    mask_token_id: int | None = None  # default: the tokenizer's mask token
+
+
+@dataclass
+class TrainSection:
+    world_size: int = 1
+    zero_stage: int = 2
+    micro_batch_size: int = 1
+    grad_accum: int = 1
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    epochs: int = 6
+    max_steps: int | None = None
+    num_anchors: int = 512
+    label_source: str = "data"
+    gamma: float | None = None  # default by block size (7 for B=16)
+    attention: str = "auto"
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 3
+    log_every: int = 10
+    cpus_per_rank: float = 1.0
+    gpus_per_rank: float = 0.0
+
+
+@dataclass
+class EvalSection:
+    enabled: bool = True
+    num_prompts: int = 16
+    max_new_tokens: int = 256
+    budgets: list[int] = field(default_factory=lambda: [8, 16])
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+
+
+@dataclass
+class RaySection:
+    address: str | None = None  # None: start a local cluster
+    num_cpus: int | None = None
+    dashboard: bool = False
+    dashboard_host: str = "127.0.0.1"
+
+
+@dataclass
+class Config:
+    run: RunSection = field(default_factory=RunSection)
+    target: TargetSection = field(default_factory=TargetSection)
+    data: DataSection = field(default_factory=DataSection)
+    capture: CaptureSection = field(default_factory=CaptureSection)
+    drafter: DrafterSection = field(default_factory=DrafterSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    ray: RaySection = field(default_factory=RaySection)
+
+    @property
+    def out(self) -> Path:
+        return Path(self.run.out_dir)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+CHOICES = {
+    "target.kind": ("hf", "tiny_stdlib"),
+    "target.dtype": ("bfloat16", "float16", "float32"),
+    "target.device": ("auto", "cpu", "cuda"),
+    "train.zero_stage": (0, 1, 2, 3),
+    "train.label_source": ("data", "target"),
+    "train.attention": ("auto", "dense", "flex"),
+}
+
+
+def _check_type(value, tp, path: str):
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check_type(value, inner[0], path)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {type(value).__name__} {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_check_type(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if tp in (int, float, str, bool) and (not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
+        raise ConfigError(f"{path}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls, data: dict, prefix: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"unknown key {where}{unknown[0]} (known keys{' of ' + prefix if prefix else ''}: "
+                          f"{', '.join(sorted(names))})")
+    kwargs = {}
+    for name, value in data.items():
+        path = f"{prefix}.{name}" if prefix else name
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value or {}, path)
+        else:
+            value = _check_type(value, tp, path)
+            if path in CHOICES and value not in CHOICES[path]:
+                raise ConfigError(f"{path}: {value!r} is not one of {CHOICES[path]}")
+            kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _set_path(tree: dict, dotted: str, value, where: str) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{where}: {dotted}: {k} is not a section")
+    node[keys[-1]] = value
+
+
+def load_config(path: str | Path | None, overrides: list[str] = (), out_dir: str | None = None) -> Config:
+    """YAML file (or the defaults when path is None) + `a.b=c` overrides (values parsed as YAML)."""
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} not found")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key.path=value")
+        key, raw = item.split("=", 1)
+        _set_path(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None, f"override {item!r}")
+    if out_dir is not None:
+        _set_path(tree, "run.out_dir", str(out_dir), "--out")
+    try:
+        cfg = _build(Config, tree, "")
+    except ConfigError as e:
+        raise ConfigError(f"{path or 'config'}: {e}") from None
+    _validate(cfg, path)
+    return cfg
+
+
+def _validate(cfg: Config, path) -> None:
+    where = path or "config"
+    if cfg.target.kind == "hf" and not cfg.target.path:
+        raise ConfigError(f"{where}: target.path is required when target.kind is 'hf'")
+    if cfg.target.path and cfg.target.kind == "hf" and not Path(cfg.target.path).exists():
+        raise ConfigError(f"{where}: target.path {cfg.target.path} does not exist")
+    for key in ("data.train_jsonl", "data.eval_jsonl"):
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is not None and not Path(value).is_file():
+            raise ConfigError(f"{where}: {key}: file {value} not found")
+    if cfg.target.kind == "hf" and cfg.data.train_jsonl is None:
+        raise ConfigError(f"{where}: data.train_jsonl is required for an hf target")
+    positive = {"capture.num_actors": cfg.capture.num_actors, "train.world_size": cfg.train.world_size,
+                "train.micro_batch_size": cfg.train.micro_batch_size, "train.grad_accum": cfg.train.grad_accum,
+                "train.checkpoint_every": cfg.train.checkpoint_every, "drafter.block_size": cfg.drafter.block_size}
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{where}: {key} must be >= 1, got {value}")

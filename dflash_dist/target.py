@@ -1,0 +1,132 @@
+"""The target model as the pipeline sees it: where it lives, how to load it (fully, for capture
+and evaluation; or only its embedding and lm_head, for trainers), the drafter shape derived from
+it, and the provenance every shard and evaluator compares."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance, hash_weight_files, installed_versions
+from dflash_dist.config import Config
+from dflash_dist.model.capture import gdn_kernel_path
+from dflash_dist.model.config import DrafterConfig, build_target_layer_ids
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_target_dir(cfg: Config) -> Path:
+    """The target's HF directory; the tiny_stdlib target is built (once, cached) on first use."""
+    if cfg.target.kind == "tiny_stdlib":
+        from data_pipeline.tiny_target import build_tiny_target
+
+        return build_tiny_target(cfg.target.path)
+    return Path(cfg.target.path)
+
+
+def target_device(cfg: Config) -> torch.device:
+    if cfg.target.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(cfg.target.device)
+
+
+def load_target(cfg: Config, target_dir: Path, device: torch.device | None = None):
+    """(model in eval mode, tokenizer). Kernel paths are the caller's to check (capture does)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = device or target_device(cfg)
+    model = AutoModelForCausalLM.from_pretrained(
+        target_dir, dtype=DTYPES[cfg.target.dtype], attn_implementation=cfg.target.attn_implementation
+    )
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    return model.to(device).eval(), tokenizer
+
+
+def target_config_dict(target_dir: Path) -> dict:
+    d = json.loads((Path(target_dir) / "config.json").read_text())
+    return d.get("text_config", d) if "num_hidden_layers" not in d else d
+
+
+def load_embeddings(target_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding and lm_head weights, read from its safetensors files without
+    building the model (a 27B target need not fit a trainer's memory)."""
+    files = sorted(Path(target_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{target_dir}: no *.safetensors weight files")
+    found: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if key.endswith("embed_tokens.weight") and "mtp" not in key:
+                    found["embed"] = st.get_tensor(key)
+                elif key == "lm_head.weight" or key.endswith(".lm_head.weight"):
+                    found["lm_head"] = st.get_tensor(key)
+    if "embed" not in found:
+        raise ValueError(f"{target_dir}: no embed_tokens weight found in {[f.name for f in files]}")
+    if "lm_head" not in found:
+        if not target_config_dict(target_dir).get("tie_word_embeddings", False):
+            raise ValueError(f"{target_dir}: no lm_head weight and tie_word_embeddings is false")
+        found["lm_head"] = found["embed"]
+    return found["embed"], found["lm_head"]
+
+
+def layer_ids_for(cfg: Config, num_target_layers: int) -> list[int]:
+    if cfg.capture.layer_ids is not None:
+        return list(cfg.capture.layer_ids)
+    return build_target_layer_ids(num_target_layers, cfg.capture.num_layers)
+
+
+def drafter_config_for(cfg: Config, target_dir: Path, mask_token_id: int | None = None) -> DrafterConfig:
+    """The drafter shape: sizes from the run config, hidden/vocab/layers from the target."""
+    t = target_config_dict(target_dir)
+    d = cfg.drafter
+    mask = d.mask_token_id if d.mask_token_id is not None else mask_token_id
+    if mask is None:
+        raise ValueError("drafter.mask_token_id is not set and the tokenizer has no mask token: set it in the config")
+    rope = t.get("rope_parameters") or {}
+    return DrafterConfig(
+        hidden_size=t["hidden_size"], num_hidden_layers=d.num_layers, num_attention_heads=d.num_heads,
+        num_key_value_heads=d.num_kv_heads, head_dim=d.head_dim,
+        intermediate_size=d.intermediate_size or t["intermediate_size"], vocab_size=t["vocab_size"],
+        target_layer_ids=tuple(layer_ids_for(cfg, t["num_hidden_layers"])), num_target_layers=t["num_hidden_layers"],
+        block_size=d.block_size, mask_token_id=int(mask), rms_norm_eps=t.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", t.get("rope_theta", 1e7))),
+        max_position_embeddings=t.get("max_position_embeddings", 32768),
+    )
+
+
+def tokenizer_mask_id(tokenizer) -> int | None:
+    """The tokenizer's mask token (the tiny target's `<|mask|>`; Qwen3.5's is set in the config)."""
+    return tokenizer.mask_token_id if getattr(tokenizer, "mask_token", None) else None
+
+
+@dataclass(frozen=True)
+class TargetIdentity:
+    """What the pipeline knows about its target before anything runs; a record, not a model."""
+
+    target_dir: str
+    target_id: str
+    target_hash: str
+    layer_ids: tuple[int, ...]
+    hidden_size: int
+    dtype: str
+
+
+def target_identity(cfg: Config, target_dir: Path) -> TargetIdentity:
+    t = target_config_dict(target_dir)
+    target_id = cfg.target.path if cfg.target.kind == "hf" else f"tiny_stdlib:{Path(target_dir).name}"
+    return TargetIdentity(str(target_dir), str(target_id), hash_weight_files(target_dir),
+                          tuple(layer_ids_for(cfg, t["num_hidden_layers"])), t["hidden_size"], cfg.target.dtype)
+
+
+def provenance_for(ident: TargetIdentity, model, template_hash: str) -> Provenance:
+    """The provenance of features this process would produce with `model` as loaded."""
+    return Provenance(
+        schema_version=SHARD_SCHEMA_VERSION, target_id=ident.target_id, target_hash=ident.target_hash,
+        layer_ids=ident.layer_ids, hidden_size=ident.hidden_size, dtype=ident.dtype,
+        kernel_path=gdn_kernel_path(model), template_hash=template_hash, **installed_versions(),
+    )

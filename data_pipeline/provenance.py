@@ -123,6 +123,9 @@ class ProvenanceMismatch(ValueError):
         )
         super().__init__("\n".join(lines))
 
+    def __reduce__(self):  # travels through Ray (an actor's error reaches the driver intact)
+        return (type(self), (self.where, self.diffs))
+
     @property
     def fields(self) -> tuple[str, ...]:
         return tuple(name for name, _, _ in self.diffs)

@@ -41,7 +41,6 @@ class DataSection:
     train_jsonl: str | None = None  # OpenAI `messages` JSONL; tiny_stdlib generates its own if unset
     eval_jsonl: str | None = None
     max_train_samples: int | None = None
-    max_eval_prompts: int = 16
     max_length: int = 2048
 
 
@@ -98,6 +97,9 @@ class EvalSection:
     num_prompts: int = 16
     max_new_tokens: int = 256
     budgets: list[int] = field(default_factory=lambda: [8, 16])
+    poll_s: float = 5.0
+    max_backlog: int = 4  # more exports waiting than this: evaluate the newest and every stride-th
+    backlog_stride: int = 2
     num_cpus: float = 1.0
     num_gpus: float = 0.0
 
@@ -243,3 +245,8 @@ def _validate(cfg: Config, path) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{where}: {key} must be >= 1, got {value}")
+
+
+def load_config_dict(tree: dict) -> Config:
+    """Rebuild a Config from `Config.to_dict()` (how actors receive it: a plain record)."""
+    return _build(Config, tree, "")

@@ -130,3 +130,23 @@ def provenance_for(ident: TargetIdentity, model, template_hash: str) -> Provenan
         layer_ids=ident.layer_ids, hidden_size=ident.hidden_size, dtype=ident.dtype,
         kernel_path=gdn_kernel_path(model), template_hash=template_hash, **installed_versions(),
     )
+
+
+def expected_kernel_path(cfg: Config, target_dir: Path) -> str:
+    """The kernel path capture and evaluation will use for this config: fla for Gated DeltaNet
+    layers on CUDA, the torch reference otherwise (capture refuses torch on CUDA unless allowed)."""
+    has_gdn = "linear_attention" in (target_config_dict(target_dir).get("layer_types") or [])
+    on_cuda = target_device(cfg).type == "cuda"
+    return "fla" if (has_gdn and on_cuda) else "torch"
+
+
+def expected_provenance(cfg: Config, target_dir: Path, ident: TargetIdentity, tokenizer) -> Provenance:
+    """What trainers demand of every shard of this run (computed without loading the model)."""
+    from data_pipeline.chat_data import template_hash
+
+    return Provenance(
+        schema_version=SHARD_SCHEMA_VERSION, target_id=ident.target_id, target_hash=ident.target_hash,
+        layer_ids=ident.layer_ids, hidden_size=ident.hidden_size, dtype=ident.dtype,
+        kernel_path=expected_kernel_path(cfg, target_dir), template_hash=template_hash(tokenizer),
+        **installed_versions(),
+    )

@@ -1,0 +1,120 @@
+"""The evaluator actor: a thin Ray wrapper that runs `Evaluator.run_until` in a background thread.
+
+Calls carry only small records: the config as a dict, paths, token-id lists, the expected
+provenance as JSON, and EvalResult JSON dicts back. The target is loaded inside the thread, so
+`start()` returns at once and the (slow) target load and reference continuations overlap the
+trainer's first steps; an error there is reported by `status()` and raised by `wait()`.
+The actor is threaded (max_concurrency), so `status()` and `trainer_finished()` are answered
+while `wait()` blocks.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+import traceback
+
+import ray
+import torch
+
+from dflash_dist.config import Config
+
+MAX_CONCURRENCY = 4  # wait() blocks one slot; status()/trainer_finished() need others
+
+
+def evaluator_actor_options(cfg: Config) -> dict:
+    """The evaluator actor's Ray options, every key written out (STYLE 4)."""
+    return {"num_cpus": cfg.eval.num_cpus, "num_gpus": cfg.eval.num_gpus, "max_concurrency": MAX_CONCURRENCY,
+            "max_restarts": 0}
+
+
+@ray.remote(max_concurrency=MAX_CONCURRENCY)
+class EvaluatorActor:
+    def __init__(self, cfg_dict: dict, out_dir: str, target_dir: str, eval_prompts: list[list[int]],
+                 expected_json: str | None = None, shard_dir: str | None = None, poll_s: float = 5.0,
+                 max_backlog: int = 4, stride: int = 2) -> None:
+        from dflash_dist.config import load_config_dict
+
+        self.cfg = load_config_dict(cfg_dict)
+        if self.cfg.eval.num_gpus == 0:
+            torch.set_num_threads(max(1, int(self.cfg.eval.num_cpus)))  # no more threads than reserved CPUs
+        self._args = (out_dir, target_dir, eval_prompts, expected_json, shard_dir)
+        self._loop = {"poll_s": poll_s, "max_backlog": max_backlog, "stride": stride}
+        self._lock = threading.Lock()
+        self._finished: bool = False
+        self._final_step: int | None = None
+        self._evaluator = None
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()  # calls of a threaded actor may run out of order
+        self._error: BaseException | None = None
+        self._error_text: str | None = None
+
+    def start(self) -> None:
+        """Load the target and follow the exports in a background thread."""
+        if self._thread is not None:
+            raise RuntimeError("EvaluatorActor.start() was already called")
+        self._thread = threading.Thread(target=self._run, name="evaluator", daemon=True)
+        self._thread.start()
+        self._started.set()
+
+    def trainer_finished(self, final_step: int | None) -> None:
+        """The trainer is done; `final_step` is its last export (None if it wrote none)."""
+        with self._lock:
+            self._finished, self._final_step = True, final_step
+
+    def status(self) -> dict:
+        ev = self._evaluator
+        results = ev.results if ev is not None else {}
+        last = results[max(results)] if results else None
+        return {
+            "alive": self._thread is not None and self._thread.is_alive(),
+            "ready": ev is not None,
+            "evaluated": sorted(ev.done) if ev is not None else [],
+            "last_step": last.step if last else None,
+            "last_tau_chain": last.tau_chain if last else None,
+            "trainer_finished": self._finished,
+            "error": self._error_text,
+        }
+
+    def wait(self, timeout_s: float | None = None) -> list[dict]:
+        """Block until the evaluator stops; every evaluated step's EvalResult JSON, by step
+        (also those of a run this one resumed)."""
+        t0 = time.monotonic()
+        if not self._started.wait(timeout_s):
+            raise TimeoutError(f"EvaluatorActor.start() was not called within {timeout_s}s")
+        self._thread.join(None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - t0)))
+        if self._thread.is_alive():
+            raise TimeoutError(f"the evaluator is still running after {timeout_s}s: {self.status()}")
+        if self._error is not None:
+            raise _portable(self._error)
+        return [r.to_json() for r in self._evaluator.results.values()]
+
+    def _stop(self) -> tuple[bool, int | None]:
+        with self._lock:
+            return self._finished, self._final_step
+
+    def _run(self) -> None:
+        from data_pipeline.provenance import Provenance
+        from dflash_dist.evaluator.evaluator import Evaluator
+
+        out_dir, target_dir, eval_prompts, expected_json, shard_dir = self._args
+        try:
+            expected = Provenance.from_json(expected_json, "expected provenance") if expected_json else None
+            self._evaluator = Evaluator(self.cfg, out_dir, target_dir, eval_prompts, expected, shard_dir=shard_dir)
+            self._evaluator.run_until(self._stop, **self._loop)
+        except BaseException as e:  # kept for wait(); the thread itself has no caller to raise to
+            self._error, self._error_text = e, "".join(traceback.format_exception_only(type(e), e)).strip()
+        finally:
+            if self._evaluator is not None:
+                self._evaluator.close()
+
+
+def _portable(error: BaseException) -> BaseException:
+    """The error itself when Ray can ship it to the caller; else a RuntimeError carrying its type
+    and message (an exception whose __init__ differs from its args does not unpickle)."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__module__}.{type(error).__name__}: {error}")

@@ -1,0 +1,202 @@
+"""Ray actors forming the DeepSpeed process group: one `TrainerWorker` per rank.
+
+The driver asks every worker where it runs (node, IP, GPU ids), derives each rank's process
+group environment with the pure `rank_environment` (testable without Ray, STYLE 8), then starts
+`Trainer.run()` on all ranks. Calls carry only small records and paths; tensors stay inside
+the workers and the shards.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+
+from data_pipeline.provenance import Provenance
+from dflash_dist.config import Config, load_config_dict
+from dflash_dist.model.config import DrafterConfig
+from dflash_dist.trainer.ds_config import total_train_steps
+from dflash_dist.trainer.loop import TrainJob, TrainResult
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """Where one trainer actor runs."""
+
+    node_id: str
+    ip: str
+    gpu_ids: tuple[str, ...]  # Ray's GPU ids assigned to this actor (empty on CPU)
+
+
+def rank_environment(infos: list[WorkerInfo], master_port: int) -> list[dict[str, str]]:
+    """The torch.distributed environment of each rank (index = rank).
+
+    MASTER_ADDR is 127.0.0.1 when every rank shares one node (nothing leaves the machine), else
+    rank 0's node IP. LOCAL_RANK counts ranks per node. On GPU, every rank of a node sees all of
+    that node's trainer GPUs (as Ray Train does) and LOCAL_RANK is the index of its own, so
+    DeepSpeed's set_device(LOCAL_RANK) picks the GPU Ray assigned and NCCL sees its peers.
+    """
+    if not infos:
+        raise ValueError("rank_environment: no workers")
+    single_node = len({i.node_id for i in infos}) == 1
+    master = "127.0.0.1" if single_node else infos[0].ip
+    by_node: dict[str, list[int]] = {}
+    for rank, info in enumerate(infos):
+        by_node.setdefault(info.node_id, []).append(rank)
+    envs = []
+    for rank, info in enumerate(infos):
+        peers = by_node[info.node_id]
+        env = {
+            "MASTER_ADDR": master,
+            "MASTER_PORT": str(master_port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(len(infos)),
+            "LOCAL_WORLD_SIZE": str(len(peers)),
+            "LOCAL_RANK": str(peers.index(rank)),
+            "DS_ACCELERATOR": "cuda" if info.gpu_ids else "cpu",
+        }
+        if info.gpu_ids:
+            if len(info.gpu_ids) != 1:
+                raise ValueError(f"rank {rank} holds GPUs {info.gpu_ids}: use train.gpus_per_rank <= 1")
+            node_gpus = sorted({g for r in peers for g in infos[r].gpu_ids}, key=_gpu_order)
+            if len(node_gpus) != len(peers):
+                raise ValueError(
+                    f"ranks {peers} share GPUs {node_gpus}: NCCL needs one GPU per rank (train.gpus_per_rank = 1)"
+                )
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpus)
+            env["LOCAL_RANK"] = str(node_gpus.index(info.gpu_ids[0]))
+        envs.append(env)
+    return envs
+
+
+def _gpu_order(gpu_id: str):
+    return (0, int(gpu_id)) if gpu_id.isdigit() else (1, gpu_id)
+
+
+def default_extensions_dir() -> str:
+    """DeepSpeed JIT-compiles its CPU shm comm op (~45 s) into TORCH_EXTENSIONS_DIR: keep one
+    per environment (the interpreter's prefix), not per user, so a rebuilt venv recompiles."""
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path(sys.prefix) / "torch_extensions")
+
+
+@ray.remote
+class TrainerWorker:
+    """One rank. Ray schedules it with train.cpus_per_rank / train.gpus_per_rank."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def info(self) -> WorkerInfo:
+        ctx = ray.get_runtime_context()
+        gpu_ids = tuple(str(g) for g in ctx.get_accelerator_ids().get("GPU", []))
+        return WorkerInfo(node_id=ctx.get_node_id(), ip=ray.util.get_node_ip_address(), gpu_ids=gpu_ids)
+
+    def free_port(self) -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def run(self, cfg_dict: dict, job: TrainJob, env: dict[str, str], extensions_dir: str) -> TrainResult:
+        os.environ.update(env)
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir)
+        import deepspeed
+        import torch
+        import torch.distributed as dist
+
+        from dflash_dist.trainer.loop import Trainer
+
+        on_gpu = env["DS_ACCELERATOR"] == "cuda"
+        if not on_gpu:
+            torch.set_num_threads(1)
+        deepspeed.init_distributed(
+            dist_backend="nccl" if on_gpu else "gloo", auto_mpi_discovery=False, dist_init_required=True
+        )
+        try:
+            return Trainer(load_config_dict(cfg_dict), job).run()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+class TrainerGroup:
+    """The running trainer ranks; `wait()` returns their results (rank order)."""
+
+    def __init__(self, workers: list, refs: list) -> None:
+        self.workers, self.refs = workers, refs
+
+    def wait(self, timeout_s: float | None = None) -> list[TrainResult]:
+        """Block until every rank returns. A failing rank stops the whole group at once (its
+        peers would otherwise wait in a collective until the backend times out)."""
+        pending = list(self.refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
+            if not done:
+                self.shutdown()
+                raise TimeoutError(f"trainer group did not finish within {timeout_s} s")
+            try:
+                ray.get(done[0])
+            except Exception:
+                self.shutdown()
+                raise
+        results = ray.get(self.refs)
+        self.shutdown()
+        return results
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        self.workers = []
+
+
+def trainer_actor_options(cfg: Config) -> dict:
+    """Ray options of a trainer rank, every key written out (STYLE 4). No restarts: a restarted
+    rank cannot rejoin a live process group; the run resumes from its last checkpoint instead."""
+    return {
+        "num_cpus": cfg.train.cpus_per_rank,
+        "num_gpus": cfg.train.gpus_per_rank,
+        "max_restarts": 0,
+        "max_task_retries": 0,
+    }
+
+
+def start_trainer_group(
+    cfg: Config,
+    target_dir: str | Path,
+    shard_dir: str | Path,
+    expected: Provenance,
+    drafter_cfg: DrafterConfig,
+    *,
+    num_samples: int | None = None,
+    total_steps: int | None = None,
+    resume: bool = True,
+) -> TrainerGroup:
+    """Start cfg.train.world_size TrainerWorker actors forming one DeepSpeed group and run the
+    trainer on each (Ray must be initialised by the caller).
+
+    The LR schedule spans `total_steps`, or else the steps train.max_steps / `num_samples`
+    (default data.max_train_samples) give (ds_config.total_train_steps).
+    """
+    world = cfg.train.world_size
+    if total_steps is None:
+        samples = num_samples if num_samples is not None else cfg.data.max_train_samples
+        total_steps = total_train_steps(cfg, world, samples)
+    job = TrainJob(str(target_dir), str(shard_dir), expected, drafter_cfg, total_steps, resume)
+    workers = [TrainerWorker.options(**trainer_actor_options(cfg)).remote(rank, world) for rank in range(world)]
+    try:
+        infos = ray.get([w.info.remote() for w in workers])
+        if bool(infos[0].gpu_ids) != (cfg.train.gpus_per_rank > 0):
+            raise ValueError(f"train.gpus_per_rank={cfg.train.gpus_per_rank} but rank 0 got GPUs {infos[0].gpu_ids}")
+        port = ray.get(workers[0].free_port.remote())
+        envs = rank_environment(infos, port)
+        cfg_dict = cfg.to_dict()
+        refs = [w.run.remote(cfg_dict, job, env, default_extensions_dir()) for w, env in zip(workers, envs)]
+    except BaseException:
+        for w in workers:
+            ray.kill(w, no_restart=True)
+        raise
+    print(f"[train] {world} DeepSpeed rank(s), ZeRO-{cfg.train.zero_stage}, {total_steps} scheduled steps", flush=True)
+    return TrainerGroup(workers, refs)

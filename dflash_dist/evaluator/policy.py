@@ -1,0 +1,121 @@
+"""What the evaluator does next, as pure functions of its status (STYLE 8), and the records it
+exchanges with the rest of the pipeline (STYLE 5).
+
+Nothing here touches files, models or Ray, so the decisions are tested on plain lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+EVAL_RESULT_VERSION = 1
+
+
+def pending_steps(available: list[int], done: set[int], max_backlog: int = 4, stride: int = 2) -> list[int]:
+    """Exports still to evaluate, oldest first.
+
+    Only exports newer than the newest evaluated one count: an older unevaluated export was
+    skipped on purpose (see below), and evaluating it now would log a curve out of order.
+    When more than `max_backlog` are waiting, the evaluator has fallen behind the trainer: it
+    keeps the newest and every `stride`-th one counted back from it, and drops the rest. The
+    newest is never dropped, so the last checkpoint of a run is always evaluated. Callers
+    evaluate the first step and ask again, so the choice follows exports that appear meanwhile.
+    """
+    if max_backlog < 1 or stride < 1:
+        raise ValueError(f"pending_steps: need max_backlog >= 1 and stride >= 1, got {max_backlog=} {stride=}")
+    newest_done = max(done, default=-1)
+    todo = sorted(s for s in set(available) if s > newest_done and s not in done)
+    if len(todo) <= max_backlog:
+        return todo
+    return todo[::-1][::stride][::-1]
+
+
+def should_stop(trainer_finished: bool, final_step: int | None, done: set[int]) -> bool:
+    """True once the trainer is finished and its final export was evaluated.
+
+    `final_step` None means the trainer finished without naming a last export (it wrote none):
+    there is nothing more to wait for. Callers ask only when no export is pending, so exports
+    already on disk are evaluated first either way.
+    """
+    if not trainer_finished:
+        return False
+    return final_step is None or any(s >= final_step for s in done)
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    """One export to evaluate: `<out>/export/step_<step>/` (config.json + model.safetensors)."""
+
+    step: int
+    export_dir: str
+
+    @property
+    def path(self) -> Path:
+        return Path(self.export_dir)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "export_dir": self.export_dir}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> EvalRequest:
+        return cls(step=int(d["step"]), export_dir=str(d["export_dir"]))
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Greedy-replay tau of one export (SPEC 4): what `eval/step_N.json` holds.
+
+    tau_* are the mean over prompts of each prompt's mean tau_round; accept_hist counts chain
+    rounds by accepted drafts 0..B-1; slot_acceptance[j-1] is the share of chain rounds whose
+    draft slot j was accepted.
+    """
+
+    step: int
+    tau_chain: float
+    tau_ddtree: dict[int, float]
+    accept_hist: tuple[int, ...]
+    slot_acceptance: tuple[float, ...]
+    prompts: int
+    rounds: int
+    kernel_path: str
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": EVAL_RESULT_VERSION,
+            "step": self.step,
+            "tau_chain": self.tau_chain,
+            "tau_ddtree": {str(b): t for b, t in sorted(self.tau_ddtree.items())},
+            "accept_hist": list(self.accept_hist),
+            "slot_acceptance": list(self.slot_acceptance),
+            "prompts": self.prompts,
+            "rounds": self.rounds,
+            "kernel_path": self.kernel_path,
+            "seconds": self.seconds,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], where: str = "<eval result>") -> EvalResult:
+        if not isinstance(d, dict) or d.get("version") != EVAL_RESULT_VERSION:
+            got = d.get("version") if isinstance(d, dict) else type(d).__name__
+            raise ValueError(
+                f"{where}: eval result version {got!r}, this code reads {EVAL_RESULT_VERSION}: "
+                "delete the file to have the step evaluated again"
+            )
+        try:
+            return cls(
+                step=int(d["step"]),
+                tau_chain=float(d["tau_chain"]),
+                tau_ddtree={int(b): float(t) for b, t in d["tau_ddtree"].items()},
+                accept_hist=tuple(int(x) for x in d["accept_hist"]),
+                slot_acceptance=tuple(float(x) for x in d["slot_acceptance"]),
+                prompts=int(d["prompts"]),
+                rounds=int(d["rounds"]),
+                kernel_path=str(d["kernel_path"]),
+                seconds=float(d["seconds"]),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{where}: not a valid eval result ({type(e).__name__}: {e})") from None
+

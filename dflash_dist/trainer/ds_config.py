@@ -1,0 +1,126 @@
+"""The one place DeepSpeed settings, the optimizer and the LR schedule are derived (STYLE 4).
+
+Every DeepSpeed key we rely on is written out here, so a default changing under us, or a key
+set twice, cannot silently change training (gpt-neox trained for months with clipping off).
+tests/test_trainer.py checks that these values reach the engine.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from dflash_dist.config import Config
+
+STEPS_PER_PRINT = 1 << 30  # DeepSpeed's own progress prints stay off: we log through metrics.py
+
+
+def deepspeed_config(cfg: Config, world_size: int, on_gpu: bool, hidden_size: int | None = None) -> dict:
+    """The DeepSpeed config dict for `world_size` ranks.
+
+    bf16 on GPU, fp32 on CPU. ZeRO-3 bucket and persistence sizes follow the HF integration's
+    rule from the model width (`hidden_size`): vectors (norm gains) stay whole on every rank,
+    every matrix is partitioned. Without `hidden_size`, DeepSpeed's defaults are written out.
+    """
+    t = cfg.train
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if t.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"train.zero_stage must be 0, 1, 2 or 3, got {t.zero_stage}")
+    h = hidden_size
+    return {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.grad_accum,
+        "train_batch_size": t.micro_batch_size * t.grad_accum * world_size,
+        "gradient_clipping": float(t.grad_clip),
+        "zero_optimization": {
+            "stage": t.zero_stage,
+            "contiguous_gradients": True,
+            "overlap_comm": on_gpu,  # needs side streams; on CPU it only adds threads
+            "reduce_scatter": True,
+            "reduce_bucket_size": h * h if h else int(5e8),
+            "allgather_partitions": True,
+            "allgather_bucket_size": int(5e8),
+            "round_robin_gradients": False,
+            "compute_grad_norm": True,  # clipping and train/grad_norm need it
+            "stage3_param_persistence_threshold": 10 * h if h else int(1e5),
+            "stage3_prefetch_bucket_size": int(0.9 * h * h) if h else int(5e7),
+            "stage3_max_live_parameters": int(1e9),
+            "stage3_max_reuse_distance": int(1e9),
+            # exports gather the drafter's own weights (loop.py); checkpoints keep partitions
+            "stage3_gather_16bit_weights_on_model_save": False,
+        },
+        "bf16": {"enabled": on_gpu},
+        "fp16": {"enabled": False},
+        "torch_autocast": {"enabled": False},
+        "zero_allow_untested_optimizer": True,  # torch AdamW as the client optimizer
+        "steps_per_print": STEPS_PER_PRINT,
+        "wall_clock_breakdown": False,
+    }
+
+
+def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.AdamW:
+    """torch AdamW over the trainable parameters only (the target's embedding and lm_head are
+    frozen and stay out). Weight decay applies to matrices; norm gains (1-D) are not decayed."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError("the model has no trainable parameters")
+    decay = [p for _, p in named if p.dim() >= 2]
+    no_decay = [p for _, p in named if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(0.9, 0.999), eps=1e-8)
+
+
+class WarmupCosine:
+    """LR multiplier: linear warmup over `warmup_steps`, then cosine to 0 at `total_steps`.
+
+    A callable object (not a lambda) so LambdaLR.state_dict() stores its fields and a resumed
+    run can check them."""
+
+    def __init__(self, total_steps: int, warmup_steps: int) -> None:
+        if total_steps < 1:
+            raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+        self.total_steps = total_steps
+        self.warmup_steps = max(0, min(warmup_steps, total_steps))
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        decay_steps = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_lr_schedule(
+    cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Warmup (cfg.train.warmup_frac of the optimizer steps) then cosine; stepped by DeepSpeed
+    once per optimizer step and saved in its checkpoints."""
+    warmup = math.ceil(cfg.train.warmup_frac * total_steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(total_steps, warmup))
+
+
+def total_train_steps(cfg: Config, world_size: int, num_samples: int | None) -> int:
+    """Optimizer steps the LR schedule spans: train.max_steps, or the steps `epochs` passes over
+    `num_samples` samples give (the smaller when both are known)."""
+    t = cfg.train
+    per_step = t.micro_batch_size * t.grad_accum * world_size
+    from_data = None if num_samples is None else t.epochs * (num_samples // per_step)
+    if from_data is not None and from_data < 1 and t.max_steps is None:
+        raise ValueError(
+            f"{num_samples} samples make no full step of {per_step} samples (micro_batch_size x grad_accum "
+            "x world_size): capture more data or lower train.micro_batch_size"
+        )
+    if t.max_steps is None and from_data is None:
+        raise ValueError(
+            "the LR schedule needs its length: set train.max_steps or data.max_train_samples "
+            "(or pass the number of captured samples)"
+        )
+    if t.max_steps is not None and t.max_steps < 1:
+        raise ValueError(f"train.max_steps must be >= 1, got {t.max_steps}")
+    steps = [s for s in (t.max_steps, from_data) if s is not None and s >= 1]
+    return min(steps)

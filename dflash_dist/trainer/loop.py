@@ -1,0 +1,456 @@
+"""The DeepSpeed drafter trainer: a plain-Python loop (no Ray here; actors/trainer_group.py runs
+one per rank after the process group exists).
+
+`Trainer.run()` reads top to bottom: batch -> forward -> backward -> clip + step -> log ->
+checkpoint. Ranks stay in lock-step: before every micro-batch they all-reduce (MIN) whether each
+has one ready, wait together while the capture is still producing, and end the epoch together
+when any rank runs dry (the remainder is counted and logged as data/dropped_samples).
+Epoch 0 streams shards while they are written; later epochs re-read the finished manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from data_pipeline.provenance import Provenance
+from data_pipeline.shard_reader import ShardStream, read_manifest
+from dflash_dist.config import Config
+from dflash_dist.model.config import DrafterConfig
+from dflash_dist.model.drafter import DFlashDrafter
+from dflash_dist.model.export import export_drafter
+from dflash_dist.model.loss import Anchors, LossOutput, dflash_loss
+from dflash_dist.target import load_embeddings
+from dflash_dist.trainer.batching import DRY, READY, MicroBatch, MicroBatchFeeder, make_micro_batch, with_positions
+from dflash_dist.trainer.ds_config import build_lr_schedule, build_optimizer, deepspeed_config
+from dflash_dist.trainer.metrics import Metrics
+
+EXPORT_INDEX = "index.jsonl"
+_STATE_VERSION = 1
+_POLL_S = 0.02  # how often waiting ranks re-check each other's data readiness
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """What every rank needs besides the config: small, picklable, the same on all ranks."""
+
+    target_dir: str
+    shard_dir: str
+    provenance: Provenance  # shards of any other origin are refused
+    drafter: DrafterConfig
+    total_steps: int  # the LR schedule's length (ds_config.total_train_steps)
+    resume: bool = True  # continue from <out>/checkpoints/latest when it exists
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """One rank's outcome."""
+
+    rank: int
+    steps: int
+    epochs_completed: int
+    final_loss: float | None  # the last logged loss (mean over ranks), None if nothing trained
+    checkpoints: tuple[str, ...]  # tags saved by this run, e.g. ("step_50", "step_100")
+    exports: tuple[str, ...]  # export directories written by this run
+    samples_consumed: int  # samples this rank trained on (this run)
+    samples_dropped: int  # this rank's epoch remainders (this run)
+    resumed_from: str | None = None
+
+
+@dataclass(frozen=True)
+class ExportRecord:
+    """One line of <out>/export/index.jsonl, appended after the export directory exists."""
+
+    step: int
+    epoch: int
+    path: str
+    checkpoint: str  # the DeepSpeed checkpoint tag saved at the same step
+    config_hash: str
+    unix_time: float
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, line: str) -> ExportRecord:
+        return cls(**json.loads(line))
+
+
+def config_hash(cfg: Config) -> str:
+    return hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+class TrainForward(nn.Module):
+    """The module DeepSpeed wraps: the drafter plus the DFlash loss, so engine(...) runs the
+    whole training forward (ZeRO-3 gathers parameters through its module hooks) and returns
+    the loss tensor for DeepSpeed's backward hooks next to the full LossOutput."""
+
+    def __init__(self, drafter: DFlashDrafter, label_source: str, gamma: float | None, attention: str) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.label_source, self.gamma, self.attention = label_source, gamma, attention
+
+    def forward(self, input_ids, features, loss_mask, target_argmax, anchor_positions, anchor_keep):
+        out = dflash_loss(
+            self.drafter,
+            input_ids,
+            features,
+            loss_mask,
+            Anchors(anchor_positions, anchor_keep),
+            target_argmax=target_argmax,
+            label_source=self.label_source,
+            gamma=self.gamma,
+            attention=self.attention,
+        )
+        return out.loss, out
+
+
+def build_engine(
+    cfg: Config, drafter_config: DrafterConfig, target_dir: str | Path, total_steps: int, world_size: int, on_gpu: bool
+):
+    """The DeepSpeed engine over a fresh drafter sharing the target's frozen embedding/lm_head.
+    Every rank seeds identically, so ZeRO-3 partitions come from one initialisation."""
+    import deepspeed  # imported late: the actor sets DS_ACCELERATOR / CUDA_VISIBLE_DEVICES first
+
+    torch.manual_seed(cfg.run.seed)
+    drafter = DFlashDrafter(drafter_config)
+    drafter.set_target_weights(*load_embeddings(Path(target_dir)))
+    module = TrainForward(drafter, cfg.train.label_source, cfg.train.gamma, cfg.train.attention)
+    optimizer = build_optimizer(cfg, module)
+    engine, *_ = deepspeed.initialize(
+        model=module,
+        optimizer=optimizer,
+        lr_scheduler=build_lr_schedule(cfg, optimizer, total_steps),
+        config=deepspeed_config(cfg, world_size, on_gpu, hidden_size=drafter_config.hidden_size),
+        dist_init_required=False,
+    )
+    return engine
+
+
+@dataclass
+class _Window:
+    """Per-rank sums since the last log, all-reduced when logged. Loss and slot counts stay on
+    the compute device (no host sync per micro-batch). Times are host wall-clock from asking
+    for the micro-batch to the end of engine.step(): logging and checkpoints are not counted."""
+
+    block_size: int
+    device: torch.device
+    micro: int = 0
+    tokens: int = 0
+    wait_s: float = 0.0
+    wall_s: float = 0.0
+    sums: torch.Tensor = field(init=False)  # [loss, slot_correct x B, slot_count x B]
+
+    def __post_init__(self) -> None:
+        self.sums = torch.zeros(1 + 2 * self.block_size, dtype=torch.float64, device=self.device)
+
+    def add(self, batch: MicroBatch, out: LossOutput, wait_s: float, wall_s: float) -> None:
+        self.micro += 1
+        self.tokens += batch.num_tokens
+        self.wait_s += wait_s
+        self.wall_s += wall_s
+        step = torch.cat([out.loss.detach().reshape(1), out.slot_correct.detach(), out.slot_count.detach()])
+        self.sums += step.to(torch.float64)
+
+
+class Trainer:
+    """One rank of the drafter trainer. torch.distributed must be initialised (by the actor or
+    the test); rank and world size are read from it."""
+
+    def __init__(self, cfg: Config, job: TrainJob) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("Trainer needs an initialised process group (deepspeed.init_distributed)")
+        self.cfg, self.job = cfg, job
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # small control messages (data readiness, counters, metrics) go over gloo on CPU, so
+        # polling never waits behind queued GPU work
+        self._ctrl = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self.on_gpu = cfg.train.gpus_per_rank > 0
+        if self.on_gpu and not torch.cuda.is_available():
+            raise ValueError("train.gpus_per_rank > 0 but CUDA is not available in this trainer process")
+        self.dtype = torch.bfloat16 if self.on_gpu else torch.float32
+        self.ckpt_dir = cfg.out / "checkpoints"
+        self.export_dir = cfg.out / "export"
+        self.engine = build_engine(cfg, job.drafter, job.target_dir, job.total_steps, self.world, self.on_gpu)
+        self.device = self.engine.device
+        self.metrics = Metrics(cfg.out / "tb" / "train", enabled=self.rank == 0)
+        self.block_size = job.drafter.block_size
+        # counters (state_dict): where training stands
+        self.step = 0
+        self.epoch = 0
+        self.epoch_samples = 0  # samples trained in the current epoch (equal on all ranks)
+        self.reader_state: dict[str, Any] | None = None  # stream position after the last trained sample
+        # this run only
+        self.samples_consumed = 0
+        self.samples_dropped = 0
+        self.checkpoints: list[str] = []
+        self.exports: list[str] = []
+        self.final_loss: float | None = None
+        self.resumed_from: str | None = None
+        self._last_saved = 0
+        self._last_logged = 0
+        self._last_lr = float("nan")
+        self._window = _Window(self.block_size, self.device)
+        self._feeder: MicroBatchFeeder | None = None
+        if job.resume and (self.ckpt_dir / "latest").is_file():
+            self._resume()
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> TrainResult:
+        try:
+            while not self._finished():
+                t0 = time.perf_counter()
+                batch = self._next_micro_batch()  # batch: every rank has one, or the epoch ends
+                if batch is None:
+                    self._end_epoch()
+                    continue
+                wait_s = time.perf_counter() - t0
+                loss, out = self.engine(  # forward
+                    batch.input_ids,
+                    batch.features,
+                    batch.loss_mask,
+                    batch.target_argmax,
+                    batch.anchors.positions,
+                    batch.anchors.keep,
+                )
+                self.engine.backward(loss)  # backward
+                boundary = self.engine.is_gradient_accumulation_boundary()
+                if boundary:
+                    self._last_lr = self.engine.get_lr()[0]  # the LR this optimizer step uses
+                # clip + step: at the accumulation boundary DeepSpeed clips to gradient_clipping
+                # (ds_config), steps AdamW and the LR schedule; otherwise it only accumulates
+                self.engine.step()
+                self._window.add(batch, out, wait_s, wall_s=time.perf_counter() - t0)
+                self.samples_consumed += len(batch.keys)
+                self.epoch_samples += len(batch.keys)
+                self.reader_state = batch.reader_state
+                if not boundary:
+                    continue
+                self.step += 1
+                if self.step % self.cfg.train.log_every == 0:
+                    self._log()  # log
+                if self.step % self.cfg.train.checkpoint_every == 0:
+                    self._save()  # checkpoint + export
+            if self.step > self._last_logged:
+                self._log()
+            if self.step > self._last_saved:
+                self._save()
+        finally:
+            if self._feeder is not None:
+                self._feeder.close()
+            self.metrics.close()
+        return TrainResult(
+            rank=self.rank,
+            steps=self.step,
+            epochs_completed=self.epoch,
+            final_loss=self.final_loss,
+            checkpoints=tuple(self.checkpoints),
+            exports=tuple(self.exports),
+            samples_consumed=self.samples_consumed,
+            samples_dropped=self.samples_dropped,
+            resumed_from=self.resumed_from,
+        )
+
+    def _finished(self) -> bool:
+        max_steps = self.cfg.train.max_steps
+        return self.epoch >= self.cfg.train.epochs or (max_steps is not None and self.step >= max_steps)
+
+    # ------------------------------------------------------------------ data
+    def _open_epoch(self) -> MicroBatchFeeder:
+        """Epoch 0 follows the manifest while capture appends to it; later epochs read it whole."""
+        stop = threading.Event()
+        stream = ShardStream(
+            self.job.shard_dir, self.job.provenance, self.rank, self.world, poll_s=0.5, stop_when=stop.is_set
+        )
+        if self.reader_state is not None:  # resuming inside this epoch
+            stream.load_state_dict(self.reader_state)
+        build = functools.partial(
+            make_micro_batch,
+            dtype=self.dtype,
+            num_anchors=self.cfg.train.num_anchors,
+            seed=self.cfg.run.seed,
+            epoch=self.epoch,
+        )
+        return MicroBatchFeeder(with_positions(stream), self.cfg.train.micro_batch_size, build, stop=stop)
+
+    def _next_micro_batch(self) -> MicroBatch | None:
+        """The next micro-batch once every rank has one; None when any rank ran dry. Polls with
+        short collectives instead of blocking in one while the capture is still writing."""
+        if self._feeder is None:
+            self._feeder = self._open_epoch()
+        flag = torch.zeros(1, dtype=torch.int32)
+        while True:
+            flag.fill_(self._feeder.status())
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._ctrl)
+            agreed = int(flag.item())
+            if agreed == READY:
+                return self._feeder.take().to(self.device)
+            if agreed == DRY:
+                return None
+            time.sleep(_POLL_S)
+
+    def _end_epoch(self) -> None:
+        """Every rank stops the epoch together; whatever a rank had left is dropped and counted."""
+        assert self._feeder is not None
+        self._feeder.close()
+        self._feeder = None
+        manifest = read_manifest(self.job.shard_dir)  # final: some rank's stream saw DONE
+        assigned = sum(r.n_samples for i, r in enumerate(manifest) if i % self.world == self.rank)
+        dropped = assigned - self.epoch_samples
+        assert dropped >= 0, (assigned, self.epoch_samples)
+        self.samples_dropped += dropped
+        total = torch.tensor([dropped, self.epoch_samples], dtype=torch.int64)
+        dist.all_reduce(total, group=self._ctrl)
+        self.metrics.log(self.step, {"data/dropped_samples": int(total[0]), "data/epoch": self.epoch + 1})
+        if self.rank == 0:
+            print(
+                f"[trainer] epoch {self.epoch} done at step {self.step}: {int(total[1])} samples trained, "
+                f"{int(total[0])} dropped to keep ranks in lock-step",
+                flush=True,
+            )
+        self.epoch += 1
+        self.epoch_samples = 0
+        self.reader_state = None
+
+    # ------------------------------------------------------------------ metrics
+    def _log(self) -> None:
+        w = self._window
+        grad_norm = self.engine.get_global_grad_norm()
+        host = torch.tensor([w.micro, w.tokens, w.wait_s, w.wall_s], dtype=torch.float64)
+        vec = torch.cat([host, w.sums.cpu()])
+        dist.all_reduce(vec, group=self._ctrl)
+        micro, tokens, wait_s, wall_s, loss_sum = vec[:5].tolist()
+        b = self.block_size
+        correct, count = vec[5 : 5 + b], vec[5 + b :]
+        self.final_loss = loss_sum / max(micro, 1.0)
+        scalars = {
+            "train/loss": self.final_loss,
+            "train/lr": self._last_lr,
+            "train/tokens_per_s": tokens / max(wall_s / self.world, 1e-9),  # wall_s: summed over ranks
+            "data/wait_frac": wait_s / max(wall_s, 1e-9),
+        }
+        if grad_norm is not None:
+            scalars["train/grad_norm"] = float(grad_norm)
+        for j in range(1, self.block_size):
+            scalars[f"train/acc_slot_{j}"] = float(correct[j] / count[j].clamp(min=1))
+        self.metrics.log(self.step, scalars)
+        if self.rank == 0:
+            print(
+                f"[trainer] step {self.step} epoch {self.epoch} loss {self.final_loss:.4f} "
+                f"acc1 {scalars['train/acc_slot_1']:.3f} lr {self._last_lr:.2e} "
+                f"wait {scalars['data/wait_frac']:.2f}",
+                flush=True,
+            )
+        self._window = _Window(self.block_size, self.device)
+        self._last_logged = self.step
+
+    # ------------------------------------------------------------------ checkpoint and export
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": _STATE_VERSION,
+            "step": self.step,
+            "epoch": self.epoch,
+            "epoch_samples": self.epoch_samples,
+            "reader": self.reader_state,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"trainer state version {state.get('version')!r} != {_STATE_VERSION}")
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        self.epoch_samples, self.reader_state = int(state["epoch_samples"]), state["reader"]
+
+    def _save(self) -> None:
+        """DeepSpeed checkpoint (all ranks; `latest` by DeepSpeed), prune, then the export."""
+        tag = f"step_{self.step}"
+        ranks: list[Any] = [None] * self.world
+        dist.all_gather_object(ranks, self.state_dict(), group=self._ctrl)  # client_state is written by rank 0 only
+        client = {"trainer": ranks, "config_hash": config_hash(self.cfg), "world_size": self.world}
+        # frozen target weights are not checkpointed: they come from the target on resume
+        self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client, exclude_frozen_parameters=True)
+        self.checkpoints.append(tag)
+        self._last_saved = self.step
+        if self.rank == 0:
+            self._prune_checkpoints()
+        self._export(tag)
+        self.metrics.flush()
+
+    def _prune_checkpoints(self) -> None:
+        keep = max(1, self.cfg.train.keep_checkpoints)
+        tags = sorted(
+            (int(m.group(1)), p)
+            for p in self.ckpt_dir.iterdir()
+            if (m := re.fullmatch(r"step_(\d+)", p.name)) and p.is_dir()
+        )
+        for _, path in tags[:-keep]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _export(self, tag: str) -> None:
+        import deepspeed
+
+        drafter = self.engine.module.drafter
+        own = [p for n, p in drafter.named_parameters() if n not in DFlashDrafter.TARGET_KEYS]
+        gather = (
+            deepspeed.zero.GatheredParameters(own, modifier_rank=None)
+            if self.engine.zero_optimization_stage() == 3
+            else contextlib.nullcontext()
+        )
+        with gather:  # a collective under ZeRO-3: every rank enters, rank 0 writes
+            if self.rank == 0:
+                path = export_drafter(drafter, self.export_dir / tag)
+        if self.rank == 0:
+            record = ExportRecord(
+                step=self.step,
+                epoch=self.epoch,
+                path=str(path),
+                checkpoint=tag,
+                config_hash=config_hash(self.cfg),
+                unix_time=time.time(),
+            )
+            with open(self.export_dir / EXPORT_INDEX, "a") as f:
+                f.write(record.to_json() + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            self.exports.append(str(path))
+        dist.barrier()
+
+    def _resume(self) -> None:
+        tag = (self.ckpt_dir / "latest").read_text().strip()
+        path = self.ckpt_dir / tag
+        saved_ranks = len(list(path.glob("*_optim_states.pt")))  # one ZeRO partition file per rank
+        if saved_ranks and saved_ranks != self.world:  # checked first: DeepSpeed's own error is obscure
+            raise ValueError(
+                f"{path} was saved by {saved_ranks} ranks, this group has {self.world}: resume with the same "
+                "train.world_size (ZeRO partitions and shard assignment depend on it) or use a fresh run.out_dir"
+            )
+        # strict=False: the frozen target weights are not in the checkpoint (set from the target)
+        loaded, client = self.engine.load_checkpoint(str(self.ckpt_dir), tag=tag, load_module_strict=False)
+        if loaded is None:
+            raise ValueError(f"{self.ckpt_dir}/latest names {tag!r}, which could not be loaded from {path}")
+        if client.get("world_size") != self.world:
+            raise ValueError(f"{path} was saved by {client.get('world_size')} ranks, this group has {self.world}")
+        schedule = self.engine.lr_scheduler.lr_lambdas[0]
+        if schedule.total_steps != self.job.total_steps:
+            raise ValueError(
+                f"{path}: its LR schedule spans {schedule.total_steps} steps, this run's {self.job.total_steps}: "
+                "resume with the same train.max_steps / data size, or use a fresh run.out_dir"
+            )
+        self.load_state_dict(client["trainer"][self.rank])
+        self._last_saved = self._last_logged = self.step
+        self.resumed_from = str(path)
+        if self.rank == 0 and client.get("config_hash") != config_hash(self.cfg):
+            print(f"[trainer] note: resuming {path} under a changed config", flush=True)

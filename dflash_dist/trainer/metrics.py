@@ -1,0 +1,49 @@
+"""One metrics interface over TensorBoard (STYLE 10): namespaced scalar tags, one writer.
+
+Only the process constructed with `enabled=True` (rank 0 of the trainer group) creates a
+SummaryWriter; every other rank gets a no-op, so call sites need no rank checks. A tag outside
+the known namespaces is refused, so dashboards never split over misspelled prefixes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+NAMESPACES = ("train/", "data/", "eval/")
+
+
+class Metrics:
+    """Scalars at a step, under `log_dir` (the trainer uses `<out>/tb/train`)."""
+
+    def __init__(self, log_dir: str | Path, enabled: bool = True) -> None:
+        self.log_dir = Path(log_dir)
+        self._writer = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=60)
+
+    @property
+    def enabled(self) -> bool:
+        return self._writer is not None
+
+    def log(self, step: int, scalars: Mapping[str, float]) -> None:
+        """Write every scalar at `step`; non-finite values are written too (they are news)."""
+        for tag in scalars:
+            if not tag.startswith(NAMESPACES) or tag in NAMESPACES:
+                raise ValueError(f"metric tag {tag!r} must be '<namespace>/<name>' with namespace in {NAMESPACES}")
+        if self._writer is None:
+            return
+        for tag, value in scalars.items():
+            self._writer.add_scalar(tag, float(value), global_step=step)
+
+    def flush(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

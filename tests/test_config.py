@@ -1,0 +1,68 @@
+"""The typed config tree: YAML + overrides, errors that name the field, the CLI's exit codes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from dflash_dist.config import Config, ConfigError, load_config, load_config_dict
+from tests.conftest import REPO
+
+TINY = REPO / "configs" / "tiny.yaml"
+
+
+def test_tiny_config_loads_with_overrides():
+    cfg = load_config(TINY, ["train.lr=1e-3", "eval.budgets=[2, 4]", "train.max_steps=7"], out_dir="/tmp/x")
+    assert isinstance(cfg, Config)
+    assert cfg.train.lr == 1e-3 and cfg.eval.budgets == [2, 4] and cfg.train.max_steps == 7
+    assert cfg.run.out_dir == "/tmp/x" and cfg.target.kind == "tiny_stdlib"
+    assert load_config_dict(cfg.to_dict()) == cfg  # how actors receive it
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.lrr=1", "unknown key train.lrr"),
+        ("trian.lr=1", "unknown key trian"),
+        ("train.lr=fast", "train.lr: expected float"),
+        ("train.world_size=two", "train.world_size: expected int"),
+        ("train.zero_stage=4", "train.zero_stage: 4 is not one of"),
+        ("eval.budgets=8", "eval.budgets: expected a list"),
+        ("data.train_jsonl=/no/such/file.jsonl", "data.train_jsonl: file /no/such/file.jsonl not found"),
+        ("train.micro_batch_size=0", "train.micro_batch_size must be >= 1"),
+        ("novalue", "expected key.path=value"),
+    ],
+)
+def test_bad_config_names_the_field(override, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+        load_config(TINY, [override])
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    (tmp_path / "hf.yaml").write_text("target:\n  kind: hf\n")
+    with pytest.raises(ConfigError, match="target.path is required"):
+        load_config(tmp_path / "hf.yaml")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run", "configs/tiny.yaml", "train.bogus=1"], "unknown key train.bogus"),
+        (["run", "configs/tiny.yaml", "train.lr=x"], "train.lr: expected float"),
+        (["run", "configs/missing.yaml"], "config file configs/missing.yaml not found"),
+    ],
+)
+def test_cli_bad_config_exits_nonzero_naming_it(args, message, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", *args, "--out", str(tmp_path / "o")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert not (tmp_path / "o").exists()  # nothing half-written

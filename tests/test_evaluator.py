@@ -1,0 +1,281 @@
+"""The evaluator: checkpoint-selection policy, replay tau of exports on a tiny Qwen3.5 target,
+provenance refusal, restart, and the Ray actor following exports as they appear."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models
+from transformers import PreTrainedTokenizerFast
+
+from data_pipeline.provenance import ProvenanceMismatch
+from data_pipeline.records import Sample
+from data_pipeline.shard_writer import ShardWriter
+from dflash_dist.config import load_config_dict
+from dflash_dist.demo import DemoConfig, drafter_for, make_data, tiny_qwen35_target, train
+from dflash_dist.evaluator import (
+    EvalRequest,
+    EvalResult,
+    Evaluator,
+    list_exports,
+    pending_steps,
+    should_stop,
+    stop_token_id,
+)
+from dflash_dist.model.export import export_drafter
+
+DEMO = replace(DemoConfig(), target_layers=4, k=2, num_prompts=6, prompt_len=12, new_tokens=24, steps=60)
+BUDGETS = [4, 8]
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")  # ids 252..255; the mask is vocab-1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models on a shared 2-core machine: intra-op threads only add contention (10x slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---- policy -------------------------------------------------------------------------------
+
+
+def test_pending_steps_in_order_after_the_newest_done():
+    assert pending_steps([30, 10, 20], set()) == [10, 20, 30]
+    assert pending_steps([10, 20, 30], {10}) == [20, 30]
+    assert pending_steps([10, 20, 30], {20}) == [30]  # 10 was skipped before: not revisited
+    assert pending_steps([10, 20], {10, 20}) == []
+    assert pending_steps([], {5}) == []
+
+
+def test_pending_steps_thins_a_backlog_but_keeps_the_newest():
+    steps = list(range(100, 1100, 100))  # 10 waiting
+    assert pending_steps(steps, set(), max_backlog=4, stride=3) == [100, 400, 700, 1000]
+    assert pending_steps(steps, set(), max_backlog=10, stride=3) == steps
+    assert pending_steps(steps, set(), max_backlog=4, stride=1) == steps
+    for n in range(1, 30):
+        for done in (set(), {0}, {n // 2}):
+            todo = pending_steps(list(range(n + 1)), done, max_backlog=3, stride=4)
+            assert todo[-1] == n and todo == sorted(todo) and len(todo) <= max(3, n // 4 + 1)
+    with pytest.raises(ValueError, match="stride"):
+        pending_steps(steps, set(), stride=0)
+
+
+def test_should_stop():
+    assert not should_stop(False, None, {10})
+    assert should_stop(True, None, set())  # finished without an export: nothing to wait for
+    assert not should_stop(True, 20, {10})
+    assert should_stop(True, 20, {10, 20})
+    assert should_stop(True, 20, {30})
+
+
+def test_records_round_trip():
+    r = EvalResult(step=7, tau_chain=2.5, tau_ddtree={8: 3.25, 4: 3.0}, accept_hist=(1, 2, 0),
+                   slot_acceptance=(0.5, 0.0), prompts=2, rounds=3, kernel_path="torch", seconds=0.5)
+    d = json.loads(json.dumps(r.to_json()))
+    assert EvalResult.from_json(d) == r and list(d["tau_ddtree"]) == ["4", "8"]
+    with pytest.raises(ValueError, match="version"):
+        EvalResult.from_json({**d, "version": 99}, "x.json")
+    with pytest.raises(ValueError, match="x.json"):
+        EvalResult.from_json({k: v for k, v in d.items() if k != "rounds"}, "x.json")
+    q = EvalRequest(step=3, export_dir="/o/export/step_3")
+    assert EvalRequest.from_json(q.to_json()) == q and q.path == Path("/o/export/step_3")
+
+
+def test_list_exports_sees_only_complete_step_directories(tmp_path):
+    for name, files in [("step_10", 2), ("step_20", 1), (".tmp-step_30-ab", 2), ("step_x", 2), ("step_40", 0)]:
+        (tmp_path / name).mkdir()
+        for f in ("config.json", "model.safetensors")[:files]:
+            (tmp_path / name / f).write_text("{}")
+    (tmp_path / "step_50").write_text("a file")
+    assert list_exports(tmp_path) == {10: tmp_path / "step_10"}
+    assert list_exports(tmp_path / "missing") == {}
+
+
+def _tokenizer(tokens: list[str], **specials) -> PreTrainedTokenizerFast:
+    vocab = {t: i for i, t in enumerate(tokens)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token=tokens[0])), **specials)
+
+
+def test_stop_token_id_prefers_the_turn_end():
+    words = [f"t{i}" for i in range(8)]
+    assert stop_token_id(_tokenizer(words + ["<|endoftext|>", "<|im_end|>"], eos_token="<|endoftext|>")) == 9
+    assert stop_token_id(_tokenizer(words + ["<|endoftext|>"], eos_token="<|endoftext|>")) == 8
+    assert stop_token_id(_tokenizer(words)) is None
+
+
+# ---- a tiny target and two exports of its drafter ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Qwen3.5 target saved as an HF directory (with a word-level tokenizer), and
+    two exports of its drafter: random, and trained on the target's responses to the prompts
+    that are also the eval prompts (so a few dozen steps raise tau clearly)."""
+    root = tmp_path_factory.mktemp("tiny")
+    target = tiny_qwen35_target(DEMO)
+    target.save_pretrained(root / "target")
+    words = [f"t{i}" for i in range(DEMO.vocab_size - len(SPECIALS))] + list(SPECIALS)
+    _tokenizer(words, eos_token="<|endoftext|>", mask_token="<|mask|>").save_pretrained(root / "target")
+    drafter = drafter_for(target, DEMO)
+    export_drafter(drafter, root / "random")
+    prompts, _, ids, loss_mask, cap = make_data(target, DEMO, drafter.config.mask_token_id)
+    train(drafter, ids, cap.features, loss_mask, DEMO, log_every=0)
+    export_drafter(drafter, root / "trained")
+    cfg = load_config_dict({
+        "target": {"path": str(root / "target"), "dtype": "float32", "device": "cpu"},
+        "capture": {"num_layers": DEMO.k},
+        "eval": {"num_prompts": 3, "max_new_tokens": DEMO.new_tokens, "budgets": BUDGETS},
+    })
+    return {"root": root, "target_dir": root / "target", "cfg": cfg, "prompts": prompts[:3]}
+
+
+def publish(tiny, out: Path, which: str, step: int) -> None:
+    """Like the trainer: a complete copy under a temp name, renamed into place."""
+    tmp = out / "export" / f".tmp-step_{step}-x"
+    shutil.copytree(tiny["root"] / which, tmp)
+    os.rename(tmp, out / "export" / f"step_{step}")
+
+
+def read_scalars(tb_dir: Path) -> dict[str, dict[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def test_evaluator_scores_exports_and_a_restart_continues(tiny, tmp_path):
+    out = tmp_path / "run"
+    (out / "export").mkdir(parents=True)
+    publish(tiny, out, "random", 10)
+    (out / "export" / ".tmp-step_15-y").mkdir()  # an export being written: ignored
+    ev = Evaluator(tiny["cfg"], out, tiny["target_dir"], tiny["prompts"], expected=None)
+    assert ev.provenance.kernel_path == "torch" and ev.eos_token_id == 254
+    first = ev.run_until(lambda: (True, 10), poll_s=0.05)
+    ev.close()
+    assert [r.step for r in first] == [10]
+    assert EvalResult.from_json(json.loads((out / "eval" / "step_10.json").read_text())) == first[0]
+
+    # restart: a fresh evaluator recovers step 10 from eval/step_10.json and does only step 20
+    publish(tiny, out, "trained", 20)
+    ev2 = Evaluator(tiny["cfg"], out, tiny["target_dir"], tiny["prompts"], expected=ev.provenance)
+    assert ev2.done == {10} and ev2.state_dict() == {"version": 1, "evaluated": [10]}
+    second = ev2.run_until(lambda: (True, 20), poll_s=0.05)
+    ev2.close()
+    assert [r.step for r in second] == [20]
+    rand, trained = first[0], second[0]
+    assert trained.tau_chain > rand.tau_chain + 0.5, (rand, trained)
+    for r in (rand, trained):
+        assert r.prompts == 3 and r.kernel_path == "torch" and sum(r.accept_hist) == r.rounds
+        assert sorted(r.tau_ddtree) == BUDGETS and len(r.slot_acceptance) == DEMO.block_size - 1
+        assert 1.0 <= r.tau_chain <= DEMO.block_size
+        assert all(1.0 <= r.tau_ddtree[b] <= b + 1 for b in BUDGETS)  # a tree of b nodes + the bonus
+
+    tb = read_scalars(out / "tb" / "eval")
+    assert tb["eval/tau_chain"] == pytest.approx({10: rand.tau_chain, 20: trained.tau_chain})
+    for b in BUDGETS:
+        assert tb[f"eval/tau_ddtree_{b}"] == pytest.approx({10: rand.tau_ddtree[b], 20: trained.tau_ddtree[b]})
+    assert tb["eval/slot_acceptance_1"] == pytest.approx({10: rand.slot_acceptance[0], 20: trained.slot_acceptance[0]})
+    assert not any(p.name.startswith(".tmp-") for p in (out / "eval").iterdir())
+
+    # saved progress also counts when the files are gone (another out dir, say)
+    ev2.load_state_dict({"version": 1, "evaluated": [30]})
+    assert ev2.next_request() is None and ev2.done == {10, 20, 30}
+
+
+def _write_shard(shard_dir: Path, prov) -> str:
+    t = 5
+    sample = Sample(key="s0", input_ids=torch.arange(t, dtype=torch.int32), loss_mask=torch.ones(t, dtype=torch.uint8),
+                    features=torch.zeros(t, prov.feature_width), target_argmax=torch.zeros(t, dtype=torch.int32))
+    with ShardWriter(shard_dir, prov) as w:
+        w.write(sample)
+    return w.records[0].name
+
+
+def test_evaluator_refuses_features_of_another_origin(tiny, tmp_path):
+    out = tmp_path / "run"
+    ev = Evaluator(tiny["cfg"], out, tiny["target_dir"], tiny["prompts"], expected=None)
+    prov = ev.provenance
+    _write_shard(tmp_path / "good", prov)
+    assert ev.check_shards(tmp_path / "good") == 1
+    for field, value in [("kernel_path", "fla"), ("target_hash", "0" * 64)]:
+        bad_dir = tmp_path / f"bad_{field}"
+        name = _write_shard(bad_dir, replace(prov, **{field: value}))
+        with pytest.raises(ProvenanceMismatch) as err:
+            ev.check_shards(bad_dir)
+        assert err.value.fields == (field,) and str(bad_dir / name) in str(err.value)
+
+    # the loop checks the shards before it scores anything
+    (out / "export").mkdir(parents=True)
+    publish(tiny, out, "random", 5)
+    ev.shard_dir = tmp_path / "bad_kernel_path"
+    with pytest.raises(ProvenanceMismatch, match="kernel_path"):
+        ev.run_until(lambda: (True, 5), poll_s=0.05)
+    assert not (out / "eval").exists()
+
+    with pytest.raises(ProvenanceMismatch, match="kernel_path") as err:
+        Evaluator(tiny["cfg"], out, tiny["target_dir"], tiny["prompts"], expected=replace(prov, kernel_path="fla"))
+    assert err.value.fields == ("kernel_path",)
+
+
+def test_evaluator_actor_follows_exports_as_they_appear(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+    from transformers import AutoTokenizer
+
+    from dflash_dist.actors.evaluator_actor import EvaluatorActor, evaluator_actor_options
+    from dflash_dist.target import expected_provenance, target_identity
+
+    cfg, target_dir = tiny["cfg"], tiny["target_dir"]
+    # what the pipeline demands of shards, computed without loading the model
+    expected = expected_provenance(cfg, target_dir, target_identity(cfg, target_dir),
+                                   AutoTokenizer.from_pretrained(target_dir))
+    out = tmp_path / "run"
+    (out / "export").mkdir(parents=True)
+    assert not ray.is_initialized()
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        actor = EvaluatorActor.options(**evaluator_actor_options(cfg)).remote(
+            cfg.to_dict(), str(out), str(target_dir), tiny["prompts"], expected.to_json(), poll_s=0.1)
+        ray.get(actor.start.remote())
+        publish(tiny, out, "random", 10)
+        deadline = time.time() + 90
+        while 10 not in (status := ray.get(actor.status.remote()))["evaluated"]:
+            assert status["alive"] and status["error"] is None and time.time() < deadline, status
+            time.sleep(0.2)
+        assert not status["trainer_finished"]
+        publish(tiny, out, "trained", 20)
+        ray.get(actor.trainer_finished.remote(20))
+        results = [EvalResult.from_json(d) for d in ray.get(actor.wait.remote(timeout_s=90))]
+        assert [r.step for r in results] == [10, 20]
+        assert results[1].tau_chain > results[0].tau_chain + 0.5
+        status = ray.get(actor.status.remote())
+        assert not status["alive"] and status["evaluated"] == [10, 20] and status["last_step"] == 20
+        assert sorted(p.name for p in (out / "eval").iterdir()) == ["step_10.json", "step_20.json"]
+        ray.kill(actor)
+
+        # a refusal inside the actor reaches the caller of wait() with its type name and message
+        refusing = EvaluatorActor.options(**evaluator_actor_options(cfg)).remote(
+            cfg.to_dict(), str(tmp_path / "run2"), str(target_dir), tiny["prompts"],
+            replace(expected, target_hash="0" * 64).to_json(), poll_s=0.1)
+        ray.get(refusing.start.remote())
+        with pytest.raises(Exception, match=r"(?s)ProvenanceMismatch.*target_hash: expected '0+', found"):
+            ray.get(refusing.wait.remote(timeout_s=90))
+    finally:
+        ray.shutdown()
+
+
+def test_run_until_does_not_wait_forever_for_a_missing_final_export(tiny, tmp_path):
+    ev = Evaluator(tiny["cfg"], tmp_path / "run", tiny["target_dir"], tiny["prompts"], expected=None)
+    assert ev.run_until(lambda: (True, None), poll_s=0.01) == []  # finished, nothing exported
+    with pytest.raises(FileNotFoundError, match="step_5"):
+        ev.run_until(lambda: (True, 5), poll_s=0.01, final_export_timeout_s=0.05)

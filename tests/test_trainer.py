@@ -1,0 +1,363 @@
+"""The DeepSpeed trainer: our settings reach the engine; 2-rank Ray-actor groups (ZeRO-2 while the
+shards are still being written, ZeRO-3) train, checkpoint, export and log to TensorBoard.
+
+Real DeepSpeed over gloo and a real local Ray cluster started (and stopped) by this module, on a
+tiny random Qwen3.5 target's captured features.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import pytest
+import torch
+
+from data_pipeline.records import Sample
+from data_pipeline.shard_writer import ShardWriter, mark_done
+from dflash_dist.actors.trainer_group import WorkerInfo, default_extensions_dir, rank_environment
+from dflash_dist.config import Config
+from dflash_dist.demo import DemoConfig, tiny_qwen35_target
+from dflash_dist.model.capture import capture_features
+from dflash_dist.model.config import build_target_layer_ids
+from dflash_dist.model.drafter import DFlashDrafter
+from dflash_dist.model.export import load_drafter
+from dflash_dist.target import drafter_config_for, load_embeddings, provenance_for, target_identity
+from dflash_dist.trainer.batching import batch_anchors, collate
+from dflash_dist.trainer.ds_config import WarmupCosine, deepspeed_config, total_train_steps
+from dflash_dist.trainer.loop import EXPORT_INDEX, ExportRecord
+
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())  # the shm op compiles once
+
+NUM_SAMPLES = 18  # 9 shards of 2: rank 0 gets 5 shards, rank 1 gets 4 -> 2 samples dropped per epoch
+PER_SHARD = 2
+DEMO = DemoConfig(num_prompts=NUM_SAMPLES, prompt_len=12, new_tokens=20, k=3)
+
+
+def make_cfg(out: Path, target_dir: Path, **train) -> Config:
+    cfg = Config()
+    cfg.run.out_dir = str(out)
+    cfg.run.seed = 0
+    cfg.target.kind, cfg.target.path, cfg.target.dtype = "hf", str(target_dir), "float32"
+    cfg.capture.num_layers = DEMO.k
+    d = cfg.drafter
+    d.num_layers, d.num_heads, d.num_kv_heads, d.head_dim, d.block_size = 1, 4, 2, 16, 4
+    t = cfg.train
+    t.world_size, t.zero_stage, t.micro_batch_size, t.lr, t.warmup_frac = 2, 2, 2, 5e-3, 0.1
+    t.epochs, t.num_anchors, t.checkpoint_every, t.keep_checkpoints, t.log_every = 3, 16, 4, 2, 1
+    t.cpus_per_rank = 0.5
+    for k, v in train.items():
+        setattr(t, k, v)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A saved tiny target, its captured samples (variable lengths), provenance and drafter shape."""
+    root = tmp_path_factory.mktemp("trainer")
+    target = tiny_qwen35_target(DEMO)
+    target_dir = root / "target"
+    target.save_pretrained(target_dir)
+    mask_id = DEMO.vocab_size - 1
+    # equal-length prompts and one batched greedy generate (demo.make_data goes prompt by prompt)
+    g = torch.Generator().manual_seed(DEMO.seed + 2)
+    prompts = torch.randint(0, mask_id, (NUM_SAMPLES, DEMO.prompt_len), generator=g)
+    with torch.no_grad():
+        ids = target.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            max_new_tokens=DEMO.new_tokens,
+            min_new_tokens=DEMO.new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[:, DEMO.prompt_len :] = 1
+    cap = capture_features(target, ids, build_target_layer_ids(DEMO.target_layers, DEMO.k))
+    samples = []
+    for i in range(NUM_SAMPLES):
+        t = ids.shape[1] - 3 * (i % 3)  # unequal lengths exercise padding
+        samples.append(
+            Sample(
+                key=f"s{i:03d}",
+                input_ids=ids[i, :t].int(),
+                loss_mask=loss_mask[i, :t].to(torch.uint8),
+                features=cap.features[i, :t].contiguous(),
+                target_argmax=cap.target_argmax[i, :t].int(),
+            )
+        )
+    cfg = make_cfg(root / "unused", target_dir)
+    prov = provenance_for(target_identity(cfg, target_dir), target, template_hash="test-template")
+    dc = drafter_config_for(cfg, target_dir, mask_token_id=mask_id)
+    return {"root": root, "target_dir": target_dir, "samples": samples, "prov": prov, "drafter": dc}
+
+
+def write_shards(shard_dir: Path, prov, samples, done: bool) -> None:
+    with ShardWriter(shard_dir, prov, prefix="cap") as w:
+        for i, s in enumerate(samples):
+            w.write(s)
+            if i % PER_SHARD == PER_SHARD - 1:
+                w.flush()
+    if done:
+        mark_done(shard_dir)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=True,
+        runtime_env={
+            "env_vars": {
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+                "TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"],
+            }
+        },
+    )
+    yield ray
+    ray.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+# ---------------------------------------------------------------------------- pure pieces
+def test_rank_environment_single_and_multi_node():
+    cpu = [WorkerInfo("n0", "10.0.0.5", ()), WorkerInfo("n0", "10.0.0.5", ())]
+    envs = rank_environment(cpu, 1234)
+    assert [e["MASTER_ADDR"] for e in envs] == ["127.0.0.1"] * 2
+    assert [(e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"]) for e in envs] == [("0", "0", "2"), ("1", "1", "2")]
+    assert all(e["DS_ACCELERATOR"] == "cpu" and "CUDA_VISIBLE_DEVICES" not in e for e in envs)
+    gpu = [
+        WorkerInfo("a", "10.0.0.1", ("1",)),
+        WorkerInfo("a", "10.0.0.1", ("0",)),
+        WorkerInfo("b", "10.0.0.2", ("3",)),
+    ]
+    envs = rank_environment(gpu, 99)
+    assert {e["MASTER_ADDR"] for e in envs} == {"10.0.0.1"}
+    assert [e["LOCAL_RANK"] for e in envs] == ["1", "0", "0"]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0,1", "0,1", "3"]
+    with pytest.raises(ValueError, match="share GPUs"):
+        rank_environment([WorkerInfo("a", "x", ("0",)), WorkerInfo("a", "x", ("0",))], 1)
+
+
+def test_collate_pads_and_anchors_are_per_sample(tiny):
+    a, b = tiny["samples"][0], tiny["samples"][1]
+    t = collate([a, b], torch.float32)
+    assert t["input_ids"].dtype == torch.int64 and t["features"].dtype == torch.float32
+    assert t["loss_mask"][1, b.num_tokens :].sum() == 0 and b.num_tokens < a.num_tokens
+    # anchors depend on (seed, epoch, key) only: not on the batch a sample lands in
+    alone = batch_anchors([b], 4, seed=0, epoch=1)  # 4 of b's ~15 candidates
+    paired = batch_anchors([a, b], 4, seed=0, epoch=1)
+    n = int(alone.keep.sum())
+    assert torch.equal(paired.positions[1, :n], alone.positions[0, :n])
+    assert not torch.equal(batch_anchors([b], 4, seed=0, epoch=2).positions, alone.positions)
+    assert bool((paired.positions[1][paired.keep[1]] < b.num_tokens - 1).all())
+
+
+# ---------------------------------------------------------------------------- (a) settings reach DeepSpeed
+def test_deepspeed_config_reaches_engine(tiny, tmp_path):
+    import deepspeed
+    import torch.distributed as dist
+
+    from dflash_dist.trainer.loop import build_engine
+
+    cfg = make_cfg(
+        tmp_path,
+        tiny["target_dir"],
+        zero_stage=1,
+        grad_clip=0.25,
+        micro_batch_size=3,
+        grad_accum=2,
+        warmup_frac=0.25,
+        lr=1e-3,
+    )
+    ds = deepspeed_config(cfg, world_size=1, on_gpu=False)
+    assert ds["train_batch_size"] == 6 and ds["bf16"] == {"enabled": False}
+    assert deepspeed_config(cfg, world_size=4, on_gpu=True)["bf16"] == {"enabled": True}
+    assert deepspeed_config(cfg, 4, True)["train_batch_size"] == 24
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    try:
+        total = 8
+        engine = build_engine(cfg, tiny["drafter"], tiny["target_dir"], total, world_size=1, on_gpu=False)
+        assert engine.zero_optimization_stage() == 1
+        assert engine.gradient_clipping() == 0.25
+        assert engine.train_micro_batch_size_per_gpu() == 3
+        assert engine.gradient_accumulation_steps() == 2
+        assert not engine.bfloat16_enabled() and not engine.fp16_enabled()
+        assert next(engine.module.parameters()).dtype == torch.float32
+        # the frozen target weights stay out of the optimizer
+        trainable = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+        drafter = engine.module.drafter
+        assert not drafter.lm_head.weight.requires_grad and not drafter.embed_tokens.weight.requires_grad
+        assert trainable == sum(p.numel() for n, p in drafter.named_parameters() if n not in DFlashDrafter.TARGET_KEYS)
+        # the LR schedule: warmup 25% of 8 steps = 2, then cosine; stepped once per optimizer step
+        sched = WarmupCosine(total, 2)
+        batch = collate(tiny["samples"][:3], torch.float32)
+        anchors = batch_anchors(tiny["samples"][:3], 8, seed=0, epoch=0)
+        lrs = []
+        for _ in range(2 * 4):  # 4 optimizer steps of 2 micro-batches
+            if engine.is_gradient_accumulation_boundary():
+                lrs.append(engine.get_lr()[0])
+            loss, _ = engine(
+                batch["input_ids"],
+                batch["features"],
+                batch["loss_mask"],
+                batch["target_argmax"],
+                anchors.positions,
+                anchors.keep,
+            )
+            engine.backward(loss)
+            engine.step()
+        assert engine.global_steps == 4
+        assert lrs == pytest.approx([1e-3 * sched(s) for s in range(4)])
+        assert lrs[0] == pytest.approx(5e-4) and lrs[1] == pytest.approx(1e-3)
+        assert engine.get_global_grad_norm() is not None and math.isfinite(float(engine.get_global_grad_norm()))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_total_train_steps_needs_a_length(tiny, tmp_path):
+    cfg = make_cfg(tmp_path, tiny["target_dir"])
+    assert total_train_steps(cfg, 2, 18) == 3 * (18 // 4)
+    cfg.train.max_steps = 5
+    assert total_train_steps(cfg, 2, 18) == 5 and total_train_steps(cfg, 2, None) == 5
+    cfg.train.max_steps = None
+    with pytest.raises(ValueError, match="max_steps"):
+        total_train_steps(cfg, 2, None)
+
+
+# ---------------------------------------------------------------------------- (b) ZeRO-2 while streaming
+def test_zero2_group_streams_trains_checkpoints_exports(tiny, ray_cluster, tmp_path):
+    from dflash_dist.actors.trainer_group import start_trainer_group
+
+    out, shards = tmp_path / "run", tmp_path / "shards"
+    samples = tiny["samples"]
+    first = 4 * PER_SHARD
+    write_shards(shards, tiny["prov"], samples[:first], done=False)  # capture still running
+    cfg = make_cfg(out, tiny["target_dir"], zero_stage=2)
+    t0 = time.time()
+    group = start_trainer_group(cfg, tiny["target_dir"], shards, tiny["prov"], tiny["drafter"], num_samples=NUM_SAMPLES)
+    # the trainers start on 4 shards; the rest arrive while rank 0 logs its first steps
+    tb = out / "tb" / "train"
+    while not (tb.is_dir() and any(tb.iterdir())) and time.time() - t0 < 120:
+        time.sleep(0.5)
+    time.sleep(2.0)
+    with ShardWriter(shards, tiny["prov"], prefix="late") as w:
+        for i, s in enumerate(samples[first:]):
+            w.write(s)
+            if i % PER_SHARD == PER_SHARD - 1:
+                w.flush()
+    mark_done(shards)
+    results = group.wait(timeout_s=300)
+
+    assert [r.rank for r in results] == [0, 1]
+    assert all(r.steps == 12 and r.epochs_completed == 3 for r in results)
+    assert [r.samples_consumed for r in results] == [24, 24]
+    assert [r.samples_dropped for r in results] == [6, 0]  # rank 0's odd shard, every epoch
+    assert results[0].checkpoints == ("step_4", "step_8", "step_12")
+    ckpt = out / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == "step_12"
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step_12", "step_8"]  # keep_checkpoints=2
+    # exports: atomic directories, listed in the index only once written, loadable
+    records = [ExportRecord.from_json(line) for line in (out / "export" / EXPORT_INDEX).read_text().splitlines()]
+    assert [r.step for r in records] == [4, 8, 12]
+    embed, head = load_embeddings(tiny["target_dir"])
+    for r in records:
+        drafter = load_drafter(r.path, embed, head)
+        assert drafter.config == tiny["drafter"]
+    # metrics
+    s = scalars(out / "tb" / "train")
+    for tag in (
+        "train/loss",
+        "train/acc_slot_1",
+        "train/acc_slot_3",
+        "train/grad_norm",
+        "train/lr",
+        "train/tokens_per_s",
+        "data/wait_frac",
+        "data/dropped_samples",
+    ):
+        assert tag in s, f"{tag} missing from {sorted(s)}"
+    loss = [v for _, v in s["train/loss"]]
+    assert [st for st, _ in s["train/loss"]] == list(range(1, 13))
+    assert sum(loss[-3:]) / 3 < loss[0] - 0.3, loss
+    assert all(0 <= v <= 1 for _, v in s["data/wait_frac"]) and max(v for _, v in s["data/wait_frac"]) > 0
+    assert all(v > 0 for _, v in s["train/tokens_per_s"])
+    assert [v for _, v in s["data/dropped_samples"]] == [2, 2, 2]
+    assert results[0].final_loss == pytest.approx(loss[-1], rel=1e-5)
+
+
+# ---------------------------------------------------------------------------- (c) ZeRO-3 export, resume
+def test_zero3_group_exports_the_gathered_drafter_and_resumes(tiny, ray_cluster, tmp_path):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from dflash_dist.actors.trainer_group import start_trainer_group
+
+    out, shards = tmp_path / "run", tmp_path / "shards"
+    write_shards(shards, tiny["prov"], tiny["samples"], done=True)
+    cfg = make_cfg(out, tiny["target_dir"], zero_stage=3, max_steps=3, epochs=1, checkpoint_every=100)
+    total = 6  # the LR schedule of the whole run, interrupted at step 3 and resumed below
+    args = (tiny["target_dir"], shards, tiny["prov"], tiny["drafter"])
+    results = start_trainer_group(cfg, *args, total_steps=total).wait(timeout_s=300)
+    assert all(r.steps == 3 for r in results) and results[0].checkpoints == ("step_3",)
+
+    embed, head = load_embeddings(tiny["target_dir"])
+    exported = load_drafter(out / "export" / "step_3", embed, head)
+    # the engine's module at step 3, rebuilt from the ranks' ZeRO-3 partitions in the checkpoint
+    state = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints"), tag="step_3")
+    engine_drafter = DFlashDrafter(tiny["drafter"])
+    own = {k.removeprefix("drafter."): v for k, v in state.items() if k.startswith("drafter.")}
+    assert set(own) == set(engine_drafter.drafter_state_dict())
+    engine_drafter.load_state_dict(own, strict=False)
+    engine_drafter.set_target_weights(embed, head)
+    engine_drafter.eval()
+    torch.manual_seed(0)  # build_engine's initialisation (run.seed = 0)
+    fresh = DFlashDrafter(tiny["drafter"])
+    assert not torch.equal(fresh.fc.weight, exported.fc.weight)  # it trained
+    s = tiny["samples"][0]
+    with torch.no_grad():
+        for start in (10, 20):
+            a = exported.draft_block(s.features.float(), int(s.input_ids[start]), start)
+            b = engine_drafter.draft_block(s.features.float(), int(s.input_ids[start]), start)
+            assert torch.equal(a, b)
+
+    # resume: step 4 finishes epoch 0 from the saved reader positions (so the epoch ends right
+    # there with rank 0's 2 left-over samples dropped), step 5 is epoch 1; the LR continues
+    cfg2 = make_cfg(out, tiny["target_dir"], zero_stage=3, max_steps=5, epochs=2, checkpoint_every=100)
+    results = start_trainer_group(cfg2, *args, total_steps=total).wait(timeout_s=300)
+    assert results[0].resumed_from.endswith("step_3")
+    assert [(r.steps, r.epochs_completed, r.samples_consumed) for r in results] == [(5, 1, 4), (5, 1, 4)]
+    assert [r.samples_dropped for r in results] == [2, 0]
+    tb = scalars(out / "tb" / "train")
+    assert [st for st, _ in tb["train/loss"]] == [1, 2, 3, 4, 5]
+    assert tb["data/dropped_samples"] == [(4, 2.0)]
+    lr = dict(tb["train/lr"])
+    sched = WarmupCosine(total, 1)
+    assert [lr[st] for st in (1, 2, 3, 4, 5)] == pytest.approx([cfg.train.lr * sched(i) for i in range(5)])
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_5"

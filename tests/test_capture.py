@@ -77,3 +77,14 @@ def test_cuda_capture_uses_fla_and_refuses_torch_path():
     assert check_kernel_path(model) == "fla"
     cap = capture_features(model, torch.randint(0, 200, (1, 64), device="cuda"), [1, 3, 5])
     assert cap.kernel_path == "fla"
+
+
+def test_kernel_path_policy_refuses_torch_gdn_on_cuda_unless_allowed():
+    from dflash_dist.model.capture import kernel_path_refusal
+
+    reason = kernel_path_refusal("torch", on_cuda=True, has_gdn=True, allow_torch_gdn_on_cuda=False)
+    assert reason and "allow_torch_gdn_on_cuda" in reason and "flash-linear-attention" in reason
+    assert kernel_path_refusal("torch", on_cuda=True, has_gdn=True, allow_torch_gdn_on_cuda=True) is None
+    assert kernel_path_refusal("fla", on_cuda=True, has_gdn=True, allow_torch_gdn_on_cuda=False) is None
+    assert kernel_path_refusal("torch", on_cuda=False, has_gdn=True, allow_torch_gdn_on_cuda=False) is None
+    assert kernel_path_refusal("torch", on_cuda=True, has_gdn=False, allow_torch_gdn_on_cuda=False) is None

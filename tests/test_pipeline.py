@@ -72,7 +72,7 @@ def test_checkpoints_exports_and_tensorboard(tiny_run):
     assert len(exports) >= 2
     drafter = load_drafter(exports[-1])
     assert drafter.fc.in_features == 3 * drafter.config.hidden_size  # all k layers feed fc
-    evals = sorted((out / "eval").glob("step_*.json"))
+    evals = sorted((out / "eval").glob("step_*.json"), key=lambda p: int(p.stem.split("_")[1]))
     assert {p.stem for p in evals} == {p.name for p in exports}
 
     scalars = _scalars(out / "tb")

@@ -75,17 +75,24 @@ def gdn_kernel_path(model: nn.Module) -> str:
     return "fla" if (uses_fla and on_accel) else "torch"
 
 
+def kernel_path_refusal(path: str, on_cuda: bool, has_gdn: bool, allow_torch_gdn_on_cuda: bool) -> str | None:
+    """Why a capture must not run (None: it may). The torch reference GDN path on CUDA is refused:
+    its features differ from fla's by percents (SPEC 1) and a drafter trained on one and run on
+    the other produces garbage."""
+    if on_cuda and has_gdn and path == "torch" and not allow_torch_gdn_on_cuda:
+        return ("the target's Gated DeltaNet layers would run the torch reference path on CUDA: install "
+                "flash-linear-attention (with triton) so they run fla's kernels, or set "
+                "target.allow_torch_gdn_on_cuda=true to accept features that differ from fla's")
+    return None
+
+
 def check_kernel_path(model: nn.Module, allow_torch_gdn_on_cuda: bool = False) -> str:
-    """Refuse the torch reference GDN path on CUDA: its features differ from fla's by percents
-    (SPEC 1) and a drafter trained on one and run on the other produces garbage."""
+    """The model's kernel path, after refusing what kernel_path_refusal refuses."""
     path = gdn_kernel_path(model)
     on_cuda = any(p.is_cuda for p in model.parameters())
-    if on_cuda and path == "torch" and _gdn_modules(model) and not allow_torch_gdn_on_cuda:
-        raise RuntimeError(
-            "the target's Gated DeltaNet layers would run the torch reference path on CUDA: install "
-            "flash-linear-attention (with triton) so they run fla's kernels, or set "
-            "capture.allow_torch_gdn_on_cuda=true to accept features that differ from fla's"
-        )
+    reason = kernel_path_refusal(path, on_cuda, bool(_gdn_modules(model)), allow_torch_gdn_on_cuda)
+    if reason:
+        raise RuntimeError(reason)
     return path
 
 

@@ -123,13 +123,17 @@ def target_identity(cfg: Config, target_dir: Path) -> TargetIdentity:
                           tuple(layer_ids_for(cfg, t["num_hidden_layers"])), t["hidden_size"], cfg.target.dtype)
 
 
-def provenance_for(ident: TargetIdentity, model, template_hash: str) -> Provenance:
-    """The provenance of features this process would produce with `model` as loaded."""
+def _provenance(ident: TargetIdentity, kernel_path: str, template_hash: str) -> Provenance:
     return Provenance(
         schema_version=SHARD_SCHEMA_VERSION, target_id=ident.target_id, target_hash=ident.target_hash,
         layer_ids=ident.layer_ids, hidden_size=ident.hidden_size, dtype=ident.dtype,
-        kernel_path=gdn_kernel_path(model), template_hash=template_hash, **installed_versions(),
+        kernel_path=kernel_path, template_hash=template_hash, **installed_versions(),
     )
+
+
+def provenance_for(ident: TargetIdentity, model, template_hash: str) -> Provenance:
+    """The provenance of features this process would produce with `model` as loaded."""
+    return _provenance(ident, gdn_kernel_path(model), template_hash)
 
 
 def expected_kernel_path(cfg: Config, target_dir: Path) -> str:
@@ -144,9 +148,4 @@ def expected_provenance(cfg: Config, target_dir: Path, ident: TargetIdentity, to
     """What trainers demand of every shard of this run (computed without loading the model)."""
     from data_pipeline.chat_data import template_hash
 
-    return Provenance(
-        schema_version=SHARD_SCHEMA_VERSION, target_id=ident.target_id, target_hash=ident.target_hash,
-        layer_ids=ident.layer_ids, hidden_size=ident.hidden_size, dtype=ident.dtype,
-        kernel_path=expected_kernel_path(cfg, target_dir), template_hash=template_hash(tokenizer),
-        **installed_versions(),
-    )
+    return _provenance(ident, expected_kernel_path(cfg, target_dir), template_hash(tokenizer))

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from dflash_dist.model.attention import block_mask_dense, block_mask_flex
 from dflash_dist.model.drafter import DFlashDrafter
+from dflash_dist.model.vocab_loss import lm_head_cross_entropy
 
 LABEL_SOURCES = ("data", "target")
 
@@ -125,11 +126,14 @@ def dflash_loss(
     gamma: float | None = None,
     attention: str = "auto",
     return_logits: bool = False,
+    vocab_chunk_rows: int | None = None,
 ) -> LossOutput:
     """One training forward over all blocks of the batch; loss = sum(w*CE) / (sum(w) + 1e-6).
 
     attention: "flex" (sparse BlockMask), "dense" (bool mask through sdpa) or "auto" (flex on
-    CUDA, dense on CPU).
+    CUDA, dense on CPU). The loss over the vocabulary runs through the frozen lm_head in chunks of
+    `vocab_chunk_rows` supervised slots (default: 1 GiB of fp32 logits, vocab_loss.py) and skips
+    unsupervised slots; return_logits=True (parity, tests) materialises all logits instead.
     """
     cfg = drafter.config
     bsz, s_len = input_ids.shape
@@ -148,11 +152,26 @@ def dflash_loss(
     n = anchors.positions.shape[1]
     labels, binary = label_targets(input_ids, loss_mask, anchors, blk, target_argmax, label_source)
     weights = binary * decay_weights(blk, gamma).to(binary.device)
-    logits = drafter.lm_head(hidden).float()  # [b, N*B, V]
-    ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), reduction="none").view(bsz, n, blk)
-    loss = (weights * ce).sum() / (weights.sum() + 1e-6)
+    if return_logits:
+        logits = drafter.lm_head(hidden).float()  # [b, N*B, V]
+        ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), reduction="none")
+        ce = ce.view(bsz, n, blk)
+        loss = (weights * ce).sum() / (weights.sum() + 1e-6)
+        argmax = logits.argmax(-1).view(bsz, n, blk)
+    else:
+        # only supervised slots reach the vocabulary (slot 0, invalid blocks and slots past the
+        # sequence carry no weight), at most one chunk of logits at a time (vocab_loss.py)
+        rows = binary.reshape(-1).nonzero().squeeze(1)
+        loss, _, argmax_rows = lm_head_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1])[rows],
+            drafter.lm_head.weight,
+            labels.reshape(-1)[rows],
+            weights.reshape(-1)[rows] / (weights.sum() + 1e-6),
+            vocab_chunk_rows,
+        )
+        argmax = torch.full_like(labels, -1).view(-1).index_copy(0, rows, argmax_rows).view_as(labels)
     with torch.no_grad():
-        correct = (logits.argmax(-1).view(bsz, n, blk) == labels).float() * binary
+        correct = (argmax == labels).float() * binary
         accuracy = correct.sum() / (binary.sum() + 1e-6)
         slot_correct = correct.sum((0, 1))
         slot_count = binary.sum((0, 1))

@@ -1,0 +1,152 @@
+"""The chunked loss through the frozen lm_head equals the naive full-logits loss: value, accuracy,
+per-slot counts and every trainable gradient; no lm_head gradient; one chunk of logits at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from dflash_dist.model.loss import Anchors, dflash_loss
+from dflash_dist.model.vocab_loss import ChunkedLMHeadCE, default_chunk_rows, lm_head_cross_entropy
+from tests.test_drafter import small_drafter
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """allclose at ~1e-6 of the reference's scale."""
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-6 * max(1.0, b.abs().max().item()))
+
+
+def _batch(all_unsupervised: bool = False):
+    """Two rows of 20 tokens, block 4: an anchor whose last slot is past the end (17 + 3 = 20),
+    loss-masked tokens inside blocks, and an invalid block in each row."""
+    torch.manual_seed(3)
+    s = 20
+    ids = torch.randint(0, 60, (2, s))
+    feats = torch.randn(2, s, 96)
+    lm = torch.ones(2, s)
+    lm[0, 5:7] = 0
+    lm[1, 11] = 0
+    if all_unsupervised:
+        lm.zero_()
+    anchors = Anchors(torch.tensor([[3, 17, 0], [2, 9, 0]]), torch.tensor([[True, True, False], [True, True, False]]))
+    return ids, feats, lm, anchors
+
+
+def _run(d, batch, **kw):
+    d.zero_grad(set_to_none=True)
+    out = dflash_loss(d, *batch, gamma=3.0, **kw)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in d.named_parameters() if p.requires_grad}
+    return out, grads
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 4, 5, 7, None])
+def test_chunked_equals_full_logits(chunk_rows):
+    d = small_drafter(block=4).train()
+    batch = _batch()
+    ref, ref_grads = _run(d, batch, return_logits=True)
+    out, grads = _run(d, batch, vocab_chunk_rows=chunk_rows)
+    assert 0 < int(ref.slot_count.sum()) < 2 * 3 * 4  # some slots carry no weight and are skipped
+    assert _close(out.loss, ref.loss)
+    assert torch.equal(out.accuracy, ref.accuracy) and out.num_blocks == ref.num_blocks == 4
+    assert torch.equal(out.slot_correct, ref.slot_correct) and torch.equal(out.slot_count, ref.slot_count)
+    assert out.logits is None and out.extras is None
+    assert set(grads) == set(ref_grads) and "lm_head.weight" not in grads
+    for name, g in grads.items():
+        assert _close(g, ref_grads[name]), name
+    assert d.lm_head.weight.grad is None and d.embed_tokens.weight.grad is None
+
+
+def test_no_supervised_slot_gives_zero_loss_and_gradients():
+    d = small_drafter(block=4).train()
+    batch = _batch(all_unsupervised=True)
+    ref, ref_grads = _run(d, batch, return_logits=True)
+    out, grads = _run(d, batch, vocab_chunk_rows=3)
+    assert out.loss.item() == ref.loss.item() == 0.0 and out.accuracy.item() == 0.0
+    assert all(torch.equal(g, ref_grads[n]) and not g.any() for n, g in grads.items())
+
+
+def test_bad_arguments():
+    h, w, y, rw = torch.randn(3, 4), torch.randn(5, 4, requires_grad=True), torch.tensor([0, 1, 2]), torch.ones(3)
+    with pytest.raises(ValueError, match="frozen"):
+        lm_head_cross_entropy(h, w, y, rw)
+    with pytest.raises(ValueError, match="ZeRO-3 partition"):  # an un-gathered ZeRO-3 parameter is empty
+        lm_head_cross_entropy(h, torch.empty(0), y, rw)
+    with pytest.raises(ValueError, match="row_weights"):
+        lm_head_cross_entropy(h, w.detach(), y, torch.ones(4))
+    with pytest.raises(ValueError, match="chunk_rows"):
+        lm_head_cross_entropy(h, w.detach(), y, rw, chunk_rows=0)
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any op allocates (views and in-place results are not new)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_never_more_than_one_chunk_of_logits():
+    n, hdim, vocab, chunk = 23, 8, 64, 5
+    hidden = torch.randn(n, hdim, requires_grad=True)
+    weight, labels = torch.randn(vocab, hdim), torch.randint(0, vocab, (n,))
+    with _LargestTensor() as mode:
+        loss, _, _ = lm_head_cross_entropy(hidden, weight, labels, torch.rand(n), chunk)
+        loss.backward()
+    assert mode.largest == chunk * vocab  # forward and backward: one chunk's logits at most
+    with _LargestTensor() as naive:  # the check has teeth: the naive loss holds [N, V]
+        F.cross_entropy(hidden @ weight.T, labels, reduction="none").sum().backward()
+    assert naive.largest == n * vocab
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_function_matches_naive_per_row(dtype):
+    torch.manual_seed(0)
+    n, hdim, vocab = 13, 16, 50
+    hidden = torch.randn(n, hdim).to(dtype).requires_grad_()
+    weight, labels = (torch.randn(vocab, hdim) * 0.3).to(dtype), torch.randint(0, vocab, (n,))
+    w = torch.rand(n)  # per-row weights / denominator, as dflash_loss passes them
+    logits = F.linear(hidden, weight).float()
+    ref_ce = F.cross_entropy(logits, labels, reduction="none")
+    ref = (w * ref_ce).sum()
+    for upstream in (1.0, 1 / 3):  # DeepSpeed scales the loss by 1/grad_accum
+        (ref_grad,) = torch.autograd.grad(ref * upstream, hidden, retain_graph=True)
+        loss, ce, argmax = lm_head_cross_entropy(hidden, weight, labels, w, chunk_rows=4)
+        (grad,) = torch.autograd.grad(loss * upstream, hidden)
+        assert ce.dtype == torch.float32 and grad.dtype == dtype
+        assert not ce.requires_grad and not argmax.requires_grad
+        assert torch.equal(argmax, logits.argmax(-1)) and torch.equal(ce, ref_ce)
+        assert _close(loss, ref)
+        tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: the same casts; rounding order differs
+        assert torch.allclose(grad.float(), ref_grad.float(), rtol=tol, atol=tol * ref_grad.abs().max().item())
+
+
+def test_no_gradient_work_without_grad():
+    hidden, weight = torch.randn(6, 4, requires_grad=True), torch.randn(9, 4)
+    with _LargestTensor() as mode, torch.no_grad():
+        loss, _, _ = lm_head_cross_entropy(hidden, weight, torch.zeros(6, dtype=torch.long), torch.ones(6), 2)
+    assert not loss.requires_grad and mode.largest < hidden.numel()  # no [N, H] gradient buffer
+
+
+def test_gradcheck_float64():
+    torch.manual_seed(0)
+    hidden = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    weight, labels = torch.randn(7, 4, dtype=torch.float64), torch.tensor([0, 6, 3, 3, 1])
+    w = torch.rand(5, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda h: ChunkedLMHeadCE.apply(h, weight, labels, w, 2)[0], (hidden,))
+
+
+def test_default_chunk_rows():
+    assert default_chunk_rows(248320) == 1081  # 1 GiB of fp32 logits at the 27B vocabulary
+    assert default_chunk_rows(10**12) == 1

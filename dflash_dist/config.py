@@ -87,6 +87,7 @@ class TrainSection:
     checkpoint_every: int = 500
     keep_checkpoints: int = 3
     log_every: int = 10
+    log_sample_keys: bool = False  # every rank appends its trained sample keys to <out>/sample_log/ (audits)
     cpus_per_rank: float = 1.0
     gpus_per_rank: float = 0.0
 

@@ -59,8 +59,45 @@ def _save_config(cfg: Config) -> None:
     os.replace(tmp, path)
 
 
-def run_pipeline(cfg: Config, stages: tuple[str, ...]) -> dict:
-    """Run the given stages ("extract", "train", "eval") under cfg.out; returns a summary dict."""
+def plan_stages(cfg: Config, stages: tuple[str, ...], resume: str) -> tuple[str, ...]:
+    """The stages to run given what an earlier run left under cfg.out, checked before anything is
+    written or started. `resume` (auto, never or a checkpoint tag directory) applies to training;
+    complete (DONE) shards are reused instead of re-extracted unless it is never; an unfinished
+    capture is refused (resuming a capture is not supported: it would duplicate samples)."""
+    from data_pipeline.records import DONE_NAME, MANIFEST_NAME
+    from dflash_dist.trainer.checkpoint import ResumeError, check_resumable, plan_resume, read_marker
+
+    shards = cfg.out / "shards"
+    try:
+        resume_from = plan_resume(resume, cfg.out / "checkpoints") if "train" in stages else None
+    except ResumeError as e:
+        raise PipelineError(str(e)) from None
+    if "extract" in stages and (shards / MANIFEST_NAME).exists():
+        if resume == "never":
+            raise PipelineError(
+                f"{shards} already holds shards: pass --resume auto to reuse complete shards (and continue the "
+                "training run there, if any), or use another --out"
+            )
+        if not (shards / DONE_NAME).exists():
+            raise PipelineError(
+                f"{shards} holds shards of a capture that did not finish (no {DONE_NAME} marker): resuming a capture "
+                "is not supported yet (it would duplicate samples); start over with another --out"
+            )
+        print(f"[extract] skipped: {shards} is complete ({DONE_NAME}), reusing its shards", flush=True)
+        stages = tuple(s for s in stages if s != "extract")
+    if "train" in stages and "extract" not in stages and not (shards / MANIFEST_NAME).exists():
+        raise PipelineError(f"no shards under {shards}: run `dflash-dist extract` with the same --out first")
+    if resume_from is not None:
+        try:
+            check_resumable(read_marker(resume_from), cfg.to_dict(), cfg.train.world_size, shards, str(resume_from))
+        except ResumeError as e:
+            raise PipelineError(str(e)) from None
+    return stages
+
+
+def run_pipeline(cfg: Config, stages: tuple[str, ...], resume: str = "never") -> dict:
+    """Run the given stages ("extract", "train", "eval") under cfg.out; returns a summary dict.
+    `resume`: see plan_stages."""
     from transformers import AutoTokenizer
 
     from dflash_dist.data_prep import eval_prompt_ids, prepare_data
@@ -73,6 +110,7 @@ def run_pipeline(cfg: Config, stages: tuple[str, ...]) -> dict:
     )
 
     t0 = time.time()
+    stages = plan_stages(cfg, stages, resume)
     cfg.out.mkdir(parents=True, exist_ok=True)
     paths = _layout(cfg)
     _save_config(cfg)
@@ -82,12 +120,10 @@ def run_pipeline(cfg: Config, stages: tuple[str, ...]) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     expected = expected_provenance(cfg, target_dir, ident, tokenizer)
     drafter_cfg = drafter_config_for(cfg, target_dir, tokenizer_mask_id(tokenizer))
-    if "extract" not in stages and not (paths["shards"] / "manifest.jsonl").exists() and "train" in stages:
-        raise PipelineError(f"no shards under {paths['shards']}: run `dflash-dist extract` with the same --out first")
     summary: dict = {"out": str(cfg.out)}
     with ray_session(cfg) as ray:
         capture_refs = _start_capture(ray, cfg, target_dir, ident, train_jsonl, paths) if "extract" in stages else []
-        group = _start_trainers(cfg, target_dir, expected, drafter_cfg, paths) if "train" in stages else None
+        group = _start_trainers(cfg, target_dir, expected, drafter_cfg, paths, resume) if "train" in stages else None
         evaluator = None
         if "eval" in stages and cfg.eval.enabled:
             prompts = eval_prompt_ids(eval_jsonl, tokenizer, cfg.eval.num_prompts)
@@ -136,11 +172,15 @@ def _finish_capture(ray, refs, shard_dir: Path) -> list[dict]:
     return results
 
 
-def _start_trainers(cfg, target_dir, expected, drafter_cfg, paths):
+def _start_trainers(cfg, target_dir, expected, drafter_cfg, paths, resume: str):
     from dflash_dist.actors.trainer_group import start_trainer_group
+    from dflash_dist.trainer.checkpoint import ResumeError
 
-    return start_trainer_group(cfg, target_dir=target_dir, shard_dir=paths["shards"], expected=expected,
-                               drafter_cfg=drafter_cfg)
+    try:
+        return start_trainer_group(cfg, target_dir=target_dir, shard_dir=paths["shards"], expected=expected,
+                                   drafter_cfg=drafter_cfg, resume=resume)
+    except ResumeError as e:
+        raise PipelineError(str(e)) from None
 
 
 def _start_evaluator(cfg, target_dir, prompts, expected, shard_dir: Path):

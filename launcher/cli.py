@@ -2,6 +2,8 @@
 
   dflash-dist run CONFIG [--out DIR] [key.path=value ...]      the whole pipeline on Ray
   dflash-dist extract|train|eval CONFIG --out DIR [overrides]  one stage (train/eval consume DIR)
+      run/train --resume auto|never|PATH   auto: continue DIR/checkpoints/latest if there (reusing
+      complete shards); never (default): refuse a DIR holding a run; PATH: from that checkpoint tag
   dflash-dist demo                                             the tiny core demo (no Ray)
   dflash-dist parity DIR [--device cuda]                       numerics against golden data
 """
@@ -18,6 +20,15 @@ def _pipeline_parser(cmd: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=f"dflash-dist {cmd}")
     ap.add_argument("config", help="YAML config (e.g. configs/tiny.yaml)")
     ap.add_argument("--out", default=None, required=cmd != "run", help="output directory (run.out_dir)")
+    if cmd in ("run", "train"):
+        ap.add_argument(
+            "--resume",
+            default="never",
+            metavar="auto|never|PATH",
+            help="auto: continue from DIR/checkpoints/latest if present (complete shards are reused), else start "
+            "fresh; never (default): refuse a DIR that already holds a run; PATH: start from that checkpoint tag "
+            "directory",
+        )
     ap.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. train.lr=1e-3")
     return ap
 
@@ -50,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_dist.pipeline import PipelineError, run_pipeline
 
     try:
-        run_pipeline(cfg, STAGES[cmd])
+        run_pipeline(cfg, STAGES[cmd], resume=getattr(args, "resume", "never"))
     except (PipelineError, ConfigError) as e:
         print(f"dflash-dist {cmd}: error: {e}", file=sys.stderr)
         return 1

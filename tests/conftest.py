@@ -27,3 +27,13 @@ def golden_dir() -> Path:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def reset_deepspeed_groups() -> None:
+    """After destroy_process_group in a test process: forget DeepSpeed's cached process groups,
+    so the next in-process engine builds fresh ones (a stale one is 'not registered')."""
+    from deepspeed.utils import groups
+
+    for name, value in list(vars(groups).items()):
+        if name.startswith("_") and name.isupper() and ("GROUP" in name or "MPU" in name):
+            setattr(groups, name, {} if isinstance(value, dict) else None)

@@ -31,6 +31,7 @@ from dflash_dist.target import drafter_config_for, load_embeddings, provenance_f
 from dflash_dist.trainer.batching import batch_anchors, collate
 from dflash_dist.trainer.ds_config import WarmupCosine, deepspeed_config, total_train_steps
 from dflash_dist.trainer.loop import EXPORT_INDEX, ExportRecord
+from tests.conftest import reset_deepspeed_groups
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())  # the shm op compiles once
 
@@ -240,6 +241,7 @@ def test_deepspeed_config_reaches_engine(tiny, tmp_path):
         assert engine.get_global_grad_norm() is not None and math.isfinite(float(engine.get_global_grad_norm()))
     finally:
         dist.destroy_process_group()
+        reset_deepspeed_groups()
 
 
 def test_total_train_steps_needs_a_length(tiny, tmp_path):

@@ -19,6 +19,7 @@ import ray
 from data_pipeline.provenance import Provenance
 from dflash_dist.config import Config, load_config_dict
 from dflash_dist.model.config import DrafterConfig
+from dflash_dist.trainer.checkpoint import check_resumable, plan_resume, read_marker
 from dflash_dist.trainer.ds_config import total_train_steps
 from dflash_dist.trainer.loop import TrainJob, TrainResult
 
@@ -30,6 +31,7 @@ class WorkerInfo:
     node_id: str
     ip: str
     gpu_ids: tuple[str, ...]  # Ray's GPU ids assigned to this actor (empty on CPU)
+    pid: int = 0  # the actor's process (for operators and fault-injection tests)
 
 
 def rank_environment(infos: list[WorkerInfo], master_port: int) -> list[dict[str, str]]:
@@ -93,7 +95,9 @@ class TrainerWorker:
     def info(self) -> WorkerInfo:
         ctx = ray.get_runtime_context()
         gpu_ids = tuple(str(g) for g in ctx.get_accelerator_ids().get("GPU", []))
-        return WorkerInfo(node_id=ctx.get_node_id(), ip=ray.util.get_node_ip_address(), gpu_ids=gpu_ids)
+        return WorkerInfo(
+            node_id=ctx.get_node_id(), ip=ray.util.get_node_ip_address(), gpu_ids=gpu_ids, pid=os.getpid()
+        )
 
     def free_port(self) -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -125,8 +129,8 @@ class TrainerWorker:
 class TrainerGroup:
     """The running trainer ranks; `wait()` returns their results (rank order)."""
 
-    def __init__(self, workers: list, refs: list) -> None:
-        self.workers, self.refs = workers, refs
+    def __init__(self, workers: list, refs: list, infos: list[WorkerInfo]) -> None:
+        self.workers, self.refs, self.infos = workers, refs, infos
 
     def wait(self, timeout_s: float | None = None) -> list[TrainResult]:
         """Block until every rank returns. A failing rank stops the whole group at once (its
@@ -172,19 +176,28 @@ def start_trainer_group(
     *,
     num_samples: int | None = None,
     total_steps: int | None = None,
-    resume: bool = True,
+    resume: str = "auto",
 ) -> TrainerGroup:
     """Start cfg.train.world_size TrainerWorker actors forming one DeepSpeed group and run the
     trainer on each (Ray must be initialised by the caller).
 
     The LR schedule spans `total_steps`, or else the steps train.max_steps / `num_samples`
-    (default data.max_train_samples) give (ds_config.total_train_steps).
+    (default data.max_train_samples) give (ds_config.total_train_steps). `resume` is auto, never
+    or a checkpoint tag directory (checkpoint.plan_resume); it is checked here, before any actor
+    starts (world size, training config, shards), and raises checkpoint.ResumeError.
     """
     world = cfg.train.world_size
     if total_steps is None:
         samples = num_samples if num_samples is not None else cfg.data.max_train_samples
         total_steps = total_train_steps(cfg, world, samples)
-    job = TrainJob(str(target_dir), str(shard_dir), expected, drafter_cfg, total_steps, resume)
+    resume_from = plan_resume(resume, cfg.out / "checkpoints")
+    if resume_from is not None:
+        harmless = check_resumable(read_marker(resume_from), cfg.to_dict(), world, shard_dir, str(resume_from))
+        note = f" (changed since: {'; '.join(harmless)})" if harmless else ""
+        print(f"[train] resuming from {resume_from}{note}", flush=True)
+    job = TrainJob(
+        str(target_dir), str(shard_dir), expected, drafter_cfg, total_steps, str(resume_from) if resume_from else None
+    )
     workers = [TrainerWorker.options(**trainer_actor_options(cfg)).remote(rank, world) for rank in range(world)]
     try:
         infos = ray.get([w.info.remote() for w in workers])
@@ -199,4 +212,4 @@ def start_trainer_group(
             ray.kill(w, no_restart=True)
         raise
     print(f"[train] {world} DeepSpeed rank(s), ZeRO-{cfg.train.zero_stage}, {total_steps} scheduled steps", flush=True)
-    return TrainerGroup(workers, refs)
+    return TrainerGroup(workers, refs, infos)

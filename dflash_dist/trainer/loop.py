@@ -6,6 +6,11 @@ checkpoint. Ranks stay in lock-step: before every micro-batch they all-reduce (M
 has one ready, wait together while the capture is still producing, and end the epoch together
 when any rank runs dry (the remainder is counted and logged as data/dropped_samples).
 Epoch 0 streams shards while they are written; later epochs re-read the finished manifest.
+
+Checkpoints are DeepSpeed's, published by checkpoint.py only once every rank's files are on
+disk. Rank 0 appends every optimizer step's loss to `<out>/train_log.jsonl` (with
+train.log_sample_keys, every rank also its trained sample keys to `<out>/sample_log/`); a
+resume truncates both to the resumed step, so they are the run's true history.
 """
 
 from __future__ import annotations
@@ -15,7 +20,6 @@ import functools
 import hashlib
 import json
 import os
-import re
 import shutil
 import threading
 import time
@@ -35,12 +39,15 @@ from dflash_dist.model.drafter import DFlashDrafter
 from dflash_dist.model.export import export_drafter
 from dflash_dist.model.loss import Anchors, LossOutput, dflash_loss
 from dflash_dist.target import load_embeddings
+from dflash_dist.trainer import checkpoint
 from dflash_dist.trainer.batching import DRY, READY, MicroBatch, MicroBatchFeeder, make_micro_batch, with_positions
 from dflash_dist.trainer.ds_config import build_lr_schedule, build_optimizer, deepspeed_config
 from dflash_dist.trainer.metrics import Metrics
 
 EXPORT_INDEX = "index.jsonl"
-_STATE_VERSION = 1
+TRAIN_LOG = "train_log.jsonl"  # rank 0: {step, epoch, loss, lr, samples} per optimizer step
+SAMPLE_LOG = "sample_log"  # rank_<r>.jsonl: {step, epoch, keys} per micro-batch (train.log_sample_keys)
+_STATE_VERSION = 2
 _POLL_S = 0.02  # how often waiting ranks re-check each other's data readiness
 
 
@@ -53,7 +60,7 @@ class TrainJob:
     provenance: Provenance  # shards of any other origin are refused
     drafter: DrafterConfig
     total_steps: int  # the LR schedule's length (ds_config.total_train_steps)
-    resume: bool = True  # continue from <out>/checkpoints/latest when it exists
+    resume_from: str | None = None  # a complete checkpoint tag directory (checkpoint.plan_resume)
 
 
 @dataclass(frozen=True)
@@ -193,6 +200,7 @@ class Trainer:
         self.step = 0
         self.epoch = 0
         self.epoch_samples = 0  # samples trained in the current epoch (equal on all ranks)
+        self.samples_seen = 0  # samples trained by all ranks since step 0
         self.reader_state: dict[str, Any] | None = None  # stream position after the last trained sample
         # this run only
         self.samples_consumed = 0
@@ -206,8 +214,15 @@ class Trainer:
         self._last_lr = float("nan")
         self._window = _Window(self.block_size, self.device)
         self._feeder: MicroBatchFeeder | None = None
-        if job.resume and (self.ckpt_dir / "latest").is_file():
-            self._resume()
+        # this optimizer step so far (loss summed over its micro-batches, on the device), and
+        # finished steps whose loss is not yet in train_log.jsonl: (step, epoch, lr, loss, micro, samples)
+        self._step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._step_micro = self._step_samples = 0
+        self._step_keys: list[tuple[int, tuple[str, ...]]] = []
+        self._pending: list[tuple[int, int, float, torch.Tensor, int, int]] = []
+        if job.resume_from is not None:
+            self._resume(Path(job.resume_from))
+        self._open_step_logs()
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> TrainResult:
@@ -235,12 +250,17 @@ class Trainer:
                 # (ds_config), steps AdamW and the LR schedule; otherwise it only accumulates
                 self.engine.step()
                 self._window.add(batch, out, wait_s, wall_s=time.perf_counter() - t0)
+                self._step_loss += out.loss.detach().to(torch.float64)
+                self._step_micro += 1
+                self._step_samples += len(batch.keys)
+                self._step_keys.append((self.epoch, batch.keys))
                 self.samples_consumed += len(batch.keys)
                 self.epoch_samples += len(batch.keys)
                 self.reader_state = batch.reader_state
                 if not boundary:
                     continue
                 self.step += 1
+                self._end_step()  # this step's loss and sample keys queued for the step logs
                 if self.step % self.cfg.train.log_every == 0:
                     self._log()  # log
                 if self.step % self.cfg.train.checkpoint_every == 0:
@@ -327,7 +347,62 @@ class Trainer:
         self.reader_state = None
 
     # ------------------------------------------------------------------ metrics
+    def _end_step(self) -> None:
+        """Queue the finished step's loss and this rank's sample keys of the step; both are
+        written at the next log or checkpoint (no host sync per step)."""
+        self._pending.append(
+            (self.step, self.epoch, self._last_lr, self._step_loss, self._step_micro, self._step_samples)
+        )
+        if self._sample_log is not None:
+            self._sample_lines += [{"step": self.step, "epoch": e, "keys": list(keys)} for e, keys in self._step_keys]
+        self._step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._step_micro = self._step_samples = 0
+        self._step_keys = []
+
+    def _flush_step_log(self, durable: bool = False) -> None:
+        """All ranks: reduce the queued steps' losses; rank 0 appends them to train_log.jsonl,
+        every rank its sample keys. A step's loss is the mean of its micro-batch losses over
+        all ranks (float64 sums, the same reduction every run: a resumed run's lines are
+        bit-identical). `durable`: fsynced, before a checkpoint at this step is published."""
+        lines = []
+        if self._pending:  # equal on all ranks: steps are in lock-step
+            losses = torch.stack([p[3] for p in self._pending]).cpu()
+            counts = torch.tensor([[p[4], p[5]] for p in self._pending], dtype=torch.float64)
+            vec = torch.cat([losses, counts.flatten()])
+            dist.all_reduce(vec, group=self._ctrl)
+            n = len(self._pending)
+            loss_sums, counts = vec[:n].tolist(), vec[n:].view(n, 2).tolist()
+            for (step, epoch, lr, *_), loss_sum, (micro, samples) in zip(self._pending, loss_sums, counts):
+                self.samples_seen += int(samples)
+                lines.append(
+                    {"step": step, "epoch": epoch, "loss": loss_sum / micro, "lr": lr, "samples": self.samples_seen}
+                )
+            self._pending = []
+        for path, rows in ((self._train_log, lines), (self._sample_log, self._sample_lines)):
+            if path is not None and (rows or durable):
+                with open(path, "a") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in rows)
+                    f.flush()
+                    if durable:
+                        os.fsync(f.fileno())
+        self._sample_lines = []
+
+    def _open_step_logs(self) -> None:
+        """Cut the step logs to the step training starts from (a resumed run's true history; a
+        fresh run's stale lines of an earlier attempt go)."""
+        self._sample_lines: list[dict] = []
+        self.cfg.out.mkdir(parents=True, exist_ok=True)
+        self._train_log = self.cfg.out / TRAIN_LOG if self.rank == 0 else None
+        self._sample_log = None
+        if self.cfg.train.log_sample_keys:
+            self._sample_log = self.cfg.out / SAMPLE_LOG / f"rank_{self.rank}.jsonl"
+            self._sample_log.parent.mkdir(parents=True, exist_ok=True)
+        for path in (self._train_log, self._sample_log):
+            if path is not None:
+                checkpoint.truncate_step_log(path, self.step)
+
     def _log(self) -> None:
+        self._flush_step_log()
         w = self._window
         grad_norm = self.engine.get_global_grad_norm()
         host = torch.tensor([w.micro, w.tokens, w.wait_s, w.wall_s], dtype=torch.float64)
@@ -365,39 +440,54 @@ class Trainer:
             "step": self.step,
             "epoch": self.epoch,
             "epoch_samples": self.epoch_samples,
+            "samples_seen": self.samples_seen,
             "reader": self.reader_state,
+            "rng": checkpoint.rng_state(self.on_gpu),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != _STATE_VERSION:
             raise ValueError(f"trainer state version {state.get('version')!r} != {_STATE_VERSION}")
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
-        self.epoch_samples, self.reader_state = int(state["epoch_samples"]), state["reader"]
+        self.epoch_samples, self.samples_seen = int(state["epoch_samples"]), int(state["samples_seen"])
+        self.reader_state = state["reader"]
+        checkpoint.load_rng_state(state["rng"])
 
     def _save(self) -> None:
-        """DeepSpeed checkpoint (all ranks; `latest` by DeepSpeed), prune, then the export."""
-        tag = f"step_{self.step}"
+        """DeepSpeed checkpoint on every rank, published (marker, `latest`, pruning) by rank 0
+        only after every rank's files are on disk (checkpoint.py says why), then the export."""
+        tag = checkpoint.tag_name(self.step)
+        self._flush_step_log(durable=True)  # the logs reach this step before it can be resumed from
         ranks: list[Any] = [None] * self.world
         dist.all_gather_object(ranks, self.state_dict(), group=self._ctrl)  # client_state is written by rank 0 only
-        client = {"trainer": ranks, "config_hash": config_hash(self.cfg), "world_size": self.world}
+        meta = {
+            "step": self.step,
+            "epoch": self.epoch,
+            "world_size": self.world,
+            "config": self.cfg.to_dict(),
+            "config_hash": config_hash(self.cfg),
+            "train_config_hash": checkpoint.training_config_hash(self.cfg.to_dict()),
+            "data": checkpoint.data_fingerprint(self.job.shard_dir) if self.rank == 0 else None,
+        }
+        if self.rank == 0:
+            shutil.rmtree(self.ckpt_dir / tag, ignore_errors=True)  # left by a save that crashed
+        dist.barrier(group=self._ctrl)
         # frozen target weights are not checkpointed: they come from the target on resume
-        self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client, exclude_frozen_parameters=True)
+        self.engine.save_checkpoint(
+            str(self.ckpt_dir),
+            tag=tag,
+            client_state={"dflash": {"trainer": ranks, **meta}},
+            save_latest=False,
+            exclude_frozen_parameters=True,
+        )
+        checkpoint.fsync_tree(self.ckpt_dir / tag)
+        dist.barrier(group=self._ctrl)  # every rank's files are durable
+        if self.rank == 0:
+            checkpoint.commit(self.ckpt_dir, tag, meta, self.cfg.train.keep_checkpoints)
         self.checkpoints.append(tag)
         self._last_saved = self.step
-        if self.rank == 0:
-            self._prune_checkpoints()
-        self._export(tag)
+        self._export(tag)  # ends in a barrier: no rank runs ahead of the commit
         self.metrics.flush()
-
-    def _prune_checkpoints(self) -> None:
-        keep = max(1, self.cfg.train.keep_checkpoints)
-        tags = sorted(
-            (int(m.group(1)), p)
-            for p in self.ckpt_dir.iterdir()
-            if (m := re.fullmatch(r"step_(\d+)", p.name)) and p.is_dir()
-        )
-        for _, path in tags[:-keep]:
-            shutil.rmtree(path, ignore_errors=True)
 
     def _export(self, tag: str) -> None:
         import deepspeed
@@ -428,29 +518,33 @@ class Trainer:
             self.exports.append(str(path))
         dist.barrier()
 
-    def _resume(self) -> None:
-        tag = (self.ckpt_dir / "latest").read_text().strip()
-        path = self.ckpt_dir / tag
-        saved_ranks = len(list(path.glob("*_optim_states.pt")))  # one ZeRO partition file per rank
-        if saved_ranks and saved_ranks != self.world:  # checked first: DeepSpeed's own error is obscure
-            raise ValueError(
-                f"{path} was saved by {saved_ranks} ranks, this group has {self.world}: resume with the same "
-                "train.world_size (ZeRO partitions and shard assignment depend on it) or use a fresh run.out_dir"
-            )
+    def _resume(self, path: Path) -> None:
+        """Load a complete checkpoint (checkpoint.plan_resume chose it): every rank's engine,
+        LR schedule, counters, reader position and RNG; refuse another world size, a changed
+        training config or other shards (from the marker, before DeepSpeed's obscure errors)."""
+        meta = checkpoint.read_marker(path)
+        if meta is None:
+            raise checkpoint.ResumeError(f"{path} is not a complete checkpoint (no valid {checkpoint.MARKER})")
+        checkpoint.check_resumable(meta, self.cfg.to_dict(), self.world, self.job.shard_dir, str(path))
         # strict=False: the frozen target weights are not in the checkpoint (set from the target)
-        loaded, client = self.engine.load_checkpoint(str(self.ckpt_dir), tag=tag, load_module_strict=False)
+        loaded, client = self.engine.load_checkpoint(str(path.parent), tag=path.name, load_module_strict=False)
         if loaded is None:
-            raise ValueError(f"{self.ckpt_dir}/latest names {tag!r}, which could not be loaded from {path}")
-        if client.get("world_size") != self.world:
-            raise ValueError(f"{path} was saved by {client.get('world_size')} ranks, this group has {self.world}")
+            raise checkpoint.ResumeError(f"{path} could not be loaded by DeepSpeed")
+        saved = client["dflash"]
         schedule = self.engine.lr_scheduler.lr_lambdas[0]
         if schedule.total_steps != self.job.total_steps:
-            raise ValueError(
+            raise checkpoint.ResumeError(
                 f"{path}: its LR schedule spans {schedule.total_steps} steps, this run's {self.job.total_steps}: "
                 "resume with the same train.max_steps / data size, or use a fresh run.out_dir"
             )
-        self.load_state_dict(client["trainer"][self.rank])
+        self.load_state_dict(saved["trainer"][self.rank])
         self._last_saved = self._last_logged = self.step
         self.resumed_from = str(path)
-        if self.rank == 0 and client.get("config_hash") != config_hash(self.cfg):
-            print(f"[trainer] note: resuming {path} under a changed config", flush=True)
+        if self.rank == 0:
+            checkpoint.rewind(self.ckpt_dir, path)
+            print(f"[trainer] resumed from {path}: step {self.step}, epoch {self.epoch}", flush=True)
+        # `latest` moves before the export is written: a crash in between leaves it missing
+        missing = torch.tensor([int(self.rank == 0 and not (self.export_dir / path.name).is_dir())])
+        dist.broadcast(missing, src=0, group=self._ctrl)
+        if int(missing.item()):
+            self._export(path.name)

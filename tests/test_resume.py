@@ -1,0 +1,354 @@
+"""Checkpoint and resume: `latest` names only complete checkpoints, the resume decision and its
+refusals, and exact resume: a 2-rank run whose rank is SIGKILLed at a random step and resumed
+with `auto` logs the same per-step losses, bit for bit, as an uninterrupted run, and trains
+every sample exactly once per epoch; a crash inside a checkpoint save leaves the previous
+checkpoint as `latest`, and the run resumes from it.
+
+Real DeepSpeed over gloo (2 Ray-actor ranks, and 1 rank in this process for the save crash) and
+a local Ray cluster started and stopped here, on the tiny target of tests/test_trainer.py.
+Set DFLASH_TEST_KILL_STEP / DFLASH_TEST_KILL_RANK to replay a particular kill.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash_dist.config import Config
+from dflash_dist.pipeline import PipelineError, plan_stages
+from dflash_dist.trainer import checkpoint
+from dflash_dist.trainer.checkpoint import ResumeError
+from dflash_dist.trainer.loop import SAMPLE_LOG, TRAIN_LOG
+from tests import test_trainer
+from tests.conftest import REPO, reset_deepspeed_groups
+from tests.test_trainer import free_port, make_cfg, write_shards
+
+tiny = test_trainer.tiny  # the module fixture: a saved tiny target, its captured samples, provenance
+
+NUM = 16  # 8 shards of 2: 4 per rank, 4 steps of 2x2 samples per epoch, nothing dropped
+STEPS = 16  # 4 epochs
+EVERY = 4  # checkpoint_every
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def fake_tag(ckpt_dir: Path, step: int, cfg: Config, world: int = 2, complete: bool = True) -> Path:
+    """A tag directory as the trainer leaves it (a DeepSpeed file, and the marker if complete)."""
+    tag = ckpt_dir / checkpoint.tag_name(step)
+    tag.mkdir(parents=True)
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"x" * 100)
+    if complete:
+        data = checkpoint.data_fingerprint(cfg.out / "shards")
+        checkpoint.write_marker(tag, {"step": step, "world_size": world, "config": cfg.to_dict(), "data": data})
+    return tag
+
+
+# ---------------------------------------------------------------------------- pure pieces
+def test_latest_names_only_complete_tags_and_pruning_keeps_n(tmp_path):
+    cfg = Config()
+    cfg.run.out_dir = str(tmp_path)
+    ckpt = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        fake_tag(ckpt, step, cfg)
+        checkpoint.publish_latest(ckpt, checkpoint.tag_name(step))
+    torn = fake_tag(ckpt, 8, cfg, complete=False)  # a save that crashed
+    assert checkpoint.read_latest(ckpt) == "step_6"
+    assert [p.name for p in checkpoint.complete_tags(ckpt)] == ["step_2", "step_4", "step_6"]
+    assert checkpoint.plan_resume("auto", ckpt).name == "step_6"
+    # a file shorter than the marker says (e.g. rewritten after the marker) makes the tag incomplete
+    (ckpt / "step_4" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    assert checkpoint.read_marker(ckpt / "step_4") is None
+    with pytest.raises(ResumeError, match="not a complete checkpoint"):
+        checkpoint.plan_resume(str(ckpt / "step_4"), ckpt)
+    with pytest.raises(ResumeError, match="not a complete checkpoint"):
+        checkpoint.plan_resume(str(torn), ckpt)
+    # a crash between marker and `latest`: `latest` still names the previous tag
+    fake_tag(ckpt, 10, cfg, complete=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(checkpoint, "publish_latest", lambda *a: (_ for _ in ()).throw(OSError("killed")))
+        with pytest.raises(OSError):
+            checkpoint.commit(ckpt, "step_10", {"step": 10}, keep=2)
+    assert checkpoint.read_latest(ckpt) == "step_6" and (ckpt / "step_8").is_dir()
+    checkpoint.commit(ckpt, "step_10", {"step": 10}, keep=2)
+    assert checkpoint.read_latest(ckpt) == "step_10"
+    assert [p.name for p in checkpoint.tag_dirs(ckpt)] == ["step_6", "step_10"]  # old, torn and broken ones gone
+    assert not list(ckpt.glob(".latest.tmp*"))
+
+
+def test_resume_modes(tmp_path):
+    cfg = Config()
+    cfg.run.out_dir = str(tmp_path / "a")
+    ckpt = cfg.out / "checkpoints"
+    assert checkpoint.plan_resume("never", ckpt) is None and checkpoint.plan_resume("auto", ckpt) is None
+    fake_tag(ckpt, 3, cfg, complete=False)  # only a torn first save: nothing to resume, nothing to protect
+    assert checkpoint.plan_resume("never", ckpt) is None and checkpoint.plan_resume("auto", ckpt) is None
+    fake_tag(ckpt, 4, cfg)  # complete, but the run died before `latest` was written
+    assert checkpoint.plan_resume("auto", ckpt).name == "step_4"
+    with pytest.raises(ResumeError, match="--resume auto"):
+        checkpoint.plan_resume("never", ckpt)
+    with pytest.raises(ResumeError, match="no such checkpoint directory"):
+        checkpoint.plan_resume(str(tmp_path / "nope"), ckpt)
+    # PATH: its own tag, or another run's into an empty directory; not into another run
+    assert checkpoint.plan_resume(str(ckpt / "step_4"), ckpt).name == "step_4"
+    assert checkpoint.plan_resume(str(ckpt / "step_4"), tmp_path / "b" / "checkpoints") == ckpt / "step_4"
+    other = tmp_path / "c" / "checkpoints"
+    fake_tag(other, 2, cfg)
+    with pytest.raises(ResumeError, match="another run's checkpoints"):
+        checkpoint.plan_resume(str(ckpt / "step_4"), other)
+    # `latest` naming something that is not complete (another tool wrote it) is an error, not a guess
+    (ckpt / "latest").write_text("step_3")
+    with pytest.raises(ResumeError, match="not a complete checkpoint"):
+        checkpoint.plan_resume("auto", ckpt)
+    # branching from an older tag of the same run: later tags (a discarded future) go, `latest` moves
+    fake_tag(ckpt, 6, cfg)
+    checkpoint.publish_latest(ckpt, "step_6")
+    assert [p.name for p in checkpoint.rewind(ckpt, ckpt / "step_4")] == ["step_6"]
+    assert checkpoint.read_latest(ckpt) == "step_4"
+    assert [p.name for p in checkpoint.tag_dirs(ckpt)] == ["step_3", "step_4"]
+    assert checkpoint.rewind(other, ckpt / "step_4") == []  # a tag of another directory changes nothing there
+
+
+def test_config_changes_refused_by_field_harmless_ones_reported(tmp_path):
+    cfg = Config()
+    cfg.run.out_dir = str(tmp_path)
+    shard_dir = cfg.out / "shards"
+    shard_dir.mkdir(parents=True)
+    saved = {"world_size": 2, "config": cfg.to_dict(), "data": checkpoint.data_fingerprint(shard_dir)}
+    new = Config()
+    new.run.out_dir = str(tmp_path)
+    new.train.log_every, new.train.max_steps, new.eval.num_prompts = 1, 99, 3
+    harmless = checkpoint.check_resumable(saved, new.to_dict(), 2, shard_dir, "ckpt")
+    assert harmless == ["eval.num_prompts: 16 -> 3", "train.log_every: 10 -> 1", "train.max_steps: None -> 99"]
+    assert checkpoint.training_config_hash(new.to_dict()) == checkpoint.training_config_hash(cfg.to_dict())
+    new.train.lr, new.drafter.block_size = 1e-3, 8
+    with pytest.raises(ResumeError, match=r"drafter.block_size: 16 -> 8; train.lr: 0.0006 -> 0.001"):
+        checkpoint.check_resumable(saved, new.to_dict(), 2, shard_dir, "ckpt")
+    with pytest.raises(ResumeError, match="saved by 2 ranks, this group has 4"):
+        checkpoint.check_resumable(saved, cfg.to_dict(), 4, shard_dir, "ckpt")
+    saved["data"] = {"shards": 1, "hash": "x"}
+    with pytest.raises(ResumeError, match="trained on 1 shard"):
+        checkpoint.check_resumable(saved, cfg.to_dict(), 2, shard_dir, "ckpt")
+
+
+def test_step_log_truncation_drops_later_and_torn_lines(tmp_path):
+    log = tmp_path / "train_log.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 7)) + '{"step": 7, "lo')
+    assert checkpoint.truncate_step_log(log, 4) == 4
+    assert [r["step"] for r in read_jsonl(log)] == [1, 2, 3, 4]
+    assert checkpoint.truncate_step_log(tmp_path / "absent.jsonl", 4) == 0
+
+
+def test_rng_state_round_trips():
+    import numpy as np
+
+    state = checkpoint.rng_state(on_gpu=False)
+    a = (torch.rand(3), random.random(), np.random.rand())
+    checkpoint.load_rng_state(state)
+    assert (torch.rand(3).tolist(), random.random(), np.random.rand()) == (a[0].tolist(), a[1], a[2])
+
+
+def test_plan_stages_reuses_done_shards_and_refuses_unfinished(tmp_path, tiny):
+    cfg = make_cfg(tmp_path / "run", tiny["target_dir"])
+    shards = cfg.out / "shards"
+    run = ("extract", "train", "eval")
+    assert plan_stages(cfg, run, "never") == run  # a fresh directory
+    write_shards(shards, tiny["prov"], tiny["samples"][:4], done=False)
+    with pytest.raises(PipelineError, match="did not finish"):
+        plan_stages(cfg, run, "auto")
+    with pytest.raises(PipelineError, match="--resume auto"):
+        plan_stages(cfg, run, "never")
+    (shards / "DONE").write_text("")
+    assert plan_stages(cfg, run, "auto") == ("train", "eval")
+    fake_tag(cfg.out / "checkpoints", 4, cfg)
+    assert plan_stages(cfg, ("train",), "auto") == ("train",)
+    with pytest.raises(PipelineError, match="already has checkpoints"):
+        plan_stages(cfg, ("train",), "never")
+    cfg.train.lr = 1.0
+    with pytest.raises(PipelineError, match="train.lr: 0.005 -> 1.0"):
+        plan_stages(cfg, ("train",), "auto")
+
+
+def test_cli_never_refuses_a_directory_holding_a_run(tmp_path):
+    from dflash_dist.config import load_config
+
+    out = tmp_path / "run"
+    cfg = load_config(REPO / "configs" / "tiny.yaml", out_dir=str(out))
+    (out / "shards").mkdir(parents=True)
+    (out / "shards" / "manifest.jsonl").write_text("")
+    fake_tag(out / "checkpoints", 50, cfg)
+    (out / "config.yaml").write_text("kept")
+    proc = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "train", "configs/tiny.yaml", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "already has checkpoints" in proc.stderr and "--resume auto" in proc.stderr
+    assert (out / "config.yaml").read_text() == "kept"  # refused before anything was written
+
+
+# ---------------------------------------------------------------------------- exact resume after SIGKILL
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        runtime_env={
+            "env_vars": {
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+                "TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"],
+            }
+        },
+    )
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def shards(tiny, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("resume") / "shards"
+    write_shards(path, tiny["prov"], tiny["samples"][:NUM], done=True)
+    return path
+
+
+def resume_cfg(out: Path, tiny) -> Config:
+    return make_cfg(out, tiny["target_dir"], epochs=STEPS // 4, checkpoint_every=EVERY, log_sample_keys=True)
+
+
+def start(cfg, tiny, shards, resume):
+    from dflash_dist.actors.trainer_group import start_trainer_group
+
+    return start_trainer_group(
+        cfg, tiny["target_dir"], shards, tiny["prov"], tiny["drafter"], num_samples=NUM, resume=resume
+    )
+
+
+def consumed_per_epoch(out: Path) -> dict[int, Counter]:
+    per: dict[int, Counter] = {}
+    for log in sorted((out / SAMPLE_LOG).glob("rank_*.jsonl")):
+        for row in read_jsonl(log):
+            per.setdefault(row["epoch"], Counter()).update(row["keys"])
+    return per
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny, shards, ray_cluster, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    results = start(resume_cfg(out, tiny), tiny, shards, "never").wait(timeout_s=300)
+    assert [r.steps for r in results] == [STEPS, STEPS] and [r.samples_dropped for r in results] == [0, 0]
+    return out
+
+
+def test_sigkilled_run_resumed_with_auto_matches_uninterrupted_run(tiny, shards, uninterrupted, tmp_path):
+    rng = random.Random()
+    kill_step = int(os.environ.get("DFLASH_TEST_KILL_STEP", rng.randint(EVERY + 1, STEPS - 3)))
+    victim = int(os.environ.get("DFLASH_TEST_KILL_RANK", rng.randint(0, 1)))
+    print(f"SIGKILL rank {victim} once step {kill_step} is logged")
+    out = tmp_path / "run"
+    cfg = resume_cfg(out, tiny)
+    group = start(cfg, tiny, shards, "never")
+    log = out / TRAIN_LOG
+    deadline = time.time() + 240
+    while not (log.exists() and len(log.read_text().splitlines()) >= kill_step):
+        assert time.time() < deadline, "the run did not reach the kill step"
+        time.sleep(0.02)
+    os.kill(group.infos[victim].pid, signal.SIGKILL)
+    with pytest.raises(Exception):  # noqa: B017 (Ray's ActorDiedError or the peer's gloo error)
+        group.wait(timeout_s=120)
+    latest = checkpoint.read_latest(out / "checkpoints")
+    assert latest is not None and checkpoint.read_marker(out / "checkpoints" / latest) is not None
+    killed_at = len(read_jsonl(out / TRAIN_LOG)) if (out / TRAIN_LOG).exists() else 0
+    assert killed_at < STEPS, "the kill came after the run finished"
+
+    results = start(cfg, tiny, shards, "auto").wait(timeout_s=300)
+    assert results[0].resumed_from == str(out / "checkpoints" / latest)
+    assert [r.steps for r in results] == [STEPS, STEPS]
+    # per-step losses (and lr, epoch, sample counts), bit for bit
+    expected, got = read_jsonl(uninterrupted / TRAIN_LOG), read_jsonl(out / TRAIN_LOG)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert got == expected, f"killed rank {victim} after step {kill_step}, resumed from {latest}"
+    # every sample exactly once per epoch (the SIGKILLed attempt's later lines were cut)
+    keys = Counter(s.key for s in tiny["samples"][:NUM])
+    for run in (uninterrupted, out):
+        per = consumed_per_epoch(run)
+        assert sorted(per) == [0, 1, 2, 3] and all(per[e] == keys for e in per), run
+    # the same weights at the end; `latest` complete, the last keep_checkpoints kept
+    a, b = (load_file(str(r / "export" / f"step_{STEPS}" / "model.safetensors")) for r in (uninterrupted, out))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ckpt = out / "checkpoints"
+    assert checkpoint.read_latest(ckpt) == f"step_{STEPS}"
+    assert [p.name for p in checkpoint.tag_dirs(ckpt)] == [f"step_{STEPS - EVERY}", f"step_{STEPS}"]
+
+
+# ---------------------------------------------------------------------------- a crash inside a save
+def test_crash_during_save_keeps_previous_latest_and_it_loads(tiny, shards, tmp_path, monkeypatch):
+    import deepspeed
+    import torch.distributed as dist
+
+    from dflash_dist.trainer.loop import Trainer, TrainJob
+
+    def cfg_for(out: Path) -> Config:
+        return make_cfg(out, tiny["target_dir"], world_size=1, max_steps=4, checkpoint_every=2)
+
+    def job(resume_from=None):
+        return TrainJob(
+            str(tiny["target_dir"]), str(shards), tiny["prov"], tiny["drafter"], total_steps=4, resume_from=resume_from
+        )
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    try:
+        reference = tmp_path / "reference"
+        Trainer(cfg_for(reference), job()).run()
+
+        out = tmp_path / "run"
+        trainer = Trainer(cfg_for(out), job())
+        real_save = trainer.engine.save_checkpoint
+
+        def save_then_die(save_dir, tag, **kw):  # step_4's files partly written, then the process "dies"
+            real_save(save_dir, tag=tag, **kw)
+            if tag == "step_4":
+                (optim,) = Path(save_dir, tag).glob("*optim_states.pt")
+                optim.write_bytes(optim.read_bytes()[: optim.stat().st_size // 2])
+                raise RuntimeError("simulated crash during checkpoint save")
+
+        trainer.engine.save_checkpoint = save_then_die
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            trainer.run()
+        ckpt = out / "checkpoints"
+        assert checkpoint.read_latest(ckpt) == "step_2"
+        assert (ckpt / "step_4").is_dir() and checkpoint.read_marker(ckpt / "step_4") is None
+        resume_from = checkpoint.plan_resume("auto", ckpt)
+        assert resume_from == ckpt / "step_2"
+
+        result = Trainer(cfg_for(out), job(str(resume_from))).run()
+        assert result.resumed_from == str(ckpt / "step_2") and result.steps == 4
+        assert checkpoint.read_latest(ckpt) == "step_4" and checkpoint.read_marker(ckpt / "step_4") is not None
+        assert read_jsonl(out / TRAIN_LOG) == read_jsonl(reference / TRAIN_LOG)
+        assert [r["step"] for r in read_jsonl(out / TRAIN_LOG)] == [1, 2, 3, 4]
+    finally:
+        dist.destroy_process_group()
+        reset_deepspeed_groups()

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from webdataset.writer import TarWriter, default_handlers, encode_based_on_extension
 
+from data_pipeline.durable_files import fsync_dir
 from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance, check_compatible
 from data_pipeline.records import (
     DONE_NAME,
@@ -110,14 +111,6 @@ def _tar_bytes(encoded: dict[str, Any]) -> int:
 def _final_size(members_bytes: int) -> int:
     """Archive size once closed: members, two zero end blocks, padded to a whole record."""
     return _round_up(members_bytes + 2 * _TAR_BLOCK, _TAR_RECORD)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _append_line(path: Path, line: bytes) -> None:
@@ -281,7 +274,7 @@ class ShardWriter:
                 name = self._claim_name()
                 os.rename(self._tmp_path, self.out_dir / name)
                 self._tmp_path = None
-                _fsync_dir(self.out_dir)
+                fsync_dir(self.out_dir)
                 record = ShardRecord(
                     name=name,
                     n_samples=len(self._keys),
@@ -291,7 +284,7 @@ class ShardWriter:
                     provenance=self.provenance,
                 )
                 _append_line(self.out_dir / MANIFEST_NAME, (record.to_json() + "\n").encode())
-                _fsync_dir(self.out_dir)
+                fsync_dir(self.out_dir)
         finally:
             self._file = self._tar = None
             self._discard_tmp()
@@ -331,4 +324,4 @@ def mark_done(out_dir: str | os.PathLike[str]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.rename(tmp, out / DONE_NAME)
-    _fsync_dir(out)
+    fsync_dir(out)

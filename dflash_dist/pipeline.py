@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from data_pipeline.durable_files import write_text_atomic
 from dflash_dist.config import Config
 
 
@@ -53,10 +54,7 @@ def _layout(cfg: Config) -> dict[str, Path]:
 
 
 def _save_config(cfg: Config) -> None:
-    path = cfg.out / "config.yaml"
-    tmp = path.with_name(".config.yaml.tmp")
-    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    os.replace(tmp, path)
+    write_text_atomic(cfg.out / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
 def plan_stages(cfg: Config, stages: tuple[str, ...], resume: str) -> tuple[str, ...]:

@@ -37,3 +37,26 @@ def reset_deepspeed_groups() -> None:
     for name, value in list(vars(groups).items()):
         if name.startswith("_") and name.isupper() and ("GROUP" in name or "MPU" in name):
             setattr(groups, name, {} if isinstance(value, dict) else None)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A real local Ray cluster for one test module, started and stopped by the test (never `ray stop`)."""
+    import ray
+
+    from dflash_dist.actors.trainer_group import default_extensions_dir
+
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=True,
+        runtime_env={
+            "env_vars": {
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+                "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR") or default_extensions_dir(),
+            }
+        },
+    )
+    yield ray
+    ray.shutdown()

@@ -205,23 +205,6 @@ def test_cli_never_refuses_a_directory_holding_a_run(tmp_path):
 
 
 # ---------------------------------------------------------------------------- exact resume after SIGKILL
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        runtime_env={
-            "env_vars": {
-                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-                "TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"],
-            }
-        },
-    )
-    yield ray
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -111,26 +111,6 @@ def write_shards(shard_dir: Path, prov, samples, done: bool) -> None:
         mark_done(shard_dir)
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=True,
-        runtime_env={
-            "env_vars": {
-                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-                "TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"],
-            }
-        },
-    )
-    yield ray
-    ray.shutdown()
-
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

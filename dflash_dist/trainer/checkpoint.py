@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from data_pipeline.durable_files import fsync_dir, write_text_atomic
 from data_pipeline.shard_reader import read_manifest
 
 MARKER = "dflash_checkpoint.json"
@@ -128,25 +129,7 @@ def fsync_tree(path: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(Path(root))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+        fsync_dir(Path(root))
 
 
 def write_marker(tag_dir: Path, meta: dict[str, Any]) -> None:
@@ -154,12 +137,12 @@ def write_marker(tag_dir: Path, meta: dict[str, Any]) -> None:
     files = {str(p.relative_to(tag_dir)): p.stat().st_size for p in sorted(tag_dir.rglob("*")) if p.is_file()}
     files.pop(MARKER, None)
     record = {"version": MARKER_VERSION, "tag": tag_dir.name, **meta, "files": files, "unix_time": time.time()}
-    _write_atomic(tag_dir / MARKER, json.dumps(record, sort_keys=True, indent=1) + "\n")
+    write_text_atomic(tag_dir / MARKER, json.dumps(record, sort_keys=True, indent=1) + "\n")
 
 
 def publish_latest(ckpt_dir: Path, tag: str) -> None:
     """Point `latest` at `tag` by rename: a reader sees the old or the new name, never half."""
-    _write_atomic(ckpt_dir / LATEST, tag)
+    write_text_atomic(ckpt_dir / LATEST, tag)
 
 
 def prune(ckpt_dir: Path, keep: int) -> list[Path]:
@@ -346,5 +329,5 @@ def truncate_step_log(path: Path, last_step: int) -> int:
             continue  # a torn line written when the process was killed
         if step <= last_step and line.endswith("\n"):
             kept.append(line)
-    _write_atomic(path, "".join(kept))
+    write_text_atomic(path, "".join(kept))
     return len(kept)

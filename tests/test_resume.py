@@ -26,6 +26,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import pytest
 import torch
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dflash_dist.config import Config
 from dflash_dist.pipeline import PipelineError, plan_stages
@@ -270,6 +271,11 @@ def test_sigkilled_run_resumed_with_auto_matches_uninterrupted_run(tiny, shards,
     expected, got = read_jsonl(uninterrupted / TRAIN_LOG), read_jsonl(out / TRAIN_LOG)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert got == expected, f"killed rank {victim} after step {kill_step}, resumed from {latest}"
+    # TensorBoard shows each step once: the killed attempt's points past the checkpoint are purged
+    acc = EventAccumulator(str(out / "tb" / "train"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tb_steps = [e.step for e in acc.Scalars("train/loss")]
+    assert tb_steps == sorted(set(tb_steps)) and tb_steps[-1] == STEPS
     # every sample exactly once per epoch (the SIGKILLed attempt's later lines were cut)
     keys = Counter(s.key for s in tiny["samples"][:NUM])
     for run in (uninterrupted, out):

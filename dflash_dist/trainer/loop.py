@@ -540,6 +540,8 @@ class Trainer:
         self.load_state_dict(saved["trainer"][self.rank])
         self._last_saved = self._last_logged = self.step
         self.resumed_from = str(path)
+        self.metrics.close()  # reopen so the killed attempt's points after this step are purged
+        self.metrics = Metrics(self.cfg.out / "tb" / "train", enabled=self.rank == 0, purge_step=self.step + 1)
         if self.rank == 0:
             checkpoint.rewind(self.ckpt_dir, path)
             print(f"[trainer] resumed from {path}: step {self.step}, epoch {self.epoch}", flush=True)

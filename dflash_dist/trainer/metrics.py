@@ -16,14 +16,16 @@ NAMESPACES = ("train/", "data/", "eval/")
 class Metrics:
     """Scalars at a step, under `log_dir` (the trainer uses `<out>/tb/train`)."""
 
-    def __init__(self, log_dir: str | Path, enabled: bool = True) -> None:
+    def __init__(self, log_dir: str | Path, enabled: bool = True, purge_step: int | None = None) -> None:
+        """purge_step: on a resume, the first step to be written again; TensorBoard drops the
+        earlier attempt's points from there on instead of showing those steps twice."""
         self.log_dir = Path(log_dir)
         self._writer = None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=60)
+            self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=60, purge_step=purge_step)
 
     @property
     def enabled(self) -> bool:

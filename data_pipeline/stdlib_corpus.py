@@ -13,11 +13,12 @@ import json
 import os
 import random
 import sysconfig
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from data_pipeline.durable_files import write_text_atomic
 
 Split = Literal["train", "heldout"]
 SPLITS: tuple[Split, ...] = ("train", "heldout")
@@ -182,13 +183,5 @@ def write_chat_jsonl(path: str | os.PathLike, split: Split, max_samples: int, se
     path = Path(path)
     samples = code_chat_samples(split, max_samples, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            for sample in samples:
-                out.write(json.dumps(sample, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(path, "".join(json.dumps(sample, ensure_ascii=False) + "\n" for sample in samples))
     return len(samples)

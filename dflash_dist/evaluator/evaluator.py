@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from data_pipeline.chat_data import template_hash
+from data_pipeline.durable_files import write_text_atomic
 from data_pipeline.provenance import Provenance, check_compatible
 from data_pipeline.shard_reader import read_manifest
 from dflash_dist.config import Config
@@ -235,14 +236,7 @@ class Evaluator:
 
     def _write_result(self, result: EvalResult) -> None:
         self.eval_dir.mkdir(parents=True, exist_ok=True)
-        final = self.eval_dir / f"step_{result.step}.json"
-        tmp = self.eval_dir / f".tmp-{final.name}-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(result.to_json(), f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
+        write_text_atomic(self.eval_dir / f"step_{result.step}.json", json.dumps(result.to_json(), indent=2) + "\n")
 
     def _log_scalars(self, result: EvalResult) -> None:
         if self._metrics is None:

@@ -12,7 +12,10 @@ INSTALL_REQUIRES = [
     "deepspeed==0.19.8",
     "ray[default]==2.60.0",
     "webdataset==1.0.2",
+    "pyarrow==26.0.1",  # Parquet conversation sources
+    "datasets==5.2.0",  # conversation sources saved with `Dataset.save_to_disk`
     "tensorboard==2.21.0",
+    "openai==3.57.0",  # `dflash-dist regenerate` against an OpenAI-compatible server (SGLang, vLLM)
     "safetensors",
     "numpy",
     "pyyaml",

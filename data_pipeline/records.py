@@ -6,6 +6,10 @@ Shard directory layout (schema version SHARD_SCHEMA_VERSION):
   manifest.jsonl          one ShardRecord per line, appended after the shard's rename
   .manifest.lock          fcntl lock serialising renames and manifest appends
   DONE                    written by mark_done() once every producer has closed
+  skipped.jsonl           captured keys not written (non-finite features): with the manifest's
+                          keys, the capture ledger a restarted capture resumes from (ledger.py)
+  released.json           shards trained and covered by a published checkpoint (disk_budget.py)
+  buffer.json             disk buffer: cap and unconsumed bytes, for `dflash-dist status`
 Inside a shard, sample i is stored as tar members `<i:08d>.<field>`:
   input_ids.npy int32 [T], loss_mask.npy uint8 [T], target_argmax.npy int32 [T],
   features.npy [T, k*H] (bf16 as the raw uint16 bit pattern; fp16/fp32 natively),
@@ -28,6 +32,9 @@ MANIFEST_NAME = "manifest.jsonl"
 MANIFEST_LOCK_NAME = ".manifest.lock"
 DONE_NAME = "DONE"
 TMP_PREFIX = ".tmp-"
+SKIPPED_NAME = "skipped.jsonl"
+RELEASED_NAME = "released.json"
+BUFFER_NAME = "buffer.json"
 
 TORCH_FEATURE_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,

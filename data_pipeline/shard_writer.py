@@ -19,7 +19,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -113,7 +113,7 @@ def _final_size(members_bytes: int) -> int:
     return _round_up(members_bytes + 2 * _TAR_BLOCK, _TAR_RECORD)
 
 
-def _append_line(path: Path, line: bytes) -> None:
+def append_line(path: Path, line: bytes) -> None:
     """Append one newline-terminated line and fsync it. Call under manifest_lock."""
     assert line.endswith(b"\n") and b"\n" not in line[:-1]
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
@@ -138,6 +138,8 @@ class ShardWriter:
     larger sample gets a shard of its own), on `flush()` and on `close()`. `write`, `flush`
     and `close` return the ShardRecord of a shard they completed, else None. Used as a context
     manager, an exception inside the block aborts: the unfinished shard is deleted, unlisted.
+    `before_open`, if given, is called before each new shard file is opened (the capture waits
+    there while the disk buffer is full, disk_budget.py), with no shard of this writer open.
     """
 
     def __init__(
@@ -146,6 +148,7 @@ class ShardWriter:
         provenance: Provenance,
         max_shard_bytes: int = 1 << 30,
         prefix: str = "shard",
+        before_open: Callable[[], None] | None = None,
     ):
         if not _PREFIX_RE.fullmatch(prefix):
             raise ValueError(f"ShardWriter prefix {prefix!r} must match {_PREFIX_RE.pattern}")
@@ -155,6 +158,7 @@ class ShardWriter:
         self.provenance = provenance
         self.max_shard_bytes = max_shard_bytes
         self.prefix = prefix
+        self.before_open = before_open
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._name_re = re.compile(re.escape(prefix) + r"-(\d+)\.tar")
         self._next_index = 0
@@ -240,6 +244,8 @@ class ShardWriter:
             self.abort()
 
     def _open_shard(self) -> None:
+        if self.before_open is not None:
+            self.before_open()
         name = f"{TMP_PREFIX}{self.prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}.tar"
         self._tmp_path = self.out_dir / name
         self._file = open(self._tmp_path, "xb")  # noqa: SIM115 (lives until _finish_shard)
@@ -283,7 +289,7 @@ class ShardWriter:
                     keys=tuple(self._keys),
                     provenance=self.provenance,
                 )
-                _append_line(self.out_dir / MANIFEST_NAME, (record.to_json() + "\n").encode())
+                append_line(self.out_dir / MANIFEST_NAME, (record.to_json() + "\n").encode())
                 fsync_dir(self.out_dir)
         finally:
             self._file = self._tar = None

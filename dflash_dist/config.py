@@ -38,8 +38,14 @@ class TargetSection:
 
 @dataclass
 class DataSection:
-    train_jsonl: str | None = None  # OpenAI `messages` JSONL; tiny_stdlib generates its own if unset
-    eval_jsonl: str | None = None
+    train_path: str | None = None  # JSONL, .parquet, or a `datasets` save_to_disk dir; tiny_stdlib makes its own
+    eval_path: str | None = None  # held-out conversations (their prompts) for tau
+    train_jsonl: str | None = None  # older name of train_path
+    eval_jsonl: str | None = None  # older name of eval_path
+    format: str = "auto"  # auto (per record) | messages (OpenAI role/content) | sharegpt (conversations from/value)
+    enable_thinking: bool | None = None  # passed to templates with that switch; None: the template's default
+    on_bad_record: str = "error"  # error: stop naming file:line/row; skip: skip, count per reason, report
+    on_overlong: str = "truncate"  # over max_length: truncate | skip (counted) | error
     max_train_samples: int | None = None
     max_length: int = 2048
 
@@ -51,8 +57,19 @@ class CaptureSection:
     layer_ids: list[int] | None = None
     regenerate: bool = True  # replace assistant responses by the target's greedy ones
     max_new_tokens: int = 256
-    batch_size: int = 8
-    shard_bytes: int = 1 << 30
+    batch_size: int = 8  # prompts per greedy-regeneration batch; sequences per capture pass without token_budget
+    # padded tokens (longest x count) per target capture pass, sequences length-sorted within
+    # sort_window; None: batch_size sequences per pass
+    token_budget: int | None = None
+    sort_window: int = 256
+    shard_bytes: int = 1 << 30  # a shard is closed before it would exceed this (about 1 GB)
+    # unconsumed (not yet trained-and-checkpointed) shard bytes at which capture pauses; the
+    # directory then holds at most this plus one shard in flight per actor. None: unbounded
+    max_buffer_bytes: int | None = None
+    # shards released by a checkpoint: auto deletes them under a cap with train.epochs == 1, else keeps
+    consumed_shards: str = "auto"
+    buffer_stall_s: float = 3600.0  # paused this long with no shard released: an error, not a hang
+    max_restarts: int = 3  # Ray restarts a dead target actor this often; its capture resumes from the ledger
     cpus_per_actor: float = 1.0
     gpus_per_actor: float = 0.0
 
@@ -73,6 +90,13 @@ class TrainSection:
     world_size: int = 1
     zero_stage: int = 2
     micro_batch_size: int = 1
+    # token budget per micro-batch: samples join while (longest x count) <= budget (at least one);
+    # None: micro_batch_size samples each. DeepSpeed's train_micro_batch_size_per_gpu stays
+    # micro_batch_size either way (it only does bookkeeping: throughput, train_batch_size)
+    micro_batch_tokens: int | None = None
+    # samples within a shard in a permutation seeded by (run.seed, epoch, shard); the shard order
+    # of epochs after the first is permuted by (run.seed, epoch) either way
+    shuffle: bool = True
     grad_accum: int = 1
     lr: float = 6e-4
     warmup_frac: float = 0.04
@@ -88,8 +112,10 @@ class TrainSection:
     keep_checkpoints: int = 3
     log_every: int = 10
     log_sample_keys: bool = False  # every rank appends its trained sample keys to <out>/sample_log/ (audits)
+    histogram_every: int = 100  # steps between TensorBoard histograms (per-parameter grad norms, per-sample loss)
     cpus_per_rank: float = 1.0
     gpus_per_rank: float = 0.0
+    max_restarts: int = 3  # a lost rank: the group restarts from the latest checkpoint this many times (faults.py)
 
 
 @dataclass
@@ -103,6 +129,36 @@ class EvalSection:
     backlog_stride: int = 2
     num_cpus: float = 1.0
     num_gpus: float = 0.0
+    max_restarts: int = 3  # Ray restarts a lost evaluator this many times; it continues after its last result
+
+
+@dataclass
+class RegenSection:
+    """`dflash-dist regenerate`: the target answers the input's prompts afresh (dflash_dist/regenerate.py)."""
+
+    source: str = "target"  # target: the run's target via transformers generate; server: OpenAI-compatible URL
+    input: str | None = None  # conversations (any data.* source kind); default data.train_path
+    output: str | None = None  # the new JSONL; default <run.out_dir>/data/train.regenerated.jsonl
+    url: str | None = None  # server: base URL, e.g. http://127.0.0.1:30000/v1
+    model: str | None = None  # server: the served model's name
+    api_key_env: str = "OPENAI_API_KEY"  # server: environment variable holding its key (unset: no key)
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    batch_size: int = 8  # target: prompts per generate call
+    concurrency: int = 8  # server: requests in flight
+    max_retries: int = 5  # server: retries of a 5xx, 429, timeout or lost connection (exponential backoff)
+    timeout_s: float = 600.0  # server: per request
+
+
+@dataclass
+class NodeResources:
+    """Node constraint per role: a custom resource that only the intended nodes declare
+    (cluster.yaml node types' `resources`, or `ray start --resources`); None: any node."""
+
+    target: str | None = None
+    trainer: str | None = None
+    evaluator: str | None = None
 
 
 @dataclass
@@ -111,6 +167,9 @@ class RaySection:
     num_cpus: int | None = None
     dashboard: bool = False
     dashboard_host: str = "127.0.0.1"
+    placement: str = "pack"  # one placement group, a bundle per role process (dflash_dist/placement.py)
+    placement_timeout_s: float = 600.0  # the cluster cannot place every bundle by then: an error saying why
+    node_resources: NodeResources = field(default_factory=NodeResources)
 
 
 @dataclass
@@ -123,6 +182,7 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     eval: EvalSection = field(default_factory=EvalSection)
     ray: RaySection = field(default_factory=RaySection)
+    regen: RegenSection = field(default_factory=RegenSection)
 
     @property
     def out(self) -> Path:
@@ -137,8 +197,14 @@ CHOICES = {
     "target.dtype": ("bfloat16", "float16", "float32"),
     "target.device": ("auto", "cpu", "cuda"),
     "train.zero_stage": (0, 1, 2, 3),
+    "capture.consumed_shards": ("auto", "keep", "delete"),
     "train.label_source": ("data", "target"),
     "train.attention": ("auto", "dense", "flex"),
+    "data.format": ("auto", "messages", "sharegpt"),
+    "data.on_bad_record": ("error", "skip"),
+    "data.on_overlong": ("truncate", "skip", "error"),
+    "ray.placement": ("pack", "spread", "strict_pack", "none"),
+    "regen.source": ("target", "server"),
 }
 
 
@@ -233,19 +299,71 @@ def _validate(cfg: Config, path) -> None:
         raise ConfigError(f"{where}: target.path is required when target.kind is 'hf'")
     if cfg.target.path and cfg.target.kind == "hf" and not Path(cfg.target.path).exists():
         raise ConfigError(f"{where}: target.path {cfg.target.path} does not exist")
-    for key in ("data.train_jsonl", "data.eval_jsonl"):
+    for key in ("data.train_path", "data.eval_path", "data.train_jsonl", "data.eval_jsonl"):
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
-        if value is not None and not Path(value).is_file():
+        if value is not None and not Path(value).exists():
             raise ConfigError(f"{where}: {key}: file {value} not found")
-    if cfg.target.kind == "hf" and cfg.data.train_jsonl is None:
-        raise ConfigError(f"{where}: data.train_jsonl is required for an hf target")
+    for new, old in (("train_path", "train_jsonl"), ("eval_path", "eval_jsonl")):
+        if getattr(cfg.data, new) is not None and getattr(cfg.data, old) is not None:
+            raise ConfigError(f"{where}: data.{new} and data.{old} (its older name) are both set; keep data.{new}")
+    if cfg.target.kind == "hf" and cfg.data.train_path is None and cfg.data.train_jsonl is None:
+        raise ConfigError(f"{where}: data.train_path is required for an hf target")
     positive = {"capture.num_actors": cfg.capture.num_actors, "train.world_size": cfg.train.world_size,
                 "train.micro_batch_size": cfg.train.micro_batch_size, "train.grad_accum": cfg.train.grad_accum,
-                "train.checkpoint_every": cfg.train.checkpoint_every, "drafter.block_size": cfg.drafter.block_size}
+                "train.checkpoint_every": cfg.train.checkpoint_every, "drafter.block_size": cfg.drafter.block_size,
+                "train.histogram_every": cfg.train.histogram_every}
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{where}: {key} must be >= 1, got {value}")
+    for key, value in (("train.max_restarts", cfg.train.max_restarts), ("eval.max_restarts", cfg.eval.max_restarts)):
+        if value < 0:
+            raise ConfigError(f"{where}: {key} must be >= 0 (0: no restarts), got {value}")
+    _validate_capture(cfg, where)
+    _validate_regen(cfg.regen, where)
+
+
+def _validate_regen(r: RegenSection, where) -> None:
+    if r.source == "server":
+        for key in ("url", "model"):
+            if not getattr(r, key):
+                raise ConfigError(f"{where}: regen.{key} is required when regen.source is 'server'")
+        if not r.url.startswith(("http://", "https://")):
+            raise ConfigError(f"{where}: regen.url {r.url!r} must start with http:// or https:// (e.g. .../v1)")
+    if r.input is not None and not Path(r.input).exists():
+        raise ConfigError(f"{where}: regen.input: {r.input} not found")
+    if r.temperature < 0:
+        raise ConfigError(f"{where}: regen.temperature must be >= 0 (0: greedy), got {r.temperature}")
+    if not 0 < r.top_p <= 1:
+        raise ConfigError(f"{where}: regen.top_p must be in (0, 1], got {r.top_p}")
+    for key in ("max_new_tokens", "batch_size", "concurrency"):
+        if getattr(r, key) < 1:
+            raise ConfigError(f"{where}: regen.{key} must be >= 1, got {getattr(r, key)}")
+    if r.max_retries < 0 or r.timeout_s <= 0:
+        raise ConfigError(f"{where}: regen.max_retries must be >= 0 and regen.timeout_s > 0")
+
+
+def _validate_capture(cfg: Config, where) -> None:
+    c = cfg.capture
+    for key in ("batch_size", "sort_window", "shard_bytes", "token_budget", "max_buffer_bytes"):
+        value = getattr(c, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"{where}: capture.{key} must be >= 1, got {value}")
+    if c.max_restarts < 0:
+        raise ConfigError(f"{where}: capture.max_restarts must be >= 0, got {c.max_restarts}")
+    if c.buffer_stall_s <= 0:
+        raise ConfigError(f"{where}: capture.buffer_stall_s must be > 0, got {c.buffer_stall_s}")
+    if c.max_buffer_bytes is not None and c.max_buffer_bytes < cfg.train.world_size * c.shard_bytes:
+        raise ConfigError(
+            f"{where}: capture.max_buffer_bytes={c.max_buffer_bytes} < train.world_size x capture.shard_bytes = "
+            f"{cfg.train.world_size * c.shard_bytes}: every trainer rank reads its own shards, so the buffer must "
+            "hold at least one per rank; raise max_buffer_bytes or lower shard_bytes"
+        )
+    if c.consumed_shards == "delete" and cfg.train.epochs > 1:
+        raise ConfigError(
+            f"{where}: capture.consumed_shards=delete with train.epochs={cfg.train.epochs}: later epochs re-read "
+            "every shard; use keep (or auto) for several epochs from one capture"
+        )
 
 
 def load_config_dict(tree: dict) -> Config:

@@ -1,5 +1,9 @@
-"""Resolve the run's conversation files: the user's JSONL, or for the tiny_stdlib target the
-project's own stdlib-code conversations (train split for training, held-out files for eval)."""
+"""Resolve and ingest the run's conversations before anything else runs: the user's source
+(JSONL, Parquet or a saved HF dataset; OpenAI `messages` or ShareGPT `conversations`), or for
+the tiny_stdlib target the project's own stdlib-code conversations. Each split is validated,
+length-checked with the target's tokenizer under the data.* policies, and written as a
+normalized `messages` JSONL plus a counts file under <out>/data/; a bad input stops the run
+here (a ConfigError naming file and line or row) before any shard is written."""
 
 from __future__ import annotations
 
@@ -10,33 +14,107 @@ from dflash_dist.config import Config, ConfigError
 DEFAULT_TINY_TRAIN_SAMPLES = 400
 
 
-def prepare_data(cfg: Config) -> tuple[Path, Path | None]:
-    """(train.jsonl, eval.jsonl or None). Generated files go to <out>/data/ once."""
-    train = Path(cfg.data.train_jsonl) if cfg.data.train_jsonl else None
-    heldout = Path(cfg.data.eval_jsonl) if cfg.data.eval_jsonl else None
-    if cfg.target.kind == "tiny_stdlib":
-        from data_pipeline.stdlib_corpus import write_chat_jsonl
+def data_sources(cfg: Config) -> tuple[Path | None, Path | None]:
+    """(train source, eval source) from data.train_path/eval_path or their older *_jsonl names."""
+    train = cfg.data.train_path or cfg.data.train_jsonl
+    heldout = cfg.data.eval_path or cfg.data.eval_jsonl
+    return (Path(train) if train else None), (Path(heldout) if heldout else None)
 
-        data_dir = cfg.out / "data"
-        if train is None:
-            train = data_dir / "train.jsonl"
-            if not train.exists():
-                write_chat_jsonl(train, "train", cfg.data.max_train_samples or DEFAULT_TINY_TRAIN_SAMPLES,
-                                 cfg.run.seed)
-        if heldout is None:
-            heldout = data_dir / "eval.jsonl"
-            if not heldout.exists():
-                write_chat_jsonl(heldout, "heldout", cfg.eval.num_prompts, cfg.run.seed + 1)
+
+def ingested_paths(cfg: Config, split: str) -> tuple[Path, Path]:
+    """(normalized JSONL, counts JSON) of a split under <out>/data/."""
+    data_dir = cfg.out / "data"
+    return data_dir / f"{split}.ingested.jsonl", data_dir / f"{split}.ingest.json"
+
+
+def prepare_data(cfg: Config, tokenizer=None) -> tuple[Path, Path | None]:
+    """(normalized train JSONL, normalized eval JSONL or None). Both splits are read and checked
+    before either is written. `tokenizer`: the target's (loaded from the target when None)."""
+    from data_pipeline.chat_data import ChatEncoder
+    from data_pipeline.ingest import DataError, IngestPolicy, ingest, write_ingested
+
+    train, heldout = data_sources(cfg)
+    if cfg.target.kind == "tiny_stdlib":
+        train, heldout = _tiny_stdlib_sources(cfg, train, heldout)
     if train is None:
-        raise ConfigError("data.train_jsonl is not set")
+        raise ConfigError("data.train_path is not set")
     if cfg.eval.enabled and heldout is None:
-        raise ConfigError("eval.enabled is true but data.eval_jsonl is not set (held-out prompts for tau)")
+        raise ConfigError("eval.enabled is true but data.eval_path is not set (held-out prompts for tau)")
+    if tokenizer is None:
+        tokenizer = _load_tokenizer(cfg)
+    try:
+        encoder = ChatEncoder(tokenizer, enable_thinking=cfg.data.enable_thinking)
+    except ValueError as e:  # a template without a generation span or without the thinking switch
+        raise ConfigError(f"data: {e}") from None
+    try:
+        policy = IngestPolicy(
+            fmt=cfg.data.format,
+            on_bad_record=cfg.data.on_bad_record,
+            on_overlong=cfg.data.on_overlong,
+            max_length=cfg.data.max_length,
+            max_records=cfg.data.max_train_samples,
+        )
+        splits = {"train": ingest(train, policy, _measure(cfg, encoder))}
+        if heldout is not None:  # prompts only: no length policy; as many as the evaluator uses
+            eval_policy = IngestPolicy(
+                fmt=cfg.data.format, on_bad_record=cfg.data.on_bad_record, max_records=cfg.eval.num_prompts
+            )
+            splits["eval"] = ingest(heldout, eval_policy)
+    except DataError as e:
+        raise ConfigError(f"data: {e}") from None
+    outputs: dict[str, Path] = {}
+    for split, (records, report) in splits.items():
+        jsonl_path, report_path = ingested_paths(cfg, split)
+        write_ingested(records, report, jsonl_path, report_path)
+        outputs[split] = jsonl_path
+        print(f"[data] {split}: {report.summary_line()}; counts in {report_path}", flush=True)
+    return outputs["train"], outputs.get("eval")
+
+
+def _tiny_stdlib_sources(cfg: Config, train: Path | None, heldout: Path | None) -> tuple[Path, Path]:
+    """The project's generated stdlib conversations where the config gives none (written once)."""
+    from data_pipeline.stdlib_corpus import write_chat_jsonl
+
+    data_dir = cfg.out / "data"
+    if train is None:
+        train = data_dir / "train.jsonl"
+        if not train.exists():
+            write_chat_jsonl(train, "train", cfg.data.max_train_samples or DEFAULT_TINY_TRAIN_SAMPLES, cfg.run.seed)
+    if heldout is None:
+        heldout = data_dir / "eval.jsonl"
+        if not heldout.exists():
+            write_chat_jsonl(heldout, "heldout", cfg.eval.num_prompts, cfg.run.seed + 1)
     return train, heldout
 
 
-def eval_prompt_ids(eval_jsonl: Path, tokenizer, limit: int) -> list[list[int]]:
+def _load_tokenizer(cfg: Config):
+    from transformers import AutoTokenizer
+
+    from dflash_dist.target import resolve_target_dir
+
+    return AutoTokenizer.from_pretrained(resolve_target_dir(cfg))
+
+
+def _measure(cfg: Config, encoder):
+    """(length, tokens before the first trained one) of a record as capture will build it: with
+    regeneration the prompt plus up to capture.max_new_tokens of the target's own response."""
+    if cfg.capture.regenerate:
+
+        def measure(record):
+            prompt = len(encoder.prompt_ids(record))
+            return prompt + cfg.capture.max_new_tokens, prompt
+    else:
+
+        def measure(record):
+            enc = encoder.encode(record)
+            return len(enc.input_ids), int(enc.loss_mask.argmax())
+
+    return measure
+
+
+def eval_prompt_ids(eval_jsonl: Path, tokenizer, limit: int, enable_thinking: bool | None = None) -> list[list[int]]:
     """Held-out prompts as token ids: everything before the last assistant turn + generation prompt."""
     from data_pipeline.chat_data import ChatEncoder, read_chat_jsonl
 
-    enc = ChatEncoder(tokenizer)
+    enc = ChatEncoder(tokenizer, enable_thinking=enable_thinking)
     return [enc.prompt_ids(r).tolist() for r in read_chat_jsonl(eval_jsonl)[:limit]]

@@ -5,16 +5,24 @@ token-id lists); tensors travel only inside shards."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
+import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from data_pipeline.durable_files import write_text_atomic
+from dflash_dist import placement
 from dflash_dist.config import Config
+from dflash_dist.heartbeat import Heartbeat, clear_heartbeats
+
+EVALUATOR_RESTART_TIMEOUT_S = 600.0  # a restarting evaluator unavailable for longer: the run fails
 
 
 class PipelineError(RuntimeError):
@@ -60,8 +68,10 @@ def _save_config(cfg: Config) -> None:
 def plan_stages(cfg: Config, stages: tuple[str, ...], resume: str) -> tuple[str, ...]:
     """The stages to run given what an earlier run left under cfg.out, checked before anything is
     written or started. `resume` (auto, never or a checkpoint tag directory) applies to training;
-    complete (DONE) shards are reused instead of re-extracted unless it is never; an unfinished
-    capture is refused (resuming a capture is not supported: it would duplicate samples)."""
+    unless it is never, complete (DONE) shards are reused instead of re-extracted and an
+    unfinished capture is resumed: its complete shards are kept and only the samples missing
+    from them are captured (data_pipeline/ledger.py)."""
+    from data_pipeline.ledger import captured_keys
     from data_pipeline.records import DONE_NAME, MANIFEST_NAME
     from dflash_dist.trainer.checkpoint import ResumeError, check_resumable, plan_resume, read_marker
 
@@ -76,13 +86,17 @@ def plan_stages(cfg: Config, stages: tuple[str, ...], resume: str) -> tuple[str,
                 f"{shards} already holds shards: pass --resume auto to reuse complete shards (and continue the "
                 "training run there, if any), or use another --out"
             )
-        if not (shards / DONE_NAME).exists():
-            raise PipelineError(
-                f"{shards} holds shards of a capture that did not finish (no {DONE_NAME} marker): resuming a capture "
-                "is not supported yet (it would duplicate samples); start over with another --out"
-            )
-        print(f"[extract] skipped: {shards} is complete ({DONE_NAME}), reusing its shards", flush=True)
-        stages = tuple(s for s in stages if s != "extract")
+        if (shards / DONE_NAME).exists():
+            print(f"[extract] skipped: {shards} is complete ({DONE_NAME}), reusing its shards", flush=True)
+            stages = tuple(s for s in stages if s != "extract")
+        else:
+            print(f"[extract] resuming the unfinished capture in {shards}: {len(captured_keys(shards))} samples "
+                  "already settled (complete shards, skipped) are kept, the rest is captured", flush=True)
+    if "extract" in stages and "train" not in stages and cfg.capture.max_buffer_bytes is not None:
+        raise PipelineError(
+            f"capture.max_buffer_bytes={cfg.capture.max_buffer_bytes} pauses the capture until a trainer consumes "
+            "shards, and this invocation runs no trainer: use `dflash-dist run`, or set capture.max_buffer_bytes=null"
+        )
     if "train" in stages and "extract" not in stages and not (shards / MANIFEST_NAME).exists():
         raise PipelineError(f"no shards under {shards}: run `dflash-dist extract` with the same --out first")
     if resume_from is not None:
@@ -109,9 +123,11 @@ def run_pipeline(cfg: Config, stages: tuple[str, ...], resume: str = "never") ->
 
     t0 = time.time()
     stages = plan_stages(cfg, stages, resume)
+    plan = placement.plan_placement(cfg, stages)
     cfg.out.mkdir(parents=True, exist_ok=True)
     paths = _layout(cfg)
     _save_config(cfg)
+    clear_heartbeats(cfg.out)
     target_dir = resolve_target_dir(cfg)
     train_jsonl, eval_jsonl = prepare_data(cfg)
     ident = target_identity(cfg, target_dir)
@@ -119,37 +135,144 @@ def run_pipeline(cfg: Config, stages: tuple[str, ...], resume: str = "never") ->
     expected = expected_provenance(cfg, target_dir, ident, tokenizer)
     drafter_cfg = drafter_config_for(cfg, target_dir, tokenizer_mask_id(tokenizer))
     summary: dict = {"out": str(cfg.out)}
-    with ray_session(cfg) as ray:
-        capture_refs = _start_capture(ray, cfg, target_dir, ident, train_jsonl, paths) if "extract" in stages else []
-        group = _start_trainers(cfg, target_dir, expected, drafter_cfg, paths, resume) if "train" in stages else None
+    with (
+        Heartbeat(cfg.out, "driver", info=lambda: {"stages": list(stages)}),
+        ray_session(cfg) as ray,
+        _placement_group(ray, cfg, plan) as pg,
+    ):
+        def where(role: str, i: int) -> dict:  # the Ray options placing process i of a role
+            return placement.actor_placement(cfg, role, i, plan, pg)
+
+        capture_refs, group = [], None
+        if "extract" in stages:
+            capture_refs = _start_capture(ray, cfg, target_dir, ident, train_jsonl, paths, where)
+        if "train" in stages:
+            group = _start_trainers(cfg, target_dir, expected, drafter_cfg, paths, resume, where)
+            # supervised in a thread of its own: a lost rank is replaced while capture still runs
+            restart = functools.partial(_start_trainers, cfg, target_dir, expected, drafter_cfg, paths, where=where)
+            training = _InThread(supervise_training, cfg, group, restart, resume)
         evaluator = None
         if "eval" in stages and cfg.eval.enabled:
-            prompts = eval_prompt_ids(eval_jsonl, tokenizer, cfg.eval.num_prompts)
-            evaluator = _start_evaluator(cfg, target_dir, prompts, expected, paths["shards"])
+            prompts = eval_prompt_ids(eval_jsonl, tokenizer, cfg.eval.num_prompts, cfg.data.enable_thinking)
+            evaluator = _start_evaluator(cfg, target_dir, prompts, expected, paths["shards"], where("evaluator", 0))
         if capture_refs:
             summary["capture"] = _finish_capture(ray, capture_refs, paths["shards"])
         final_step = None
         if group is not None:
-            results = group.wait()
+            results = training.result()
             summary["train"] = [dataclasses.asdict(r) for r in results]
             final_step = max(r.steps for r in results)
             print(f"[train] finished at step {final_step}", flush=True)
         if evaluator is not None:
             if final_step is None:  # eval alone: everything exported so far (None: nothing to wait for)
                 final_step = max(_export_steps(paths["export"]), default=None)
-            evaluator.trainer_finished.remote(final_step)
-            summary["eval"] = ray.get(evaluator.wait.remote())
+            summary["eval"] = wait_evaluator(ray, evaluator, final_step, cfg.eval.max_restarts)
     summary["seconds"] = time.time() - t0
     _print_summary(cfg, paths, summary)
     return summary
 
 
-def _start_capture(ray, cfg, target_dir, ident, train_jsonl, paths):
+def supervise_training(cfg: Config, group, start_group: Callable[[str], Any], resume: str) -> list:
+    """Wait for the trainer group and return its results. When a rank fails, the whole group is
+    gone (TrainerGroup.wait stops it); faults.decide_restart says whether `start_group(resume)`
+    starts a new one, which resumes from the run's latest complete checkpoint (its train_log and
+    sample_log are cut back to that step, so they stay the run's true history), or the run
+    stops with a PipelineError saying why."""
+    from dflash_dist.actors.trainer_group import TrainerGroupError
+    from dflash_dist.faults import Failure, RestartPolicy, decide_restart, restart_resume
+    from dflash_dist.trainer.checkpoint import plan_resume
+
+    policy = RestartPolicy(cfg.train.max_restarts)
+    failures: list[Failure] = []
+    while True:
+        try:
+            return group.wait()
+        except TrainerGroupError as e:
+            failures.append(Failure(e.kind, e.rank, e.message, group.resumed_from))
+            decision = decide_restart(policy, failures)
+            if not decision.restart:
+                raise PipelineError(decision.message) from e
+            print(f"[train] {decision.message}", flush=True)
+            time.sleep(decision.delay_s)
+            has_checkpoint = plan_resume("auto", cfg.out / "checkpoints") is not None
+            group = start_group(restart_resume(resume, has_checkpoint))
+
+
+class _InThread:
+    """fn(*args) in a daemon thread (a driver that fails elsewhere must not be held open by it);
+    result() waits and returns its value or raises its error."""
+
+    def __init__(self, fn: Callable, *args) -> None:
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, *args), name=fn.__name__, daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable, *args) -> None:
+        try:
+            self._value = fn(*args)
+        except BaseException as e:  # handed to result()
+            self._error = e
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def wait_evaluator(ray, evaluator, final_step: int | None, max_restarts: int) -> list[dict]:
+    """Tell the evaluator the trainer's final step and wait for its results. Ray restarts a lost
+    evaluator (eval.max_restarts) and it continues after the last result under <out>/eval; a
+    restarted actor has forgotten `trainer_finished`, so it is told again."""
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    lost, unavailable_since = 0, None
+    while True:
+        try:
+            ray.get(evaluator.trainer_finished.remote(final_step))
+            return ray.get(evaluator.wait.remote())
+        except ActorUnavailableError as e:  # Ray is restarting it: ask again shortly
+            unavailable_since = unavailable_since or time.monotonic()
+            if time.monotonic() - unavailable_since > EVALUATOR_RESTART_TIMEOUT_S:
+                raise PipelineError(f"the evaluator did not come back within {EVALUATOR_RESTART_TIMEOUT_S:.0f}s of "
+                                    f"being restarted: {str(e).splitlines()[0]}") from e
+            time.sleep(1.0)
+        except RayActorError as e:
+            lost, unavailable_since = lost + 1, None
+            if lost > max_restarts:
+                raise PipelineError(f"the evaluator was lost {lost} time(s), more than eval.max_restarts="
+                                    f"{max_restarts}: {str(e).splitlines()[0]}") from e
+            print(f"[eval] the evaluator was lost ({type(e).__name__}); Ray restarts it and it continues after "
+                  "its last finished checkpoint", flush=True)
+
+
+@contextmanager
+def _placement_group(ray, cfg: Config, plan):
+    """Reserve every role's bundle before any actor starts (placement.py); released at the end."""
+    try:
+        pg = placement.reserve(ray, plan, cfg.ray.placement_timeout_s)
+    except TimeoutError as e:
+        raise PipelineError(str(e)) from None
+    try:
+        yield pg
+    finally:
+        placement.release(pg)
+
+
+def _start_capture(ray, cfg, target_dir, ident, train_jsonl, paths, where):
+    """One TargetWorker per slice; Ray restarts a dead one (capture.max_restarts) and retries its
+    call, which resumes from the ledger. No writer is alive yet, so unfinished shards left by an
+    earlier attempt are removed first."""
+    from data_pipeline.ledger import remove_stale_tmp
     from dflash_dist.actors.target_worker import TargetWorker
 
     n = cfg.capture.num_actors
+    remove_stale_tmp(paths["shards"])
+    retries = cfg.capture.max_restarts
     workers = [TargetWorker.options(num_cpus=cfg.capture.cpus_per_actor, num_gpus=cfg.capture.gpus_per_actor,
-                                    name=None).remote() for _ in range(n)]
+                                    name=None, max_restarts=retries, max_task_retries=retries,
+                                    **where("target", i)).remote() for i in range(n)]
     refs = [w.capture.remote(cfg.to_dict(), str(target_dir), dataclasses.asdict(ident), str(train_jsonl),
                              str(paths["shards"]), i, n) for i, w in enumerate(workers)]
     print(f"[extract] {n} target actor(s) capturing layers {list(ident.layer_ids)} into {paths['shards']}", flush=True)
@@ -157,34 +280,44 @@ def _start_capture(ray, cfg, target_dir, ident, train_jsonl, paths):
 
 
 def _finish_capture(ray, refs, shard_dir: Path) -> list[dict]:
+    """Wait for every actor, check the ledger (no key twice), mark the directory DONE. Totals
+    come from the manifest: a restarted actor's result covers only its last attempt."""
+    from data_pipeline.ledger import duplicate_keys, read_skipped
+    from data_pipeline.shard_reader import read_manifest
     from data_pipeline.shard_writer import mark_done
 
     try:
         results = ray.get(refs)
     except Exception as e:  # the actor's own error names the file/line/field
         raise PipelineError(f"target capture failed: {e}") from e
+    twice = duplicate_keys(shard_dir)
+    if twice:
+        raise PipelineError(f"{shard_dir}: samples captured twice ({twice[:5]}...): the shards are not usable; "
+                            "re-extract into another --out")
     mark_done(shard_dir)
-    samples = sum(r["samples"] for r in results)
-    print(f"[extract] {samples} samples, {sum(r['tokens'] for r in results)} tokens in "
-          f"{sum(r['shards'] for r in results)} shards (kernel path {results[0]['kernel_path']})", flush=True)
+    records, skipped = read_manifest(shard_dir), read_skipped(shard_dir)
+    print(f"[extract] {sum(r.n_samples for r in records)} samples, {sum(r.n_tokens for r in records)} tokens in "
+          f"{len(records)} shards, {len(skipped)} skipped as non-finite (kernel path {results[0]['kernel_path']})",
+          flush=True)
     return results
 
 
-def _start_trainers(cfg, target_dir, expected, drafter_cfg, paths, resume: str):
+def _start_trainers(cfg, target_dir, expected, drafter_cfg, paths, resume: str, where):
     from dflash_dist.actors.trainer_group import start_trainer_group
     from dflash_dist.trainer.checkpoint import ResumeError
 
     try:
         return start_trainer_group(cfg, target_dir=target_dir, shard_dir=paths["shards"], expected=expected,
-                                   drafter_cfg=drafter_cfg, resume=resume)
+                                   drafter_cfg=drafter_cfg, resume=resume,
+                                   placement=[where("trainer", r) for r in range(cfg.train.world_size)])
     except ResumeError as e:
         raise PipelineError(str(e)) from None
 
 
-def _start_evaluator(cfg, target_dir, prompts, expected, shard_dir: Path):
+def _start_evaluator(cfg, target_dir, prompts, expected, shard_dir: Path, where: dict):
     from dflash_dist.actors.evaluator_actor import EvaluatorActor, evaluator_actor_options
 
-    actor = EvaluatorActor.options(**evaluator_actor_options(cfg)).remote(
+    actor = EvaluatorActor.options(**evaluator_actor_options(cfg), **where).remote(
         cfg.to_dict(), str(cfg.out), str(target_dir), prompts, expected.to_json(), str(shard_dir),
         cfg.eval.poll_s, cfg.eval.max_backlog, cfg.eval.backlog_stride)
     actor.start.remote()

@@ -148,4 +148,6 @@ def expected_provenance(cfg: Config, target_dir: Path, ident: TargetIdentity, to
     """What trainers demand of every shard of this run (computed without loading the model)."""
     from data_pipeline.chat_data import template_hash
 
-    return _provenance(ident, expected_kernel_path(cfg, target_dir), template_hash(tokenizer))
+    return _provenance(
+        ident, expected_kernel_path(cfg, target_dir), template_hash(tokenizer, cfg.data.enable_thinking)
+    )

@@ -4,6 +4,10 @@
   dflash-dist extract|train|eval CONFIG --out DIR [overrides]  one stage (train/eval consume DIR)
       run/train --resume auto|never|PATH   auto: continue DIR/checkpoints/latest if there (reusing
       complete shards); never (default): refuse a DIR holding a run; PATH: from that checkpoint tag
+      run/train --launcher slurm   inside a Slurm job (slurm/*.sbatch); extract --slice I/N   one slice, no Ray
+  dflash-dist regenerate CONFIG [--out DIR] [--limit N] [overrides]
+      the target's own responses to the input's prompts (regen.*), a new JSONL; a rerun resumes
+  dflash-dist status DIR [--json]                              shards, disk, trainer, tau, roles alive
   dflash-dist demo                                             the tiny core demo (no Ray)
   dflash-dist parity DIR [--device cuda]                       numerics against golden data
 """
@@ -20,7 +24,7 @@ def _pipeline_parser(cmd: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=f"dflash-dist {cmd}")
     ap.add_argument("config", help="YAML config (e.g. configs/tiny.yaml)")
     ap.add_argument("--out", default=None, required=cmd != "run", help="output directory (run.out_dir)")
-    if cmd in ("run", "train"):
+    if cmd in ("run", "train", "extract"):  # extract: auto resumes an unfinished capture (ledger)
         ap.add_argument(
             "--resume",
             default="never",
@@ -29,6 +33,14 @@ def _pipeline_parser(cmd: str) -> argparse.ArgumentParser:
             "fresh; never (default): refuse a DIR that already holds a run; PATH: start from that checkpoint tag "
             "directory",
         )
+    if cmd in ("run", "train"):
+        ap.add_argument("--launcher", choices=("ray", "slurm"), default="ray",
+                        help="slurm: inside a Slurm job (slurm/*.sbatch): run starts a Ray cluster over the job's "
+                        "nodes first; train runs one DeepSpeed rank per srun task, without Ray")
+    if cmd == "extract":
+        ap.add_argument("--slice", default=None, metavar="I/N",
+                        help="capture only slice I of N in this process, without Ray (a Slurm array task); the "
+                        "slice that completes the set marks the shards DONE")
     ap.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. train.lr=1e-3")
     return ap
 
@@ -43,10 +55,16 @@ def main(argv: list[str] | None = None) -> int:
         from dflash_dist.demo import main as demo_main
 
         return demo_main(rest)
+    if cmd == "status":
+        from launcher.status import main as status_main
+
+        return status_main(rest)
     if cmd == "parity":
         from dflash_dist.parity import main as parity_main
 
         return parity_main(rest)
+    if cmd == "regenerate":
+        return _regenerate(rest)
     if cmd not in STAGES:
         print(f"dflash-dist: unknown command {cmd!r}\n{__doc__.strip()}", file=sys.stderr)
         return 2
@@ -60,10 +78,62 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from dflash_dist.pipeline import PipelineError, run_pipeline
 
+    if getattr(args, "launcher", "ray") == "slurm" or getattr(args, "slice", None):
+        return _slurm(cmd, args, cfg)
     try:
         run_pipeline(cfg, STAGES[cmd], resume=getattr(args, "resume", "never"))
     except (PipelineError, ConfigError) as e:
         print(f"dflash-dist {cmd}: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _slurm(cmd: str, args: argparse.Namespace, cfg) -> int:
+    """The Slurm entry points (launcher/slurm_*.py; slurm/*.sbatch call them)."""
+    from dflash_dist.config import ConfigError
+    from dflash_dist.pipeline import PipelineError
+    from dflash_dist.trainer.checkpoint import ResumeError
+
+    try:
+        if cmd == "extract":
+            from launcher.slurm_capture import capture_slice, parse_slice
+
+            capture_slice(cfg, *parse_slice(args.slice))
+            return 0
+        if cmd == "train":
+            from launcher.slurm_train import run_slurm_trainer
+
+            return run_slurm_trainer(cfg, args.resume)
+        if cmd == "run":
+            from launcher.slurm_ray import run_on_slurm_ray
+
+            argv = ["run", args.config, "--out", str(cfg.out), "--resume", args.resume, *args.overrides]
+            return run_on_slurm_ray(cfg, argv)
+    except (PipelineError, ConfigError, ResumeError) as e:
+        print(f"dflash-dist {cmd}: error: {e}", file=sys.stderr)
+        return 1
+    print(f"dflash-dist {cmd}: --launcher slurm is for run, train and extract --slice", file=sys.stderr)
+    return 2
+
+
+def _regenerate(rest: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="dflash-dist regenerate")
+    ap.add_argument("config", help="YAML config; the regen: section says how (target or server)")
+    ap.add_argument("--out", default=None, help="run directory (run.out_dir); the output defaults to DIR/data/")
+    ap.add_argument("--limit", type=int, default=None, help="stop after this many records (rerun to continue)")
+    ap.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. regen.temperature=0.7")
+    args = ap.parse_intermixed_args(rest)
+    from data_pipeline.ingest import DataError
+    from dflash_dist.config import ConfigError, load_config
+    from dflash_dist.regenerate import RegenError, run_regenerate
+
+    try:
+        run_regenerate(load_config(args.config, args.overrides, out_dir=args.out), limit=args.limit)
+    except ConfigError as e:
+        print(f"dflash-dist regenerate: config error: {e}", file=sys.stderr)
+        return 2
+    except (RegenError, DataError) as e:
+        print(f"dflash-dist regenerate: error: {e}", file=sys.stderr)
         return 1
     return 0
 

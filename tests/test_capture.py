@@ -10,6 +10,15 @@ from dflash_dist.model.capture import capture_features, check_kernel_path, decod
 from dflash_dist.model.config import build_target_layer_ids
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models on a shared 2-core machine: intra-op threads only add contention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def qwen35():
     return tiny_qwen35_target(DemoConfig(target_layers=8))
@@ -88,3 +97,149 @@ def test_kernel_path_policy_refuses_torch_gdn_on_cuda_unless_allowed():
     assert kernel_path_refusal("fla", on_cuda=True, has_gdn=True, allow_torch_gdn_on_cuda=False) is None
     assert kernel_path_refusal("torch", on_cuda=False, has_gdn=True, allow_torch_gdn_on_cuda=False) is None
     assert kernel_path_refusal("torch", on_cuda=True, has_gdn=False, allow_torch_gdn_on_cuda=False) is None
+
+
+# ---------------------------------------------------------------------------- CaptureJob on a saved target
+def write_conversations(path, n: int, seed: int = 0) -> None:
+    """`n` code-continuation conversations of varied lengths, cut from a few stdlib files."""
+    import json
+    import random
+
+    from data_pipeline.stdlib_corpus import iter_sources, list_stdlib_files
+
+    files = list_stdlib_files(split="train")[:20]
+    lines = [ln[:60] for _, text in iter_sources(files) for ln in text.splitlines() if ln.strip()]
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            a = rng.randrange(len(lines) - 60)
+            b = a + rng.randint(1, 8)
+            c = b + rng.randint(1, 10)
+            msgs = [{"role": "user", "content": "Continue:\n" + "\n".join(lines[a:b])},
+                    {"role": "assistant", "content": "\n".join(lines[b:c]) or "pass"}]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+
+
+def make_capture_target(root, poison_token: int | None = None):
+    """A tiny random Qwen3.5 target (4 layers, H=64) saved with a ChatML BPE tokenizer. With
+    `poison_token`, that token's embedding row is NaN: every sequence holding it captures NaN."""
+    from data_pipeline.stdlib_corpus import iter_sources, list_stdlib_files
+    from data_pipeline.tiny_tokenizer import train_tokenizer
+
+    root.mkdir(parents=True, exist_ok=True)
+    model = tiny_qwen35_target(DemoConfig(vocab_size=384, target_layers=4))
+    if poison_token is not None:
+        with torch.no_grad():
+            model.get_input_embeddings().weight[poison_token] = float("nan")
+    model.save_pretrained(root)
+    texts = [text for _, text in iter_sources(list_stdlib_files(split="train")[:20])]
+    train_tokenizer(texts, vocab_size=384).save_pretrained(root)
+    return root
+
+
+def capture_config(out, target_dir, train_jsonl, **capture):
+    from dflash_dist.config import Config
+
+    cfg = Config()
+    cfg.run.out_dir = str(out)
+    cfg.target.kind, cfg.target.path, cfg.target.dtype, cfg.target.device = "hf", str(target_dir), "float32", "cpu"
+    cfg.data.train_path, cfg.data.max_length = str(train_jsonl), 256
+    c = cfg.capture
+    c.layer_ids, c.regenerate, c.batch_size, c.shard_bytes = [1, 2], False, 4, 300_000
+    for k, v in capture.items():
+        setattr(c, k, v)
+    return cfg
+
+
+def run_capture(cfg, actor_index: int = 0, num_actors: int = 1):
+    from dflash_dist.capture_job import CaptureJob
+    from dflash_dist.target import target_identity
+
+    target_dir = cfg.target.path
+    job = CaptureJob(cfg, target_dir, target_identity(cfg, target_dir), cfg.data.train_path, cfg.out / "shards",
+                     actor_index, num_actors)
+    return job.run()
+
+
+@pytest.fixture(scope="module")
+def saved_target(tmp_path_factory):
+    root = tmp_path_factory.mktemp("capture")
+    write_conversations(root / "train.jsonl", 24)
+    return {"dir": make_capture_target(root / "target"), "jsonl": root / "train.jsonl", "root": root}
+
+
+def test_pack_by_tokens_sorts_and_respects_the_budget():
+    from dflash_dist.capture_job import pack_by_tokens
+
+    lengths = [5, 40, 12, 33, 7, 100, 12, 3]
+    passes = pack_by_tokens(lengths, 80, batch_size=99)
+    assert sorted(i for p in passes for i in p) == list(range(len(lengths)))  # each exactly once
+    assert passes[0] == [5]  # 100 > 80: alone
+    for p in passes:
+        assert len(p) == 1 or max(lengths[i] for i in p) * len(p) <= 80
+        assert [lengths[i] for i in p] == sorted((lengths[i] for i in p), reverse=True)
+    flat = [lengths[i] for p in passes for i in p]
+    assert flat == sorted(lengths, reverse=True)  # longest first across passes
+    assert pack_by_tokens(lengths, None, batch_size=3) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+
+
+def test_token_budget_capture_equals_one_sequence_per_pass(saved_target, tmp_path):
+    """Length-sorted passes under a token budget: the same keys and (to float rounding) the same
+    features as capturing every sequence alone; the payload share of bytes on disk is measured."""
+    from data_pipeline.shard_reader import iter_shard_samples, read_manifest
+
+    one = capture_config(tmp_path / "one", saved_target["dir"], saved_target["jsonl"], batch_size=1)
+    packed = capture_config(tmp_path / "packed", saved_target["dir"], saved_target["jsonl"], token_budget=600)
+    r1, r2 = run_capture(one), run_capture(packed)
+    assert r1.samples == r2.samples == 24 and r2.skipped == 0 and r2.shards >= 2
+
+    def samples(cfg):
+        shards = cfg.out / "shards"
+        return {s.key: s for r in read_manifest(shards) for s in iter_shard_samples(shards / r.name)}
+
+    a, b = samples(one), samples(packed)
+    assert sorted(a) == sorted(b) == [f"train-{i:08d}" for i in range(24)]
+    for key in a:
+        assert torch.equal(a[key].input_ids, b[key].input_ids) and torch.equal(a[key].loss_mask, b[key].loss_mask)
+        assert torch.allclose(a[key].features, b[key].features, atol=1e-4, rtol=1e-4)
+        assert (a[key].target_argmax == b[key].target_argmax).float().mean() > 0.95
+    lengths = [s.num_tokens for s in b.values()]
+    assert max(lengths) > 2 * min(lengths)  # varied lengths: the packing had something to sort
+    # bytes on disk: k*H*4 bytes of features per token plus, per sample, 5 tar members (header +
+    # padding <= 1023 bytes each), npy headers, 9 bytes/token of ids/mask/argmax and meta.json
+    records = read_manifest(packed.out / "shards")
+    tokens, on_disk = sum(r.n_tokens for r in records), sum(r.n_bytes for r in records)
+    payload = tokens * 2 * 64 * 4
+    bound = payload + 9 * tokens + 24 * (5 * 1024 + 4 * 128 + 512) + len(records) * 10240
+    print(f"\nH=64 fp32: feature payload {payload / on_disk:.1%} of {on_disk} bytes on disk")
+    assert payload < on_disk <= bound
+
+
+def test_nonfinite_samples_are_skipped_and_recorded_in_the_ledger(saved_target, tmp_path):
+    from transformers import AutoTokenizer
+
+    from data_pipeline.chat_data import ChatEncoder, read_chat_jsonl
+    from data_pipeline.ledger import captured_keys, read_skipped
+    from data_pipeline.shard_reader import iter_shard_samples, read_manifest
+
+    tok = AutoTokenizer.from_pretrained(saved_target["dir"])
+    enc = ChatEncoder(tok)
+    seqs = [enc.encode(r).input_ids.tolist()[:256] for r in read_chat_jsonl(saved_target["jsonl"])]
+    # a token some sequences hold and others do not
+    counts = {t: sum(t in s for s in seqs) for t in range(300)}
+    poison = min(counts, key=lambda t: abs(counts[t] - 6))
+    bad = {f"train-{i:08d}" for i, s in enumerate(seqs) if poison in s}
+    assert 0 < len(bad) < 24
+    target = make_capture_target(tmp_path / "poisoned", poison_token=poison)
+    cfg = capture_config(tmp_path / "run", target, saved_target["jsonl"], token_budget=600)
+    result = run_capture(cfg)
+    shards = cfg.out / "shards"
+    written = [k for r in read_manifest(shards) for k in r.keys]
+    assert result.skipped == len(bad) and result.samples == 24 - len(bad)
+    assert {r["key"] for r in read_skipped(shards)} == bad and not bad & set(written)
+    assert all(r["reason"] == "nonfinite_features" for r in read_skipped(shards))
+    for r in read_manifest(shards):
+        assert all(torch.isfinite(s.features).all() for s in iter_shard_samples(shards / r.name))
+    assert captured_keys(shards) == {f"train-{i:08d}" for i in range(24)}
+    again = run_capture(cfg)  # settled, skipped ones included: nothing is redone
+    assert (again.samples, again.skipped, again.resumed) == (0, 0, 24)

@@ -136,6 +136,9 @@ def test_template_hash_tracks_template_and_vocab(tokenizer) -> None:
         tokenizer.chat_template = original
     other = train_tokenizer([text for _, text in iter_sources(list_stdlib_files(split="train")[20:30])], 512)
     assert template_hash(other) != first
+    # the thinking switch changes the tokenization of every conversation: its setting is hashed
+    on, off = template_hash(tokenizer, True), template_hash(tokenizer, False)
+    assert len({first, on, off}) == 3 and template_hash(tokenizer, None) == first
 
 
 def test_code_chat_samples_are_deterministic_and_validate() -> None:

@@ -70,3 +70,26 @@ def test_loss_formula_matches_manual():
     correct = (out.logits.argmax(-1).view_as(labels) == labels).float() * binary
     assert torch.allclose(out.accuracy, correct.sum() / (binary.sum() + 1e-6))
     assert torch.equal(out.slot_count, binary.sum((0, 1))) and out.slot_count[0] == 0
+
+
+def test_per_sample_statistics_match_manual_and_both_vocab_paths():
+    d = small_drafter(block=4)
+    ids = torch.randint(0, 60, (3, 18))
+    f = torch.randn(3, 18, 96)
+    lm = torch.ones(3, 18)
+    lm[1, :10] = 0
+    lm[2] = 0  # a sample with nothing supervised: loss 0, count 0
+    a = sample_anchors(lm, 5, torch.Generator().manual_seed(3))
+    full = dflash_loss(d, ids, f, lm, a, gamma=3.0, return_logits=True)
+    chunked = dflash_loss(d, ids, f, lm, a, gamma=3.0, vocab_chunk_rows=7)
+    labels, binary = label_targets(ids, lm, a, 4)
+    w = binary * decay_weights(4, 3.0)
+    ce = F.cross_entropy(full.logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(w)
+    want = (w * ce).sum((1, 2)) / (w.sum((1, 2)) + 1e-6)
+    correct = ((full.logits.argmax(-1).view_as(labels) == labels).float() * binary).sum((1, 2))
+    for out in (full, chunked):
+        assert torch.allclose(out.sample_loss, want, atol=1e-5)
+        assert torch.equal(out.sample_correct, correct) and torch.equal(out.sample_count, binary.sum((1, 2)))
+    assert chunked.sample_count[2] == 0 and chunked.sample_loss[2] == 0
+    # the batch loss is the weight-averaged per-sample loss
+    assert torch.allclose((want * w.sum((1, 2))).sum() / w.sum(), full.loss, atol=1e-5)

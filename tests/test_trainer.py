@@ -117,6 +117,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def histograms(tb_dir: Path) -> dict[str, list[tuple[int, float, float, float]]]:
+    """tag -> [(step, count, min, max)] of every TensorBoard histogram."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir), size_guidance={"histograms": 0})
+    acc.Reload()
+    return {
+        tag: [
+            (e.step, e.histogram_value.num, e.histogram_value.min, e.histogram_value.max)
+            for e in acc.Histograms(tag)
+        ]
+        for tag in acc.Tags()["histograms"]
+    }
+
+
+def trainable_count(drafter_cfg) -> int:
+    return sum(1 for n, _ in DFlashDrafter(drafter_cfg).named_parameters() if n not in DFlashDrafter.TARGET_KEYS)
+
+
 def scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -126,6 +145,16 @@ def scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 # ---------------------------------------------------------------------------- pure pieces
+def test_length_bucket_accuracy():
+    from dflash_dist.trainer.loop import length_bucket_accuracy
+
+    correct = torch.tensor([3.0, 1.0, 5.0, 0.0])
+    count = torch.tensor([4.0, 4.0, 10.0, 0.0])
+    length = torch.tensor([100.0, 255.0, 256.0, 9000.0])
+    got = length_bucket_accuracy(correct, count, length)
+    assert got == {"train/acc_len_0_256": 0.5, "train/acc_len_256_512": 0.5}  # nothing supervised >= 4096
+
+
 def test_rank_environment_single_and_multi_node():
     cpu = [WorkerInfo("n0", "10.0.0.5", ()), WorkerInfo("n0", "10.0.0.5", ())]
     envs = rank_environment(cpu, 1234)
@@ -242,7 +271,7 @@ def test_zero2_group_streams_trains_checkpoints_exports(tiny, ray_cluster, tmp_p
     samples = tiny["samples"]
     first = 4 * PER_SHARD
     write_shards(shards, tiny["prov"], samples[:first], done=False)  # capture still running
-    cfg = make_cfg(out, tiny["target_dir"], zero_stage=2)
+    cfg = make_cfg(out, tiny["target_dir"], zero_stage=2, histogram_every=4)
     t0 = time.time()
     group = start_trainer_group(cfg, tiny["target_dir"], shards, tiny["prov"], tiny["drafter"], num_samples=NUM_SAMPLES)
     # the trainers start on 4 shards; the rest arrive while rank 0 logs its first steps
@@ -292,6 +321,15 @@ def test_zero2_group_streams_trains_checkpoints_exports(tiny, ray_cluster, tmp_p
     assert all(0 <= v <= 1 for _, v in s["data/wait_frac"]) and max(v for _, v in s["data/wait_frac"]) > 0
     assert all(v > 0 for _, v in s["train/tokens_per_s"])
     assert [v for _, v in s["data/dropped_samples"]] == [2, 2, 2]
+    # diagnostics: accuracy by length bucket (samples here are 32 tokens), histograms of the
+    # per-sample loss (every log: 2 ranks x 2 samples) and of per-parameter gradient norms
+    assert [st for st, _ in s["train/acc_len_0_256"]] == list(range(1, 13))
+    assert not any(t.startswith("train/acc_len_256") for t in s)
+    h = histograms(out / "tb" / "train")
+    assert [(st, n) for st, n, *_ in h["train/loss_per_sample"]] == [(st, 4) for st in range(1, 13)]
+    grads = h["train/grad_norm_per_param"]
+    assert [(st, n) for st, n, *_ in grads] == [(st, trainable_count(tiny["drafter"])) for st in (4, 8, 12)]
+    assert all(lo > 0 and math.isfinite(hi) for _, _, lo, hi in grads)  # every parameter got a gradient
     assert results[0].final_loss == pytest.approx(loss[-1], rel=1e-5)
 
 
@@ -303,7 +341,9 @@ def test_zero3_group_exports_the_gathered_drafter_and_resumes(tiny, ray_cluster,
 
     out, shards = tmp_path / "run", tmp_path / "shards"
     write_shards(shards, tiny["prov"], tiny["samples"], done=True)
-    cfg = make_cfg(out, tiny["target_dir"], zero_stage=3, max_steps=3, epochs=1, checkpoint_every=100)
+    cfg = make_cfg(
+        out, tiny["target_dir"], zero_stage=3, max_steps=3, epochs=1, checkpoint_every=100, histogram_every=2
+    )
     total = 6  # the LR schedule of the whole run, interrupted at step 3 and resumed below
     args = (tiny["target_dir"], shards, tiny["prov"], tiny["drafter"])
     results = start_trainer_group(cfg, *args, total_steps=total).wait(timeout_s=300)
@@ -331,7 +371,9 @@ def test_zero3_group_exports_the_gathered_drafter_and_resumes(tiny, ray_cluster,
 
     # resume: step 4 finishes epoch 0 from the saved reader positions (so the epoch ends right
     # there with rank 0's 2 left-over samples dropped), step 5 is epoch 1; the LR continues
-    cfg2 = make_cfg(out, tiny["target_dir"], zero_stage=3, max_steps=5, epochs=2, checkpoint_every=100)
+    cfg2 = make_cfg(
+        out, tiny["target_dir"], zero_stage=3, max_steps=5, epochs=2, checkpoint_every=100, histogram_every=2
+    )
     results = start_trainer_group(cfg2, *args, total_steps=total).wait(timeout_s=300)
     assert results[0].resumed_from.endswith("step_3")
     assert [(r.steps, r.epochs_completed, r.samples_consumed) for r in results] == [(5, 1, 4), (5, 1, 4)]
@@ -343,3 +385,35 @@ def test_zero3_group_exports_the_gathered_drafter_and_resumes(tiny, ray_cluster,
     sched = WarmupCosine(total, 1)
     assert [lr[st] for st in (1, 2, 3, 4, 5)] == pytest.approx([cfg.train.lr * sched(i) for i in range(5)])
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_5"
+    # ZeRO-3 gathers each partitioned gradient for the histogram (steps 2 and 4)
+    grads = histograms(out / "tb" / "train")["train/grad_norm_per_param"]
+    assert [(st, n) for st, n, *_ in grads] == [(st, trainable_count(tiny["drafter"])) for st in (2, 4)]
+    assert all(lo > 0 for _, _, lo, _ in grads)
+
+
+# ---------------------------------------------------------------------------- (d) a corrupt shard
+def test_corrupt_shard_is_skipped_counted_and_accounted(tiny, ray_cluster, tmp_path):
+    """A truncated shard stops neither rank: its samples are logged as data/skipped (every epoch
+    it is read), and trained + skipped + dropped is every sample of every epoch."""
+    from data_pipeline.shard_reader import read_manifest
+    from dflash_dist.actors.trainer_group import start_trainer_group
+
+    out, shards = tmp_path / "run", tmp_path / "shards"
+    write_shards(shards, tiny["prov"], tiny["samples"], done=True)
+    bad = shards / read_manifest(shards)[0].name  # epoch 0: rank 0's first shard
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    cfg = make_cfg(out, tiny["target_dir"], zero_stage=2, epochs=2, checkpoint_every=100, log_every=2)
+    group = start_trainer_group(
+        cfg, tiny["target_dir"], shards, tiny["prov"], tiny["drafter"], num_samples=NUM_SAMPLES - PER_SHARD
+    )
+    results = group.wait(timeout_s=300)
+
+    assert all(r.epochs_completed == 2 for r in results)
+    assert [r.samples_consumed for r in results][:1] * 2 == [r.samples_consumed for r in results]  # lock-step
+    trained = sum(r.samples_consumed for r in results)
+    dropped = sum(r.samples_dropped for r in results)
+    assert trained + dropped + 2 * PER_SHARD == 2 * NUM_SAMPLES
+    s = scalars(out / "tb" / "train")
+    assert s["data/skipped"][-1][1] == 2 * PER_SHARD  # one shard of 2 samples, in each of 2 epochs
+    assert sum(v for _, v in s["data/dropped_samples"]) == dropped
+    assert all(math.isfinite(v) for _, v in s["train/loss"])

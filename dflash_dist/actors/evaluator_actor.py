@@ -6,10 +6,15 @@ provenance as JSON, and EvalResult JSON dicts back. The target is loaded inside 
 trainer's first steps; an error there is reported by `status()` and raised by `wait()`.
 The actor is threaded (max_concurrency), so `status()` and `trainer_finished()` are answered
 while `wait()` blocks.
+
+Ray restarts a lost evaluator (eval.max_restarts): the restarted actor starts itself, reads the
+results it already wrote under <out>/eval and continues after the newest (none measured twice);
+the driver tells it `trainer_finished` again (pipeline.wait_evaluator).
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 import time
@@ -26,7 +31,7 @@ MAX_CONCURRENCY = 4  # wait() blocks one slot; status()/trainer_finished() need 
 def evaluator_actor_options(cfg: Config) -> dict:
     """The evaluator actor's Ray options, every key written out (STYLE 4)."""
     return {"num_cpus": cfg.eval.num_cpus, "num_gpus": cfg.eval.num_gpus, "max_concurrency": MAX_CONCURRENCY,
-            "max_restarts": 0}
+            "max_restarts": cfg.eval.max_restarts, "max_task_retries": 0}
 
 
 @ray.remote(max_concurrency=MAX_CONCURRENCY)
@@ -49,6 +54,10 @@ class EvaluatorActor:
         self._started = threading.Event()  # calls of a threaded actor may run out of order
         self._error: BaseException | None = None
         self._error_text: str | None = None
+        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if self.restarted:  # by Ray, after the process was lost: nobody calls start() again
+            print(f"[eval] evaluator restarted (pid {os.getpid()}): continuing after its last result", flush=True)
+            self.start()
 
     def start(self) -> None:
         """Load the target and follow the exports in a background thread."""
@@ -75,6 +84,9 @@ class EvaluatorActor:
             "last_tau_chain": last.tau_chain if last else None,
             "trainer_finished": self._finished,
             "error": self._error_text,
+            "restarted": self.restarted,
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
         }
 
     def wait(self, timeout_s: float | None = None) -> list[dict]:
@@ -90,6 +102,10 @@ class EvaluatorActor:
             raise _portable(self._error)
         return [r.to_json() for r in self._evaluator.results.values()]
 
+    def _progress(self) -> dict:
+        ev = self._evaluator
+        return {"evaluated": len(ev.done) if ev is not None else 0}
+
     def _stop(self) -> tuple[bool, int | None]:
         with self._lock:
             return self._finished, self._final_step
@@ -97,12 +113,14 @@ class EvaluatorActor:
     def _run(self) -> None:
         from data_pipeline.provenance import Provenance
         from dflash_dist.evaluator.evaluator import Evaluator
+        from dflash_dist.heartbeat import Heartbeat
 
         out_dir, target_dir, eval_prompts, expected_json, shard_dir = self._args
         try:
-            expected = Provenance.from_json(expected_json, "expected provenance") if expected_json else None
-            self._evaluator = Evaluator(self.cfg, out_dir, target_dir, eval_prompts, expected, shard_dir=shard_dir)
-            self._evaluator.run_until(self._stop, **self._loop)
+            with Heartbeat(out_dir, "evaluator", 0, info=self._progress):
+                expected = Provenance.from_json(expected_json, "expected provenance") if expected_json else None
+                self._evaluator = Evaluator(self.cfg, out_dir, target_dir, eval_prompts, expected, shard_dir=shard_dir)
+                self._evaluator.run_until(self._stop, **self._loop)
         except BaseException as e:  # kept for wait(); the thread itself has no caller to raise to
             self._error, self._error_text = e, "".join(traceback.format_exception_only(type(e), e)).strip()
         finally:

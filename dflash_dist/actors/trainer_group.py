@@ -18,6 +18,7 @@ import ray
 
 from data_pipeline.provenance import Provenance
 from dflash_dist.config import Config, load_config_dict
+from dflash_dist.faults import DIED, ERROR
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.trainer.checkpoint import check_resumable, plan_resume, read_marker
 from dflash_dist.trainer.ds_config import total_train_steps
@@ -105,36 +106,66 @@ class TrainerWorker:
             return s.getsockname()[1]
 
     def run(self, cfg_dict: dict, job: TrainJob, env: dict[str, str], extensions_dir: str) -> TrainResult:
-        os.environ.update(env)
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir)
-        import deepspeed
-        import torch
-        import torch.distributed as dist
+        return run_rank(cfg_dict, job, env, extensions_dir, rank=self.rank)
 
-        from dflash_dist.trainer.loop import Trainer
 
-        on_gpu = env["DS_ACCELERATOR"] == "cuda"
-        if not on_gpu:
-            torch.set_num_threads(1)
-        deepspeed.init_distributed(
-            dist_backend="nccl" if on_gpu else "gloo", auto_mpi_discovery=False, dist_init_required=True
-        )
-        try:
-            return Trainer(load_config_dict(cfg_dict), job).run()
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+def run_rank(cfg_dict: dict, job: TrainJob, env: dict[str, str], extensions_dir: str, rank: int) -> TrainResult:
+    """One rank in this process: set its process-group environment, join the group (gloo on
+    CPU, NCCL on GPU), run the Trainer under a heartbeat, leave the group. No Ray: a Ray actor
+    and an srun task (launcher/slurm_train.py) both call it."""
+    os.environ.update(env)
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir)
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from dflash_dist.heartbeat import Heartbeat
+    from dflash_dist.trainer.loop import Trainer
+
+    on_gpu = env["DS_ACCELERATOR"] == "cuda"
+    if not on_gpu:
+        torch.set_num_threads(1)
+    deepspeed.init_distributed(
+        dist_backend="nccl" if on_gpu else "gloo", auto_mpi_discovery=False, dist_init_required=True
+    )
+    cfg = load_config_dict(cfg_dict)
+    try:
+        with Heartbeat(cfg.out, "trainer", rank) as beat:
+            trainer = Trainer(cfg, job)
+            beat.info = lambda: {"step": trainer.step, "epoch": trainer.epoch,
+                                 "samples": trainer.samples_consumed,
+                                 "shards_consumed": len((trainer.reader_state or {}).get("consumed", ()))}
+            return trainer.run()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class TrainerGroupError(RuntimeError):
+    """The group ended because a rank failed: `kind` is faults.DIED (its process or node was
+    lost) or faults.ERROR (the trainer code raised), `rank` the rank that did."""
+
+    def __init__(self, kind: str, rank: int, message: str) -> None:
+        super().__init__(f"trainer rank {rank} {'was lost' if kind == DIED else 'failed'}: {message}")
+        self.kind, self.rank, self.message = kind, rank, message
+
+
+# Ray's errors for a process, worker or node that is gone (not an exception of our code)
+_LOST = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError)
+FAILURE_GRACE_S = 5.0  # after a rank's error, how long its peers get to report a lost process
 
 
 class TrainerGroup:
-    """The running trainer ranks; `wait()` returns their results (rank order)."""
+    """The running trainer ranks; `wait()` returns their results (rank order). `resumed_from`:
+    the checkpoint the ranks started from (None: step 0)."""
 
-    def __init__(self, workers: list, refs: list, infos: list[WorkerInfo]) -> None:
-        self.workers, self.refs, self.infos = workers, refs, infos
+    def __init__(self, workers: list, refs: list, infos: list[WorkerInfo], resumed_from: str | None = None) -> None:
+        self.workers, self.refs, self.infos, self.resumed_from = workers, refs, infos, resumed_from
 
     def wait(self, timeout_s: float | None = None) -> list[TrainResult]:
         """Block until every rank returns. A failing rank stops the whole group at once (its
-        peers would otherwise wait in a collective until the backend times out)."""
+        peers would otherwise wait in a collective until the backend times out) and raises
+        TrainerGroupError; a lost process is named over the errors it caused in its peers."""
         pending = list(self.refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
@@ -143,12 +174,32 @@ class TrainerGroup:
                 raise TimeoutError(f"trainer group did not finish within {timeout_s} s")
             try:
                 ray.get(done[0])
-            except Exception:
+            except Exception as e:
+                failure = self._classify(done[0], e, pending)
                 self.shutdown()
-                raise
+                raise failure from e
         results = ray.get(self.refs)
         self.shutdown()
         return results
+
+    def _classify(self, ref, error: Exception, pending: list) -> TrainerGroupError:
+        """The failure to report: the first lost rank among those done within FAILURE_GRACE_S
+        (a peer's gloo error is a consequence), else the first error."""
+        failures = [(ref, error)]
+        if not isinstance(error, _LOST) and pending:
+            done, _ = ray.wait(pending, num_returns=len(pending), timeout=FAILURE_GRACE_S)
+            for r in done:
+                try:
+                    ray.get(r)
+                except Exception as e:
+                    failures.append((r, e))
+        ref, error = next(((r, e) for r, e in failures if isinstance(e, _LOST)), failures[0])
+        kind = DIED if isinstance(error, _LOST) else ERROR
+        cause = error.cause if isinstance(error, ray.exceptions.RayTaskError) and error.cause is not None else error
+        message = f"{type(cause).__name__}: {cause}".strip()
+        if kind == DIED:  # Ray's text runs over many lines of context; its first names what died
+            message = message.splitlines()[0]
+        return TrainerGroupError(kind, self.refs.index(ref), message)
 
     def shutdown(self) -> None:
         for w in self.workers:
@@ -167,6 +218,37 @@ def trainer_actor_options(cfg: Config) -> dict:
     }
 
 
+def train_job(
+    cfg: Config,
+    target_dir: str | Path,
+    shard_dir: str | Path,
+    expected: Provenance,
+    drafter_cfg: DrafterConfig,
+    *,
+    num_samples: int | None = None,
+    total_steps: int | None = None,
+    resume: str = "auto",
+    announce: bool = True,
+) -> TrainJob:
+    """The TrainJob every rank gets: the LR schedule spans `total_steps`, or else the steps
+    train.max_steps / `num_samples` (default data.max_train_samples) give; `resume` (auto, never
+    or a checkpoint tag directory, checkpoint.plan_resume) is checked here, before any rank
+    starts (world size, training config, shards), and raises checkpoint.ResumeError."""
+    world = cfg.train.world_size
+    if total_steps is None:
+        samples = num_samples if num_samples is not None else cfg.data.max_train_samples
+        total_steps = total_train_steps(cfg, world, samples)
+    resume_from = plan_resume(resume, cfg.out / "checkpoints")
+    if resume_from is not None:
+        harmless = check_resumable(read_marker(resume_from), cfg.to_dict(), world, shard_dir, str(resume_from))
+        note = f" (changed since: {'; '.join(harmless)})" if harmless else ""
+        if announce:
+            print(f"[train] resuming from {resume_from}{note}", flush=True)
+    return TrainJob(
+        str(target_dir), str(shard_dir), expected, drafter_cfg, total_steps, str(resume_from) if resume_from else None
+    )
+
+
 def start_trainer_group(
     cfg: Config,
     target_dir: str | Path,
@@ -177,6 +259,7 @@ def start_trainer_group(
     num_samples: int | None = None,
     total_steps: int | None = None,
     resume: str = "auto",
+    placement: list[dict] | None = None,
 ) -> TrainerGroup:
     """Start cfg.train.world_size TrainerWorker actors forming one DeepSpeed group and run the
     trainer on each (Ray must be initialised by the caller).
@@ -185,20 +268,14 @@ def start_trainer_group(
     (default data.max_train_samples) give (ds_config.total_train_steps). `resume` is auto, never
     or a checkpoint tag directory (checkpoint.plan_resume); it is checked here, before any actor
     starts (world size, training config, shards), and raises checkpoint.ResumeError.
+    `placement`: each rank's extra Ray options (placement.actor_placement).
     """
     world = cfg.train.world_size
-    if total_steps is None:
-        samples = num_samples if num_samples is not None else cfg.data.max_train_samples
-        total_steps = total_train_steps(cfg, world, samples)
-    resume_from = plan_resume(resume, cfg.out / "checkpoints")
-    if resume_from is not None:
-        harmless = check_resumable(read_marker(resume_from), cfg.to_dict(), world, shard_dir, str(resume_from))
-        note = f" (changed since: {'; '.join(harmless)})" if harmless else ""
-        print(f"[train] resuming from {resume_from}{note}", flush=True)
-    job = TrainJob(
-        str(target_dir), str(shard_dir), expected, drafter_cfg, total_steps, str(resume_from) if resume_from else None
-    )
-    workers = [TrainerWorker.options(**trainer_actor_options(cfg)).remote(rank, world) for rank in range(world)]
+    job = train_job(cfg, target_dir, shard_dir, expected, drafter_cfg, num_samples=num_samples,
+                    total_steps=total_steps, resume=resume)
+    placement = placement or [{}] * world
+    workers = [TrainerWorker.options(**trainer_actor_options(cfg), **placement[rank]).remote(rank, world)
+               for rank in range(world)]
     try:
         infos = ray.get([w.info.remote() for w in workers])
         if bool(infos[0].gpu_ids) != (cfg.train.gpus_per_rank > 0):
@@ -211,5 +288,6 @@ def start_trainer_group(
         for w in workers:
             ray.kill(w, no_restart=True)
         raise
-    print(f"[train] {world} DeepSpeed rank(s), ZeRO-{cfg.train.zero_stage}, {total_steps} scheduled steps", flush=True)
-    return TrainerGroup(workers, refs, infos)
+    print(f"[train] {world} DeepSpeed rank(s), ZeRO-{cfg.train.zero_stage}, {job.total_steps} scheduled steps",
+          flush=True)
+    return TrainerGroup(workers, refs, infos, job.resume_from)

@@ -115,7 +115,9 @@ class Evaluator:
         self.identity = target_identity(cfg, target_dir)
         self.model, self.tokenizer = load_target(cfg, target_dir)
         check_kernel_path(self.model, cfg.target.allow_torch_gdn_on_cuda)
-        self.provenance = provenance_for(self.identity, self.model, template_hash(self.tokenizer))
+        self.provenance = provenance_for(
+            self.identity, self.model, template_hash(self.tokenizer, cfg.data.enable_thinking)
+        )
         if expected is not None:
             check_compatible(expected, self.provenance, f"the evaluator's target {target_dir} as loaded here")
         self.eos_token_id = stop_token_id(self.tokenizer)

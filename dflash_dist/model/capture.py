@@ -136,6 +136,11 @@ def chunked_argmax(hidden: torch.Tensor, lm_head: nn.Module, chunk_tokens: int =
     return torch.cat(out).view(b, t)
 
 
+def is_right_padding(attention_mask: torch.Tensor) -> bool:
+    """Every row is ones then zeros: in a causal LM no real position sees the pads after it."""
+    return attention_mask.dim() == 2 and bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
+
+
 @torch.no_grad()
 def capture_features(
     model: nn.Module,
@@ -147,6 +152,8 @@ def capture_features(
 ) -> CaptureOutput:
     """Run the target once over input_ids [b, T]; return the k layers' outputs and its argmax."""
     path = check_kernel_path(model, allow_torch_gdn_on_cuda)
+    if attention_mask is not None and is_right_padding(attention_mask):
+        attention_mask = None  # same features at real positions, and sdpa runs its causal kernel, not a masked one
     base = getattr(model, "model", None) or model.base_model
     with LayerTap(model, layer_ids) as tap:
         out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)

@@ -36,6 +36,11 @@ class LossOutput:
     num_blocks: int
     logits: torch.Tensor | None = None  # [b, N*B, V] only when asked (parity / tests)
     extras: dict | None = None
+    # per sample of the batch (no grad; diagnostics): its weighted CE / its weight, and its
+    # supervised slots' correct and total counts
+    sample_loss: torch.Tensor | None = None  # [b]
+    sample_correct: torch.Tensor | None = None  # [b]
+    sample_count: torch.Tensor | None = None  # [b]
 
     @property
     def slot_accuracy(self) -> torch.Tensor:
@@ -157,12 +162,13 @@ def dflash_loss(
         ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), reduction="none")
         ce = ce.view(bsz, n, blk)
         loss = (weights * ce).sum() / (weights.sum() + 1e-6)
+        sample_wce = (weights * ce.detach()).sum((1, 2))
         argmax = logits.argmax(-1).view(bsz, n, blk)
     else:
         # only supervised slots reach the vocabulary (slot 0, invalid blocks and slots past the
         # sequence carry no weight), at most one chunk of logits at a time (vocab_loss.py)
         rows = binary.reshape(-1).nonzero().squeeze(1)
-        loss, _, argmax_rows = lm_head_cross_entropy(
+        loss, ce_rows, argmax_rows = lm_head_cross_entropy(
             hidden.reshape(-1, hidden.shape[-1])[rows],
             drafter.lm_head.weight,
             labels.reshape(-1)[rows],
@@ -170,12 +176,17 @@ def dflash_loss(
             vocab_chunk_rows,
         )
         argmax = torch.full_like(labels, -1).view(-1).index_copy(0, rows, argmax_rows).view_as(labels)
+        sample_wce = torch.zeros(bsz, dtype=torch.float32, device=hidden.device).index_add_(
+            0, rows // (n * blk), (weights.reshape(-1)[rows] * ce_rows.detach()).float()
+        )
     with torch.no_grad():
         correct = (argmax == labels).float() * binary
         accuracy = correct.sum() / (binary.sum() + 1e-6)
         slot_correct = correct.sum((0, 1))
         slot_count = binary.sum((0, 1))
+        sample_loss = sample_wce / (weights.sum((1, 2)) + 1e-6)
     out = LossOutput(loss, accuracy, slot_correct, slot_count, int(anchors.keep.sum()))
+    out.sample_loss, out.sample_correct, out.sample_count = sample_loss, correct.sum((1, 2)), binary.sum((1, 2))
     if return_logits:
         out.logits = logits
         out.extras = {

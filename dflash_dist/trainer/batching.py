@@ -5,15 +5,22 @@ sample's own (unpadded) length, a block sees context features only before its an
 label on a padded position has weight 0. Anchors are drawn per sample from a generator seeded
 by (seed, epoch, sample key): every epoch gets fresh anchors, a resume replays them exactly, and
 they do not depend on which samples share the batch.
+
+A micro-batch holds `train.micro_batch_size` samples, or with `train.micro_batch_tokens` as many
+as fit the token budget padded (`BatchLimit`). Either way its end depends only on the sample
+sequence, so a resume from the position after a batch's last sample rebuilds the same batches.
+DeepSpeed's `train_micro_batch_size_per_gpu` stays micro_batch_size with a token budget: the
+engine uses it only for bookkeeping (train_batch_size, throughput), never to split a batch.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -37,6 +44,10 @@ class MicroBatch:
     anchors: Anchors  # [b, N]
     num_tokens: int  # real (unpadded) tokens
     reader_state: dict[str, Any]  # the shard stream's position after this batch's last sample
+    lengths: tuple[int, ...] = ()  # each sample's real tokens (diagnostics by length)
+    # the stream's cumulative skipped samples by reason (shard_reader.SKIP_REASONS) up to this
+    # batch's last sample, in this epoch: log the sum over ranks as data/skipped
+    skipped: dict[str, int] = field(default_factory=dict)
 
     def to(self, device: torch.device | str) -> MicroBatch:
         return replace(
@@ -106,12 +117,69 @@ def make_micro_batch(
         anchors=batch_anchors(samples, num_anchors, seed, epoch),
         num_tokens=sum(s.num_tokens for s in samples),
         reader_state=reader_state,
+        lengths=tuple(s.num_tokens for s in samples),
+        skipped=dict(reader_state.get("skipped", {})),
     )
+
+
+@dataclass(frozen=True)
+class BatchLimit:
+    """Where a micro-batch ends: after `size` samples, or with a token budget, before the sample
+    that would make the padded size (longest x count) exceed `tokens` (a batch has at least one
+    sample, even one longer than the budget)."""
+
+    size: int
+    tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"train.micro_batch_size must be >= 1, got {self.size}")
+        if self.tokens is not None and self.tokens < 1:
+            raise ValueError(f"train.micro_batch_tokens must be >= 1 (or null for count-based), got {self.tokens}")
+
+    def fits(self, lengths: list[int], new: int) -> bool:
+        """Whether a sample of `new` tokens may join a batch of `lengths`."""
+        if not lengths:
+            return True
+        if self.tokens is None:
+            return len(lengths) < self.size
+        return max(max(lengths), new) * (len(lengths) + 1) <= self.tokens
+
+    def full(self, lengths: list[int]) -> bool:
+        """Whether no further sample can join (a sample of any length would exceed the limit)."""
+        if self.tokens is None:
+            return len(lengths) >= self.size
+        return bool(lengths) and max(lengths) * (len(lengths) + 1) > self.tokens
+
+
+def group_micro_batches(
+    pairs: Iterable[tuple[Sample, dict[str, Any]]], limit: BatchLimit
+) -> Iterator[tuple[list[Sample], dict[str, Any], bool]]:
+    """(samples, position after the last of them, complete) per micro-batch. A batch is emitted
+    as soon as it is full or the next sample does not fit; at the end of the stream the rest is
+    emitted with complete=False when counting samples (the caller drops it: it would be a short
+    batch), complete=True with a token budget (it fits the budget: a batch like any other)."""
+    pending: list[Sample] = []
+    lengths: list[int] = []
+    last: dict[str, Any] = {}
+    for sample, state in pairs:
+        if pending and not limit.fits(lengths, sample.num_tokens):
+            yield pending, last, True
+            pending, lengths = [], []
+        pending.append(sample)
+        lengths.append(sample.num_tokens)
+        last = state
+        if limit.full(lengths):
+            yield pending, last, True
+            pending, lengths = [], []
+    if pending:
+        yield pending, last, limit.tokens is not None
 
 
 class MicroBatchFeeder:
     """Reads (sample, stream position) pairs on a background thread and queues full micro-batches.
 
+    Batches end where `BatchLimit(micro_batch_size, micro_batch_tokens)` says.
     `status()` never blocks: READY (a batch is queued), WAITING (the producer may still deliver),
     DRY (the stream ended; `leftover` samples did not fill a batch). The trainer all-reduces it
     with MIN every step, so no rank waits inside a collective for data (a gloo/NCCL collective
@@ -126,9 +194,10 @@ class MicroBatchFeeder:
         build: Callable[[list[Sample], dict[str, Any]], MicroBatch],
         depth: int = 2,
         stop: threading.Event | None = None,
+        micro_batch_tokens: int | None = None,
     ) -> None:
         self._samples = samples
-        self._size = micro_batch_size
+        self._limit = BatchLimit(micro_batch_size, micro_batch_tokens)
         self._build = build
         self._queue: queue.Queue[MicroBatch] = queue.Queue(maxsize=depth)
         self._stop = stop or threading.Event()  # shared with the stream's stop_when
@@ -140,21 +209,20 @@ class MicroBatchFeeder:
 
     def _fill(self) -> None:
         try:
-            pending: list[Sample] = []
-            for sample, state in self._samples:
-                pending.append(sample)
-                if len(pending) == self._size:
-                    batch = self._build(pending, state)
-                    pending = []
-                    while not self._stop.is_set():
-                        try:
-                            self._queue.put(batch, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
+            pairs = itertools.takewhile(lambda _: not self._stop.is_set(), self._samples)  # close() stops reading
+            for samples, state, complete in group_micro_batches(pairs, self._limit):
+                if not complete:
+                    self.leftover = len(samples)
+                    break
+                batch = self._build(samples, state)
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(batch, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
                 if self._stop.is_set():
                     return
-            self.leftover = len(pending)
         except BaseException as e:  # handed to the training thread by status()
             self._error = e
         finally:
@@ -173,13 +241,28 @@ class MicroBatchFeeder:
     def take(self) -> MicroBatch:
         return self._queue.get_nowait()
 
+    @property
+    def skipped(self) -> dict[str, int]:
+        """The stream's skip counts so far, including skips after the last batch (at DRY)."""
+        return dict(getattr(self._samples, "skipped", {}))
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=30)
 
 
-def with_positions(stream: Any) -> Iterator[tuple[Sample, dict[str, Any]]]:
+class with_positions:  # noqa: N801 (used like a function)
     """Pair each sample of a ShardStream with the stream's position just after it, so a
-    checkpoint records where the last *trained* sample was, not what the prefetcher read."""
-    for sample in stream:
-        yield sample, stream.state_dict()
+    checkpoint records where the last *trained* sample was, not what the prefetcher read.
+    `skipped` reads the stream's skip counts (safe from another thread)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def __iter__(self) -> Iterator[tuple[Sample, dict[str, Any]]]:
+        for sample in self.stream:
+            yield sample, self.stream.state_dict()
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        return self.stream.skipped

@@ -44,6 +44,7 @@ LATEST = "latest"
 MARKER_VERSION = 1
 TAG_RE = re.compile(r"step_(\d+)")
 RESUME_MODES = ("auto", "never")  # or a checkpoint tag directory
+ELASTIC_STAGES = (1, 2, 3)  # ZeRO stages resumable at another world size (universal.py)
 
 RESUME_SAFE = (
     "run.name",
@@ -59,7 +60,9 @@ RESUME_SAFE = (
     "train.keep_checkpoints",
     "train.log_every",
     "train.log_sample_keys",
+    "train.histogram_every",
     "train.cpus_per_rank",
+    "train.max_restarts",  # how often a lost group is replaced (faults.py), not what it trains
 )
 
 
@@ -273,14 +276,23 @@ def check_resumable(
     saved: dict[str, Any], cfg_dict: dict, world_size: int, shard_dir: str | Path, where: str
 ) -> list[str]:
     """Refuse resuming a checkpoint (its marker or client state: config, world_size, data) under
-    a changed training config, another world size or other shards; returns the harmless
-    changes for the caller to print."""
-    if saved.get("world_size") != world_size:
-        raise ResumeError(
-            f"{where} was saved by {saved.get('world_size')} ranks, this group has {world_size}: resume with the "
-            "same train.world_size (ZeRO partitions and shard assignment depend on it) or use another --out"
-        )
+    a changed training config or other shards, or at another world size unless its ZeRO stage
+    is in ELASTIC_STAGES (an elastic resume through a universal checkpoint: universal.py);
+    returns the harmless changes (a world-size change among them) for the caller to print."""
     strict, harmless = config_changes(saved["config"], cfg_dict)
+    saved_world = saved.get("world_size")
+    if saved_world != world_size:
+        stage = saved["config"]["train"]["zero_stage"]
+        if stage not in ELASTIC_STAGES:
+            stages = ", ".join(str(s) for s in ELASTIC_STAGES)
+            raise ResumeError(
+                f"{where} was saved by {saved_world} ranks, this group has {world_size}: resuming at another world "
+                f"size works for ZeRO stages {stages} (through DeepSpeed's universal checkpoint), this run uses "
+                f"ZeRO-{stage}: resume with train.world_size={saved_world} or use another --out"
+            )
+        moved = [line for line in strict if line.startswith("train.world_size:")]
+        strict = [line for line in strict if line not in moved]
+        harmless = sorted(harmless + moved)
     if strict:
         raise ResumeError(
             f"{where}: training-relevant config changed since that checkpoint: {'; '.join(strict)}. Resume with "
@@ -305,6 +317,19 @@ def rng_state(on_gpu: bool) -> dict[str, Any]:
         "python": random.getstate(),
         "numpy": np.random.get_state(),
     }
+
+
+def rank_seed(base_seed: int, rank: int, step: int) -> int:
+    """A 32-bit seed derived from (base_seed, rank, step), for a rank with no saved RNG state."""
+    return int.from_bytes(hashlib.sha256(f"{base_seed}:{rank}:{step}".encode()).digest()[:4], "little")
+
+
+def seeded_rng_state(seed: int, on_gpu: bool) -> dict[str, Any]:
+    """The RNG states (as rng_state) every generator has right after seeding it with `seed`."""
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    random.seed(seed)
+    np.random.seed(seed)
+    return rng_state(on_gpu)
 
 
 def load_rng_state(state: dict[str, Any]) -> None:

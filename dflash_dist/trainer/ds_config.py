@@ -17,12 +17,15 @@ from dflash_dist.config import Config
 STEPS_PER_PRINT = 1 << 30  # DeepSpeed's own progress prints stay off: we log through metrics.py
 
 
-def deepspeed_config(cfg: Config, world_size: int, on_gpu: bool, hidden_size: int | None = None) -> dict:
+def deepspeed_config(
+    cfg: Config, world_size: int, on_gpu: bool, hidden_size: int | None = None, load_universal: bool = False
+) -> dict:
     """The DeepSpeed config dict for `world_size` ranks.
 
     bf16 on GPU, fp32 on CPU. ZeRO-3 bucket and persistence sizes follow the HF integration's
     rule from the model width (`hidden_size`): vectors (norm gains) stay whole on every rank,
     every matrix is partitioned. Without `hidden_size`, DeepSpeed's defaults are written out.
+    `load_universal`: the engine loads a universal checkpoint (elastic resume, universal.py).
     """
     t = cfg.train
     if world_size < 1:
@@ -55,15 +58,20 @@ def deepspeed_config(cfg: Config, world_size: int, on_gpu: bool, hidden_size: in
         "bf16": {"enabled": on_gpu},
         "fp16": {"enabled": False},
         "torch_autocast": {"enabled": False},
+        "checkpoint": {"load_universal": load_universal},
         "zero_allow_untested_optimizer": True,  # torch AdamW as the client optimizer
         "steps_per_print": STEPS_PER_PRINT,
         "wall_clock_breakdown": False,
     }
 
 
-def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.AdamW:
+def build_optimizer(cfg: Config, model: nn.Module, fused: bool = False) -> torch.optim.AdamW:
     """torch AdamW over the trainable parameters only (the target's embedding and lm_head are
-    frozen and stay out). Weight decay applies to matrices; norm gains (1-D) are not decayed."""
+    frozen and stay out). Weight decay applies to matrices; norm gains (1-D) are not decayed.
+    `fused` (the trainer sets it on GPU): torch's fused AdamW kernel for the step DeepSpeed runs
+    on its fp32 master partition, 72 -> 48 ms per step at the 27B drafter shape
+    (docs/BENCHMARKS.md). The parameters may still be on the CPU here (DeepSpeed moves them), so
+    it is set on the groups, which the kernel choice reads at step time."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("the model has no trainable parameters")
@@ -72,7 +80,11 @@ def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.AdamW:
     groups = [{"params": decay, "weight_decay": cfg.train.weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
-    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(0.9, 0.999), eps=1e-8)
+    optimizer = torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(0.9, 0.999), eps=1e-8)
+    if fused:
+        for group in optimizer.param_groups:
+            group["fused"], group["foreach"] = True, False
+    return optimizer
 
 
 class WarmupCosine:

@@ -7,10 +7,18 @@ the known namespaces is refused, so dashboards never split over misspelled prefi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+import numpy as np
+
 NAMESPACES = ("train/", "data/", "eval/")
+
+
+def _check_tags(tags: Iterable[str]) -> None:
+    for tag in tags:
+        if not tag.startswith(NAMESPACES) or tag in NAMESPACES:
+            raise ValueError(f"metric tag {tag!r} must be '<namespace>/<name>' with namespace in {NAMESPACES}")
 
 
 class Metrics:
@@ -33,13 +41,20 @@ class Metrics:
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         """Write every scalar at `step`; non-finite values are written too (they are news)."""
-        for tag in scalars:
-            if not tag.startswith(NAMESPACES) or tag in NAMESPACES:
-                raise ValueError(f"metric tag {tag!r} must be '<namespace>/<name>' with namespace in {NAMESPACES}")
+        _check_tags(scalars)
         if self._writer is None:
             return
         for tag, value in scalars.items():
             self._writer.add_scalar(tag, float(value), global_step=step)
+
+    def histograms(self, step: int, values: Mapping[str, Sequence[float]]) -> None:
+        """One TensorBoard histogram per tag at `step` (empty value lists are left out)."""
+        _check_tags(values)
+        if self._writer is None:
+            return
+        for tag, vals in values.items():
+            if len(vals):
+                self._writer.add_histogram(tag, np.asarray(vals, dtype=np.float64), global_step=step)
 
     def flush(self) -> None:
         if self._writer is not None:

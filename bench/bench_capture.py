@@ -1,0 +1,605 @@
+"""Capture throughput of a Qwen3.5-27B-shaped target with random bf16 weights, through our capture
+path (capture_features: hooks on the k layers our config picks, chunked lm_head argmax) and our
+ShardWriter on local disk.
+
+    python bench/bench_capture.py                       # 32k-token forwards, eager, end to end
+    python bench/bench_capture.py --variants 32768:keep:eager,65536:keep:fused --profile 32768:keep:fused
+    python bench/bench_capture.py --tiny --device cpu --batches 1 --min-len 32 --max-len 64 \
+        --variants 128:keep:eager --e2e 128:keep:eager  # smoke run of the same code
+
+Sequences of random length in [--min-len, --max-len] (random token ids) are sorted by length and
+grouped into right-padded batches of at most BUDGET padded tokens. A variant is
+BUDGET:MASK:MODE (MASK: see capture(); MODE: eager, fused = fuse_elementwise, fusedconv = that
+plus fla's causal conv). "compute" times the capture alone, each batch set twice: cold (first
+sight of the shapes: autotuning, cuDNN plans) and warm (reported). "end to end" also copies each
+sequence's features and argmax to host buffers on a side stream and writes shards from --writers
+threads or processes while the GPU runs on (capture_sink.py; finished shards are deleted unless
+--keep-shards, so the disk stays bounded). The bf16 bound is 2 x params x tokens / 790e12 with
+params = all weights (26.9B here, as SPEC 6's anchor counts them); the share without the input
+embedding (25.6B) is printed too. Tokens are real (unpadded) tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers.models.qwen3_5 import modeling_qwen3_5
+
+from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance, installed_versions
+from dflash_dist.config import Config
+from dflash_dist.model.capture import (
+    CaptureOutput,
+    LayerTap,
+    capture_features,
+    check_kernel_path,
+    chunked_argmax,
+)
+from dflash_dist.target import layer_ids_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from capture_sink import HostSink  # noqa: E402
+
+PEAK_TFLOPS = 790.0  # bf16 matmul rate measured on an H200 (SPEC 6's convention)
+
+QWEN35_27B = dict(
+    vocab_size=248320,
+    hidden_size=5120,
+    intermediate_size=17408,
+    num_hidden_layers=64,
+    num_attention_heads=24,
+    num_key_value_heads=4,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=48,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+)
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)
+
+
+def target_config(tiny: bool = False) -> Qwen3_5TextConfig:
+    """The Qwen3.5-27B text shape (3 Gated DeltaNet layers then 1 gated attention layer, x16)."""
+    shape = TINY if tiny else QWEN35_27B
+    return Qwen3_5TextConfig(
+        **shape,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+        * (shape["num_hidden_layers"] // 4),
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+        max_position_embeddings=262144,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+
+
+def build_random_target(config: Qwen3_5TextConfig, device: str, dtype: torch.dtype, seed: int = 0) -> nn.Module:
+    """Built on the meta device, materialised on `device`, then HF's own random init run there (a
+    CPU init of 27B weights takes minutes; on the GPU it is a fraction of a second)."""
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM._from_config(config, dtype=dtype)
+    model.to_empty(device=device)
+    model.initialize_weights()  # normal(0.02) weights, 1-centred norms, GDN A_log/dt_bias, rotary buffers
+    return model.eval().requires_grad_(False)
+
+
+def param_counts(model: nn.Module) -> dict[str, int]:
+    total = sum(p.numel() for p in model.parameters())
+    embed = model.get_input_embeddings().weight.numel()
+    return {"total": total, "embedding": embed, "without_embedding": total - embed}
+
+
+@dataclass
+class Batch:
+    keys: list[str]
+    ids: list[torch.Tensor]  # int32 [T_i] on the host, per sequence
+    input_ids: torch.Tensor  # [b, T_max] on the device, right-padded
+    attention_mask: torch.Tensor  # [b, T_max]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(x) for x in self.ids]
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.input_ids.numel()
+
+
+def plan_batches(lengths: list[int], budget: int, sort: bool = True) -> list[list[int]]:
+    """Groups of sequence indices with len(group) * max length <= budget (one longer sequence
+    makes a batch of its own); sorted by length first, so neighbours pad little."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i]) if sort else list(range(len(lengths)))
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        if cur and (len(cur) + 1) * max(lengths[j] for j in cur + [i]) > budget:
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    return groups + ([cur] if cur else [])
+
+
+def padding_share(lengths: list[int], groups: list[list[int]]) -> float:
+    padded = sum(len(g) * max(lengths[i] for i in g) for g in groups)
+    return 1 - sum(lengths[i] for g in groups for i in g) / padded
+
+
+def make_batches(n: int, budget: int, lo: int, hi: int, vocab: int, device: str, seed: int) -> tuple[list[Batch], dict]:
+    """n batches of random sequences (lengths uniform in [lo, hi]) planned by length, in random order."""
+    rng = random.Random(seed)
+    per_batch = max(1, budget // ((lo + hi) // 2))
+    lengths = [rng.randint(lo, hi) for _ in range(n * per_batch + per_batch)]
+    groups = plan_batches(lengths, budget)
+    rng.shuffle(groups)
+    if len(groups) < n:
+        raise ValueError(f"planned only {len(groups)} batches, need {n}: lower --budget or --max-len")
+    stats = {
+        "padding_sorted": padding_share(lengths, groups),
+        "padding_unsorted": padding_share(lengths, plan_batches(lengths, budget, sort=False)),
+    }
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for bi, group in enumerate(groups[:n]):
+        ids = [torch.randint(0, vocab, (lengths[i],), generator=g, dtype=torch.int32) for i in group]
+        t_max = max(len(x) for x in ids)
+        input_ids = torch.zeros(len(ids), t_max, dtype=torch.long)
+        mask = torch.zeros(len(ids), t_max, dtype=torch.long)
+        for r, x in enumerate(ids):
+            input_ids[r, : len(x)], mask[r, : len(x)] = x, 1
+        keys = [f"b{bi:04d}-s{r:02d}" for r in range(len(ids))]
+        out.append(Batch(keys, ids, input_ids.to(device), mask.to(device)))
+    return out, stats
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def capture(model: nn.Module, batch: Batch, layer_ids: list[int], mask: str):
+    """Our capture path. mask "keep": the padding mask passed as capture_job passes it; "drop":
+    None (right padding is invisible to real positions of a causal LM); "masked": the mask forced
+    into the model (what capture_features did before it dropped right-padding masks itself)."""
+    if mask != "masked":
+        return capture_features(model, batch.input_ids, layer_ids, batch.attention_mask if mask == "keep" else None)
+    with LayerTap(model, layer_ids) as tap:
+        out = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+        features = tap.concat()
+    return CaptureOutput(features, chunked_argmax(out.last_hidden_state, model.get_output_embeddings()), "", ())
+
+
+def run_compute(model: nn.Module, batches: list[Batch], layer_ids: list[int], mask: str, device: str) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    for b in batches:
+        cap = capture(model, b, layer_ids, mask)
+        del cap
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def run_end_to_end(model, batches: list[Batch], layer_ids: list[int], mask: str, args, provenance, mode: str):
+    """(seconds from the first forward to the last shard renamed, SinkStats)."""
+    shard_dir = Path(args.shard_dir)
+    shutil.rmtree(shard_dir, ignore_errors=True)
+    width = len(layer_ids) * model.config.hidden_size
+    tokens = max(b.real_tokens for b in batches)
+    n = args.writers
+    sink = HostSink(shard_dir, provenance, n, n + args.spare_buffers, tokens, width, args.keep_shards,
+                    args.shard_bytes, args.device, mode)  # fmt: skip
+    sync(args.device)
+    t0 = time.perf_counter()
+    for b in batches:
+        sink.submit(capture(model, b, layer_ids, mask), b)
+    stats = sink.close()
+    secs = stats.closed_at - t0
+    stats.samples = sum(len(b.ids) for b in batches)
+    if not args.keep_shards:
+        shutil.rmtree(shard_dir, ignore_errors=True)
+    return secs, stats
+
+
+KERNEL_CLASSES = (  # first match wins; lower-case substrings of CUDA kernel names
+    ("copy/cat", ("memcpy", "catarray", "copy_kernel", "memset")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "attn")),
+    ("conv1d", ("conv", "fprop", "depthwise")),
+    (
+        "gdn (fla triton)",
+        (
+            "chunk_",
+            "gated_delta",
+            "recompute_w_u",
+            "solve_tril",
+            "merge_16x16",
+            "l2norm",
+            "kkt",
+            "fused_recurrent",
+            "cumsum",
+        ),
+    ),
+    ("inductor fused", ("triton_",)),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "sm90", "wgmma", "cublas")),
+    ("reduce (norms, argmax)", ("reduce", "argmax", "norm")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "index", "gather", "embedding")),
+)
+
+
+def classify(name: str) -> str:
+    low = name.lower()
+    for label, keys in KERNEL_CLASSES:
+        if any(k in low for k in keys):
+            return label
+    return "other"
+
+
+def profile_forward(model, batch: Batch, layer_ids: list[int], mask: str) -> dict:
+    """Kernel time of one capture forward, by class and the top kernels (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        cap = capture(model, batch, layer_ids, mask)
+        del cap
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_class: dict[str, float] = {}
+    for e in kernels:
+        by_class[classify(e.key)] = by_class.get(classify(e.key), 0.0) + e.self_device_time_total / 1e3
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:20]
+    return {
+        "by_class_ms": dict(sorted(by_class.items(), key=lambda kv: -kv[1])),
+        "top": [(e.key[:110], round(e.self_device_time_total / 1e3, 2), e.count) for e in top],
+    }
+
+
+def time_parts(model, tokens: int, width: int, device: str) -> dict:
+    """Seconds of the chunked argmax over `tokens` hidden states and of one features D2H copy."""
+    h = model.config.hidden_size
+    hidden = torch.randn(1, tokens, h, device=device, dtype=model.dtype)
+    chunked_argmax(hidden, model.get_output_embeddings())
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        chunked_argmax(hidden, model.get_output_embeddings())
+    sync(device)
+    argmax_s = (time.perf_counter() - t0) / 3
+    feats = torch.randn(tokens, width, device=device, dtype=model.dtype)
+    host = torch.empty(tokens, width, dtype=model.dtype, pin_memory=device.startswith("cuda"))
+    host.copy_(feats)
+    sync(device)
+    t0 = time.perf_counter()
+    host.copy_(feats, non_blocking=True)
+    sync(device)
+    d2h_s = time.perf_counter() - t0
+    return {"argmax_s": argmax_s, "d2h_s": d2h_s, "d2h_gb": feats.numel() * feats.element_size() / 1e9}
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3_5RMSNorm.forward, as one function of its inputs."""
+    out = x.float()
+    out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * (1.0 + weight.float())).type_as(x)
+
+
+def _gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3_5RMSNormGated.forward, as one function of its inputs."""
+    out = x.float()
+    out = weight * (out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (out * F.silu(gate.float())).to(x.dtype)
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def fuse_elementwise(model: nn.Module) -> int:
+    """Experiment: torch.compile the fp32 RMSNorms, the gated RMSNorm and SwiGLU's silu * up of
+    every layer into fused kernels (GEMMs, attention and fla's kernels untouched; same math in the
+    same precision). Weights are arguments, so one compiled graph serves every layer."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.emulate_precision_casts = True  # round where eager rounds (bf16 intermediates)
+    rms, gated, silu_mul = (torch.compile(f, dynamic=True) for f in (_rms_norm, _gated_rms_norm, _silu_mul))
+    n = 0
+    for m in model.modules():
+        kind = type(m).__name__
+        if kind.endswith("RMSNormGated"):
+            m.forward = functools.partial(gated, weight=m.weight, eps=m.variance_epsilon)
+        elif kind.endswith("RMSNorm"):
+            m.forward = functools.partial(rms, weight=m.weight, eps=m.eps)
+        elif kind.endswith("MLP") and hasattr(m, "gate_proj"):
+            m.forward = functools.partial(_mlp, m, silu_mul)
+        else:
+            continue
+        n += 1
+    return n
+
+
+def _mlp(m: nn.Module, silu_mul, x: torch.Tensor) -> torch.Tensor:
+    return m.down_proj(silu_mul(m.gate_proj(x), m.up_proj(x)))
+
+
+def _fla_conv1d(x: torch.Tensor, weight: torch.Tensor, bias=None, activation=None, **_) -> torch.Tensor:
+    """transformers' causal_conv1d_fn contract (x [B, D, T], a transposed [B, T, D] tensor) on fla's
+    Triton causal conv, which reads [B, T, D] in place: no transposed copy, no cuDNN depthwise conv."""
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    return causal_conv1d(x.transpose(1, 2), weight=weight, bias=bias, activation=activation)[0].transpose(1, 2)
+
+
+_TORCH_CONV = modeling_qwen3_5.causal_conv1d_fn
+
+
+def unfuse(model: nn.Module) -> None:
+    modeling_qwen3_5.causal_conv1d_fn = _TORCH_CONV
+    for m in model.modules():
+        if "forward" in m.__dict__:
+            del m.forward
+
+
+@dataclass(frozen=True)
+class Variant:
+    budget: int
+    mask: str  # keep | drop | masked, see capture()
+    mode: str  # eager | fused (fuse_elementwise) | fusedconv (that and fla's causal conv)
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        try:
+            budget, mask, mode = text.split(":")
+            if mask not in ("keep", "drop", "masked") or mode not in ("eager", "fused", "fusedconv"):
+                raise ValueError
+            return cls(int(budget), mask, mode)
+        except ValueError:
+            msg = f"variant {text!r}: expected BUDGET:keep|drop|masked:eager|fused|fusedconv, e.g. 32768:keep:eager"
+            raise SystemExit(msg) from None
+
+    @property
+    def fused(self) -> bool:
+        return self.mode != "eager"
+
+    def __str__(self) -> str:
+        return f"{self.budget}:{self.mask}:{self.mode}"
+
+
+def use_variant(model: nn.Module, v: Variant) -> None:
+    unfuse(model)
+    if v.fused:
+        fuse_elementwise(model)
+    if v.mode == "fusedconv":
+        modeling_qwen3_5.causal_conv1d_fn = _fla_conv1d
+
+
+def figures(secs: float, batches: list[Batch], params: dict[str, int]) -> dict:
+    tokens = sum(b.real_tokens for b in batches)
+    tps = tokens / secs
+    return {
+        "seconds": round(secs, 3),
+        "tokens": tokens,
+        "tokens_per_s": round(tps, 1),
+        "padded_tokens_per_s": round(sum(b.padded_tokens for b in batches) / secs, 1),
+        "bound_share": round(2 * params["total"] * tps / (PEAK_TFLOPS * 1e12), 4),
+        "bound_share_without_embedding": round(2 * params["without_embedding"] * tps / (PEAK_TFLOPS * 1e12), 4),
+    }
+
+
+def line(label: str, f: dict) -> str:
+    return (
+        f"{label:<38} {f['tokens_per_s']:>9.0f} tok/s  {100 * f['bound_share']:5.1f}% of bound "
+        f"({100 * f['bound_share_without_embedding']:5.1f}% w/o embedding)  {f['seconds']:.2f} s"
+    )
+
+
+def measure_compute(model, v: Variant, a, layer_ids, params) -> dict:
+    """Tokens/s over --batches batches, timed twice: "cold" (first sight of each batch shape: fla
+    autotunes per batch size, cuDNN plans per shape) and warm (the figure reported)."""
+    batches, stats = make_batches(
+        a.batches, v.budget, a.min_len, a.max_len, model.config.vocab_size, a.device, seed=v.budget
+    )
+    check = {}
+    if v.fused:  # the fused elementwise ops against eager on the first batch (also compiles them)
+        unfuse(model)
+        eager = capture(model, batches[0], layer_ids, v.mask)
+        use_variant(model, v)
+        fused = capture(model, batches[0], layer_ids, v.mask)
+        diff = (fused.features.float() - eager.features.float()).norm() / eager.features.float().norm()
+        agree = (fused.target_argmax == eager.target_argmax).double().mean()
+        check = {"fused_vs_eager_rel_l2": float(diff), "fused_vs_eager_argmax_agreement": float(agree)}
+        del eager, fused
+    use_variant(model, v)
+    cold = figures(run_compute(model, batches, layer_ids, v.mask, a.device), batches, params)
+    if a.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    f = figures(run_compute(model, batches, layer_ids, v.mask, a.device), batches, params)
+    f.update(stats, cold=cold, sequences=sum(len(b.ids) for b in batches), **check)
+    if a.device.startswith("cuda"):
+        f["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+    print(
+        line(f"compute {v}", f) + f"  cold {cold['tokens_per_s']:.0f} tok/s, padding "
+        f"{100 * stats['padding_sorted']:.1f}% (unsorted {100 * stats['padding_unsorted']:.1f}%), "
+        f"peak {f.get('peak_gib', 0)} GiB" + "".join(f", {k} {val:.2e}" for k, val in check.items()),
+        flush=True,
+    )
+    return f
+
+
+def measure_profile(model, v: Variant, a, layer_ids) -> dict:
+    batches, _ = make_batches(1, v.budget, a.min_len, a.max_len, model.config.vocab_size, a.device, seed=7)
+    use_variant(model, v)
+    run_compute(model, batches, layer_ids, v.mask, a.device)  # warm (compiles, autotunes)
+    prof = profile_forward(model, batches[0], layer_ids, v.mask)
+    prof["parts"] = time_parts(model, batches[0].real_tokens, len(layer_ids) * model.config.hidden_size, a.device)
+    prof["tokens"] = batches[0].real_tokens
+    total = sum(prof["by_class_ms"].values())
+    print(f"profile {v}, one forward of {prof['tokens']} tokens: {total:.0f} ms of kernels")
+    for k, ms in prof["by_class_ms"].items():
+        print(f"  {k:<26} {ms:8.1f} ms  {100 * ms / total:5.1f}%")
+    for name, ms, count in prof["top"][:12]:
+        print(f"  {ms:8.1f} ms  x{count:<5} {name}")
+    p = prof["parts"]
+    print(
+        f"  argmax alone {1e3 * p['argmax_s']:.1f} ms; features D2H {p['d2h_gb']:.2f} GB in "
+        f"{1e3 * p['d2h_s']:.1f} ms ({p['d2h_gb'] / p['d2h_s']:.1f} GB/s)",
+        flush=True,
+    )
+    return prof
+
+
+def measure_end_to_end(model, v: Variant, a, layer_ids, params, kernel_path: str) -> dict:
+    """Compute only, then each sink of --sinks, over the same (warmed) batches."""
+    batches, _ = make_batches(
+        a.e2e_batches, v.budget, a.min_len, a.max_len, model.config.vocab_size, a.device, seed=v.budget + 1
+    )
+    use_variant(model, v)
+    prov = Provenance(
+        schema_version=SHARD_SCHEMA_VERSION,
+        target_id="bench:qwen3.5-27b-shape-random",
+        target_hash="random-init-seed-0",
+        layer_ids=tuple(layer_ids),
+        hidden_size=model.config.hidden_size,
+        dtype="bfloat16",
+        kernel_path=kernel_path,
+        template_hash="none",
+        **installed_versions(),
+    )
+    run_compute(model, batches, layer_ids, v.mask, a.device)  # first sight of these shapes
+    out = {"compute_only": figures(run_compute(model, batches, layer_ids, v.mask, a.device), batches, params)}
+    print(line(f"compute only {v}", out["compute_only"]), flush=True)
+    for sink in a.sinks.split(","):
+        try:
+            secs, s = run_end_to_end(model, batches, layer_ids, v.mask, a, prov, sink)
+        except Exception as e:  # the other sinks still run
+            out[sink] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"FAILED end to end, {sink}: {out[sink]['error']}", flush=True)
+            continue
+        f = figures(secs, batches, params)
+        f.update(
+            shards=s.shards,
+            shard_gb=round(s.bytes / 1e9, 2),
+            samples=s.samples,
+            writer_busy_s=round(s.write_s, 2),
+            gpu_waited_s=round(s.gpu_waited_s, 2),
+            writers=a.writers,
+        )
+        out[sink] = f
+        print(
+            line(f"end to end, {sink}", f) + f"  {s.shards} shards, {f['shard_gb']} GB, writers busy "
+            f"{f['writer_busy_s']} s, GPU thread waited {f['gpu_waited_s']} s for a buffer",
+            flush=True,
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="a tiny Qwen3.5 shape (smoke run, any device)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument(
+        "--variants",
+        default="32768:keep:eager,32768:drop:eager",
+        help="compute runs, comma-separated BUDGET:keep|drop|masked:eager|fused|fusedconv (padded tokens per "
+        "forward; padding mask: see capture(); elementwise ops eager or torch.compile'd, + fla's causal conv)",
+    )
+    ap.add_argument("--profile", default="", help="variants to profile one forward of (kernel time by class)")
+    ap.add_argument("--e2e", default="32768:drop:eager", help="variant of the end-to-end run ('' = none)")
+    ap.add_argument("--min-len", type=int, default=2048)
+    ap.add_argument("--max-len", type=int, default=4096)
+    ap.add_argument("--batches", type=int, default=3, help="forwards per compute run")
+    ap.add_argument("--e2e-batches", type=int, default=4, help="timed forwards of the end-to-end run")
+    ap.add_argument(
+        "--sinks",
+        default="threads,processes,d2h",
+        help="end-to-end runs: writer threads, writer processes, or device-to-host copies only",
+    )
+    ap.add_argument("--writers", type=int, default=2)
+    ap.add_argument("--spare-buffers", type=int, default=1, help="host buffers beyond one per writer")
+    ap.add_argument("--shard-dir", default="/tmp/bench_capture_shards")
+    ap.add_argument("--shard-bytes", type=int, default=1 << 30)
+    ap.add_argument("--keep-shards", action="store_true")
+    ap.add_argument("--json", default=None, help="write all figures here")
+    a = ap.parse_args(argv)
+    variants = [Variant.parse(x) for x in a.variants.split(",") if x]
+    profiles = [Variant.parse(x) for x in a.profile.split(",") if x]
+    e2e = Variant.parse(a.e2e) if a.e2e else None
+
+    t0 = time.perf_counter()
+    model = build_random_target(target_config(a.tiny), a.device, torch.bfloat16)
+    sync(a.device)
+    params = param_counts(model)
+    layer_ids = layer_ids_for(Config(), model.config.num_hidden_layers)
+    kernel_path = check_kernel_path(model)
+    print(
+        f"target built in {time.perf_counter() - t0:.1f} s: {params['total'] / 1e9:.3f}B params "
+        f"({params['without_embedding'] / 1e9:.3f}B without the input embedding), layers {layer_ids}, "
+        f"kernel path {kernel_path}; torch {torch.__version__}, {installed_versions()}"
+    )
+    if a.device.startswith("cuda"):
+        print(f"device {torch.cuda.get_device_name()}, weights {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
+    report: dict = {
+        "params": params,
+        "layer_ids": layer_ids,
+        "kernel_path": kernel_path,
+        "torch": torch.__version__,
+        **installed_versions(),
+        "compute": {},
+        "profile": {},
+        "errors": {},
+    }
+
+    def attempt(section: str, v: Variant, fn) -> None:
+        try:
+            report[section][str(v)] = fn()
+        except Exception as e:  # one failed variant must not lose the others' figures
+            report["errors"][f"{section} {v}"] = f"{type(e).__name__}: {e}"
+            print(f"FAILED {section} {v}: {type(e).__name__}: {e}", flush=True)
+            unfuse(model)
+            if a.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+
+    for v in variants:
+        attempt("compute", v, lambda v=v: measure_compute(model, v, a, layer_ids, params))
+    if a.device.startswith("cuda"):
+        for v in profiles:
+            attempt("profile", v, lambda v=v: measure_profile(model, v, a, layer_ids))
+    if e2e is not None:
+        if f"compute {e2e}" in report["errors"]:  # e.g. fla's conv failed: measure the writers all the same
+            e2e = Variant(e2e.budget, e2e.mask, "fused" if e2e.mode == "fusedconv" else "eager")
+        report["end_to_end"] = {}
+        attempt("end_to_end", e2e, lambda: measure_end_to_end(model, e2e, a, layer_ids, params, kernel_path))
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        tmp = f"{a.json}.tmp-{os.getpid()}"
+        Path(tmp).write_text(json.dumps(report, indent=1))
+        os.replace(tmp, a.json)
+    return 1 if report["errors"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,75 @@
+"""The capture ledger: which sample keys a shard directory already holds, so a restarted capture
+redoes exactly the rest (no sample lost, none twice).
+
+It is derived, not kept beside the data: the keys of every complete shard come from
+manifest.jsonl, whose line is appended under the same lock as the shard's rename (a shard is
+listed if and only if it is complete), plus skipped.jsonl, the keys that were captured but not
+written because their features held NaN/Inf (redoing them would give the same verdict).
+Leftovers of a killed writer (`.tmp-*.tar`, or a renamed shard whose manifest line never came)
+are never listed, so their samples are redone; `remove_stale_tmp` clears the former.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+from data_pipeline.records import SKIPPED_NAME, TMP_PREFIX
+from data_pipeline.shard_reader import read_manifest
+from data_pipeline.shard_writer import append_line, manifest_lock
+
+
+def read_skipped(shard_dir: str | os.PathLike[str]) -> list[dict]:
+    """skipped.jsonl's records, up to its last newline (a line being appended is not read)."""
+    path = Path(shard_dir) / SKIPPED_NAME
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    records = []
+    for i, raw in enumerate(data[: data.rfind(b"\n") + 1].splitlines(), 1):
+        try:
+            rec = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i}: not a JSON line ({e}); the file is append-only, do not edit it") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("key"), str):
+            raise ValueError(f"{path}:{i}: expected an object with a string 'key', got {raw[:80]!r}")
+        records.append(rec)
+    return records
+
+
+def record_skipped(shard_dir: str | os.PathLike[str], key: str, reason: str, actor: int) -> None:
+    """Durably note that `key` was captured and deliberately not written."""
+    line = json.dumps({"key": key, "reason": reason, "actor": actor}, sort_keys=True) + "\n"
+    with manifest_lock(shard_dir):
+        append_line(Path(shard_dir) / SKIPPED_NAME, line.encode())
+
+
+def captured_keys(shard_dir: str | os.PathLike[str]) -> set[str]:
+    """Every key already settled in `shard_dir`: written to a complete shard, or skipped."""
+    keys = {k for record in read_manifest(shard_dir) for k in record.keys}
+    keys.update(rec["key"] for rec in read_skipped(shard_dir))
+    return keys
+
+
+def duplicate_keys(shard_dir: str | os.PathLike[str]) -> list[str]:
+    """Keys listed more than once across complete shards and skipped.jsonl (should be none)."""
+    counts = Counter(k for record in read_manifest(shard_dir) for k in record.keys)
+    counts.update(rec["key"] for rec in read_skipped(shard_dir))
+    return sorted(k for k, n in counts.items() if n > 1)
+
+
+def remove_stale_tmp(shard_dir: str | os.PathLike[str], prefix: str | None = None) -> list[str]:
+    """Delete unfinished shards (`.tmp-<prefix>-*.tar`; every prefix when None) left by writers
+    that died. Call only when no live writer uses that prefix (an actor for its own prefix at
+    start: Ray restarts an actor only after the old one died)."""
+    start = f"{TMP_PREFIX}{prefix}-" if prefix is not None else TMP_PREFIX
+    removed = []
+    with manifest_lock(shard_dir):
+        for path in Path(shard_dir).glob(f"{TMP_PREFIX}*.tar"):
+            if path.name.startswith(start):
+                path.unlink(missing_ok=True)
+                removed.append(path.name)
+    return sorted(removed)

@@ -1,0 +1,86 @@
+"""`dflash-dist extract CONFIG --out DIR --slice I/N`: capture slice I of N in this process, no
+Ray (one Slurm array task each, slurm/capture_array.sbatch), into the shared DIR/shards.
+
+Slice I takes the same records as target actor I of N would (capture_job.my_slice) and writes
+`t<I>-*` shards. Requeue-safe: a rerun captures only what its earlier attempt did not settle
+(data_pipeline/ledger.py). When a slice ends it leaves `DIR/capture_slices/I-of-N.json`; the
+slice that finds all N there checks no key was captured twice and marks the shards DONE (each
+writes its own file before looking, so the last one to finish always sees all of them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from dflash_dist.config import Config, ConfigError
+
+SLICES_DIR = "capture_slices"
+
+
+def parse_slice(text: str) -> tuple[int, int]:
+    """"I/N" -> (I, N) with 0 <= I < N."""
+    index, sep, count = text.partition("/")
+    if not sep or not index.isdigit() or not count.isdigit() or not 0 <= int(index) < int(count):
+        raise ConfigError(f"--slice {text!r}: expected I/N with 0 <= I < N, e.g. --slice 0/4")
+    return int(index), int(count)
+
+
+def slice_marker(out: Path, index: int, count: int) -> Path:
+    return out / SLICES_DIR / f"{index:04d}-of-{count:04d}.json"
+
+
+def finished_slices(out: Path, count: int) -> list[int]:
+    return [i for i in range(count) if slice_marker(out, i, count).exists()]
+
+
+def capture_slice(cfg: Config, index: int, count: int) -> dict:
+    """Capture slice `index` of `count`; mark the shards DONE if it completes the set."""
+    from data_pipeline.durable_files import write_text_atomic
+    from data_pipeline.ledger import duplicate_keys
+    from data_pipeline.shard_writer import mark_done
+    from dflash_dist.capture_job import CaptureJob
+    from dflash_dist.data_prep import prepare_data
+    from dflash_dist.heartbeat import Heartbeat
+    from dflash_dist.pipeline import PipelineError, plan_stages
+    from dflash_dist.target import resolve_target_dir, target_identity
+
+    if cfg.capture.num_actors != 1:
+        raise ConfigError(f"capture.num_actors={cfg.capture.num_actors} with --slice: the slices are the actors "
+                          "(--slice I/N runs one); leave capture.num_actors at 1")
+    shards = cfg.out / "shards"
+    marker = slice_marker(cfg.out, index, count)
+    if not plan_stages(cfg, ("extract",), resume="auto"):  # DONE: the whole capture is complete
+        return {"slice": index, "skipped": "complete"}
+    if marker.exists():
+        print(f"[extract] slice {index}/{count} already finished ({marker})", flush=True)
+        result = json.loads(marker.read_text())
+    else:
+        target_dir = resolve_target_dir(cfg)
+        train_jsonl, _ = prepare_data(cfg)  # the same file from every slice (written atomically)
+        ident = target_identity(cfg, target_dir)
+        if not os.environ.get("CUDA_VISIBLE_DEVICES"):
+            import torch
+
+            torch.set_num_threads(max(1, int(os.environ.get("SLURM_CPUS_PER_TASK", "1"))))
+        with Heartbeat(cfg.out, "target", index) as beat:
+            job = CaptureJob(cfg, target_dir, ident, train_jsonl, shards, index, count)
+            beat.info = job.progress
+            result = dataclasses.asdict(job.run())
+        print(f"[extract] slice {index}/{count}: {result['samples']} samples, {result['tokens']} tokens in "
+              f"{result['shards']} shards (kernel path {result['kernel_path']})", flush=True)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(marker, json.dumps(result, sort_keys=True) + "\n")
+    done = finished_slices(cfg.out, count)
+    if len(done) == count:
+        twice = duplicate_keys(shards)
+        if twice:
+            raise PipelineError(f"{shards}: samples captured twice ({twice[:5]}...): the shards are not usable; "
+                                "re-extract into another --out")
+        mark_done(shards)
+        print(f"[extract] all {count} slices finished: {shards} marked DONE", flush=True)
+    else:
+        print(f"[extract] {len(done)} of {count} slices finished; the last one marks {shards} DONE", flush=True)
+    return result

@@ -1,0 +1,181 @@
+"""`dflash-dist run CONFIG --launcher slurm`: a Ray cluster over the Slurm job's nodes, then the
+pipeline on it (slurm/pipeline.sbatch runs this on the job's first node).
+
+`ray start --head --block` here, bound to this node's address (127.0.0.1 in a one-node job; no
+dashboard), `srun ray start --block` once on every other node, the pipeline as a child process
+joined through RAY_ADDRESS, and at the end every Ray process this started is stopped (never
+`ray stop`, which would stop every Ray of the user on the node). SIGUSR1/SIGTERM (Slurm's notice
+before the time limit, forwarded by the batch script) goes on as SIGUSR1 to the trainer ranks,
+found by their heartbeats (pid, host): they save at the next step boundary and the pipeline ends;
+this exits 0 and the script requeues, and the requeued run continues with `--resume auto`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from dflash_dist.config import Config, ConfigError
+from launcher.slurm_train import step_hostnames
+
+NOTICES = (signal.SIGTERM, signal.SIGUSR1)
+RAYLET_WAIT = "RAY_raylet_start_wait_time_s"  # Ray's own (lower-case) config variable
+_HEAD_PORT_FLAGS = (
+    "--port",
+    "--dashboard-agent-listen-port",
+    "--dashboard-agent-grpc-port",
+    "--runtime-env-agent-port",
+    "--metrics-export-port",
+    "--ray-client-server-port",
+)
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _ray_bin() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+class SlurmRayCluster:
+    """The Ray processes of this job: the head (here) and one `srun` step of workers."""
+
+    def __init__(self, hostnames: list[str]) -> None:
+        self.hosts = hostnames
+        self.address_ip = "127.0.0.1" if len(hostnames) == 1 else socket.gethostbyname(hostnames[0])
+        self.temp_dir = tempfile.mkdtemp(prefix=f"dfray-{os.environ.get('SLURM_JOB_ID', 'x')}-", dir="/tmp")
+        self.ports = _free_ports(len(_HEAD_PORT_FLAGS))
+        self.address = f"{self.address_ip}:{self.ports[0]}"
+        # Ray 2.60 wants a token for a new cluster: one of this job's own, for its processes only
+        self.env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token",
+                        RAY_AUTH_TOKEN=secrets.token_hex(32))
+        self.env.setdefault(RAYLET_WAIT, "120")  # a loaded node registers its raylet slowly
+        for key in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH"):
+            self.env.pop(key, None)
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        cpus = os.environ.get("SLURM_CPUS_ON_NODE")
+        res = ["--num-cpus", cpus] if cpus else []
+        head = [_ray_bin(), "start", "--head", "--block", "--node-ip-address", self.address_ip,
+                "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", self.temp_dir, *res,
+                *(a for flag, port in zip(_HEAD_PORT_FLAGS, self.ports) for a in (flag, str(port)))]
+        proc = subprocess.Popen(head, env=self.env, start_new_session=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        self.procs.append(proc)
+        up = threading.Event()
+        threading.Thread(target=_relay, args=(proc, up), daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while not up.wait(0.5):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the Ray head did not start (exit code {proc.poll()}, {timeout_s:.0f} s)")
+        if len(self.hosts) > 1:  # one raylet per other node, as one job step
+            others = len(self.hosts) - 1
+            workers = ["srun", "--overlap", f"--nodes={others}", f"--ntasks={others}", "--ntasks-per-node=1",
+                       f"--exclude={self.hosts[0]}", _ray_bin(), "start", "--block", "--address", self.address,
+                       "--disable-usage-stats"]
+            self.procs.append(subprocess.Popen(workers, env=self.env, start_new_session=True))
+        print(f"[slurm] Ray head at {self.address} on {self.hosts[0]}; {len(self.hosts) - 1} worker node(s)",
+              flush=True)
+
+    def stop(self) -> None:
+        """SIGTERM (then SIGKILL) each started process group; `ray start --block` stops its own."""
+        for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 5.0)):
+            for p in self.procs:
+                if p.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.pid, sig)
+            deadline = time.monotonic() + wait_s
+            while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _relay(proc: subprocess.Popen, up: threading.Event) -> None:
+    """Copy `ray start --block`'s output to ours; set `up` once it says the node runs."""
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        if "Ray runtime started" in line:
+            up.set()
+
+
+def forward_notice(out: Path, signum: int, quiet: bool = False) -> list[str]:
+    """SIGUSR1 to every running trainer rank (from its heartbeat); returns whom it reached."""
+    from dflash_dist.heartbeat import read_heartbeats
+
+    here, reached = socket.gethostname(), []
+    for beat in read_heartbeats(out):
+        if beat.get("role") != "trainer" or beat.get("state") != "running":
+            continue
+        who = f"trainer {beat['index']} (pid {beat['pid']} on {beat['host']})"
+        if beat["host"] == here:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(beat["pid"]), signal.SIGUSR1)
+                reached.append(who)
+        else:
+            subprocess.Popen(["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={beat['host']}",
+                              "kill", "-USR1", str(beat["pid"])])
+            reached.append(who)
+    if reached or not quiet:
+        print(f"[slurm] {signal.Signals(signum).name}: asked {reached or 'no running trainer (yet)'} to save and stop",
+              flush=True)
+    return reached
+
+
+def run_on_slurm_ray(cfg: Config, pipeline_argv: list[str]) -> int:
+    """Start the job's Ray cluster, run `dflash-dist <pipeline_argv>` on it, stop the cluster."""
+    if cfg.ray.address:
+        raise ConfigError(f"ray.address={cfg.ray.address!r} with --launcher slurm: the job starts its own cluster; "
+                          "leave ray.address unset")
+    cluster = SlurmRayCluster(step_hostnames(os.environ))
+    notices: list[int] = []
+    told: list[str] = []  # the trainers a notice reached
+
+    def notice(signum, _frame) -> None:
+        notices.append(signum)
+        told.extend(forward_notice(cfg.out, signum))
+
+    previous = {s: signal.signal(s, notice) for s in NOTICES}
+    try:
+        cluster.start()
+        env = dict(cluster.env, RAY_ADDRESS=cluster.address)
+        for s in NOTICES:  # the driver inherits ignoring the notices: the trainers act on them
+            signal.signal(s, signal.SIG_IGN)
+        driver = subprocess.Popen([sys.executable, "-m", "launcher.cli", *pipeline_argv], env=env)
+        for s in NOTICES:
+            signal.signal(s, notice)
+        while True:
+            try:
+                rc = driver.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                if notices and not told:  # the notice came before the trainers ran: tell them now
+                    told.extend(forward_notice(cfg.out, notices[-1], quiet=True))
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        cluster.stop()
+    if notices:
+        print(f"[slurm] stopped on {signal.Signals(notices[0]).name}: requeue to continue (--resume auto)",
+              flush=True)
+    return rc
+

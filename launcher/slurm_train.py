@@ -1,0 +1,112 @@
+"""`dflash-dist train --launcher slurm`: DeepSpeed trainers without Ray, one rank per Slurm task
+(srun), over shards an earlier capture left under --out.
+
+Rank, world size and local rank come from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID; the
+master is 127.0.0.1 when the step has one node, else its first host (`scontrol show
+hostnames`); the port derives from the job id (MASTER_PORT overrides). A preemption notice
+(SIGTERM, SIGUSR1) makes every rank save at the next step boundary and return: the process exits
+0 so slurm/train.sbatch can requeue the job, whose `--resume auto` continues from that checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Mapping
+
+from dflash_dist.config import Config, ConfigError
+
+PORT_BASE, PORT_SPAN = 20000, 10000  # below Linux's ephemeral range, above Ray's worker ports
+
+
+def step_hostnames(env: Mapping[str, str]) -> list[str]:
+    """The hosts of this job step, in Slurm's order (the first one hosts rank 0)."""
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        raise ConfigError("--launcher slurm: no SLURM_STEP_NODELIST/SLURM_JOB_NODELIST; run it under srun")
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+    return out.stdout.split()
+
+
+def slurm_rank_environment(env: Mapping[str, str], hostnames: list[str], on_gpu: bool) -> dict[str, str]:
+    """torch.distributed's environment for this Slurm task (pure: from Slurm's variables).
+
+    LOCAL_RANK is SLURM_LOCALID when the task sees every GPU of its node (`--gpus-per-node`),
+    0 when Slurm bound one GPU to it (`--gpus-per-task=1` sets a single CUDA_VISIBLE_DEVICES)."""
+    missing = [k for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_ID") if k not in env]
+    if missing:
+        raise ConfigError(f"--launcher slurm: {', '.join(missing)} not set; start one task per rank with srun")
+    local = int(env["SLURM_LOCALID"])
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+    if on_gpu and len(visible) == 1:
+        local = 0
+    elif on_gpu and visible and local >= len(visible):
+        raise ConfigError(
+            f"Slurm task {env['SLURM_PROCID']} is local rank {local} but sees GPUs {visible}: allocate one GPU per "
+            "task (--gpus-per-task=1, or --gpus-per-node equal to --ntasks-per-node)"
+        )
+    port = env.get("MASTER_PORT") or str(PORT_BASE + int(env["SLURM_JOB_ID"]) % PORT_SPAN)
+    return {
+        "MASTER_ADDR": "127.0.0.1" if len(hostnames) == 1 else hostnames[0],
+        "MASTER_PORT": port,
+        "RANK": env["SLURM_PROCID"],
+        "WORLD_SIZE": env["SLURM_NTASKS"],
+        "LOCAL_RANK": str(local),
+        "LOCAL_WORLD_SIZE": str(tasks_per_node(env)[int(env.get("SLURM_NODEID", "0"))]),
+        "DS_ACCELERATOR": "cuda" if on_gpu else "cpu",
+    }
+
+
+def tasks_per_node(env: Mapping[str, str]) -> list[int]:
+    """Tasks on each node of the step, from Slurm's compressed form ("2(x3),1" -> [2, 2, 2, 1])."""
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or env["SLURM_NTASKS"]
+    counts: list[int] = []
+    for part in spec.split(","):
+        n, _, times = part.partition("(x")
+        counts += [int(n)] * (int(times.rstrip(")")) if times else 1)
+    return counts
+
+
+def run_slurm_trainer(cfg: Config, resume: str) -> int:
+    """This task's rank of the DeepSpeed group; 0 when it finished or saved after a notice."""
+    from transformers import AutoTokenizer
+
+    from data_pipeline.durable_files import write_text_atomic
+    from dflash_dist.actors.trainer_group import default_extensions_dir, run_rank, train_job
+    from dflash_dist.pipeline import plan_stages
+    from dflash_dist.target import (
+        drafter_config_for,
+        expected_provenance,
+        resolve_target_dir,
+        target_identity,
+        tokenizer_mask_id,
+    )
+
+    env = slurm_rank_environment(os.environ, step_hostnames(os.environ), on_gpu=cfg.train.gpus_per_rank > 0)
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    if world != cfg.train.world_size:
+        raise ConfigError(
+            f"train.world_size={cfg.train.world_size} but Slurm started {world} tasks: pass train.world_size={world} "
+            f"or allocate {cfg.train.world_size} tasks (slurm/train.sbatch passes train.world_size=$SLURM_NTASKS)"
+        )
+    plan_stages(cfg, ("train",), resume)  # shards are there; a resume is possible (PipelineError)
+    for sub in ("tb", "checkpoints", "export"):
+        (cfg.out / sub).mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        import yaml
+
+        write_text_atomic(cfg.out / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    target_dir = resolve_target_dir(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    expected = expected_provenance(cfg, target_dir, target_identity(cfg, target_dir), tokenizer)
+    drafter_cfg = drafter_config_for(cfg, target_dir, tokenizer_mask_id(tokenizer))
+    job = train_job(cfg, target_dir, cfg.out / "shards", expected, drafter_cfg, resume=resume, announce=rank == 0)
+    if rank == 0:
+        print(f"[train] Slurm job {os.environ['SLURM_JOB_ID']} (restart {os.environ.get('SLURM_RESTART_COUNT', 0)}):"
+              f" {world} rank(s), master {env['MASTER_ADDR']}:{env['MASTER_PORT']}, ZeRO-{cfg.train.zero_stage}, "
+              f"{job.total_steps} scheduled steps", flush=True)
+    result = run_rank(cfg.to_dict(), job, env, default_extensions_dir(), rank=rank)
+    if rank == 0:
+        how = f"stopped by {result.preempted} after saving" if result.preempted else "finished"
+        print(f"[train] {how} at step {result.steps}", flush=True)
+    return 0

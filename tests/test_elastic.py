@@ -1,0 +1,322 @@
+"""Elastic resume: a checkpoint saved by 1 rank resumed on 2, and the 2-rank checkpoint that run
+saves resumed on 1 again, through DeepSpeed's universal checkpoint (ZeRO-1, 2 and 3; ZeRO-0
+is refused).
+
+After each resume, before training on: the same step and epoch; every trainable parameter's
+fp32 weight and AdamW exp_avg / exp_avg_sq (gathered from the ZeRO partitions, per parameter
+name) equal to the saving run's at that step; the same AdamW step count, LR and per-group
+weight decay. Then training continues, every sample is trained exactly once per epoch across
+the world-size changes, and the epoch remainder is counted once (globally).
+
+Real DeepSpeed over gloo: 1 rank in this process, 2 ranks as subprocesses of this module
+(`python -m tests.test_elastic SPEC`), on the tiny target of tests/test_trainer.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_pipeline.provenance import Provenance
+from dflash_dist.config import Config, load_config_dict
+from dflash_dist.model.config import DrafterConfig
+from dflash_dist.trainer import checkpoint, universal
+from dflash_dist.trainer.checkpoint import ResumeError
+from dflash_dist.trainer.ds_config import WarmupCosine
+from dflash_dist.trainer.loop import SAMPLE_LOG, TRAIN_LOG, TrainJob, _reader_state_for
+from tests import test_trainer
+from tests.conftest import REPO, reset_deepspeed_groups
+from tests.test_trainer import free_port, make_cfg, write_shards
+
+tiny = test_trainer.tiny  # the module fixture: a saved tiny target, its captured samples, provenance
+
+NUM = 16  # 8 shards of 2 samples; a step trains 2 samples per rank
+TOTAL = 12  # the LR schedule's length, the same in every attempt
+FIRST, SECOND = 3, 7  # 1 rank saves at step 3 (epoch 0), 2 ranks at step 7 (epoch 1)
+
+
+# ---------------------------------------------------------------------------- pure pieces
+def test_world_size_change_allowed_for_zero_1_2_3_refused_for_zero_0(tmp_path):
+    cfg = Config()
+    cfg.run.out_dir = str(tmp_path)
+    cfg.train.world_size = 2
+    shard_dir = cfg.out / "shards"
+    shard_dir.mkdir(parents=True)
+    new = load_config_dict(cfg.to_dict())
+    new.train.world_size = 1
+    for stage in (1, 2, 3):
+        cfg.train.zero_stage = new.train.zero_stage = stage
+        saved = {"world_size": 2, "config": cfg.to_dict(), "data": checkpoint.data_fingerprint(shard_dir)}
+        assert checkpoint.check_resumable(saved, new.to_dict(), 1, shard_dir, "ckpt") == ["train.world_size: 2 -> 1"]
+    cfg.train.zero_stage = new.train.zero_stage = 0
+    saved = {"world_size": 2, "config": cfg.to_dict(), "data": checkpoint.data_fingerprint(shard_dir)}
+    with pytest.raises(ResumeError, match=r"saved by 2 ranks, this group has 1: .*ZeRO stages 1, 2, 3 .*ZeRO-0"):
+        checkpoint.check_resumable(saved, new.to_dict(), 1, shard_dir, "ckpt")
+    assert checkpoint.check_resumable(saved, cfg.to_dict(), 2, shard_dir, "ckpt") == []  # same size: fine
+    # a world-size change does not excuse a training-relevant one
+    new.train.zero_stage, new.train.lr = 2, 1.0
+    cfg.train.zero_stage = 2
+    saved["config"] = cfg.to_dict()
+    with pytest.raises(ResumeError, match=r"train.lr: 0.0006 -> 1.0"):
+        checkpoint.check_resumable(saved, new.to_dict(), 1, shard_dir, "ckpt")
+
+
+def test_reader_state_for_another_world_size(tiny, shards):
+    """2 ranks stop mid-epoch (rank 0 inside a shard); 1 rank, or 3, take over from the merged
+    position: every sample of the epoch exactly once, over the old and the new ranks."""
+    from data_pipeline.shard_reader import ShardStream
+
+    def stream(rank, world):
+        return ShardStream(shards, tiny["prov"], rank, world, epoch=1, seed=0, shuffle=True)
+
+    saved, before = [], []
+    for rank, n in ((0, 3), (1, 2)):  # rank 0 stops inside its second shard (2 samples each)
+        s = stream(rank, 2)
+        it = iter(s)
+        before += [next(it).key for _ in range(n)]
+        saved.append(s.state_dict())
+    assert _reader_state_for(saved, 1, 2) is saved[1]  # the same world size: the rank's own
+    assert _reader_state_for([None, None], 0, 1) is None  # the epoch had not begun
+    for world in (1, 3):
+        after = []
+        for rank in range(world):
+            s = stream(rank, world)
+            s.load_state_dict(_reader_state_for(saved, rank, world))
+            after += [x.key for x in s]
+        assert Counter(before + after) == Counter(x.key for x in tiny["samples"][:NUM]), world
+
+
+def test_universal_conversion_is_atomic_and_cached(tmp_path):
+    """A tag without a complete copy converts; a crashed conversion's leftovers look incomplete."""
+    tag = tmp_path / "step_2"
+    tag.mkdir()
+    (tag / universal.UNIVERSAL).mkdir()  # a rename target left half-written by hand, no marker
+    (tag / f".{universal.UNIVERSAL}.tmp-1").mkdir()  # a crashed conversion's temp directory
+    assert not universal.is_converted(tag)
+    with pytest.raises(FileNotFoundError):  # nothing to convert: DeepSpeed's own error
+        universal.convert(tag)
+    assert not universal.is_converted(tag) and not (tag / universal.UNIVERSAL).exists()
+
+
+# ---------------------------------------------------------------------------- 1 -> 2 -> 1 ranks
+def engine_state(engine) -> tuple[dict[str, torch.Tensor], dict]:
+    """Every trainable parameter's full fp32 weight and AdamW moments (a collective under ZeRO),
+    and the optimizer's scalars."""
+    from deepspeed.utils import (
+        lazy_init_hp_params_optimizer_state,
+        safe_get_full_fp32_param,
+        safe_get_full_optimizer_state,
+    )
+
+    opt = engine.optimizer
+    if engine.zero_optimization_stage() in (1, 2):
+        # DeepSpeed 0.19.8 links the parameters' views of the AdamW state once, right after the
+        # first step of group 0, when group 1 has none yet: link again to read group 1's
+        for i, params in enumerate(opt.bit16_groups):
+            lazy_init_hp_params_optimizer_state(params, opt.single_partition_of_fp32_groups[i], opt.optimizer.state)
+    tensors = {}
+    for name, p in engine.module.named_parameters():
+        if p.requires_grad:
+            tensors[f"fp32/{name}"] = safe_get_full_fp32_param(p).detach().cpu().clone()
+            for key in ("exp_avg", "exp_avg_sq"):
+                tensors[f"{key}/{name}"] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
+    base = engine.optimizer.optimizer  # torch AdamW under the ZeRO optimizer
+    scalars = {
+        "adam_steps": sorted({float(s["step"]) for s in base.state.values()}),
+        "lr": engine.get_lr(),
+        "weight_decay": [g["weight_decay"] for g in engine.optimizer.param_groups],
+        "global_steps": engine.global_steps,
+        "schedule_last_epoch": engine.lr_scheduler.last_epoch,
+    }
+    return tensors, scalars
+
+
+def dump_state(engine, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    tensors, scalars = engine_state(engine)
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        save_file(tensors, str(path.with_suffix(".safetensors")))
+        path.with_suffix(".json").write_text(json.dumps(scalars))
+
+
+def load_state(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path.with_suffix(".safetensors"))), json.loads(path.with_suffix(".json").read_text())
+
+
+def assert_same_state(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
+    assert a[0].keys() == b[0].keys() and len(a[0]) > 0
+    for key in a[0]:
+        assert torch.equal(a[0][key], b[0][key]), key
+    assert a[1] == b[1]
+
+
+def job_for(tiny, shards: Path, resume_from: Path | None) -> TrainJob:
+    return TrainJob(
+        str(tiny["target_dir"]),
+        str(shards),
+        tiny["prov"],
+        tiny["drafter"],
+        total_steps=TOTAL,
+        resume_from=str(resume_from) if resume_from else None,
+    )
+
+
+def run_in_process(cfg: Config, job: TrainJob, dump: Path):
+    """One rank here: the trainer's state right after it resumed (`<dump>_resumed`) and after its
+    run (`<dump>_final`)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from dflash_dist.trainer.loop import Trainer
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
+    os.environ.update(env, LOCAL_RANK="0")
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    try:
+        trainer = Trainer(cfg, job)
+        if job.resume_from is not None:
+            assert trainer.engine.load_universal_checkpoint()
+            dump_state(trainer.engine, dump.with_name(dump.name + "_resumed"))
+        result = trainer.run()
+        dump_state(trainer.engine, dump.with_name(dump.name + "_final"))
+        return result
+    finally:
+        dist.destroy_process_group()
+        reset_deepspeed_groups()
+
+
+def run_two_ranks(cfg: Config, job: TrainJob, dump: Path) -> list[dict]:
+    """Two ranks as subprocesses running `main` below; returns their TrainResults (as dicts)."""
+    spec = dump.with_name(dump.name + ".spec.json")
+    job_dict = dataclasses.asdict(job) | {"provenance": job.provenance.to_dict()}
+    spec.write_text(json.dumps({"cfg": cfg.to_dict(), "job": job_dict, "dump": str(dump)}))
+    port = str(free_port())
+    procs = []
+    with contextlib.ExitStack() as stack:
+        for rank in range(2):
+            env = os.environ | {
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "OMP_NUM_THREADS": "1",
+            }
+            log = stack.enter_context(open(dump.with_name(f"{dump.name}.rank{rank}.log"), "w"))
+            cmd = [sys.executable, "-m", "tests.test_elastic", str(spec)]
+            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+        try:
+            codes = [p.wait(timeout=300) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+    logs = [dump.with_name(f"{dump.name}.rank{r}.log").read_text() for r in range(2)]
+    assert codes == [0, 0], "\n".join(f"--- rank {r}\n{text[-4000:]}" for r, text in enumerate(logs))
+    return [json.loads(dump.with_name(f"{dump.name}.result{r}.json").read_text()) for r in range(2)]
+
+
+def main(spec_path: str) -> None:
+    """A rank of run_two_ranks: its process group from the environment, the trainer, dumps."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from dflash_dist.trainer.loop import Trainer
+
+    torch.set_num_threads(1)
+    spec = json.loads(Path(spec_path).read_text())
+    j = spec["job"]
+    drafter = DrafterConfig(**(j["drafter"] | {"target_layer_ids": tuple(j["drafter"]["target_layer_ids"])}))
+    job = TrainJob(**(j | {"provenance": Provenance.from_dict(j["provenance"]), "drafter": drafter}))
+    dump = Path(spec["dump"])
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    try:
+        trainer = Trainer(load_config_dict(spec["cfg"]), job)
+        assert trainer.engine.load_universal_checkpoint() == (job.resume_from is not None)
+        dump_state(trainer.engine, dump.with_name(dump.name + "_resumed"))
+        result = trainer.run()
+        dump_state(trainer.engine, dump.with_name(dump.name + "_final"))
+        dump.with_name(f"{dump.name}.result{dist.get_rank()}.json").write_text(json.dumps(dataclasses.asdict(result)))
+    finally:
+        dist.destroy_process_group()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def shards(tiny, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("elastic") / "shards"
+    write_shards(path, tiny["prov"], tiny["samples"][:NUM], done=True)
+    return path
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_elastic_resume_one_to_two_to_one_rank(tiny, shards, tmp_path, stage):
+    out, dumps = tmp_path / "run", tmp_path / "dumps"
+    dumps.mkdir()
+    ckpt = out / "checkpoints"
+
+    def cfg_for(world: int, max_steps: int) -> Config:
+        return make_cfg(out, tiny["target_dir"], world_size=world, zero_stage=stage, epochs=2, max_steps=max_steps,
+                        checkpoint_every=100, log_sample_keys=True, weight_decay=0.1)  # fmt: skip
+
+    # 1 rank trains 3 steps (6 of epoch 0's 16 samples: shards 0-2) and saves step_3
+    first = run_in_process(cfg_for(1, FIRST), job_for(tiny, shards, None), dumps / "a")
+    assert first.steps == FIRST and checkpoint.read_latest(ckpt) == f"step_{FIRST}"
+
+    # 2 ranks resume it: shards 3-7 are left (rank 0 owns 4 and 6, rank 1 owns 3, 5 and 7), so
+    # epoch 0 ends after 2 steps with 2 samples dropped, counted once; epoch 1 runs to step 7
+    results = run_two_ranks(cfg_for(2, SECOND), job_for(tiny, shards, ckpt / f"step_{FIRST}"), dumps / "b")
+    assert universal.is_converted(ckpt / f"step_{FIRST}")
+    assert_same_state(load_state(dumps / "a_final"), load_state(dumps / "b_resumed"))
+    assert [r["steps"] for r in results] == [SECOND, SECOND] and [r["epochs_completed"] for r in results] == [1, 1]
+    assert [r["samples_dropped"] for r in results] == [2, 0]  # the global remainder, on rank 0
+    assert [r["samples_consumed"] for r in results] == [8, 8]
+    assert checkpoint.read_latest(ckpt) == f"step_{SECOND}"
+
+    # 1 rank resumes the 2-rank step_7 (epoch 1: shards 0-3 trained) and finishes epoch 1
+    last = run_in_process(cfg_for(1, TOTAL), job_for(tiny, shards, ckpt / f"step_{SECOND}"), dumps / "c")
+    assert_same_state(load_state(dumps / "b_final"), load_state(dumps / "c_resumed"))
+    assert (last.steps, last.epochs_completed, last.samples_consumed, last.samples_dropped) == (11, 2, 8, 0)
+    assert load_state(dumps / "c_final")[1]["adam_steps"] == [11.0]  # one AdamW step per step
+    # the converted copy sits inside the still-complete tag and is reused, not redone
+    tag = ckpt / f"step_{SECOND}"
+    marker = universal.universal_dir(tag) / universal.UNIVERSAL_MARKER
+    written = marker.stat().st_mtime_ns
+    assert checkpoint.read_marker(tag) is not None and universal.convert(tag) == universal.universal_dir(tag)
+    assert marker.stat().st_mtime_ns == written
+
+    # the step log: every step once, the LR schedule continued across both world sizes
+    log = read_jsonl(out / TRAIN_LOG)
+    assert [r["step"] for r in log] == list(range(1, 12)) and all(r["loss"] == r["loss"] for r in log)
+    sched = WarmupCosine(TOTAL, 2)  # warmup_frac 0.1 of 12 steps
+    assert [r["lr"] for r in log] == pytest.approx([5e-3 * sched(s) for s in range(11)])
+    assert log[-1]["samples"] == 3 * 2 + 4 * 4 + 4 * 2  # steps x samples per step: 1 rank, 2 ranks, 1 rank
+    # every sample once per epoch (epoch 0: 2 dropped when 2 ranks went out of lock-step)
+    per: dict[int, Counter] = {}
+    for rank_log in sorted((out / SAMPLE_LOG).glob("rank_*.jsonl")):
+        for row in read_jsonl(rank_log):
+            per.setdefault(row["epoch"], Counter()).update(row["keys"])
+    keys = Counter(s.key for s in tiny["samples"][:NUM])
+    assert per[1] == keys
+    assert sum(per[0].values()) == NUM - 2 and set(per[0]) <= set(keys) and max(per[0].values()) == 1
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,278 @@
+"""Fault tolerance of the trainer group and the evaluator.
+
+The restart policy as a pure function; then real runs on a local Ray cluster (started and
+stopped here): a trainer rank SIGKILLed mid-run is replaced by a new group that resumes from
+the latest complete checkpoint, and the run ends with every sample trained exactly once per
+epoch; an error the trainer code raises twice from the same checkpoint stops the run; an
+evaluator SIGKILLed mid-run is restarted by Ray and measures every export exactly once.
+Real DeepSpeed over gloo on the tiny targets of tests/test_trainer.py and tests/test_evaluator.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from data_pipeline.records import DONE_NAME, MANIFEST_NAME
+from dflash_dist.config import ConfigError, load_config, load_config_dict
+from dflash_dist.faults import DIED, ERROR, Decision, Failure, RestartPolicy, decide_restart, restart_resume
+from dflash_dist.pipeline import PipelineError, supervise_training, wait_evaluator
+from dflash_dist.trainer import checkpoint
+from dflash_dist.trainer.loop import SAMPLE_LOG, TRAIN_LOG
+from tests import test_evaluator, test_trainer
+from tests.conftest import REPO
+from tests.test_trainer import make_cfg, write_shards
+
+tiny = test_trainer.tiny  # module fixture: a saved tiny target, its captured samples, provenance
+tiny_eval = test_evaluator.tiny  # module fixture: a tiny target with a tokenizer, two drafter exports
+
+NUM = 16  # 8 shards of 2: 4 steps of 2 ranks x 2 samples per epoch, nothing dropped
+EPOCHS = 2
+STEPS = 4 * EPOCHS
+EVERY = 2  # checkpoint_every
+
+
+# ---------------------------------------------------------------------------- the policy (pure)
+def test_restarts_with_backoff_until_the_budget_is_spent():
+    policy = RestartPolicy(max_restarts=3, backoff_s=2.0, max_backoff_s=5.0)
+    lost = [Failure(DIED, 1, "ActorDiedError: the actor died", f"ckpt/step_{2 * i}") for i in range(4)]
+    decisions = [decide_restart(policy, lost[: n + 1]) for n in range(4)]
+    assert [(d.restart, d.delay_s) for d in decisions] == [(True, 2.0), (True, 4.0), (True, 5.0), (False, 0.0)]
+    assert "rank 1 was lost: ActorDiedError" in decisions[0].message and "restart 1 of 3" in decisions[0].message
+    assert "train.max_restarts=3" in decisions[3].message and "--resume auto" in decisions[3].message
+    # no restarts allowed: the first failure stops the run
+    assert not decide_restart(RestartPolicy(0), lost[:1]).restart
+    # a lost process is retried even from the same checkpoint: it may not be lost again
+    same_ckpt = [Failure(DIED, 0, "node died", None)] * 2
+    assert decide_restart(policy, same_ckpt) == Decision(True, 4.0, decide_restart(policy, same_ckpt).message)
+
+
+def test_the_same_error_twice_from_the_same_checkpoint_stops():
+    policy = RestartPolicy(max_restarts=5)
+    boom = Failure(ERROR, 0, "ValueError: bad sample", "ckpt/step_4")
+    assert decide_restart(policy, [boom]).restart  # could be transient (a full disk, say)
+    stop = decide_restart(policy, [boom, boom])
+    assert not stop.restart and "twice from ckpt/step_4 with the same error" in stop.message
+    assert "ValueError: bad sample" in stop.message
+    # progress between them (another checkpoint), another error, or a lost process in between: retried
+    assert decide_restart(policy, [boom, Failure(ERROR, 0, "ValueError: bad sample", "ckpt/step_6")]).restart
+    assert decide_restart(policy, [boom, Failure(ERROR, 1, "OSError: disk full", "ckpt/step_4")]).restart
+    assert decide_restart(policy, [boom, Failure(DIED, 1, "lost", "ckpt/step_4"), boom]).restart
+    assert "step 0" in decide_restart(policy, [Failure(ERROR, 0, "x", None)] * 2).message
+
+
+def test_restart_resume_and_config_fields():
+    assert restart_resume("never", has_checkpoint=True) == "auto"
+    assert restart_resume("never", has_checkpoint=False) == "never"  # from step 0 again
+    assert restart_resume("/other/run/checkpoints/step_8", has_checkpoint=False) == "/other/run/checkpoints/step_8"
+    cfg = load_config(REPO / "configs" / "tiny.yaml", ["train.max_restarts=0", "eval.max_restarts=5"])
+    assert (cfg.train.max_restarts, cfg.eval.max_restarts) == (0, 5)
+    with pytest.raises(ConfigError, match=r"train.max_restarts must be >= 0"):
+        load_config(REPO / "configs" / "tiny.yaml", ["train.max_restarts=-1"])
+    with pytest.raises(ConfigError, match=r"eval.max_restarts: expected int"):
+        load_config(REPO / "configs" / "tiny.yaml", ["eval.max_restarts=x"])
+
+
+# ---------------------------------------------------------------------------- trainer: a rank killed
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def consumed_per_epoch(out: Path) -> dict[int, Counter]:
+    per: dict[int, Counter] = {}
+    for log in sorted((out / SAMPLE_LOG).glob("rank_*.jsonl")):
+        for row in read_jsonl(log):
+            per.setdefault(row["epoch"], Counter()).update(row["keys"])
+    return per
+
+
+def kill_when(path: Path, lines: int, pid_of, timeout_s: float = 240) -> threading.Thread:
+    """SIGKILL pid_of() once `path` has `lines` lines (in a thread: the caller blocks meanwhile)."""
+
+    def watch() -> None:
+        deadline = time.time() + timeout_s
+        while not (path.exists() and len(path.read_text().splitlines()) >= lines) and time.time() < deadline:
+            time.sleep(0.02)
+        os.kill(pid_of(), signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.fixture(scope="module")
+def shards(tiny, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("faults") / "shards"
+    write_shards(path, tiny["prov"], tiny["samples"][:NUM], done=True)
+    return path
+
+
+def test_killed_trainer_rank_group_restarts_from_checkpoint_each_sample_once(tiny, shards, ray_cluster, tmp_path,
+                                                                             capsys):
+    from dflash_dist.actors.trainer_group import start_trainer_group
+
+    out = tmp_path / "run"
+    cfg = make_cfg(out, tiny["target_dir"], epochs=EPOCHS, checkpoint_every=EVERY, log_sample_keys=True,
+                   max_restarts=2)
+    resumes: list[str] = []
+
+    def start(resume: str, total_steps: int | None = None):
+        resumes.append(resume)
+        return start_trainer_group(cfg, tiny["target_dir"], shards, tiny["prov"], tiny["drafter"], num_samples=NUM,
+                                   total_steps=total_steps, resume=resume)
+
+    group = start("never")
+    victim = 1
+    kill_at = EVERY + 3  # after the first checkpoint, before the end
+    killer = kill_when(out / TRAIN_LOG, kill_at, lambda: group.infos[victim].pid)
+    results = supervise_training(cfg, group, start, "never")
+    killer.join()
+
+    printed = capsys.readouterr().out
+    assert f"[train] rank {victim} was lost: ActorDiedError" in printed and "restart 1 of 2" in printed
+    assert resumes == ["never", "auto"]  # the new group resumed from this run's latest checkpoint
+    resumed = results[0].resumed_from
+    assert resumed is not None and EVERY <= checkpoint.tag_step(resumed) < STEPS
+    assert [r.steps for r in results] == [STEPS, STEPS]
+    # the run's history: every step once, every sample exactly once per epoch
+    assert [r["step"] for r in read_jsonl(out / TRAIN_LOG)] == list(range(1, STEPS + 1))
+    keys = Counter(s.key for s in tiny["samples"][:NUM])
+    per = consumed_per_epoch(out)
+    assert sorted(per) == list(range(EPOCHS)) and all(per[e] == keys for e in per), per
+    assert checkpoint.read_latest(out / "checkpoints") == f"step_{STEPS}"
+
+    # an error the trainer code raises is reported as such (here every rank refuses a schedule of
+    # another length than the checkpoint's); with no restarts left the run stops saying why
+    resumes.clear()
+    cfg.train.max_restarts = 0
+    with pytest.raises(PipelineError, match=rf"(?s)max_restarts=0; last: rank \d failed: ResumeError: .*spans {STEPS}"):
+        supervise_training(cfg, start("auto", STEPS + 1), lambda r: start(r, STEPS + 1), "auto")
+    assert resumes == ["auto"]
+
+
+# ---------------------------------------------------------------------------- evaluator: killed
+def test_killed_evaluator_is_restarted_and_measures_every_export_once(tiny_eval, ray_cluster, tmp_path):
+    from transformers import AutoTokenizer
+
+    from dflash_dist.actors.evaluator_actor import EvaluatorActor, evaluator_actor_options
+    from dflash_dist.evaluator import EvalResult
+    from dflash_dist.target import expected_provenance, target_identity
+    from tests.test_evaluator import publish
+
+    ray = ray_cluster
+    cfg, target_dir = load_config_dict(tiny_eval["cfg"].to_dict()), tiny_eval["target_dir"]
+    cfg.eval.num_cpus, cfg.eval.max_restarts = 0.5, 1
+    expected = expected_provenance(cfg, target_dir, target_identity(cfg, target_dir),
+                                   AutoTokenizer.from_pretrained(target_dir))
+    out = tmp_path / "run"
+    (out / "export").mkdir(parents=True)
+    actor = EvaluatorActor.options(**evaluator_actor_options(cfg)).remote(
+        cfg.to_dict(), str(out), str(target_dir), tiny_eval["prompts"], expected.to_json(), poll_s=0.1)
+    actor.start.remote()
+    publish(tiny_eval, out, "random", 10)
+    deadline = time.time() + 120
+    while 10 not in (status := ray.get(actor.status.remote()))["evaluated"]:
+        assert status["error"] is None and time.time() < deadline, status
+        time.sleep(0.2)
+    first = (out / "eval" / "step_10.json").stat()
+    os.kill(status["pid"], signal.SIGKILL)
+    publish(tiny_eval, out, "trained", 20)  # while it is down: both are measured after the restart
+    publish(tiny_eval, out, "random", 30)
+
+    results = [EvalResult.from_json(d) for d in wait_evaluator(ray, actor, 30, cfg.eval.max_restarts)]
+    assert [r.step for r in results] == [10, 20, 30]
+    after = ray.get(actor.status.remote())
+    assert after["restarted"] and after["pid"] != status["pid"] and after["evaluated"] == [10, 20, 30]
+    again = (out / "eval" / "step_10.json").stat()  # measured once: the restarted actor did not redo it
+    assert (again.st_ino, again.st_mtime_ns) == (first.st_ino, first.st_mtime_ns)
+    acc = EventAccumulator(str(out / "tb" / "eval"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("eval/tau_chain")] == [10, 20, 30]  # each point once, none missing
+    assert results[1].tau_chain > results[0].tau_chain + 0.5 and results[2].tau_chain == results[0].tau_chain
+
+    # its one restart is spent: lost again, the run stops naming eval.max_restarts
+    os.kill(after["pid"], signal.SIGKILL)
+    with pytest.raises(PipelineError, match=r"evaluator was lost 2 time\(s\), more than eval.max_restarts=1"):
+        wait_evaluator(ray, actor, 30, cfg.eval.max_restarts)
+
+
+# ---------------------------------------------------------------------------- the whole run
+# the tiny config, shortened: 32 one-sample shards (16 per rank: no sample dropped for lock-step),
+# 2 epochs of 4 steps, a checkpoint and export every 2 steps, every export measured
+E2E = [
+    "data.max_train_samples=32",
+    "capture.regenerate=false",
+    "capture.shard_bytes=1",
+    "capture.token_budget=768",  # ~3 samples per forward: a capture long enough to be killed mid-way
+    "train.epochs=2",
+    "train.checkpoint_every=2",
+    "train.log_sample_keys=true",
+    "eval.num_prompts=2",
+    "eval.max_new_tokens=16",
+    "eval.poll_s=0.5",
+    "eval.max_backlog=100",
+]
+
+
+@pytest.mark.slow
+def test_tiny_run_survives_a_killed_target_actor_trainer_rank_and_evaluator(tmp_path):
+    """`dflash-dist run` of the tiny config: the target actor is SIGKILLed once it has published a
+    shard, trainer rank 1 after the step-2 checkpoint and the evaluator once it has measured an
+    export; the run still completes, every sample is captured once and trained exactly once per
+    epoch, and every export's tau is reported."""
+    import subprocess
+    import sys
+
+    from data_pipeline.shard_reader import read_manifest
+
+    out = tmp_path / "run"
+    log = tmp_path / "run.log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "run", "configs/tiny.yaml", "--out", str(out),
+                                 *E2E], cwd=REPO, stdout=f, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        beats, killed = out / "heartbeat", set()
+        deadline = time.time() + 900
+        shards, target_pid = out / "shards", None
+        while len(killed) < 3 and proc.poll() is None:
+            assert time.time() < deadline, "the run never reached the points to kill at"
+            if "target" not in killed and (beats / "target-0.json").exists() and (shards / MANIFEST_NAME).exists():
+                assert not (shards / DONE_NAME).exists(), "the capture finished before it could be killed"
+                target_pid = json.loads((beats / "target-0.json").read_text())["pid"]
+                os.kill(target_pid, signal.SIGKILL)
+                killed.add("target")
+            if "trainer" not in killed and (out / TRAIN_LOG).exists() and len(read_jsonl(out / TRAIN_LOG)) >= 3:
+                os.kill(json.loads((beats / "trainer-1.json").read_text())["pid"], signal.SIGKILL)
+                killed.add("trainer")
+            if "evaluator" not in killed and list((out / "eval").glob("step_*.json")):
+                os.kill(json.loads((beats / "evaluator-0.json").read_text())["pid"], signal.SIGKILL)
+                killed.add("evaluator")
+            time.sleep(0.05)
+        proc.wait(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    printed = log.read_text()
+    assert proc.returncode == 0, printed[-6000:]
+    assert killed == {"target", "trainer", "evaluator"}, f"the run ended before every kill: {killed}"
+    assert json.loads((beats / "target-0.json").read_text())["pid"] != target_pid  # Ray restarted it
+    assert "[train] rank 1 was lost" in printed and "evaluator restarted" in printed, printed[-6000:]
+    steps = [r["step"] for r in read_jsonl(out / TRAIN_LOG)]
+    assert steps == list(range(1, 9))
+    keys = Counter(k for r in read_manifest(out / "shards") for k in r.keys)
+    per = consumed_per_epoch(out)
+    assert len(keys) == 32 and set(keys.values()) == {1}  # the restarted actor redid only the rest
+    assert sorted(per) == [0, 1] and all(per[e] == keys for e in per), per
+    evals = {int(p.stem.split("_")[1]) for p in (out / "eval").glob("step_*.json")}
+    assert evals == {2, 4, 6, 8} and "tau chain" in printed  # every export measured and reported

@@ -4,6 +4,7 @@ file or the new one, never half of it, and a crash after the call keeps the new 
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 
@@ -18,7 +19,7 @@ def fsync_dir(path: Path) -> None:
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Write to a temporary name beside `path`, fsync, rename over it, fsync the directory."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")  # unique per writer thread
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)

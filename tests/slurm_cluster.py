@@ -61,6 +61,8 @@ class SlurmCluster:
         for key in [k for k in self.env if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_"))]:
             if key != "SLURM_CONF":
                 del self.env[key]
+        for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):  # sbatch exports our env
+            self.env.pop(key, None)
         self._pidfiles = [self.dir / "slurmd.pid", self.dir / "slurmctld.pid", self.dir / "munge" / "munged.pid"]
 
     def _write_config(self) -> None:

@@ -189,7 +189,7 @@ def test_collate_pads_and_anchors_are_per_sample(tiny):
 
 
 # ---------------------------------------------------------------------------- (a) settings reach DeepSpeed
-def test_deepspeed_config_reaches_engine(tiny, tmp_path):
+def test_deepspeed_config_reaches_engine(tiny, tmp_path, monkeypatch):
     import deepspeed
     import torch.distributed as dist
 
@@ -210,7 +210,9 @@ def test_deepspeed_config_reaches_engine(tiny, tmp_path):
     assert deepspeed_config(cfg, world_size=4, on_gpu=True)["bf16"] == {"enabled": True}
     assert deepspeed_config(cfg, 4, True)["train_batch_size"] == 24
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1").items():
+        monkeypatch.setenv(key, value)  # undone after the test: later subprocesses must not inherit a stale port
+    monkeypatch.setenv("LOCAL_RANK", "0")
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     try:
         total = 8

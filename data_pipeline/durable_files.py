@@ -3,9 +3,12 @@ file or the new one, never half of it, and a crash after the call keeps the new 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 
 def fsync_dir(path: Path) -> None:
@@ -17,12 +20,15 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write to a temporary name beside `path`, fsync, rename over it, fsync the directory."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")  # unique per writer thread
+@contextlib.contextmanager
+def atomic_writer(path: Path) -> Iterator[TextIO]:
+    """A text file to stream into at a temporary name beside `path` (unique per writer thread);
+    on a clean exit it is fsynced, renamed over `path` and the directory synced; on an error it
+    is removed and `path` is untouched."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -30,3 +36,9 @@ def write_text_atomic(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write to a temporary name beside `path`, fsync, rename over it, fsync the directory."""
+    with atomic_writer(path) as f:
+        f.write(text)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from data_pipeline.chat_data import FORMATS, INGESTED_FROM, BadRecord, ChatRecord, parse_record
-from data_pipeline.durable_files import fsync_dir, write_text_atomic
+from data_pipeline.durable_files import atomic_writer, write_text_atomic
 
 ON_BAD_RECORD = ("error", "skip")
 ON_OVERLONG = ("truncate", "skip", "error")
@@ -238,16 +238,7 @@ def write_ingested(records: list[ChatRecord], report: IngestReport, jsonl_path: 
     """The normalized ``messages`` JSONL (each line keeps its original file:line / row) and the
     counts file, each written atomically (streamed to a temporary name, fsynced, renamed)."""
     jsonl_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = jsonl_path.with_name(f".{jsonl_path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as out:
-            for r in records:
-                out.write(json.dumps({"messages": r.as_dicts(), INGESTED_FROM: r.where}, ensure_ascii=False) + "\n")
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, jsonl_path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(jsonl_path.parent)
+    with atomic_writer(jsonl_path) as out:
+        for r in records:
+            out.write(json.dumps({"messages": r.as_dicts(), INGESTED_FROM: r.where}, ensure_ascii=False) + "\n")
     write_text_atomic(report_path, report.to_json())

@@ -29,6 +29,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models on a shared 2-core machine: intra-op threads only add contention (one module
+    measured 10x, another 30x slower with them). Use as `pytestmark = pytest.mark.usefixtures(...)`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def reset_deepspeed_groups() -> None:
     """After destroy_process_group in a test process: forget DeepSpeed's cached process groups,
     so the next in-process engine builds fresh ones (a stale one is 'not registered')."""

@@ -9,14 +9,7 @@ from dflash_dist.demo import DemoConfig, tiny_qwen35_target
 from dflash_dist.model.capture import capture_features, check_kernel_path, decoder_layers, gdn_kernel_path
 from dflash_dist.model.config import build_target_layer_ids
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models on a shared 2-core machine: intra-op threads only add contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -40,15 +40,7 @@ N = 40
 ALL_KEYS = [f"train-{i:08d}" for i in range(N)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """In-process captures on a shared 2-core machine: intra-op threads only add contention."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from dflash_dist.config import Config, ConfigError
+from dflash_dist.ports import free_ports
 from launcher.slurm_train import step_hostnames
 
 NOTICES = (signal.SIGTERM, signal.SIGUSR1)
@@ -40,17 +41,6 @@ _HEAD_PORT_FLAGS = (
 )
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _ray_bin() -> str:
     return str(Path(sys.executable).with_name("ray"))
 
@@ -62,7 +52,7 @@ class SlurmRayCluster:
         self.hosts = hostnames
         self.address_ip = "127.0.0.1" if len(hostnames) == 1 else socket.gethostbyname(hostnames[0])
         self.temp_dir = tempfile.mkdtemp(prefix=f"dfray-{os.environ.get('SLURM_JOB_ID', 'x')}-", dir="/tmp")
-        self.ports = _free_ports(len(_HEAD_PORT_FLAGS))
+        self.ports = free_ports(len(_HEAD_PORT_FLAGS))
         self.address = f"{self.address_ip}:{self.ports[0]}"
         # Ray 2.60 wants a token for a new cluster: one of this job's own, for its processes only
         self.env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token",

@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from dflash_dist.ports import free_ports
+
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sacct")
 INSTALL_HINT = (
     "Slurm is not installed: as root run `apt-get update && apt-get install -y slurmctld slurmd slurm-client munge` "
@@ -33,17 +35,6 @@ def _which(name: str) -> str:
     found = shutil.which(name, path=os.pathsep.join([os.environ.get("PATH", ""), *SBIN]))
     assert found, name
     return found
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class SlurmCluster:
@@ -66,7 +57,7 @@ class SlurmCluster:
         self._pidfiles = [self.dir / "slurmd.pid", self.dir / "slurmctld.pid", self.dir / "munge" / "munged.pid"]
 
     def _write_config(self) -> None:
-        ctld_port, slurmd_port = _free_ports(2)
+        ctld_port, slurmd_port = free_ports(2, "127.0.0.1")
         d = self.dir
         for sub in ("state", "spool", "log"):
             (d / sub).mkdir()

@@ -10,7 +10,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dflash_dist.ports import free_ports
 from tests.conftest import REPO
 
 VENV_BIN = Path(sys.executable).parent
@@ -31,18 +31,6 @@ SHORT = [
     "eval.num_prompts=2",
     "eval.max_new_tokens=16",
 ]
-
-
-def _free_ports(n: int) -> list[int]:
-    """n distinct free ports (held open together while picked)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _session_pids(sid: int, marker: str) -> list[int]:
@@ -69,7 +57,7 @@ class LocalHead:
         self.temp_dir = tempfile.mkdtemp(prefix="dfray-", dir="/tmp")  # short: Ray's socket paths
         # every port of its own: Ray's fixed defaults (agent 52365, client 10001, ...) may be
         # held by another Ray on this machine, and a head whose job agent cannot bind takes no jobs
-        self.port, self.dash_port, *self.other_ports = _free_ports(7)
+        self.port, self.dash_port, *self.other_ports = free_ports(7, "127.0.0.1")
         # Ray 2.60 turns token auth on for a new head: a token of this head's own (not the user's
         # ~/.ray/auth_token), given to the head, its job drivers and the job CLI alike
         self.env = dict(

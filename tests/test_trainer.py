@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from dflash_dist.model.capture import capture_features
 from dflash_dist.model.config import build_target_layer_ids
 from dflash_dist.model.drafter import DFlashDrafter
 from dflash_dist.model.export import load_drafter
+from dflash_dist.ports import free_ports
 from dflash_dist.target import drafter_config_for, load_embeddings, provenance_for, target_identity
 from dflash_dist.trainer.batching import batch_anchors, collate
 from dflash_dist.trainer.ds_config import WarmupCosine, deepspeed_config, total_train_steps
@@ -112,9 +112,7 @@ def write_shards(shard_dir: Path, prov, samples, done: bool) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1, "127.0.0.1")[0]
 
 
 def histograms(tb_dir: Path) -> dict[str, list[tuple[int, float, float, float]]]:

@@ -9,7 +9,6 @@ the workers and the shards.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from data_pipeline.provenance import Provenance
 from dflash_dist.config import Config, load_config_dict
 from dflash_dist.faults import DIED, ERROR
 from dflash_dist.model.config import DrafterConfig
+from dflash_dist.ports import free_ports
 from dflash_dist.trainer.checkpoint import check_resumable, plan_resume, read_marker
 from dflash_dist.trainer.ds_config import total_train_steps
 from dflash_dist.trainer.loop import TrainJob, TrainResult
@@ -101,9 +101,7 @@ class TrainerWorker:
         )
 
     def free_port(self) -> int:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        return free_ports(1)[0]
 
     def run(self, cfg_dict: dict, job: TrainJob, env: dict[str, str], extensions_dir: str) -> TrainResult:
         return run_rank(cfg_dict, job, env, extensions_dir, rank=self.rank)

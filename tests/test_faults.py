@@ -28,9 +28,10 @@ from dflash_dist.config import ConfigError, load_config, load_config_dict
 from dflash_dist.faults import DIED, ERROR, Decision, Failure, RestartPolicy, decide_restart, restart_resume
 from dflash_dist.pipeline import PipelineError, supervise_training, wait_evaluator
 from dflash_dist.trainer import checkpoint
-from dflash_dist.trainer.loop import SAMPLE_LOG, TRAIN_LOG
+from dflash_dist.trainer.loop import TRAIN_LOG
 from tests import test_evaluator, test_trainer
 from tests.conftest import REPO
+from tests.test_resume import consumed_per_epoch, read_jsonl
 from tests.test_trainer import make_cfg, write_shards
 
 tiny = test_trainer.tiny  # module fixture: a saved tiny target, its captured samples, provenance
@@ -84,18 +85,6 @@ def test_restart_resume_and_config_fields():
 
 
 # ---------------------------------------------------------------------------- trainer: a rank killed
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def consumed_per_epoch(out: Path) -> dict[int, Counter]:
-    per: dict[int, Counter] = {}
-    for log in sorted((out / SAMPLE_LOG).glob("rank_*.jsonl")):
-        for row in read_jsonl(log):
-            per.setdefault(row["epoch"], Counter()).update(row["keys"])
-    return per
-
-
 def kill_when(path: Path, lines: int, pid_of, timeout_s: float = 240) -> threading.Thread:
     """SIGKILL pid_of() once `path` has `lines` lines (in a thread: the caller blocks meanwhile)."""
 

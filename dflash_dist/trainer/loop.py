@@ -280,7 +280,6 @@ class Trainer:
         self._last_lr = float("nan")
         self._window = _Window(self.block_size, self.device)
         self._feeder: MicroBatchFeeder | None = None
-        self._epoch_skipped = 0  # skipped_all of the last finished epoch
         # this optimizer step so far (loss summed over its micro-batches, on the device), and
         # finished steps whose loss is not yet in train_log.jsonl: (step, epoch, lr, loss, micro, samples)
         self._step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -394,7 +393,10 @@ class Trainer:
                 signal.signal(s, handler)
 
     def _position(self) -> tuple:
-        return (self.epoch, self.reader_state, self.epoch_samples, self.epoch_carried, self.samples_consumed)
+        return (
+            self.epoch, self.reader_state, self.epoch_samples, self.epoch_carried, self.samples_consumed,
+            self.skipped_total,
+        )
 
     def _rewind_to_step_boundary(self) -> None:
         """A notice inside a gradient accumulation: the partial step is dropped (its samples are
@@ -404,12 +406,12 @@ class Trainer:
         of training the samples that epoch's lock-step end dropped."""
         if self._step_micro:
             crossed = self._boundary[0] != self.epoch
-            self.epoch, self.reader_state, self.epoch_samples, self.epoch_carried, self.samples_consumed = (
-                self._boundary
-            )
+            (
+                self.epoch, self.reader_state, self.epoch_samples, self.epoch_carried, self.samples_consumed,
+                self.skipped_total,
+            ) = self._boundary  # skipped_total: the rewound epoch's skips are counted when it ends again
             if crossed:
                 self.epoch_exhausted = True
-                self.skipped_total -= self._epoch_skipped  # _end_epoch counts it again after the resume
             if self._feeder is not None:  # its stream is past the rewound position
                 self._feeder.close()
                 self._feeder = None
@@ -504,7 +506,6 @@ class Trainer:
         assert dropped >= 0 and dropped_all >= 0, (dropped, dropped_all, self.epoch_samples, self.epoch_carried)
         self.samples_dropped += dropped
         self.skipped_total += skipped_all
-        self._epoch_skipped = skipped_all
         self.metrics.log(
             self.step,
             {"data/dropped_samples": dropped_all, "data/skipped": self.skipped_total, "data/epoch": self.epoch + 1},

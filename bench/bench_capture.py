@@ -47,7 +47,7 @@ from dflash_dist.model.capture import (
     check_kernel_path,
     chunked_argmax,
 )
-from dflash_dist.target import layer_ids_for
+from dflash_dist.target.loading import layer_ids_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from capture_sink import HostSink  # noqa: E402

@@ -34,7 +34,7 @@ from bench_capture import build_random_target, target_config  # noqa: E402
 from data_pipeline.provenance import installed_versions  # noqa: E402
 from dflash_dist.config import Config  # noqa: E402
 from dflash_dist.model.capture import LayerTap, capture_features, chunked_argmax, gdn_kernel_path  # noqa: E402
-from dflash_dist.target import layer_ids_for  # noqa: E402
+from dflash_dist.target.loading import layer_ids_for  # noqa: E402
 
 _GDN_FUNCS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
 

@@ -134,7 +134,7 @@ class EvalSection:
 
 @dataclass
 class RegenSection:
-    """`dflash-dist regenerate`: the target answers the input's prompts afresh (dflash_dist/regenerate.py)."""
+    """`dflash-dist regenerate`: the target answers the input's prompts afresh (dflash_dist/capture/regenerate.py)."""
 
     source: str = "target"  # target: the run's target via transformers generate; server: OpenAI-compatible URL
     input: str | None = None  # conversations (any data.* source kind); default data.train_path
@@ -167,7 +167,7 @@ class RaySection:
     num_cpus: int | None = None
     dashboard: bool = False
     dashboard_host: str = "127.0.0.1"
-    placement: str = "pack"  # one placement group, a bundle per role process (dflash_dist/placement.py)
+    placement: str = "pack"  # one placement group, a bundle per role process (dflash_dist/orchestration/placement.py)
     placement_timeout_s: float = 600.0  # the cluster cannot place every bundle by then: an error saying why
     node_resources: NodeResources = field(default_factory=NodeResources)
 

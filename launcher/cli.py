@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "demo":
-        from dflash_dist.demo import main as demo_main
+        from dflash_dist.tools.demo import main as demo_main
 
         return demo_main(rest)
     if cmd == "status":
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return status_main(rest)
     if cmd == "parity":
-        from dflash_dist.parity import main as parity_main
+        from dflash_dist.tools.parity import main as parity_main
 
         return parity_main(rest)
     if cmd == "regenerate":
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"dflash-dist: config error: {e}", file=sys.stderr)
         return 2
-    from dflash_dist.pipeline import PipelineError, run_pipeline
+    from dflash_dist.orchestration.pipeline import PipelineError, run_pipeline
 
     if getattr(args, "launcher", "ray") == "slurm" or getattr(args, "slice", None):
         return _slurm(cmd, args, cfg)
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 def _slurm(cmd: str, args: argparse.Namespace, cfg) -> int:
     """The Slurm entry points (launcher/slurm_*.py; slurm/*.sbatch call them)."""
     from dflash_dist.config import ConfigError
-    from dflash_dist.pipeline import PipelineError
+    from dflash_dist.orchestration.pipeline import PipelineError
     from dflash_dist.trainer.checkpoint import ResumeError
 
     try:
@@ -124,8 +124,8 @@ def _regenerate(rest: list[str]) -> int:
     ap.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. regen.temperature=0.7")
     args = ap.parse_intermixed_args(rest)
     from data_pipeline.ingest import DataError
+    from dflash_dist.capture.regenerate import RegenError, run_regenerate
     from dflash_dist.config import ConfigError, load_config
-    from dflash_dist.regenerate import RegenError, run_regenerate
 
     try:
         run_regenerate(load_config(args.config, args.overrides, out_dir=args.out), limit=args.limit)

@@ -41,11 +41,11 @@ def capture_slice(cfg: Config, index: int, count: int) -> dict:
     from data_pipeline.durable_files import write_text_atomic
     from data_pipeline.ledger import duplicate_keys
     from data_pipeline.shard_writer import mark_done
-    from dflash_dist.capture_job import CaptureJob
-    from dflash_dist.data_prep import prepare_data
-    from dflash_dist.heartbeat import Heartbeat
-    from dflash_dist.pipeline import PipelineError, plan_stages
-    from dflash_dist.target import resolve_target_dir, target_identity
+    from dflash_dist.actors.heartbeat import Heartbeat
+    from dflash_dist.capture.capture_job import CaptureJob
+    from dflash_dist.capture.data_prep import prepare_data
+    from dflash_dist.orchestration.pipeline import PipelineError, plan_stages
+    from dflash_dist.target.loading import resolve_target_dir, target_identity
 
     if cfg.capture.num_actors != 1:
         raise ConfigError(f"capture.num_actors={cfg.capture.num_actors} with --slice: the slices are the actors "

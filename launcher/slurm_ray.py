@@ -25,8 +25,8 @@ import threading
 import time
 from pathlib import Path
 
+from dflash_dist.actors.ports import free_ports
 from dflash_dist.config import Config, ConfigError
-from dflash_dist.ports import free_ports
 from launcher.slurm_train import step_hostnames
 
 NOTICES = (signal.SIGTERM, signal.SIGUSR1)
@@ -110,7 +110,7 @@ def _relay(proc: subprocess.Popen, up: threading.Event) -> None:
 
 def forward_notice(out: Path, signum: int, quiet: bool = False) -> list[str]:
     """SIGUSR1 to every running trainer rank (from its heartbeat); returns whom it reached."""
-    from dflash_dist.heartbeat import read_heartbeats
+    from dflash_dist.actors.heartbeat import read_heartbeats
 
     here, reached = socket.gethostname(), []
     for beat in read_heartbeats(out):

@@ -73,8 +73,8 @@ def run_slurm_trainer(cfg: Config, resume: str) -> int:
 
     from data_pipeline.durable_files import write_text_atomic
     from dflash_dist.actors.trainer_group import default_extensions_dir, run_rank, train_job
-    from dflash_dist.pipeline import plan_stages
-    from dflash_dist.target import (
+    from dflash_dist.orchestration.pipeline import plan_stages
+    from dflash_dist.target.loading import (
         drafter_config_for,
         expected_provenance,
         resolve_target_dir,

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from dflash_dist.heartbeat import liveness, read_heartbeats
+from dflash_dist.actors.heartbeat import liveness, read_heartbeats
 
 BUFFER_CAP_KEYS = ("capture.max_buffer_bytes",)
 

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash_dist.ports import free_ports
+from dflash_dist.actors.ports import free_ports
 
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sacct")
 INSTALL_HINT = (

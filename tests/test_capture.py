@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_dist.demo import DemoConfig, tiny_qwen35_target
 from dflash_dist.model.capture import capture_features, check_kernel_path, decoder_layers, gdn_kernel_path
 from dflash_dist.model.config import build_target_layer_ids
+from dflash_dist.tools.demo import DemoConfig, tiny_qwen35_target
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -98,7 +98,7 @@ def write_conversations(path, n: int, seed: int = 0) -> None:
     import json
     import random
 
-    from data_pipeline.stdlib_corpus import iter_sources, list_stdlib_files
+    from dflash_dist.target.stdlib_corpus import iter_sources, list_stdlib_files
 
     files = list_stdlib_files(split="train")[:20]
     lines = [ln[:60] for _, text in iter_sources(files) for ln in text.splitlines() if ln.strip()]
@@ -116,8 +116,8 @@ def write_conversations(path, n: int, seed: int = 0) -> None:
 def make_capture_target(root, poison_token: int | None = None):
     """A tiny random Qwen3.5 target (4 layers, H=64) saved with a ChatML BPE tokenizer. With
     `poison_token`, that token's embedding row is NaN: every sequence holding it captures NaN."""
-    from data_pipeline.stdlib_corpus import iter_sources, list_stdlib_files
-    from data_pipeline.tiny_tokenizer import train_tokenizer
+    from dflash_dist.target.stdlib_corpus import iter_sources, list_stdlib_files
+    from dflash_dist.target.tiny_tokenizer import train_tokenizer
 
     root.mkdir(parents=True, exist_ok=True)
     model = tiny_qwen35_target(DemoConfig(vocab_size=384, target_layers=4))
@@ -145,8 +145,8 @@ def capture_config(out, target_dir, train_jsonl, **capture):
 
 
 def run_capture(cfg, actor_index: int = 0, num_actors: int = 1):
-    from dflash_dist.capture_job import CaptureJob
-    from dflash_dist.target import target_identity
+    from dflash_dist.capture.capture_job import CaptureJob
+    from dflash_dist.target.loading import target_identity
 
     target_dir = cfg.target.path
     job = CaptureJob(cfg, target_dir, target_identity(cfg, target_dir), cfg.data.train_path, cfg.out / "shards",
@@ -162,7 +162,7 @@ def saved_target(tmp_path_factory):
 
 
 def test_pack_by_tokens_sorts_and_respects_the_budget():
-    from dflash_dist.capture_job import pack_by_tokens
+    from dflash_dist.capture.capture_job import pack_by_tokens
 
     lengths = [5, 40, 12, 33, 7, 100, 12, 3]
     passes = pack_by_tokens(lengths, 80, batch_size=99)

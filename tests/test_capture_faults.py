@@ -84,7 +84,7 @@ def test_resume_after_a_dead_writer_redoes_exactly_the_rest(saved, tmp_path):
 
 
 def test_plan_stages_resumes_an_unfinished_capture_and_refuses_a_cap_without_trainer(saved, tmp_path):
-    from dflash_dist.pipeline import PipelineError, plan_stages
+    from dflash_dist.orchestration.pipeline import PipelineError, plan_stages
 
     cfg = capture_config(tmp_path / "run", saved["dir"], saved["jsonl"])
     cfg.data.max_train_samples = 4
@@ -184,7 +184,7 @@ def test_release_follows_every_ranks_reader_and_the_gate_waits_then_stalls(saved
 # ---------------------------------------------------------------------------- Ray: kill a target actor
 def test_target_actor_killed_mid_shard_is_restarted_and_resumes(saved, ray_cluster, tmp_path):
     from dflash_dist.actors.target_worker import TargetWorker
-    from dflash_dist.target import target_identity
+    from dflash_dist.target.loading import target_identity
 
     cfg = capture_config(tmp_path / "run", saved["dir"], saved["jsonl"], shard_bytes=200_000, regenerate=True,
                          max_new_tokens=12, batch_size=2)
@@ -220,7 +220,7 @@ def test_target_actor_killed_mid_shard_is_restarted_and_resumes(saved, ray_clust
 
 # ---------------------------------------------------------------------------- a real tiny run under a disk cap
 def test_shard_directory_stays_under_the_cap_while_the_trainer_consumes(saved, ray_cluster, tmp_path):
-    from dflash_dist.pipeline import run_pipeline
+    from dflash_dist.orchestration.pipeline import run_pipeline
 
     shard_bytes, n = 150_000, 24  # 1-2 samples per shard; a checkpoint every 4 samples
     cap = 5 * shard_bytes

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from data_pipeline.chat_data import ChatEncoder, iter_chat_jsonl, read_chat_jsonl, template_hash
-from data_pipeline.stdlib_corpus import code_chat_samples, iter_sources, list_stdlib_files, write_chat_jsonl
-from data_pipeline.tiny_tokenizer import CHAT_TEMPLATE, IM_END, train_tokenizer
+from dflash_dist.target.stdlib_corpus import code_chat_samples, iter_sources, list_stdlib_files, write_chat_jsonl
+from dflash_dist.target.tiny_tokenizer import CHAT_TEMPLATE, IM_END, train_tokenizer
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "def f():\n    pass"}]}
 

@@ -19,7 +19,6 @@ from data_pipeline.provenance import ProvenanceMismatch
 from data_pipeline.records import Sample
 from data_pipeline.shard_writer import ShardWriter
 from dflash_dist.config import load_config_dict
-from dflash_dist.demo import DemoConfig, drafter_for, make_data, tiny_qwen35_target, train
 from dflash_dist.evaluator import (
     EvalRequest,
     EvalResult,
@@ -30,6 +29,7 @@ from dflash_dist.evaluator import (
     stop_token_id,
 )
 from dflash_dist.model.export import export_drafter
+from dflash_dist.tools.demo import DemoConfig, drafter_for, make_data, tiny_qwen35_target, train
 
 DEMO = replace(DemoConfig(), target_layers=4, k=2, num_prompts=6, prompt_len=12, new_tokens=24, steps=60)
 BUDGETS = [4, 8]
@@ -227,7 +227,7 @@ def test_evaluator_actor_follows_exports_as_they_appear(tiny, tmp_path, monkeypa
     from transformers import AutoTokenizer
 
     from dflash_dist.actors.evaluator_actor import EvaluatorActor, evaluator_actor_options
-    from dflash_dist.target import expected_provenance, target_identity
+    from dflash_dist.target.loading import expected_provenance, target_identity
 
     cfg, target_dir = tiny["cfg"], tiny["target_dir"]
     # what the pipeline demands of shards, computed without loading the model

@@ -24,9 +24,9 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from data_pipeline.records import DONE_NAME, MANIFEST_NAME
+from dflash_dist.actors.faults import DIED, ERROR, Decision, Failure, RestartPolicy, decide_restart, restart_resume
 from dflash_dist.config import ConfigError, load_config, load_config_dict
-from dflash_dist.faults import DIED, ERROR, Decision, Failure, RestartPolicy, decide_restart, restart_resume
-from dflash_dist.pipeline import PipelineError, supervise_training, wait_evaluator
+from dflash_dist.orchestration.pipeline import PipelineError, supervise_training, wait_evaluator
 from dflash_dist.trainer import checkpoint
 from dflash_dist.trainer.loop import TRAIN_LOG
 from tests import test_evaluator, test_trainer
@@ -155,7 +155,7 @@ def test_killed_evaluator_is_restarted_and_measures_every_export_once(tiny_eval,
 
     from dflash_dist.actors.evaluator_actor import EvaluatorActor, evaluator_actor_options
     from dflash_dist.evaluator import EvalResult
-    from dflash_dist.target import expected_provenance, target_identity
+    from dflash_dist.target.loading import expected_provenance, target_identity
     from tests.test_evaluator import publish
 
     ray = ray_cluster

@@ -13,10 +13,10 @@ import pytest
 
 from data_pipeline.chat_data import ChatEncoder, parse_record, read_chat_jsonl
 from data_pipeline.ingest import DataError, IngestPolicy, ingest
-from data_pipeline.stdlib_corpus import iter_sources, list_stdlib_files
-from data_pipeline.tiny_tokenizer import CHAT_TEMPLATE, train_tokenizer
+from dflash_dist.capture.data_prep import ingested_paths, prepare_data
 from dflash_dist.config import ConfigError, load_config
-from dflash_dist.data_prep import ingested_paths, prepare_data
+from dflash_dist.target.stdlib_corpus import iter_sources, list_stdlib_files
+from dflash_dist.target.tiny_tokenizer import CHAT_TEMPLATE, train_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 CONVERSATION = [

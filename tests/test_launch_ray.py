@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_dist.ports import free_ports
+from dflash_dist.actors.ports import free_ports
 from tests.conftest import REPO
 
 VENV_BIN = Path(sys.executable).parent
@@ -281,7 +281,7 @@ def _tiny(*overrides: str):
 
 
 def test_placement_plan_has_a_bundle_per_role_process_with_its_resources_and_node():
-    from dflash_dist.placement import NODE_RESOURCE_AMOUNT, plan_placement
+    from dflash_dist.orchestration.placement import NODE_RESOURCE_AMOUNT, plan_placement
 
     plan = plan_placement(_tiny(), ("extract", "train", "eval"))
     assert plan.strategy == "PACK"
@@ -311,7 +311,7 @@ def test_placement_plan_has_a_bundle_per_role_process_with_its_resources_and_nod
 
 def test_placement_refuses_an_empty_bundle_and_constrains_nodes_without_a_group():
     from dflash_dist.config import ConfigError
-    from dflash_dist.placement import NODE_RESOURCE_AMOUNT, actor_placement, plan_placement
+    from dflash_dist.orchestration.placement import NODE_RESOURCE_AMOUNT, actor_placement, plan_placement
 
     with pytest.raises(ConfigError, match="evaluator role requests no CPU, GPU or node resource"):
         plan_placement(_tiny("eval.num_cpus=0"), ("extract", "train", "eval"))
@@ -322,7 +322,7 @@ def test_placement_refuses_an_empty_bundle_and_constrains_nodes_without_a_group(
 
 @pytest.mark.slow
 def test_roles_run_in_their_bundles_and_an_unplaceable_group_fails_naming_the_resource(ray_cluster):
-    from dflash_dist.placement import actor_placement, plan_placement, release, reserve
+    from dflash_dist.orchestration.placement import actor_placement, plan_placement, release, reserve
 
     @ray_cluster.remote(num_cpus=0.5)
     class Probe:

@@ -20,8 +20,8 @@ import ray
 
 from dflash_dist.actors.trainer_group import default_extensions_dir
 from dflash_dist.config import Config
-from dflash_dist.pipeline import supervise_training
-from dflash_dist.placement import actor_placement, plan_placement, release, reserve
+from dflash_dist.orchestration.pipeline import supervise_training
+from dflash_dist.orchestration.placement import actor_placement, plan_placement, release, reserve
 from dflash_dist.trainer.loop import TRAIN_LOG
 from tests import test_trainer
 from tests.test_faults import consumed_per_epoch, kill_when, read_jsonl

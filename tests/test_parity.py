@@ -48,7 +48,7 @@ def test_parity_rejects_a_non_fixture_dir(tmp_path):
 
 def test_golden_anchor_block_matches_inference_forward(golden_dir):
     """The training forward's block anchored at 32 reproduces the z-lab inference scenario."""
-    from dflash_dist.parity import build_drafter
+    from dflash_dist.tools.parity import build_drafter
 
     drafter, g = build_drafter(golden_dir, "cpu")
     logits = drafter.draft_block(g["context_features"][0], int(g["block_input_ids"][0, 0]), 32)

@@ -17,10 +17,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 
 from data_pipeline.chat_data import read_chat_jsonl
 from data_pipeline.provenance import hash_weight_files
-from data_pipeline.stdlib_corpus import iter_sources, list_stdlib_files
-from data_pipeline.tiny_tokenizer import ENDOFTEXT, IM_END, train_tokenizer
+from dflash_dist.capture.regenerate import RegenError, prompt_turns, record_seed, regen_output_path, run_regenerate
 from dflash_dist.config import ConfigError, load_config
-from dflash_dist.regenerate import RegenError, prompt_turns, record_seed, regen_output_path, run_regenerate
+from dflash_dist.target.stdlib_corpus import iter_sources, list_stdlib_files
+from dflash_dist.target.tiny_tokenizer import ENDOFTEXT, IM_END, train_tokenizer
 from launcher.cli import main as cli_main
 
 MAX_NEW = 10

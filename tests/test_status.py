@@ -14,7 +14,7 @@ import yaml
 from data_pipeline.disk_budget import BufferStatus, write_buffer_json
 from data_pipeline.records import Sample
 from data_pipeline.shard_writer import ShardWriter, mark_done
-from dflash_dist.heartbeat import STALE_INTERVALS, Heartbeat, liveness, read_heartbeats
+from dflash_dist.actors.heartbeat import STALE_INTERVALS, Heartbeat, liveness, read_heartbeats
 from dflash_dist.trainer.metrics import Metrics
 from launcher import cli
 from launcher.status import collect

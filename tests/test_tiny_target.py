@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen3_5ForCausalLM
 
-import data_pipeline.tiny_target as tiny_target
+import dflash_dist.target.tiny_target as tiny_target
 from data_pipeline.chat_data import ChatEncoder, template_hash
-from data_pipeline.stdlib_corpus import (
+from dflash_dist.target.stdlib_corpus import (
     EXCLUDED_DIRS,
     code_chat_samples,
     corpus_hash,
@@ -21,7 +21,7 @@ from data_pipeline.stdlib_corpus import (
     list_stdlib_files,
     split_of,
 )
-from data_pipeline.tiny_target import (
+from dflash_dist.target.tiny_target import (
     DEFAULT_SETTINGS,
     STAMP_NAME,
     TEST_SETTINGS,
@@ -30,7 +30,7 @@ from data_pipeline.tiny_target import (
     load_tiny_target,
     read_stamp,
 )
-from data_pipeline.tiny_tokenizer import ENDOFTEXT, IM_END, IM_START, MASK, SPECIAL_TOKENS, train_tokenizer
+from dflash_dist.target.tiny_tokenizer import ENDOFTEXT, IM_END, IM_START, MASK, SPECIAL_TOKENS, train_tokenizer
 
 
 @pytest.fixture(scope="module")

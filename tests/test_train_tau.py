@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import torch
 
-from dflash_dist.demo import DemoConfig, drafter_for, evaluate, make_data, tiny_qwen35_target, train
 from dflash_dist.model.replay import replay_sequence
+from dflash_dist.tools.demo import DemoConfig, drafter_for, evaluate, make_data, tiny_qwen35_target, train
 
 
 def test_training_raises_replay_tau():

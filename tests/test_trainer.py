@@ -19,15 +19,15 @@ import torch
 
 from data_pipeline.records import Sample
 from data_pipeline.shard_writer import ShardWriter, mark_done
+from dflash_dist.actors.ports import free_ports
 from dflash_dist.actors.trainer_group import WorkerInfo, default_extensions_dir, rank_environment
 from dflash_dist.config import Config
-from dflash_dist.demo import DemoConfig, tiny_qwen35_target
 from dflash_dist.model.capture import capture_features
 from dflash_dist.model.config import build_target_layer_ids
 from dflash_dist.model.drafter import DFlashDrafter
 from dflash_dist.model.export import load_drafter
-from dflash_dist.ports import free_ports
-from dflash_dist.target import drafter_config_for, load_embeddings, provenance_for, target_identity
+from dflash_dist.target.loading import drafter_config_for, load_embeddings, provenance_for, target_identity
+from dflash_dist.tools.demo import DemoConfig, tiny_qwen35_target
 from dflash_dist.trainer.batching import batch_anchors, collate
 from dflash_dist.trainer.ds_config import WarmupCosine, deepspeed_config, total_train_steps
 from dflash_dist.trainer.loop import EXPORT_INDEX, ExportRecord

@@ -112,8 +112,8 @@ class EvaluatorActor:
 
     def _run(self) -> None:
         from data_pipeline.provenance import Provenance
+        from dflash_dist.actors.heartbeat import Heartbeat
         from dflash_dist.evaluator.evaluator import Evaluator
-        from dflash_dist.heartbeat import Heartbeat
 
         out_dir, target_dir, eval_prompts, expected_json, shard_dir = self._args
         try:

@@ -17,10 +17,10 @@ class TargetWorker:
     def capture(self, cfg_dict: dict, target_dir: str, ident_dict: dict, train_jsonl: str, shard_dir: str,
                 actor_index: int, num_actors: int) -> dict:
         """Runs one actor's slice; arguments and result are small records (no tensors)."""
-        from dflash_dist.capture_job import CaptureJob
+        from dflash_dist.actors.heartbeat import Heartbeat
+        from dflash_dist.capture.capture_job import CaptureJob
         from dflash_dist.config import load_config_dict
-        from dflash_dist.heartbeat import Heartbeat
-        from dflash_dist.target import TargetIdentity
+        from dflash_dist.target.loading import TargetIdentity
 
         if not torch.cuda.is_available():
             torch.set_num_threads(max(1, int(os.environ.get("DFLASH_THREADS_PER_ACTOR", "1"))))

@@ -16,10 +16,10 @@ from pathlib import Path
 import ray
 
 from data_pipeline.provenance import Provenance
+from dflash_dist.actors.faults import DIED, ERROR
+from dflash_dist.actors.ports import free_ports
 from dflash_dist.config import Config, load_config_dict
-from dflash_dist.faults import DIED, ERROR
 from dflash_dist.model.config import DrafterConfig
-from dflash_dist.ports import free_ports
 from dflash_dist.trainer.checkpoint import check_resumable, plan_resume, read_marker
 from dflash_dist.trainer.ds_config import total_train_steps
 from dflash_dist.trainer.loop import TrainJob, TrainResult
@@ -117,7 +117,7 @@ def run_rank(cfg_dict: dict, job: TrainJob, env: dict[str, str], extensions_dir:
     import torch
     import torch.distributed as dist
 
-    from dflash_dist.heartbeat import Heartbeat
+    from dflash_dist.actors.heartbeat import Heartbeat
     from dflash_dist.trainer.loop import Trainer
 
     on_gpu = env["DS_ACCELERATOR"] == "cuda"

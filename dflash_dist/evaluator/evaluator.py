@@ -39,7 +39,7 @@ from dflash_dist.model.capture import capture_features, check_kernel_path
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.export import load_drafter
 from dflash_dist.model.replay import ReplayResult, greedy_continuation, replay_sequence
-from dflash_dist.target import load_target, provenance_for, target_identity
+from dflash_dist.target.loading import load_target, provenance_for, target_identity
 from dflash_dist.trainer.metrics import Metrics
 
 log = logging.getLogger(__name__)

@@ -40,7 +40,7 @@ from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.drafter import DFlashDrafter
 from dflash_dist.model.export import export_drafter
 from dflash_dist.model.loss import Anchors, LossOutput, dflash_loss
-from dflash_dist.target import load_embeddings
+from dflash_dist.target.loading import load_embeddings
 from dflash_dist.trainer import checkpoint, universal
 from dflash_dist.trainer.batching import DRY, READY, MicroBatch, MicroBatchFeeder, make_micro_batch, with_positions
 from dflash_dist.trainer.ds_config import build_lr_schedule, build_optimizer, deepspeed_config

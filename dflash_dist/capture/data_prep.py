@@ -73,7 +73,7 @@ def prepare_data(cfg: Config, tokenizer=None) -> tuple[Path, Path | None]:
 
 def _tiny_stdlib_sources(cfg: Config, train: Path | None, heldout: Path | None) -> tuple[Path, Path]:
     """The project's generated stdlib conversations where the config gives none (written once)."""
-    from data_pipeline.stdlib_corpus import write_chat_jsonl
+    from dflash_dist.target.stdlib_corpus import write_chat_jsonl
 
     data_dir = cfg.out / "data"
     if train is None:
@@ -90,7 +90,7 @@ def _tiny_stdlib_sources(cfg: Config, train: Path | None, heldout: Path | None) 
 def _load_tokenizer(cfg: Config):
     from transformers import AutoTokenizer
 
-    from dflash_dist.target import resolve_target_dir
+    from dflash_dist.target.loading import resolve_target_dir
 
     return AutoTokenizer.from_pretrained(resolve_target_dir(cfg))
 

@@ -18,9 +18,9 @@ from typing import Any
 import yaml
 
 from data_pipeline.durable_files import write_text_atomic
-from dflash_dist import placement
+from dflash_dist.actors.heartbeat import Heartbeat, clear_heartbeats
 from dflash_dist.config import Config
-from dflash_dist.heartbeat import Heartbeat, clear_heartbeats
+from dflash_dist.orchestration import placement
 
 EVALUATOR_RESTART_TIMEOUT_S = 600.0  # a restarting evaluator unavailable for longer: the run fails
 
@@ -112,8 +112,8 @@ def run_pipeline(cfg: Config, stages: tuple[str, ...], resume: str = "never") ->
     `resume`: see plan_stages."""
     from transformers import AutoTokenizer
 
-    from dflash_dist.data_prep import eval_prompt_ids, prepare_data
-    from dflash_dist.target import (
+    from dflash_dist.capture.data_prep import eval_prompt_ids, prepare_data
+    from dflash_dist.target.loading import (
         drafter_config_for,
         expected_provenance,
         resolve_target_dir,
@@ -178,8 +178,8 @@ def supervise_training(cfg: Config, group, start_group: Callable[[str], Any], re
     starts a new one, which resumes from the run's latest complete checkpoint (its train_log and
     sample_log are cut back to that step, so they stay the run's true history), or the run
     stops with a PipelineError saying why."""
+    from dflash_dist.actors.faults import Failure, RestartPolicy, decide_restart, restart_resume
     from dflash_dist.actors.trainer_group import TrainerGroupError
-    from dflash_dist.faults import Failure, RestartPolicy, decide_restart, restart_resume
     from dflash_dist.trainer.checkpoint import plan_resume
 
     policy = RestartPolicy(cfg.train.max_restarts)

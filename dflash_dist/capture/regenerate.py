@@ -36,10 +36,10 @@ from data_pipeline.chat_data import ChatEncoder, ChatRecord, template_hash
 from data_pipeline.durable_files import fsync_dir, write_text_atomic
 from data_pipeline.ingest import DataError, IngestPolicy, ingest
 from data_pipeline.provenance import hash_weight_files
+from dflash_dist.capture.data_prep import data_sources, prepare_data
 from dflash_dist.config import Config, ConfigError
-from dflash_dist.data_prep import data_sources, prepare_data
 from dflash_dist.model.capture import check_kernel_path
-from dflash_dist.target import load_target, resolve_target_dir
+from dflash_dist.target.loading import load_target, resolve_target_dir
 
 PROVENANCE_SCHEMA = 1
 ID_SCHEME = "sha256 of the prompt turns (JSON), 16 hex; -N for the N-th repeat"

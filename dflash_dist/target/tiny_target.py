@@ -31,8 +31,8 @@ import transformers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from data_pipeline.chat_data import ChatEncoder, template_hash
-from data_pipeline.stdlib_corpus import StdlibFile, code_chat_samples, corpus_hash, iter_sources, list_stdlib_files
-from data_pipeline.tiny_tokenizer import ENDOFTEXT, IM_END, train_tokenizer
+from dflash_dist.target.stdlib_corpus import StdlibFile, code_chat_samples, corpus_hash, iter_sources, list_stdlib_files
+from dflash_dist.target.tiny_tokenizer import ENDOFTEXT, IM_END, train_tokenizer
 
 CACHE_ENV = "DFLASH_CACHE"
 CACHE_NAME = "tiny-target-v1"

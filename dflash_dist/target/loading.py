@@ -22,7 +22,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 def resolve_target_dir(cfg: Config) -> Path:
     """The target's HF directory; the tiny_stdlib target is built (once, cached) on first use."""
     if cfg.target.kind == "tiny_stdlib":
-        from data_pipeline.tiny_target import build_tiny_target
+        from dflash_dist.target.tiny_target import build_tiny_target
 
         return build_tiny_target(cfg.target.path)
     return Path(cfg.target.path)

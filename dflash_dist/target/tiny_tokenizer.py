@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from data_pipeline.stdlib_corpus import iter_sources, list_stdlib_files
+from dflash_dist.target.stdlib_corpus import iter_sources, list_stdlib_files
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"

@@ -1,7 +1,7 @@
 """The tiny core demo: a random tiny Qwen3.5 hybrid target on CPU, a drafter trained on its
 captured features for a few hundred steps, replay tau printed before and after training.
 
-`python -m dflash_dist.demo` (or `dflash-dist demo`). Everything is seeded: same numbers each run.
+`python -m dflash_dist.tools.demo` (or `dflash-dist demo`). Everything is seeded: same numbers each run.
 """
 
 from __future__ import annotations

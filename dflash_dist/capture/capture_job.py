@@ -22,7 +22,7 @@ from data_pipeline.shard_reader import NONFINITE
 from data_pipeline.shard_writer import ShardWriter
 from dflash_dist.config import Config
 from dflash_dist.model.capture import capture_features, check_kernel_path
-from dflash_dist.target import TargetIdentity, load_target, provenance_for
+from dflash_dist.target.loading import TargetIdentity, load_target, provenance_for
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,14 @@ Per sequence, up to `num_anchors` anchors among supervised (loss-masked) positio
 opens a block [anchor token, MASK x (B-1)]; all blocks of the batch run in one drafter forward
 under the block mask; slot s of block j is labelled with the token at a_j + s and weighted by
 exp(-(s-1)/gamma). No noise schedule: every non-anchor slot is MASK.
+
+Recipe options (issue 13; defaults = the behaviour the pinned loss curve was recorded with):
+- anchor rule "mask" (loss_mask[a]) or "mask_next" (loss_mask[a] and loss_mask[a+1]);
+- position weighting "decay" (exp(-(s-1)/gamma)) or "dpace" (D-PACE, weights from the draft's own
+  detached confidence, computed after the forward);
+- normalisation: sum(w*CE) / (sum(w) + 1e-6) over the micro-batch, or sum(w*CE) / D with D given
+  by the caller (the normalising weights summed over the optimizer step and all ranks, from
+  `loss_weights` before the forward).
 """
 
 from __future__ import annotations
@@ -14,11 +22,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dflash_dist.model.attention import block_mask_dense, block_mask_flex
+from dflash_dist.model.attention import block_mask_dense, layer_masks
 from dflash_dist.model.drafter import DFlashDrafter
 from dflash_dist.model.vocab_loss import lm_head_cross_entropy
 
 LABEL_SOURCES = ("data", "target")
+ANCHOR_RULES = ("mask", "mask_next")
+POSITION_WEIGHTINGS = ("decay", "dpace")
+# D-PACE smoothing: q~ = (1 - alpha) q + alpha. 0.5 is the default of SpecForge (--dpace-alpha),
+# NVIDIA Model-Optimizer (dflash_dpace_alpha, "stable in [0.3, 0.7]") and speculators' recipe.
+DPACE_ALPHA = 0.5
 
 
 @dataclass(frozen=True)
@@ -41,6 +54,9 @@ class LossOutput:
     sample_loss: torch.Tensor | None = None  # [b]
     sample_correct: torch.Tensor | None = None  # [b]
     sample_count: torch.Tensor | None = None  # [b]
+    # this micro-batch's sum of the normalising weights (`loss_weights`), detached: what a caller
+    # sums over the step and all ranks to get the step_slots denominator
+    weight_sum: torch.Tensor | None = None
 
     @property
     def slot_accuracy(self) -> torch.Tensor:
@@ -48,14 +64,25 @@ class LossOutput:
 
 
 def sample_anchors(
-    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None, rule: str = "mask"
 ) -> Anchors:
-    """Up to `num_anchors` distinct anchors per row among positions a with loss_mask[a] and
-    a + 1 < S (so slot 1 has a label). Fresh per call: the caller seeds the generator per
+    """Up to `num_anchors` distinct anchors per row among positions a with a + 1 < S (so slot 1
+    has a label) and, by `rule`: "mask" loss_mask[a]; "mask_next" loss_mask[a] and loss_mask[a+1].
+
+    "mask_next" is the candidate rule of SpecForge's DSpark sampler (`_build_anchor_candidate_mask`:
+    "position p is a candidate when p and p+1 are both supervised") and of TorchSpec's DFlash
+    model (`(loss_mask[:, :n] > 0.5) & (loss_mask[:, 1:n+1] > 0.5)`): under "mask" the last
+    supervised token of a turn is an anchor whose block supervises nothing (slot 1 falls on the
+    next, unsupervised turn). Unlike SpecForge we keep anchors closer than B to the end (their
+    blocks are cut, as today). Fresh per call: the caller seeds the generator per
     (seed, epoch, sample) so every epoch sees new anchors and a resume replays them exactly."""
+    if rule not in ANCHOR_RULES:
+        raise ValueError(f"train.anchor_rule={rule!r}; expected one of {ANCHOR_RULES}")
     b, s = loss_mask.shape
     cand = loss_mask.bool().clone()
     cand[:, s - 1 :] = False
+    if rule == "mask_next":
+        cand[:, : s - 1] &= loss_mask[:, 1:].bool()
     counts = cand.sum(1)
     n = int(min(num_anchors, int(counts.max()) if b else 0))
     positions = torch.zeros(b, max(n, 1), dtype=torch.long)
@@ -75,6 +102,43 @@ def decay_weights(block_size: int, gamma: float) -> torch.Tensor:
     """w_s = exp(-max(s-1, 0)/gamma) for s = 0..B-1 (slot 0 is masked anyway)."""
     s = torch.arange(block_size, dtype=torch.float32)
     return torch.exp(-(s - 1).clamp(min=0) / gamma)
+
+
+def dpace_weights(prob: torch.Tensor, binary: torch.Tensor, alpha: float = DPACE_ALPHA) -> torch.Tensor:
+    """D-PACE position weights [b, N, B] (arXiv 2605.18810, Eq. 7-8), detached.
+
+    prob: the draft's probability of the label at each slot, exp(-CE). q~_i = (1-alpha) q_i + alpha
+    (Eq. 7); w_j = sum_{m >= j, m supervised} prod_{i <= m} q~_i (Eq. 8): slot j is worth the
+    expected accepted length it still controls. Unsupervised slots (slot 0, cut or masked ones)
+    are no-ops in the products and absent from the sums, as in SpecForge's
+    `OnlineDFlashModel._dpace_weight` (loss_type "dpace"); Model-Optimizer PR #1724 and
+    speculators PR #980 use the same formula with alpha 0.5. The caller multiplies by `binary`.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"dpace alpha must be in [0, 1], got {alpha}")
+    with torch.no_grad():
+        prob, binary = prob.detach().float(), binary.detach().float()
+        smooth = torch.where(binary > 0, (1.0 - alpha) * prob + alpha, torch.ones_like(prob))
+        prefix = torch.cumprod(smooth, dim=-1)
+        return torch.flip(torch.cumsum(torch.flip(prefix * binary, dims=[-1]), dim=-1), dims=[-1])
+
+
+def loss_weights(
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: Anchors, block_size: int, gamma: float,
+    position_weighting: str = "decay",
+) -> torch.Tensor:
+    """The normalising weights w [b, N, B], known before the forward: binary * exp(-(s-1)/gamma)
+    under "decay" (the loss's own weights), binary under "dpace" (each supervised slot counts 1;
+    D-PACE's own weights need the forward's confidences and only enter the numerator).
+
+    sum(w) over a micro-batch is `LossOutput.weight_sum`; summed over the optimizer step and all
+    ranks it is the `loss_denominator` of the step_slots normalisation."""
+    if position_weighting not in POSITION_WEIGHTINGS:
+        raise ValueError(f"train.position_weighting={position_weighting!r}; expected one of {POSITION_WEIGHTINGS}")
+    _, binary = label_targets(input_ids, loss_mask, anchors, block_size)
+    if position_weighting == "dpace":
+        return binary
+    return binary * decay_weights(block_size, gamma).to(binary.device)
 
 
 def block_inputs(input_ids: torch.Tensor, anchors: Anchors, block_size: int, mask_token_id: int):
@@ -132,8 +196,20 @@ def dflash_loss(
     attention: str = "auto",
     return_logits: bool = False,
     vocab_chunk_rows: int | None = None,
+    position_weighting: str = "decay",
+    dpace_alpha: float = DPACE_ALPHA,
+    loss_denominator: torch.Tensor | None = None,
 ) -> LossOutput:
-    """One training forward over all blocks of the batch; loss = sum(w*CE) / (sum(w) + 1e-6).
+    """One training forward over all blocks of the batch; loss = sum(w*CE) / (sum(w) + 1e-6), or
+    sum(w*CE) / loss_denominator when given (step_slots: the caller sums `loss_weights` over the
+    whole optimizer step and all ranks; the micro-batch losses of a step then add up, over
+    micro-batches and ranks, to the step's loss, so an engine that averages gradients over
+    micro-batches and ranks must get each loss scaled by accumulation steps x world size).
+
+    position_weighting "decay": w = binary * exp(-(s-1)/gamma); "dpace": w = binary * D-PACE
+    weights from this forward's detached confidences (`dpace_weights`), normalised by the
+    supervised slot count (`loss_weights`). With the chunked vocabulary path D-PACE runs the
+    lm_head twice (a no-grad pass for the confidences, then the weighted one).
 
     attention: "flex" (sparse BlockMask), "dense" (bool mask through sdpa) or "auto" (flex on
     CUDA, dense on CPU). The loss over the vocabulary runs through the frozen lm_head in chunks of
@@ -146,33 +222,46 @@ def dflash_loss(
     gamma = cfg.loss_decay_gamma if gamma is None else gamma
     if attention == "auto":
         attention = "flex" if input_ids.is_cuda else "dense"
-    build_mask = {"flex": block_mask_flex, "dense": block_mask_dense}[attention]
 
     context = drafter.fuse_context(features)
     ids, pos = block_inputs(input_ids, anchors, blk, cfg.mask_token_id)
     ctx_pos = torch.arange(s_len, device=input_ids.device).expand(bsz, s_len)
-    mask = build_mask(anchors.positions, anchors.keep, s_len, blk)
+    mask = layer_masks(attention, anchors.positions, anchors.keep, s_len, blk, cfg.layer_types, cfg.sliding_window)
     hidden = drafter(ids, pos, context, ctx_pos, mask)
 
     n = anchors.positions.shape[1]
     labels, binary = label_targets(input_ids, loss_mask, anchors, blk, target_argmax, label_source)
-    weights = binary * decay_weights(blk, gamma).to(binary.device)
+    norm_weights = loss_weights(input_ids, loss_mask, anchors, blk, gamma, position_weighting)
+    weights = norm_weights  # decay: the loss weights are the normalising ones
+    denom = norm_weights.sum() + 1e-6 if loss_denominator is None else loss_denominator
     if return_logits:
         logits = drafter.lm_head(hidden).float()  # [b, N*B, V]
         ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), reduction="none")
         ce = ce.view(bsz, n, blk)
-        loss = (weights * ce).sum() / (weights.sum() + 1e-6)
+        if position_weighting == "dpace":
+            weights = binary * dpace_weights(torch.exp(-ce.detach()), binary, dpace_alpha)
+        loss = (weights * ce).sum() / denom
         sample_wce = (weights * ce.detach()).sum((1, 2))
         argmax = logits.argmax(-1).view(bsz, n, blk)
     else:
         # only supervised slots reach the vocabulary (slot 0, invalid blocks and slots past the
         # sequence carry no weight), at most one chunk of logits at a time (vocab_loss.py)
         rows = binary.reshape(-1).nonzero().squeeze(1)
+        h_rows, y_rows = hidden.reshape(-1, hidden.shape[-1])[rows], labels.reshape(-1)[rows]
+        if position_weighting == "dpace":
+            with torch.no_grad():
+                _, ce0, _ = lm_head_cross_entropy(
+                    h_rows, drafter.lm_head.weight, y_rows, torch.zeros_like(rows, dtype=torch.float32),
+                    vocab_chunk_rows,
+                )
+            prob = torch.zeros(binary.numel(), dtype=torch.float32, device=binary.device)
+            prob = prob.index_copy(0, rows, torch.exp(-ce0.float())).view_as(binary)
+            weights = binary * dpace_weights(prob, binary, dpace_alpha)
         loss, ce_rows, argmax_rows = lm_head_cross_entropy(
-            hidden.reshape(-1, hidden.shape[-1])[rows],
+            h_rows,
             drafter.lm_head.weight,
-            labels.reshape(-1)[rows],
-            weights.reshape(-1)[rows] / (weights.sum() + 1e-6),
+            y_rows,
+            weights.reshape(-1)[rows] / denom,
             vocab_chunk_rows,
         )
         argmax = torch.full_like(labels, -1).view(-1).index_copy(0, rows, argmax_rows).view_as(labels)
@@ -184,8 +273,9 @@ def dflash_loss(
         accuracy = correct.sum() / (binary.sum() + 1e-6)
         slot_correct = correct.sum((0, 1))
         slot_count = binary.sum((0, 1))
-        sample_loss = sample_wce / (weights.sum((1, 2)) + 1e-6)
+        sample_loss = sample_wce / (norm_weights.sum((1, 2)) + 1e-6)
     out = LossOutput(loss, accuracy, slot_correct, slot_count, int(anchors.keep.sum()))
+    out.weight_sum = norm_weights.sum().detach()
     out.sample_loss, out.sample_correct, out.sample_count = sample_loss, correct.sum((1, 2)), binary.sum((1, 2))
     if return_logits:
         out.logits = logits

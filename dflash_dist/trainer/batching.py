@@ -90,10 +90,13 @@ def anchor_generator(seed: int, epoch: int, key: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
 
 
-def batch_anchors(samples: list[Sample], num_anchors: int, seed: int, epoch: int) -> Anchors:
+def batch_anchors(
+    samples: list[Sample], num_anchors: int, seed: int, epoch: int, anchor_rule: str = "mask"
+) -> Anchors:
     """Each sample's anchors from its own loss mask and generator, padded to a common N."""
     per = [
-        sample_anchors(s.loss_mask[None].float(), num_anchors, anchor_generator(seed, epoch, s.key)) for s in samples
+        sample_anchors(s.loss_mask[None].float(), num_anchors, anchor_generator(seed, epoch, s.key), anchor_rule)
+        for s in samples
     ]
     n = max(a.positions.shape[1] for a in per)
     positions = torch.zeros(len(samples), n, dtype=torch.long)
@@ -105,7 +108,8 @@ def batch_anchors(samples: list[Sample], num_anchors: int, seed: int, epoch: int
 
 
 def make_micro_batch(
-    samples: list[Sample], reader_state: dict[str, Any], *, dtype: torch.dtype, num_anchors: int, seed: int, epoch: int
+    samples: list[Sample], reader_state: dict[str, Any], *, dtype: torch.dtype, num_anchors: int, seed: int, epoch: int,
+    anchor_rule: str = "mask",
 ) -> MicroBatch:
     t = collate(samples, dtype)
     return MicroBatch(
@@ -114,7 +118,7 @@ def make_micro_batch(
         features=t["features"],
         loss_mask=t["loss_mask"],
         target_argmax=t["target_argmax"],
-        anchors=batch_anchors(samples, num_anchors, seed, epoch),
+        anchors=batch_anchors(samples, num_anchors, seed, epoch, anchor_rule),
         num_tokens=sum(s.num_tokens for s in samples),
         reader_state=reader_state,
         lengths=tuple(s.num_tokens for s in samples),

@@ -32,6 +32,20 @@ def test_tiny_config_loads_with_overrides():
         ("eval.budgets=8", "eval.budgets: expected a list"),
         ("data.train_jsonl=/no/such/file.jsonl", "data.train_jsonl: file /no/such/file.jsonl not found"),
         ("train.micro_batch_size=0", "train.micro_batch_size must be >= 1"),
+        ("train.log_every=0", "train.log_every must be >= 1"),
+        ("train.warmup_frac=1.5", "train.warmup_frac must be < 1"),
+        ("train.lr=0", "train.lr must be > 0"),
+        ("train.lr=-1e-3", "train.lr must be > 0"),
+        ("eval.budgets=[8, 0]", "eval.budgets.1 must be >= 1"),
+        ("capture.layer_ids=[1, -2]", "capture.layer_ids.1 must be >= 0"),
+        ("drafter.head_dim=33", "drafter.head_dim must be a multiple of 2"),
+        ("drafter.num_heads=5", "drafter.num_heads=5 is not a multiple of drafter.num_kv_heads=2"),
+        ("drafter.block_size=1", "drafter.block_size must be >= 2"),
+        ("regen.top_p=0", "regen.top_p must be > 0"),
+        ("capture.gpus_per_actor=-1", "capture.gpus_per_actor must be >= 0"),
+        ("train.shuffle=1", "train.shuffle: expected bool"),
+        ("ray.placement=packed", "ray.placement: 'packed' is not one of"),
+        ("eval.bogus.x=1", "unknown key eval.bogus"),
         ("novalue", "expected key.path=value"),
     ],
 )
@@ -58,6 +72,7 @@ def test_missing_and_invalid_files(tmp_path):
         (["run", "configs/tiny.yaml", "train.bogus=1"], "unknown key train.bogus"),
         (["run", "configs/tiny.yaml", "train.lr=x"], "train.lr: expected float"),
         (["run", "configs/missing.yaml"], "config file configs/missing.yaml not found"),
+        (["run", "configs/tiny.yaml", "train.log_every=0"], "train.log_every must be >= 1"),
     ],
 )
 def test_cli_bad_config_exits_nonzero_naming_it(args, message, tmp_path):
@@ -66,3 +81,13 @@ def test_cli_bad_config_exits_nonzero_naming_it(args, message, tmp_path):
     assert proc.returncode == 2
     assert message in proc.stderr
     assert not (tmp_path / "o").exists()  # nothing half-written
+
+
+def test_unknown_key_lists_the_section_keys_and_assignment_is_checked():
+    with pytest.raises(ConfigError, match=r"unknown key train.lrr \(known keys of train: .*\blr\b"):
+        load_config(TINY, ["train.lrr=1"])
+    cfg = Config()
+    cfg.train.lr = 1  # an int is a float
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    with pytest.raises(ValueError, match="log_every"):
+        cfg.train.log_every = 0

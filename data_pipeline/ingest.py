@@ -10,6 +10,7 @@ atomically only after the whole source has been read, so an error leaves nothing
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections import Counter
@@ -24,6 +25,7 @@ ON_BAD_RECORD = ("error", "skip")
 ON_OVERLONG = ("truncate", "skip", "error")
 SOURCE_KINDS = ("jsonl", "parquet", "hf_disk")
 PARQUET_BATCH_ROWS = 1024
+KEY_SCHEME = "s-<sha256 of the messages (JSON), 16 hex>; -N for the N-th repeat"
 
 # (sequence length, tokens before the first trained token) of a record, as capture will see it.
 Measure = Callable[[ChatRecord], tuple[int, int]]
@@ -242,3 +244,22 @@ def write_ingested(records: list[ChatRecord], report: IngestReport, jsonl_path: 
         for r in records:
             out.write(json.dumps({"messages": r.as_dicts(), INGESTED_FROM: r.where}, ensure_ascii=False) + "\n")
     write_text_atomic(report_path, report.to_json())
+
+
+def sample_keys(records: list[ChatRecord]) -> list[str]:
+    """One key per record from its content (KEY_SCHEME), not its position: a sample keeps its key
+    when records before it are added, dropped or reordered, and a repeated conversation gets
+    -2, -3, ... (it is captured once per occurrence)."""
+    keys, seen = [], Counter()
+    for r in records:
+        digest = hashlib.sha256(json.dumps(r.as_dicts(), ensure_ascii=False, sort_keys=True).encode()).hexdigest()
+        seen[digest] += 1
+        n = seen[digest]
+        keys.append(f"s-{digest[:16]}" if n == 1 else f"s-{digest[:16]}-{n}")
+    return keys
+
+
+def content_hash(keys: list[str]) -> str:
+    """sha256 of the records' keys in order: equal exactly when the same conversations come in the
+    same order."""
+    return hashlib.sha256("\n".join(keys).encode()).hexdigest()

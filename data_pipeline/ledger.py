@@ -5,6 +5,9 @@ It is derived, not kept beside the data: the keys of every complete shard come f
 manifest.jsonl, whose line is appended under the same lock as the shard's rename (a shard is
 listed if and only if it is complete), plus skipped.jsonl, the keys that were captured but not
 written because their features held NaN/Inf (redoing them would give the same verdict).
+`capture_data.json` (CaptureData) says which conversations the keys belong to: a capture that
+resumes must read the same ones (the same source, data.max_train_samples and content hash), or
+it is refused naming what changed.
 Leftovers of a killed writer (`.tmp-*.tar`, or a renamed shard whose manifest line never came)
 are never listed, so their samples are redone; `remove_stale_tmp` clears the former.
 """
@@ -14,11 +17,61 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from data_pipeline.durable_files import write_text_atomic
 from data_pipeline.records import SKIPPED_NAME, TMP_PREFIX
 from data_pipeline.shard_reader import read_manifest
 from data_pipeline.shard_writer import append_line, manifest_lock
+
+DATA_NAME = "capture_data.json"
+
+
+class DataChanged(ValueError):
+    """A capture would resume over keys captured from other conversations; the message says what changed."""
+
+
+@dataclass(frozen=True)
+class CaptureData:
+    """The conversations a shard directory's keys come from."""
+
+    source: str | None  # data.train_path (None: the tiny target's generated conversations)
+    max_train_samples: int | None
+    records: int
+    content_sha256: str  # ingest.content_hash of the records' keys
+
+    def changes_from(self, before: CaptureData) -> list[str]:
+        what = {"source": "data.train_path", "max_train_samples": "data.max_train_samples", "records": "records"}
+        out = [f"{what[k]} was {getattr(before, k)!r}, now {getattr(self, k)!r}" for k in what
+               if getattr(before, k) != getattr(self, k)]
+        if self.content_sha256 != before.content_sha256:
+            was, now = before.content_sha256[:12], self.content_sha256[:12]
+            out.append(f"the conversations' content hash was {was}, now {now} (the data file changed)")
+        return out
+
+
+def check_capture_data(shard_dir: str | os.PathLike[str], now: CaptureData) -> None:
+    """Record `now` as the directory's data, or check that an earlier capture there read the same
+    (DataChanged otherwise). Call before writing any shard."""
+    path = Path(shard_dir) / DATA_NAME
+    if not path.exists():
+        if captured_keys(shard_dir):
+            raise DataChanged(f"{shard_dir} holds captured samples but no {DATA_NAME} (an older capture): its keys "
+                              "cannot be matched to the data; capture into another --out")
+        Path(shard_dir).mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps(asdict(now), sort_keys=True, indent=1) + "\n")
+        return
+    try:
+        before = CaptureData(**json.loads(path.read_text()))
+    except (TypeError, json.JSONDecodeError) as e:
+        raise DataChanged(f"{path}: not a capture data record ({e}); capture into another --out") from None
+    changes = now.changes_from(before)
+    if changes:
+        raise DataChanged(
+            f"{shard_dir} was captured from other data: {'; '.join(changes)}. A resumed capture must read the same "
+            "conversations: restore those settings (and the file), or capture into another --out"
+        )
 
 
 def read_skipped(shard_dir: str | os.PathLike[str]) -> list[dict]:

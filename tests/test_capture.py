@@ -32,15 +32,26 @@ def test_capture_picks_hidden_states_l_plus_1(qwen35):
     assert cap.kernel_path == "torch" and gdn_kernel_path(qwen35) == "torch"
 
 
-def test_last_layer_feature_is_before_final_norm(qwen35):
+def test_last_layer_is_refused_and_every_other_hook_equals_hidden_states(qwen35):
+    """Layer N-1 is where the hook (before the final norm) and hidden_states[N] (after it) part:
+    refused with a message; on every other layer the two definitions agree exactly."""
     ids = torch.randint(0, 200, (1, 9))
     n = qwen35.config.num_hidden_layers
-    cap = capture_features(qwen35, ids, [n - 1])
+    with pytest.raises(ValueError, match=rf"layer id {n - 1} is the target's last decoder layer.*<= {n - 2}"):
+        capture_features(qwen35, ids, [1, n - 1])
+    raw = {}
+    handle = decoder_layers(qwen35)[n - 1].register_forward_hook(
+        lambda m, a, o: raw.update(h=o[0] if isinstance(o, tuple) else o))
     with torch.no_grad():
         out = qwen35(input_ids=ids, output_hidden_states=True)
-    # HF's last entry is final-normed; ours is the raw output of the last decoder layer.
-    assert not torch.allclose(cap.features, out.hidden_states[n])
-    assert torch.allclose(qwen35.model.norm(cap.features), out.hidden_states[n], atol=1e-5)
+    handle.remove()
+    # the reason: HF's last entry is the final-normed output of layer N-1, the hook sees it raw
+    assert not torch.allclose(raw["h"], out.hidden_states[n], atol=1e-3)
+    assert torch.allclose(qwen35.model.norm(raw["h"]), out.hidden_states[n], atol=1e-5)
+    layers = list(range(n - 1))
+    cap = capture_features(qwen35, ids, layers)
+    assert torch.equal(cap.features, torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1))
+    assert max(build_target_layer_ids(n, 5)) == n - 3  # the default rule stays clear of it
 
 
 def test_capture_any_hf_causal_lm():
@@ -179,6 +190,8 @@ def test_pack_by_tokens_sorts_and_respects_the_budget():
 def test_token_budget_capture_equals_one_sequence_per_pass(saved_target, tmp_path):
     """Length-sorted passes under a token budget: the same keys and (to float rounding) the same
     features as capturing every sequence alone; the payload share of bytes on disk is measured."""
+    from data_pipeline.chat_data import read_chat_jsonl
+    from data_pipeline.ingest import sample_keys
     from data_pipeline.shard_reader import iter_shard_samples, read_manifest
 
     one = capture_config(tmp_path / "one", saved_target["dir"], saved_target["jsonl"], batch_size=1)
@@ -191,7 +204,7 @@ def test_token_budget_capture_equals_one_sequence_per_pass(saved_target, tmp_pat
         return {s.key: s for r in read_manifest(shards) for s in iter_shard_samples(shards / r.name)}
 
     a, b = samples(one), samples(packed)
-    assert sorted(a) == sorted(b) == [f"train-{i:08d}" for i in range(24)]
+    assert sorted(a) == sorted(b) == sorted(sample_keys(read_chat_jsonl(saved_target["jsonl"])))
     for key in a:
         assert torch.equal(a[key].input_ids, b[key].input_ids) and torch.equal(a[key].loss_mask, b[key].loss_mask)
         assert torch.allclose(a[key].features, b[key].features, atol=1e-4, rtol=1e-4)
@@ -212,6 +225,7 @@ def test_nonfinite_samples_are_skipped_and_recorded_in_the_ledger(saved_target, 
     from transformers import AutoTokenizer
 
     from data_pipeline.chat_data import ChatEncoder, read_chat_jsonl
+    from data_pipeline.ingest import sample_keys
     from data_pipeline.ledger import captured_keys, read_skipped
     from data_pipeline.shard_reader import iter_shard_samples, read_manifest
 
@@ -221,7 +235,8 @@ def test_nonfinite_samples_are_skipped_and_recorded_in_the_ledger(saved_target, 
     # a token some sequences hold and others do not
     counts = {t: sum(t in s for s in seqs) for t in range(300)}
     poison = min(counts, key=lambda t: abs(counts[t] - 6))
-    bad = {f"train-{i:08d}" for i, s in enumerate(seqs) if poison in s}
+    keys = sample_keys(read_chat_jsonl(saved_target["jsonl"]))
+    bad = {keys[i] for i, s in enumerate(seqs) if poison in s}
     assert 0 < len(bad) < 24
     target = make_capture_target(tmp_path / "poisoned", poison_token=poison)
     cfg = capture_config(tmp_path / "run", target, saved_target["jsonl"], token_budget=600)
@@ -233,6 +248,6 @@ def test_nonfinite_samples_are_skipped_and_recorded_in_the_ledger(saved_target, 
     assert all(r["reason"] == "nonfinite_features" for r in read_skipped(shards))
     for r in read_manifest(shards):
         assert all(torch.isfinite(s.features).all() for s in iter_shard_samples(shards / r.name))
-    assert captured_keys(shards) == {f"train-{i:08d}" for i in range(24)}
+    assert captured_keys(shards) == set(keys)
     again = run_capture(cfg)  # settled, skipped ones included: nothing is redone
     assert (again.samples, again.skipped, again.resumed) == (0, 0, 24)

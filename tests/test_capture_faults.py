@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -18,6 +19,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import pytest
 
+from data_pipeline.chat_data import read_chat_jsonl
 from data_pipeline.disk_budget import (
     STALLED,
     WAIT,
@@ -30,14 +32,14 @@ from data_pipeline.disk_budget import (
     release_consumed,
     room_decision,
 )
-from data_pipeline.ledger import captured_keys, duplicate_keys
+from data_pipeline.ingest import sample_keys
+from data_pipeline.ledger import DataChanged, captured_keys, duplicate_keys
 from data_pipeline.records import BUFFER_NAME, DONE_NAME, TMP_PREFIX
 from data_pipeline.shard_reader import ShardStream, iter_shard_samples, read_manifest
 from data_pipeline.shard_writer import ShardWriter, mark_done
 from tests.test_capture import capture_config, make_capture_target, run_capture, write_conversations
 
 N = 40
-ALL_KEYS = [f"train-{i:08d}" for i in range(N)]
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -47,16 +49,17 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
     write_conversations(root / "train.jsonl", N, seed=1)
-    return {"dir": make_capture_target(root / "target"), "jsonl": root / "train.jsonl"}
+    keys = sample_keys(read_chat_jsonl(root / "train.jsonl"))  # content keys, in record order
+    return {"dir": make_capture_target(root / "target"), "jsonl": root / "train.jsonl", "keys": keys}
 
 
 def listed_keys(shards: Path) -> list[str]:
     return [k for r in read_manifest(shards) for k in r.keys]
 
 
-def assert_each_sample_once_and_complete(shards: Path) -> None:
+def assert_each_sample_once_and_complete(shards: Path, all_keys: list[str]) -> None:
     keys = listed_keys(shards)
-    assert sorted(keys) == ALL_KEYS and not duplicate_keys(shards)
+    assert sorted(keys) == sorted(all_keys) and not duplicate_keys(shards)
     assert not list(shards.glob(f"{TMP_PREFIX}*.tar"))
     for r in read_manifest(shards):
         if (shards / r.name).exists():
@@ -64,23 +67,65 @@ def assert_each_sample_once_and_complete(shards: Path) -> None:
 
 
 # ---------------------------------------------------------------------------- ledger resume (no Ray)
-def test_resume_after_a_dead_writer_redoes_exactly_the_rest(saved, tmp_path):
-    cfg = capture_config(tmp_path / "run", saved["dir"], saved["jsonl"], token_budget=600)
+class Killed(Exception):
+    """The fault injected into a capture loop."""
+
+
+def test_resume_after_a_dead_writer_redoes_exactly_the_rest(saved, tmp_path, monkeypatch):
+    from dflash_dist.capture.capture_job import CaptureJob
+
+    cfg = capture_config(tmp_path / "run", saved["dir"], saved["jsonl"], token_budget=600, shard_bytes=100_000)
     shards = cfg.out / "shards"
-    cfg.data.max_train_samples = 15
-    first = run_capture(cfg)
-    assert first.samples == 15 and sorted(captured_keys(shards)) == ALL_KEYS[:15]
-    # the same actor's writer dies mid-shard: its unfinished shard stays behind as .tmp-t000-*,
+    real = CaptureJob._capture_and_write
+
+    def dies_after_15(self, writer, items):
+        if self.counts["samples"] >= 15:
+            raise Killed
+        real(self, writer, items)
+
+    monkeypatch.setattr(CaptureJob, "_capture_and_write", dies_after_15)
+    with pytest.raises(Killed):
+        run_capture(cfg)
+    monkeypatch.undo()
+    settled = captured_keys(shards)
+    assert 0 < len(settled) <= 15 and settled <= set(saved["keys"])
+    # the same actor's writer died mid-shard: its unfinished shard stays behind as .tmp-t000-*,
     # holding a sample of the part still to capture
     (record,) = read_manifest(shards)[:1]
     sample = next(iter_shard_samples(shards / record.name))
     dead = ShardWriter(shards, record.provenance, prefix="t000")
-    dead.write(dataclasses.replace(sample, key=ALL_KEYS[20]))
+    dead.write(dataclasses.replace(sample, key=next(k for k in saved["keys"] if k not in settled)))
     assert len(list(shards.glob(f"{TMP_PREFIX}t000-*.tar"))) == 1
-    cfg.data.max_train_samples = None
-    second = run_capture(cfg)
-    assert (second.resumed, second.samples, second.skipped) == (15, N - 15, 0)
-    assert_each_sample_once_and_complete(shards)
+    second = run_capture(cfg)  # the same data: resumed through the ledger
+    assert (second.resumed, second.samples, second.skipped) == (len(settled), N - len(settled), 0)
+    assert_each_sample_once_and_complete(shards, saved["keys"])
+
+
+def test_a_resume_over_other_data_is_refused_naming_the_change(saved, tmp_path):
+    data = tmp_path / "train.jsonl"
+    shutil.copy(saved["jsonl"], data)
+    cfg = capture_config(tmp_path / "run", saved["dir"], data)
+    cfg.data.max_train_samples = 10
+    first = run_capture(cfg)
+    assert first.samples == 10 and captured_keys(cfg.out / "shards") == set(saved["keys"][:10])
+    cfg.data.max_train_samples = 12
+    with pytest.raises(DataChanged, match="data.max_train_samples was 10, now 12"):
+        run_capture(cfg)
+    cfg.data.max_train_samples = 10
+    other = tmp_path / "other.jsonl"
+    write_conversations(other, N, seed=2)
+    cfg.data.train_path = str(other)
+    with pytest.raises(DataChanged, match=f"data.train_path was '{data}', now '{other}'.*content hash"):
+        run_capture(cfg)
+    cfg.data.train_path = str(data)
+    lines = data.read_text().splitlines(keepends=True)
+    data.write_text(lines[1] + lines[0] + "".join(lines[2:]))  # the same file, edited: two records swapped
+    with pytest.raises(DataChanged, match="content hash was .* \\(the data file changed\\)"):
+        run_capture(cfg)
+    data.write_text("".join(lines))
+    again = run_capture(cfg)  # the same data again: resumed exactly, nothing redone
+    assert (again.resumed, again.samples) == (10, 0)
+    assert captured_keys(cfg.out / "shards") == set(saved["keys"][:10])
 
 
 def test_plan_stages_resumes_an_unfinished_capture_and_refuses_a_cap_without_trainer(saved, tmp_path):
@@ -211,7 +256,7 @@ def test_target_actor_killed_mid_shard_is_restarted_and_resumes(saved, ray_clust
     result = ray_cluster.get(ref, timeout=240)
     assert result["resumed"] >= sum(r.n_samples for r in complete_before) > 0  # the retry read the ledger
     assert result["resumed"] + result["samples"] == N and result["skipped"] == 0
-    assert_each_sample_once_and_complete(shards)
+    assert_each_sample_once_and_complete(shards, saved["keys"])
     assert sorted(p.name for p in shards.glob("*.tar")) == sorted(r.name for r in read_manifest(shards))
     beat = json.loads((cfg.out / "heartbeat" / "target-0.json").read_text())
     assert beat["state"] == "finished" and beat["pid"] != killed  # a restarted process finished the work
@@ -261,7 +306,7 @@ def test_shard_directory_stays_under_the_cap_while_the_trainer_consumes(saved, r
     assert produced > 2 * cap  # the cap was far below the data: it had to bind
     assert summary["capture"][0]["waited_s"] > 0  # the capture paused for the trainer
     assert 0 < peak[0] <= cap + shard_bytes
-    assert sorted(listed_keys(shards)) == ALL_KEYS[:n] and (shards / DONE_NAME).exists()
+    assert sorted(listed_keys(shards)) == sorted(saved["keys"][:n]) and (shards / DONE_NAME).exists()
     assert summary["train"][0]["samples_consumed"] == n
     # one epoch under a cap: every shard was released and deleted once a checkpoint covered it
     assert not list(shards.glob("*.tar"))

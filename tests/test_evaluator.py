@@ -26,9 +26,9 @@ from dflash_dist.evaluator import (
     list_exports,
     pending_steps,
     should_stop,
-    stop_token_id,
 )
 from dflash_dist.model.export import export_drafter
+from dflash_dist.target.generation import stop_token_ids
 from dflash_dist.tools.demo import DemoConfig, drafter_for, make_data, tiny_qwen35_target, train
 
 DEMO = replace(DemoConfig(), target_layers=4, k=2, num_prompts=6, prompt_len=12, new_tokens=24, steps=60)
@@ -99,11 +99,12 @@ def _tokenizer(tokens: list[str], **specials) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token=tokens[0])), **specials)
 
 
-def test_stop_token_id_prefers_the_turn_end():
+def test_stop_token_ids_are_the_turn_end_and_the_eos():
     words = [f"t{i}" for i in range(8)]
-    assert stop_token_id(_tokenizer(words + ["<|endoftext|>", "<|im_end|>"], eos_token="<|endoftext|>")) == 9
-    assert stop_token_id(_tokenizer(words + ["<|endoftext|>"], eos_token="<|endoftext|>")) == 8
-    assert stop_token_id(_tokenizer(words)) is None
+    assert stop_token_ids(_tokenizer(words + ["<|endoftext|>", "<|im_end|>"], eos_token="<|endoftext|>")) == (8, 9)
+    assert stop_token_ids(_tokenizer(words + ["<|endoftext|>", "<|im_end|>"])) == (9,)
+    assert stop_token_ids(_tokenizer(words + ["<|endoftext|>"], eos_token="<|endoftext|>")) == (8,)
+    assert stop_token_ids(_tokenizer(words)) == ()
 
 
 # ---- a tiny target and two exports of its drafter ---------------------------------------------
@@ -153,7 +154,7 @@ def test_evaluator_scores_exports_and_a_restart_continues(tiny, tmp_path):
     publish(tiny, out, "random", 10)
     (out / "export" / ".tmp-step_15-y").mkdir()  # an export being written: ignored
     ev = Evaluator(tiny["cfg"], out, tiny["target_dir"], tiny["prompts"], expected=None)
-    assert ev.provenance.kernel_path == "torch" and ev.eos_token_id == 254
+    assert ev.provenance.kernel_path == "torch" and ev.stop_ids == (252, 254)  # <|endoftext|>, <|im_end|>
     first = ev.run_until(lambda: (True, 10), poll_s=0.05)
     ev.close()
     assert [r.step for r in first] == [10]

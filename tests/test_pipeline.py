@@ -13,6 +13,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from data_pipeline.chat_data import read_chat_jsonl
+from data_pipeline.ingest import sample_keys
 from data_pipeline.records import DONE_NAME, MANIFEST_NAME, TMP_PREFIX
 from data_pipeline.shard_reader import iter_shard_samples, read_manifest
 from dflash_dist.model.export import load_drafter
@@ -49,8 +50,9 @@ def test_every_prompt_captured_exactly_once_in_complete_shards(tiny_run):
     assert not list(shards.glob(f"{TMP_PREFIX}*"))
     assert len(records) >= 2  # streamed in several shards
     keys = [k for r in records for k in r.keys]
-    n_train = len(read_chat_jsonl(out / "data" / "train.jsonl"))
-    assert sorted(keys) == [f"train-{i:08d}" for i in range(n_train)]  # each prompt exactly once
+    want = sample_keys(read_chat_jsonl(out / "data" / "train.ingested.jsonl"))
+    assert len(want) == len(read_chat_jsonl(out / "data" / "train.jsonl"))
+    assert sorted(keys) == sorted(want)  # each prompt exactly once, keyed by its content
     on_disk = sorted(p.name for p in shards.glob("*.tar"))
     assert on_disk == sorted(r.name for r in records)
     for r in records:

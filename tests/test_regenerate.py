@@ -6,6 +6,7 @@ running the same tiny target (retries on 500, a clear error on 400)."""
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -171,6 +172,62 @@ def test_target_greedy_equals_direct_generate(target_dir, reference, tmp_path) -
     assert prov["settings"]["target"]["weights_sha256"] == hash_weight_files(target_dir)
     assert prov["settings"]["sampling"] == {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": MAX_NEW, "seed": 0}
     assert prov["runtime"]["kernel_path"] == "torch"
+
+
+PENALTIES = {"repetition_penalty": 2.0, "no_repeat_ngram_size": 2, "temperature": 0.3, "top_k": 3, "do_sample": True,
+             "min_new_tokens": 4, "suppress_tokens": [5, 6]}
+
+
+def penalised_copy(target_dir: Path, out: Path) -> Path:
+    """The same weights and tokenizer, with a generation_config.json that reshapes "greedy" output."""
+    shutil.copytree(target_dir, out)
+    gen = json.loads((out / "generation_config.json").read_text())
+    (out / "generation_config.json").write_text(json.dumps({**gen, **PENALTIES}))
+    return out
+
+
+def test_the_checkpoints_generation_config_does_not_shape_greedy_output(target_dir, tmp_path) -> None:
+    """Regenerated responses, inline-capture regeneration and the evaluator's reference continuation
+    are the same with a generation_config.json holding penalties and sampling fields as without."""
+    from dflash_dist.capture.capture_job import CaptureJob
+    from dflash_dist.evaluator.evaluator import Evaluator
+    from dflash_dist.target.generation import pad_token_id, stop_token_ids
+    from dflash_dist.target.loading import target_identity
+
+    bad_dir = penalised_copy(target_dir, tmp_path / "penalised")
+    # the config bites: a plain generate (do_sample off) on the penalised checkpoint answers otherwise
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": u}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"] for u in USER]
+    plain = []
+    for d in (target_dir, bad_dir):
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        assert (model.generation_config.repetition_penalty == 2.0) == (d == bad_dir)
+        with torch.no_grad():
+            plain.append([model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                         max_new_tokens=MAX_NEW, do_sample=False)[0, len(p) :].tolist()
+                          for p in prompts])
+    assert plain[0] != plain[1]
+
+    data = write_jsonl(tmp_path / "chats.jsonl", conversations())
+    regenerated, inline, references = [], [], []
+    for name, d in (("clean", target_dir), ("penalised", bad_dir)):
+        cfg = make_cfg(d, tmp_path / name, data, "capture.layer_ids=[1,2]", "eval.num_prompts=5",
+                       f"eval.max_new_tokens={MAX_NEW}", f"capture.max_new_tokens={MAX_NEW}")
+        run_regenerate(cfg)
+        regenerated.append(contents(cfg))
+        job = CaptureJob(cfg, d, target_identity(cfg, d), data, tmp_path / name / "shards", 0, 1)
+        inline.append(job._sequences(read_chat_jsonl(data)))
+        ev = Evaluator(cfg, tmp_path / name, d, prompts, expected=None)
+        references.append([r.sequence for r in ev.references()])
+        ev.close()
+    assert regenerated[0] == regenerated[1] and inline[0] == inline[1] and references[0] == references[1]
+    # and greedy it is: the clean checkpoint's plain generate, cut at the first stop token
+    stops = stop_token_ids(tokenizer)
+    assert pad_token_id(tokenizer, stops) == tokenizer.pad_token_id
+    for p, y, ref in zip(prompts, plain[0], references[0]):
+        end = next((i + 1 for i, t in enumerate(y) if t in stops), len(y))
+        assert list(ref) == p + y[:end]
 
 
 def contents(cfg) -> list[str]:

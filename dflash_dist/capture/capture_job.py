@@ -16,12 +16,15 @@ import torch
 
 from data_pipeline.chat_data import ChatEncoder, ChatRecord, read_chat_jsonl, template_hash
 from data_pipeline.disk_budget import BufferGate, BufferPolicy
-from data_pipeline.ledger import captured_keys, record_skipped, remove_stale_tmp
+from data_pipeline.ingest import content_hash, sample_keys
+from data_pipeline.ledger import CaptureData, captured_keys, check_capture_data, record_skipped, remove_stale_tmp
 from data_pipeline.records import Sample
 from data_pipeline.shard_reader import NONFINITE
 from data_pipeline.shard_writer import ShardWriter
+from dflash_dist.capture.data_prep import data_sources
 from dflash_dist.config import Config
 from dflash_dist.model.capture import capture_features, check_kernel_path
+from dflash_dist.target.generation import generate_responses, pad_token_id, stop_token_ids
 from dflash_dist.target.loading import TargetIdentity, load_target, provenance_for
 
 
@@ -44,10 +47,6 @@ def my_slice(num_records: int, actor_index: int, num_actors: int) -> list[int]:
     return list(range(actor_index, num_records, num_actors))
 
 
-def sample_key(index: int) -> str:
-    return f"train-{index:08d}"
-
-
 def pack_by_tokens(lengths: list[int], token_budget: int | None, batch_size: int) -> list[list[int]]:
     """Indices into `lengths` grouped into capture passes. With a budget: longest first, each
     pass as many sequences as fit (longest x count <= budget; an overlong one alone). Without:
@@ -61,27 +60,6 @@ def pack_by_tokens(lengths: list[int], token_budget: int | None, batch_size: int
         else:
             passes.append([i])
     return passes
-
-
-@torch.no_grad()
-def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None,
-                 pad_id: int) -> list[list[int]]:
-    """Greedy responses for a batch of prompts (left-padded), each cut after its eos."""
-    dev = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        attn[i, width - len(p):] = 1
-    out = model.generate(ids.to(dev), attention_mask=attn.to(dev), max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=eos_id, pad_token_id=pad_id, temperature=None, top_p=None, top_k=None)
-    responses = []
-    for row in out[:, width:].tolist():
-        if eos_id is not None and eos_id in row:
-            row = row[: row.index(eos_id) + 1]
-        responses.append(row)
-    return responses
 
 
 class CaptureJob:
@@ -119,11 +97,15 @@ class CaptureJob:
         records = read_chat_jsonl(self.train_jsonl)
         if cfg.data.max_train_samples is not None:
             records = records[: cfg.data.max_train_samples]
+        self.keys = sample_keys(records)  # from content: a key names the same conversation on any rerun
         self.shard_dir.mkdir(parents=True, exist_ok=True)
+        source, _ = data_sources(cfg)
+        check_capture_data(self.shard_dir, CaptureData(str(source) if source else None, cfg.data.max_train_samples,
+                                                       len(records), content_hash(self.keys)))
         remove_stale_tmp(self.shard_dir, self.prefix)  # an earlier attempt's unfinished shard
         settled = captured_keys(self.shard_dir)
         ours = my_slice(len(records), self.actor_index, self.num_actors)
-        todo = [i for i in ours if sample_key(i) not in settled]
+        todo = [i for i in ours if self.keys[i] not in settled]
         counts["todo"], counts["resumed"] = len(todo), len(ours) - len(todo)
         if counts["resumed"]:
             print(f"[extract] actor {self.actor_index}: {counts['resumed']} of {len(ours)} samples already "
@@ -146,17 +128,17 @@ class CaptureJob:
         cfg = self.cfg
         if not cfg.capture.regenerate:
             return [self._sequence(r, None) for r in batch]
-        tok = self.tokenizer
-        eos = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
-        pad = tok.pad_token_id if tok.pad_token_id is not None else (eos or 0)
+        stops = stop_token_ids(self.tokenizer)
+        pad = pad_token_id(self.tokenizer, stops)
         prompts = [self.encoder.prompt_ids(r).tolist() for r in batch]
         order = sorted(range(len(batch)), key=lambda i: len(prompts[i]))
         responses: list[list[int]] = [[] for _ in batch]
         for s in range(0, len(order), cfg.capture.batch_size):
             chunk = order[s : s + cfg.capture.batch_size]
-            for i, y in zip(chunk, greedy_batch(self.model, [prompts[i] for i in chunk], cfg.capture.max_new_tokens,
-                                                eos, pad)):
-                responses[i] = y
+            generated = generate_responses(self.model, [prompts[i] for i in chunk], cfg.capture.max_new_tokens,
+                                           stops, pad)
+            for i, y in zip(chunk, generated):
+                responses[i] = list(y.tokens)
         return [self._sequence(r, y) for r, y in zip(batch, responses)]
 
     def _capture_and_write(self, writer: ShardWriter, items: list[tuple[int, tuple[list[int], list[int]], ChatRecord]]):
@@ -164,7 +146,7 @@ class CaptureJob:
         (or its key recorded as skipped)."""
         feats, argmaxes = self._capture([seq for _, seq, _ in items])
         for (idx, (ids, mask), rec), f, a in zip(items, feats, argmaxes):
-            key = sample_key(idx)
+            key = self.keys[idx]
             if not bool(torch.isfinite(f).all()):
                 record_skipped(self.shard_dir, key, NONFINITE, self.actor_index)
                 self.counts["skipped"] += 1

@@ -25,12 +25,7 @@ from pathlib import Path
 
 import openai
 import torch
-from transformers import (
-    GenerationConfig,
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from data_pipeline.chat_data import ChatEncoder, ChatRecord, template_hash
 from data_pipeline.durable_files import fsync_dir, write_text_atomic
@@ -39,6 +34,7 @@ from data_pipeline.provenance import hash_weight_files
 from dflash_dist.capture.data_prep import data_sources, prepare_data
 from dflash_dist.config import Config, ConfigError
 from dflash_dist.model.capture import check_kernel_path
+from dflash_dist.target.generation import generate_responses, pad_token_id, stop_token_ids
 from dflash_dist.target.loading import load_target, resolve_target_dir
 
 PROVENANCE_SCHEMA = 1
@@ -116,24 +112,16 @@ def make_jobs(records: list[ChatRecord], seed: int, skip_bad: bool) -> tuple[lis
 
 
 class TargetGenerator:
-    """The local target through transformers ``generate``: left-padded batches; greedy, or a
-    draw per row from that record's own generator (SeededSampling)."""
+    """The local target through target/generation.py (the one generation path): left-padded
+    batches; greedy, or a draw per row from that record's own generator (SeededSampling)."""
 
     def __init__(self, model, tokenizer, encoder: ChatEncoder, sampling: Sampling, batch_size: int) -> None:
         self.model, self.tokenizer, self.encoder = model, tokenizer, encoder
         self.sampling, self.chunk_size = sampling, batch_size
-        self.eos_ids = eos_token_ids(model, tokenizer)
-        pad = tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else self.eos_ids[0]
-        # Our config replaces the checkpoint's defaults (a repetition penalty or top_k there would
-        # otherwise still shape the logits); sampling is SeededSampling's, not generate's.
-        model.generation_config = GenerationConfig(
-            max_new_tokens=sampling.max_new_tokens,
-            do_sample=False,
-            num_beams=1,
-            eos_token_id=self.eos_ids,
-            pad_token_id=self.pad_id,
-        )
+        self.eos_ids = list(stop_token_ids(tokenizer))
+        if not self.eos_ids:
+            raise RegenError(f"{tokenizer.name_or_path}: its vocabulary has no <|im_end|> and its tokenizer no eos")
+        self.pad_id = pad_token_id(tokenizer, tuple(self.eos_ids))
 
     def __call__(self, jobs: list[Job]) -> Iterator[Result]:
         for start in range(0, len(jobs), self.chunk_size):
@@ -142,22 +130,15 @@ class TargetGenerator:
     def _batch(self, jobs: list[Job]) -> list[Result]:
         dev = next(self.model.parameters()).device
         prompts = [self.encoder.prompt_ids(j.record).tolist() for j in jobs]
-        width = max(map(len, prompts))
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :], attn[i, width - len(p) :] = torch.tensor(p), 1
         processors = LogitsProcessorList()
         if not self.sampling.greedy:
             processors.append(SeededSampling([j.seed for j in jobs], self.sampling, dev))
-        with torch.no_grad():
-            out = self.model.generate(ids.to(dev), attention_mask=attn.to(dev), logits_processor=processors)
-        results = []
-        for job, row in zip(jobs, out[:, width:].tolist()):
-            end = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
-            text = self.tokenizer.decode(row[:end], skip_special_tokens=False)
-            results.append(Result(job.id, text, "stop" if end is not None else "length"))
-        return results
+        generated = generate_responses(self.model, prompts, self.sampling.max_new_tokens, tuple(self.eos_ids),
+                                       self.pad_id, logits_processor=processors)
+        return [
+            Result(job.id, self.tokenizer.decode(list(g.content_tokens), skip_special_tokens=False), g.finish_reason)
+            for job, g in zip(jobs, generated)
+        ]
 
 
 class SeededSampling:
@@ -177,16 +158,6 @@ class SeededSampling:
         only = torch.full_like(scores, float("-inf"))
         only[torch.arange(len(picks), device=scores.device), picks] = 0.0
         return only
-
-
-def eos_token_ids(model, tokenizer) -> list[int]:
-    """The target's end tokens: its generation config's plus the tokenizer's eos."""
-    configured = model.generation_config.eos_token_id
-    ids = configured if isinstance(configured, list) else [configured]
-    found = sorted({int(i) for i in [*ids, tokenizer.eos_token_id] if i is not None})
-    if not found:
-        raise RegenError(f"{tokenizer.name_or_path}: neither its generation config nor its tokenizer names an eos")
-    return found
 
 
 class ServerGenerator:

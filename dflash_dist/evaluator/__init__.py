@@ -1,6 +1,6 @@
 """Checkpoint evaluation: which exports to score (policy.py) and the replay-tau evaluator."""
 
-from dflash_dist.evaluator.evaluator import Evaluator, list_exports, stop_token_id
+from dflash_dist.evaluator.evaluator import Evaluator, list_exports
 from dflash_dist.evaluator.policy import EvalRequest, EvalResult, pending_steps, should_stop
 
 __all__ = [
@@ -10,5 +10,4 @@ __all__ = [
     "list_exports",
     "pending_steps",
     "should_stop",
-    "stop_token_id",
 ]

@@ -38,7 +38,8 @@ from dflash_dist.evaluator.policy import EvalRequest, EvalResult, pending_steps,
 from dflash_dist.model.capture import capture_features, check_kernel_path
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.export import load_drafter
-from dflash_dist.model.replay import ReplayResult, greedy_continuation, replay_sequence
+from dflash_dist.model.replay import ReplayResult, replay_sequence
+from dflash_dist.target.generation import generate_responses, pad_token_id, stop_token_ids
 from dflash_dist.target.loading import load_target, provenance_for, target_identity
 from dflash_dist.trainer.metrics import Metrics
 
@@ -47,7 +48,6 @@ log = logging.getLogger(__name__)
 EXPORT_NAME_RE = re.compile(r"step_(\d+)")
 RESULT_NAME_RE = re.compile(r"step_(\d+)\.json")
 EXPORT_FILES = ("config.json", "model.safetensors")
-TURN_END_TOKEN = "<|im_end|>"
 _STATE_VERSION = 1
 
 
@@ -66,16 +66,6 @@ def list_exports(export_root: str | os.PathLike[str]) -> dict[int, Path]:
         if m and d.is_dir() and all((d / f).is_file() for f in EXPORT_FILES):
             found[int(m.group(1))] = d
     return dict(sorted(found.items()))
-
-
-def stop_token_id(tokenizer) -> int | None:
-    """Where a greedy response ends: the chat turn end `<|im_end|>` when the vocabulary has it
-    (Qwen's, the tiny target's), else the tokenizer's eos; None lets the model's generation
-    config decide."""
-    vocab = tokenizer.get_vocab()
-    if TURN_END_TOKEN in vocab:
-        return int(vocab[TURN_END_TOKEN])
-    return tokenizer.eos_token_id
 
 
 @dataclass(frozen=True)
@@ -120,7 +110,8 @@ class Evaluator:
         )
         if expected is not None:
             check_compatible(expected, self.provenance, f"the evaluator's target {target_dir} as loaded here")
-        self.eos_token_id = stop_token_id(self.tokenizer)
+        self.stop_ids = stop_token_ids(self.tokenizer)  # target/generation.py: the one stop rule
+        self.pad_id = pad_token_id(self.tokenizer, self.stop_ids)
         self.device = next(self.model.parameters()).device
 
         self._refs: list[_Reference] | None = None
@@ -181,7 +172,9 @@ class Evaluator:
             t0 = time.time()
             refs = []
             for prompt in self.eval_prompts:
-                y = greedy_continuation(self.model, prompt, self.cfg.eval.max_new_tokens, self.eos_token_id)
+                (gen,) = generate_responses(self.model, [prompt], self.cfg.eval.max_new_tokens, self.stop_ids,
+                                            self.pad_id)
+                y = list(gen.tokens)
                 if len(y) < 2:  # the first token comes from the prompt itself: no drafting round
                     continue
                 seq = prompt + y
@@ -193,7 +186,7 @@ class Evaluator:
             if not refs:
                 raise ValueError(
                     f"none of the {len(self.eval_prompts)} eval prompts got a greedy continuation of 2+ tokens "
-                    f"(eos {self.eos_token_id} right away?): check the eval prompts and eval.max_new_tokens"
+                    f"(a stop token {list(self.stop_ids)} right away?): check the eval prompts and eval.max_new_tokens"
                 )
             log.info("evaluator: %d reference continuations (%d tokens) in %.1fs", len(refs),
                      sum(len(r.sequence) - r.prompt_len for r in refs), time.time() - t0)

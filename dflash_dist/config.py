@@ -124,6 +124,19 @@ class TrainSection(_Section):
     num_anchors: PosInt = 512
     label_source: Literal["data", "target"] = "data"
     gamma: PosFloat | None = None  # default by block size (7 for B=16)
+    # Recipe options (model/loss.py; issue 13). Each default is the behaviour the pinned loss curve
+    # (tests/data/loss_curve_zero2.json) was recorded with; bench/bench_quality.py measures the
+    # alternatives on the tiny target (docs/BENCHMARKS.md, "Recipe quality") and the lead decides
+    # whether to flip them.
+    # anchors: "mask" needs loss_mask[a]; "mask_next" also loss_mask[a+1] (SpecForge's DSpark and
+    # TorchSpec's DFlash samplers), so no block starts on a turn's last token and supervises nothing
+    anchor_rule: Literal["mask", "mask_next"] = "mask"
+    # slot weights: "decay" exp(-(s-1)/gamma) (the paper, SpecForge's default); "dpace" D-PACE
+    # (arXiv 2605.18810, alpha 0.5), the default of Model-Optimizer (PR #1724) and speculators (PR #980)
+    position_weighting: Literal["decay", "dpace"] = "decay"
+    # "micro_batch": sum(w*CE)/sum(w) per micro-batch (each micro-batch counts the same);
+    # "step_slots": over the whole optimizer step and all ranks (each supervised slot counts the same)
+    loss_norm: Literal["micro_batch", "step_slots"] = "micro_batch"
     attention: Literal["auto", "dense", "flex"] = "auto"
     checkpoint_every: PosInt = 500
     keep_checkpoints: PosInt = 3
@@ -146,6 +159,18 @@ class EvalSection(_Section):
     num_cpus: NonNegFloat = 1.0
     num_gpus: NonNegFloat = 0.0
     max_restarts: NonNegInt = 3  # Ray restarts a lost evaluator this often; it continues after its last result
+    # replay: greedy-replay tau at every checkpoint; live: also real speculative decoding through the target's
+    # cache (exact GDN rollback); server: also the serving engine's own count from eval.server_url
+    mode: Literal["replay", "live", "server"] = "replay"
+    live_every: PosInt = 1  # live/server: at every N-th evaluated checkpoint (and the first); replay runs at every one
+    count: Literal["capped", "uncapped"] = "capped"  # capped: a round stops at the continuation's end; uncapped: the authors' count
+    reference_drafter: str | None = None  # a z-lab-format drafter directory, measured once beside the run's checkpoints
+    server_url: str | None = None  # server: the engine's base URL, e.g. http://127.0.0.1:30000 (SGLang), :8000 (vLLM)
+    server_engine: Literal["sglang", "vllm"] = "sglang"  # server: which engine's accept-length fields to read
+    server_model: str | None = None  # server: the served model name (vLLM needs it; SGLang ignores it)
+    server_concurrency: PosInt = 4  # server: requests in flight
+    server_max_retries: NonNegInt = 3  # server: retries of a 5xx, 429, timeout or lost connection (backoff)
+    server_timeout_s: PosFloat = 300.0  # server: per request
 
 
 class RegenSection(_Section):
@@ -317,6 +342,17 @@ def _validate(cfg: Config, path) -> None:
                           f"{d.num_kv_heads} (grouped-query attention shares each KV head among equal groups)")
     _validate_capture(cfg, where)
     _validate_regen(cfg.regen, where)
+    _validate_eval(cfg.eval, where)
+
+
+def _validate_eval(e: EvalSection, where) -> None:
+    if e.mode == "server" and not e.server_url:
+        raise ConfigError(f"{where}: eval.server_url is required when eval.mode is 'server'")
+    if e.server_url and not e.server_url.startswith(("http://", "https://")):
+        raise ConfigError(f"{where}: eval.server_url {e.server_url!r} must start with http:// or https://")
+    if e.reference_drafter is not None and not (Path(e.reference_drafter) / "config.json").is_file():
+        raise ConfigError(f"{where}: eval.reference_drafter: {e.reference_drafter}/config.json not found "
+                          "(a z-lab-format drafter directory: config.json + model.safetensors)")
 
 
 def _validate_regen(r: RegenSection, where) -> None:

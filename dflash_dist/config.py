@@ -59,8 +59,6 @@ class TargetSection(_Section):
 class DataSection(_Section):
     train_path: str | None = None  # JSONL, .parquet, or a `datasets` save_to_disk dir; tiny_stdlib makes its own
     eval_path: str | None = None  # held-out conversations (their prompts) for tau
-    train_jsonl: str | None = None  # older name of train_path
-    eval_jsonl: str | None = None  # older name of eval_path
     # auto (per record) | messages (OpenAI role/content) | sharegpt (conversations from/value)
     format: Literal["auto", "messages", "sharegpt"] = "auto"
     enable_thinking: bool | None = None  # passed to templates with that switch; None: the template's default
@@ -326,15 +324,12 @@ def _validate(cfg: Config, path) -> None:
         raise ConfigError(f"{where}: target.path is required when target.kind is 'hf'")
     if cfg.target.path and cfg.target.kind == "hf" and not Path(cfg.target.path).exists():
         raise ConfigError(f"{where}: target.path {cfg.target.path} does not exist")
-    for key in ("data.train_path", "data.eval_path", "data.train_jsonl", "data.eval_jsonl"):
+    for key in ("data.train_path", "data.eval_path"):
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         if value is not None and not Path(value).exists():
             raise ConfigError(f"{where}: {key}: file {value} not found")
-    for new, old in (("train_path", "train_jsonl"), ("eval_path", "eval_jsonl")):
-        if getattr(cfg.data, new) is not None and getattr(cfg.data, old) is not None:
-            raise ConfigError(f"{where}: data.{new} and data.{old} (its older name) are both set; keep data.{new}")
-    if cfg.target.kind == "hf" and cfg.data.train_path is None and cfg.data.train_jsonl is None:
+    if cfg.target.kind == "hf" and cfg.data.train_path is None:
         raise ConfigError(f"{where}: data.train_path is required for an hf target")
     d = cfg.drafter
     if d.num_heads % d.num_kv_heads:

@@ -346,19 +346,6 @@ def test_bad_eval_source_leaves_nothing_written(tmp_path: Path, tokenizer) -> No
     assert not (cfg.out / "data").exists()  # train was fine, but neither split is written
 
 
-def test_older_key_names_still_work_and_both_at_once_is_an_error(tmp_path: Path, tokenizer) -> None:
-    src = _jsonl(tmp_path / "train.jsonl", [SHORT])
-    cfg = load_config(
-        None,
-        ["target.kind=tiny_stdlib", f"data.train_jsonl={src}", f"data.eval_jsonl={src}"],
-        out_dir=str(tmp_path / "out"),
-    )
-    train, _ = prepare_data(cfg, tokenizer)
-    assert read_chat_jsonl(train)[0].where == f"{src}:1"
-    with pytest.raises(ConfigError, match="data.train_path and data.train_jsonl .* both set"):
-        load_config(None, ["target.kind=tiny_stdlib", f"data.train_jsonl={src}", f"data.train_path={src}"])
-
-
 # --- the command line -------------------------------------------------------------------------
 
 

@@ -15,9 +15,8 @@ DEFAULT_TINY_TRAIN_SAMPLES = 400
 
 
 def data_sources(cfg: Config) -> tuple[Path | None, Path | None]:
-    """(train source, eval source) from data.train_path/eval_path or their older *_jsonl names."""
-    train = cfg.data.train_path or cfg.data.train_jsonl
-    heldout = cfg.data.eval_path or cfg.data.eval_jsonl
+    """(train source, eval source) from data.train_path / data.eval_path."""
+    train, heldout = cfg.data.train_path, cfg.data.eval_path
     return (Path(train) if train else None), (Path(heldout) if heldout else None)
 
 

@@ -91,7 +91,7 @@ class Evaluator:
                  shard_dir: str | os.PathLike[str] | None = None) -> None:
         prompts = [[int(t) for t in p] for p in eval_prompts[: cfg.eval.num_prompts]]
         if not prompts or not all(prompts):
-            raise ValueError("Evaluator needs at least one non-empty eval prompt (data.eval_jsonl, eval.num_prompts)")
+            raise ValueError("Evaluator needs at least one non-empty eval prompt (data.eval_path, eval.num_prompts)")
         self.cfg = cfg
         self.out = Path(out_dir)
         self.export_root = self.out / "export"

@@ -32,7 +32,8 @@ from dflash_dist.model.config import DrafterConfig
 from dflash_dist.trainer import checkpoint, universal
 from dflash_dist.trainer.checkpoint import ResumeError
 from dflash_dist.trainer.ds_config import WarmupCosine
-from dflash_dist.trainer.loop import SAMPLE_LOG, TRAIN_LOG, TrainJob, _reader_state_for
+from dflash_dist.trainer.loop import SAMPLE_LOG, TRAIN_LOG, TrainJob
+from dflash_dist.trainer.state import reader_state_for
 from tests import test_trainer
 from tests.conftest import REPO, reset_deepspeed_groups
 from tests.test_trainer import free_port, make_cfg, write_shards
@@ -84,13 +85,13 @@ def test_reader_state_for_another_world_size(tiny, shards):
         it = iter(s)
         before += [next(it).key for _ in range(n)]
         saved.append(s.state_dict())
-    assert _reader_state_for(saved, 1, 2) is saved[1]  # the same world size: the rank's own
-    assert _reader_state_for([None, None], 0, 1) is None  # the epoch had not begun
+    assert reader_state_for(saved, 1, 2) is saved[1]  # the same world size: the rank's own
+    assert reader_state_for([None, None], 0, 1) is None  # the epoch had not begun
     for world in (1, 3):
         after = []
         for rank in range(world):
             s = stream(rank, world)
-            s.load_state_dict(_reader_state_for(saved, rank, world))
+            s.load_state_dict(reader_state_for(saved, rank, world))
             after += [x.key for x in s]
         assert Counter(before + after) == Counter(x.key for x in tiny["samples"][:NUM]), world
 

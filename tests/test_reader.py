@@ -303,7 +303,7 @@ def test_feeder_token_budget_batches_skips_and_resume(tmp_path: Path) -> None:
     for b in got:
         b_size, s_len = b.input_ids.shape
         assert b_size == 1 or b_size * s_len <= budget
-    assert got[-1].skipped == {NONFINITE: 1} == feeder.skipped
+    assert got[-1].reader_state["skipped"] == {NONFINITE: 1} == feeder.skipped
     # resuming from a batch's recorded position rebuilds exactly the later batches
     k = len(got) // 2
     again, _ = batches(got[k].reader_state)

@@ -30,7 +30,6 @@ from dflash_dist.target.loading import drafter_config_for, load_embeddings, prov
 from dflash_dist.tools.demo import DemoConfig, tiny_qwen35_target
 from dflash_dist.trainer.batching import batch_anchors, collate
 from dflash_dist.trainer.ds_config import WarmupCosine, deepspeed_config, total_train_steps
-from dflash_dist.trainer.loop import EXPORT_INDEX, ExportRecord
 from tests.conftest import reset_deepspeed_groups
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())  # the shm op compiles once
@@ -144,7 +143,7 @@ def scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 # ---------------------------------------------------------------------------- pure pieces
 def test_length_bucket_accuracy():
-    from dflash_dist.trainer.loop import length_bucket_accuracy
+    from dflash_dist.trainer.step_log import length_bucket_accuracy
 
     correct = torch.tensor([3.0, 1.0, 5.0, 0.0])
     count = torch.tensor([4.0, 4.0, 10.0, 0.0])
@@ -191,7 +190,7 @@ def test_deepspeed_config_reaches_engine(tiny, tmp_path, monkeypatch):
     import deepspeed
     import torch.distributed as dist
 
-    from dflash_dist.trainer.loop import build_engine
+    from dflash_dist.trainer.engine import build_engine
 
     cfg = make_cfg(
         tmp_path,
@@ -295,12 +294,12 @@ def test_zero2_group_streams_trains_checkpoints_exports(tiny, ray_cluster, tmp_p
     ckpt = out / "checkpoints"
     assert (ckpt / "latest").read_text().strip() == "step_12"
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step_12", "step_8"]  # keep_checkpoints=2
-    # exports: atomic directories, listed in the index only once written, loadable
-    records = [ExportRecord.from_json(line) for line in (out / "export" / EXPORT_INDEX).read_text().splitlines()]
-    assert [r.step for r in records] == [4, 8, 12]
+    # exports: one loadable directory per checkpoint, nothing else
+    assert results[0].exports == tuple(str(out / "export" / t) for t in ("step_4", "step_8", "step_12"))
+    assert sorted(p.name for p in (out / "export").iterdir()) == ["step_12", "step_4", "step_8"]
     embed, head = load_embeddings(tiny["target_dir"])
-    for r in records:
-        drafter = load_drafter(r.path, embed, head)
+    for path in results[0].exports:
+        drafter = load_drafter(path, embed, head)
         assert drafter.config == tiny["drafter"]
     # metrics
     s = scalars(out / "tb" / "train")
@@ -417,3 +416,4 @@ def test_corrupt_shard_is_skipped_counted_and_accounted(tiny, ray_cluster, tmp_p
     assert s["data/skipped"][-1][1] == 2 * PER_SHARD  # one shard of 2 samples, in each of 2 epochs
     assert sum(v for _, v in s["data/dropped_samples"]) == dropped
     assert all(math.isfinite(v) for _, v in s["train/loss"])
+

@@ -8,6 +8,7 @@ the workers and the shards.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from dflash_dist.model.config import DrafterConfig
 from dflash_dist.trainer.checkpoint import check_resumable, plan_resume, read_marker
 from dflash_dist.trainer.ds_config import total_train_steps
 from dflash_dist.trainer.loop import TrainJob, TrainResult
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -127,16 +130,26 @@ def run_rank(cfg_dict: dict, job: TrainJob, env: dict[str, str], extensions_dir:
         dist_backend="nccl" if on_gpu else "gloo", auto_mpi_discovery=False, dist_init_required=True
     )
     cfg = load_config_dict(cfg_dict)
+    _show_progress(rank)
     try:
         with Heartbeat(cfg.out, "trainer", rank) as beat:
             trainer = Trainer(cfg, job)
-            beat.info = lambda: {"step": trainer.step, "epoch": trainer.epoch,
+            beat.info = lambda: {"step": trainer.state.step, "epoch": trainer.state.epoch,
                                  "samples": trainer.samples_consumed,
-                                 "shards_consumed": len((trainer.reader_state or {}).get("consumed", ()))}
+                                 "shards_consumed": len((trainer.state.reader or {}).get("consumed", ()))}
             return trainer.run()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _show_progress(rank: int) -> None:
+    """The trainer's INFO lines (steps, epochs, resume, preemption) reach this process's output:
+    a handler on the root logger if the entry point set none, and dflash_dist at INFO."""
+    if not logging.getLogger().handlers:
+        fmt = f"%(asctime)s trainer[{rank}] %(levelname)s %(name)s: %(message)s"
+        logging.basicConfig(format=fmt, stream=sys.stdout)
+    logging.getLogger("dflash_dist").setLevel(logging.INFO)
 
 
 class TrainerGroupError(RuntimeError):
@@ -241,7 +254,7 @@ def train_job(
         harmless = check_resumable(read_marker(resume_from), cfg.to_dict(), world, shard_dir, str(resume_from))
         note = f" (changed since: {'; '.join(harmless)})" if harmless else ""
         if announce:
-            print(f"[train] resuming from {resume_from}{note}", flush=True)
+            log.info("resuming from %s%s", resume_from, note)
     return TrainJob(
         str(target_dir), str(shard_dir), expected, drafter_cfg, total_steps, str(resume_from) if resume_from else None
     )
@@ -286,6 +299,5 @@ def start_trainer_group(
         for w in workers:
             ray.kill(w, no_restart=True)
         raise
-    print(f"[train] {world} DeepSpeed rank(s), ZeRO-{cfg.train.zero_stage}, {job.total_steps} scheduled steps",
-          flush=True)
+    log.info("%d DeepSpeed rank(s), ZeRO-%d, %d scheduled steps", world, cfg.train.zero_stage, job.total_steps)
     return TrainerGroup(workers, refs, infos, job.resume_from)

@@ -20,7 +20,7 @@ import itertools
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -45,9 +45,6 @@ class MicroBatch:
     num_tokens: int  # real (unpadded) tokens
     reader_state: dict[str, Any]  # the shard stream's position after this batch's last sample
     lengths: tuple[int, ...] = ()  # each sample's real tokens (diagnostics by length)
-    # the stream's cumulative skipped samples by reason (shard_reader.SKIP_REASONS) up to this
-    # batch's last sample, in this epoch: log the sum over ranks as data/skipped
-    skipped: dict[str, int] = field(default_factory=dict)
 
     def to(self, device: torch.device | str) -> MicroBatch:
         return replace(
@@ -122,7 +119,6 @@ def make_micro_batch(
         num_tokens=sum(s.num_tokens for s in samples),
         reader_state=reader_state,
         lengths=tuple(s.num_tokens for s in samples),
-        skipped=dict(reader_state.get("skipped", {})),
     )
 
 

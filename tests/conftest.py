@@ -1,5 +1,7 @@
-"""Shared fixtures. The golden fixtures live in ../shared/golden beside the checkout (CI lays
-it there too); DFLASH_GOLDEN_DIR overrides. A missing golden directory is an error, not a skip."""
+"""Shared fixtures. The golden fixtures the tests read are in-repository copies (tests/golden,
+tests/golden_swa: data files only) of ../shared/golden* (their source, with the READMEs that say
+what each tensor is); test_golden_copies checks the copies equal the source when it is there.
+DFLASH_GOLDEN_DIR overrides the full-attention set. A missing golden directory is an error, not a skip."""
 
 from __future__ import annotations
 
@@ -12,16 +14,31 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
-def golden_path() -> Path:
-    return Path(os.environ.get("DFLASH_GOLDEN_DIR", REPO.parent / "shared" / "golden"))
+GOLDEN_SETS = ("golden", "golden_swa")  # tests/<name> copies ../shared/<name>
+
+
+def golden_path(name: str = "golden") -> Path:
+    if name == "golden" and os.environ.get("DFLASH_GOLDEN_DIR"):
+        return Path(os.environ["DFLASH_GOLDEN_DIR"])
+    return REPO / "tests" / name
+
+
+def _golden(name: str) -> Path:
+    path = golden_path(name)
+    if not (path / "drafter_config.json").is_file():
+        pytest.fail(f"golden fixtures not found at {path} (in-repo copy of ../shared/{name})")
+    return path
 
 
 @pytest.fixture(scope="session")
 def golden_dir() -> Path:
-    path = golden_path()
-    if not (path / "drafter_config.json").is_file():
-        pytest.fail(f"golden fixtures not found at {path}; set DFLASH_GOLDEN_DIR")
-    return path
+    return _golden("golden")
+
+
+@pytest.fixture(scope="session")
+def golden_swa_dir() -> Path:
+    """The sliding-window set: ../golden with layer_types [sliding, full], sliding_window 8."""
+    return _golden("golden_swa")
 
 
 @pytest.fixture(autouse=True)

@@ -62,9 +62,18 @@ def test_load_errors_name_the_problem(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     cfg["num_hidden_layers"] = 3
     (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="layer_types has 2 entries, num_hidden_layers=3"):
+        load_drafter(out)
+    cfg["layer_types"] = ["full_attention"] * 3
+    (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="missing"):
         load_drafter(out)
     cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6}
     (out / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="rope_type"):
+    with pytest.raises(ValueError, match="rope_parameters.rope_type='yarn'"):
+        load_drafter(out)
+    cfg["rope_parameters"] = None
+    cfg["layer_types"] = ["full_attention", "sliding_attention", "mamba"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"config.json: layer_types\[2\]='mamba' is not supported"):
         load_drafter(out)

@@ -19,38 +19,74 @@ except ImportError:  # pragma: no cover
     BlockMask = None  # type: ignore[assignment]
 
 AttentionMask = torch.Tensor  # dense bool [b, Q, K] (True = may attend), or a flex BlockMask
+# one mask per layer type ("full_attention", "sliding_attention"); None = every key visible
+LayerMasks = dict[str, "AttentionMask | None"]
+FULL, SLIDING = "full_attention", "sliding_attention"
 
 
-def _mask_rule(q_idx, kv_idx, anchor, keep, context_len: int, block_size: int):
-    """The one definition of who sees what; works on index tensors of any broadcast shape."""
+def _mask_rule(q_idx, kv_idx, anchor, keep, context_len: int, block_size: int, window: int | None = None):
+    """The one definition of who sees what; works on index tensors of any broadcast shape.
+
+    Context entry kv sits at position kv; query q is slot q % B of block q // B. window=None: a
+    full layer; window=w: a sliding layer (module docstring)."""
     block_of_q = q_idx // block_size
     is_ctx = kv_idx < context_len
     sees_ctx = is_ctx & (kv_idx < anchor)
     sees_own_block = ~is_ctx & ((kv_idx - context_len) // block_size == block_of_q)
+    if window is not None:
+        slot = q_idx - block_of_q * block_size
+        sees_ctx = sees_ctx & (kv_idx >= anchor + slot - (window - 1))
+        sees_own_block = sees_own_block & ((kv_idx - context_len) % block_size <= slot)
     return keep & (sees_ctx | sees_own_block)
 
 
-def block_mask_dense(anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
-    """[b, N*B, S+N*B] bool mask for anchors/keep [b, N]."""
+def block_mask_dense(anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int,
+                     sliding_window: int | None = None) -> torch.Tensor:
+    """[b, N*B, S+N*B] bool mask for anchors/keep [b, N]; sliding_window=w: a sliding layer's."""
     b, n = anchors.shape
     q_idx = torch.arange(n * block_size, device=anchors.device)
     kv_idx = torch.arange(context_len + n * block_size, device=anchors.device)
     anchor_q = anchors.repeat_interleave(block_size, dim=1)[:, :, None]  # [b, Q, 1]
     keep_q = keep.repeat_interleave(block_size, dim=1)[:, :, None]
-    return _mask_rule(q_idx[None, :, None], kv_idx[None, None, :], anchor_q, keep_q, context_len, block_size)
+    return _mask_rule(q_idx[None, :, None], kv_idx[None, None, :], anchor_q, keep_q, context_len, block_size,
+                      sliding_window)
 
 
-def block_mask_flex(anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int):
+def block_mask_flex(anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int,
+                    sliding_window: int | None = None):
     """The same mask as a sparse flex_attention BlockMask."""
     b, n = anchors.shape
 
     def mask_mod(bi, hi, q_idx, kv_idx):
         j = q_idx // block_size
-        return _mask_rule(q_idx, kv_idx, anchors[bi, j], keep[bi, j], context_len, block_size)
+        return _mask_rule(q_idx, kv_idx, anchors[bi, j], keep[bi, j], context_len, block_size, sliding_window)
 
     return create_block_mask(
         mask_mod, B=b, H=None, Q_LEN=n * block_size, KV_LEN=context_len + n * block_size, device=anchors.device
     )
+
+
+def layer_masks(attention: str, anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int,
+                layer_types: tuple[str, ...] = (), sliding_window: int | None = None
+                ) -> AttentionMask | LayerMasks:
+    """The training block mask(s) for a drafter with these layer types: one mask when every layer
+    is full (as before), else one per layer type. attention: "flex" or "dense"."""
+    build = {"flex": block_mask_flex, "dense": block_mask_dense}[attention]
+    full = build(anchors, keep, context_len, block_size)
+    if SLIDING not in layer_types:
+        return full
+    return {FULL: full, SLIDING: build(anchors, keep, context_len, block_size, sliding_window)}
+
+
+def inference_sliding_mask(block_len: int, context_positions: torch.Tensor, block_positions: torch.Tensor,
+                           window: int) -> torch.Tensor:
+    """Dense [b, Q, S+Q] sliding-layer mask for one block at inference: every context entry given
+    is before the anchor; slot s sees context positions >= its position - (w-1) and slots t <= s."""
+    q_pos = block_positions[:, :, None]
+    ctx_ok = context_positions[:, None, :] >= q_pos - (window - 1)  # [b, Q, S]
+    slot = torch.arange(block_len, device=block_positions.device)
+    blk_ok = (slot[None, :] <= slot[:, None])[None].expand(block_positions.shape[0], -1, -1)
+    return torch.cat([ctx_ok, blk_ok], dim=-1)
 
 
 @functools.cache

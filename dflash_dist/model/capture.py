@@ -5,6 +5,11 @@ Feature of layer l = output of decoder layer l (post-residual, before the final 
 `hidden_states[l + 1]` of HF's output_hidden_states. We hook the k layers instead of asking for
 all L+1 hidden states, and compute the argmax from the final hidden state in vocab-sized chunks
 so the [T, V] logits are never held at once.
+
+The last layer (id N-1) is refused: there the two definitions part (HF's hidden_states[N] is
+after the final norm, the layer's output before it), and the reference feature extractors read
+hidden_states[l + 1], so a drafter trained on either would be served the other somewhere. The
+default layer rule never picks it (its top layer is N-3).
 """
 
 from __future__ import annotations
@@ -96,14 +101,25 @@ def check_kernel_path(model: nn.Module, allow_torch_gdn_on_cuda: bool = False) -
     return path
 
 
+def check_capture_layer_ids(layer_ids: list[int] | tuple[int, ...], num_layers: int) -> None:
+    """Refuse ids outside the target and the last layer N-1 (module docstring), naming them."""
+    bad = [i for i in layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"layer ids {bad} outside the target's {num_layers} decoder layers")
+    if num_layers - 1 in layer_ids:
+        raise ValueError(
+            f"layer id {num_layers - 1} is the target's last decoder layer: its output before the final norm "
+            f"differs from HF's hidden_states[{num_layers}] (after it), which the reference feature extractors "
+            f"read; pick capture.layer_ids <= {num_layers - 2} (the default rule's top layer is {num_layers - 3})"
+        )
+
+
 class LayerTap:
     """Forward hooks that keep the outputs of the chosen decoder layers."""
 
     def __init__(self, model: nn.Module, layer_ids: list[int] | tuple[int, ...]) -> None:
         layers = decoder_layers(model)
-        bad = [i for i in layer_ids if not 0 <= i < len(layers)]
-        if bad:
-            raise ValueError(f"layer ids {bad} outside the target's {len(layers)} decoder layers")
+        check_capture_layer_ids(layer_ids, len(layers))
         self.layer_ids = tuple(layer_ids)
         self.outputs: dict[int, torch.Tensor] = {}
         self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in set(layer_ids)]

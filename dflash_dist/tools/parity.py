@@ -2,8 +2,10 @@
 
 Reads a fixture directory in the format of shared/golden/README.md, builds our implementation
 from the fixture's own configs, recomputes every quantity, prints the max abs difference of each
-against its tolerance, and exits 1 if any is beyond it (token ids, layer ids, masks and DDTree
-must match exactly).
+against its tolerance, and exits 1 if any is beyond it. Each fixture set carries its own
+`tolerances.json` (max abs difference per group of quantities; 0 = exact, as for token ids,
+layer ids, masks and DDTree). A set with sliding-window layers (golden_swa) is also checked on its
+sliding-layer masks.
 """
 
 from __future__ import annotations
@@ -17,17 +19,34 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from dflash_dist.model.attention import SLIDING, block_mask_dense, inference_sliding_mask
 from dflash_dist.model.capture import capture_features
 from dflash_dist.model.config import DrafterConfig, build_target_layer_ids
 from dflash_dist.model.ddtree import compare_with_golden
 from dflash_dist.model.drafter import DFlashDrafter
 from dflash_dist.model.loss import Anchors, decay_weights, dflash_loss
 
-# Tolerances of the golden README ("Suggested tolerances for a fresh implementation").
-TOL_TARGET = 2e-4
-TOL_DRAFTER = 2e-5
-TOL_LOSS = 1e-5
 EXACT = 0.0
+TOLERANCE_GROUPS = (
+    "target_hidden_states", "target_context_features", "target_logits", "target_argmax", "drafter_hidden",
+    "drafter_logits", "drafter_tokens", "loss_hidden", "loss_logits", "loss_ce_per_slot", "loss", "accuracy",
+    "masks_and_labels", "ddtree",
+)
+
+
+def load_tolerances(root: Path) -> dict[str, float]:
+    """The set's own tolerances.json: {group: max abs difference}; every group must be there."""
+    path = root / "tolerances.json"
+    if not path.is_file():
+        raise ValueError(f"{path}: missing; every fixture set states its tolerances (groups {TOLERANCE_GROUPS})")
+    tol = json.loads(path.read_text())
+    missing = [g for g in TOLERANCE_GROUPS if g not in tol]
+    if missing:
+        raise ValueError(f"{path}: no tolerance for {missing}")
+    bad = [g for g in TOLERANCE_GROUPS if not isinstance(tol[g], (int, float)) or tol[g] < 0]
+    if bad:
+        raise ValueError(f"{path}: tolerances of {bad} must be numbers >= 0")
+    return {g: float(tol[g]) for g in TOLERANCE_GROUPS}
 
 
 @dataclass
@@ -77,7 +96,7 @@ def build_target(root: Path, device: str, weights: dict[str, torch.Tensor]):
     return model.to(device).eval()
 
 
-def check_target(root: Path, device: str, strict_target: bool = False) -> list[Check]:
+def check_target(root: Path, device: str, strict_target: bool, tol: dict[str, float]) -> list[Check]:
     g = load_file(str(root / "target_features.safetensors"))
     model = build_target(root, device, g)
     ids = g["input_ids"].to(device)
@@ -91,12 +110,13 @@ def check_target(root: Path, device: str, strict_target: bool = False) -> list[C
     # features legitimately differ (SPEC 1): report those differences without judging them.
     gate = cap.kernel_path == "torch" or strict_target
     checks = [
-        Check("target", "hidden_states_all", _diff(hs, g["hidden_states_all"], "hidden_states_all"), TOL_TARGET,
-              f"kernel={cap.kernel_path}"),
+        Check("target", "hidden_states_all", _diff(hs, g["hidden_states_all"], "hidden_states_all"),
+              tol["target_hidden_states"], f"kernel={cap.kernel_path}"),
         Check("target", "context_features (hooked layers)", _diff(cap.features, g["context_features"], "features"),
-              TOL_TARGET, f"layers={layer_ids}"),
-        Check("target", "logits", _diff(out.logits, g["logits"], "logits"), TOL_TARGET),
-        Check("target", "argmax (mismatches)", _diff(cap.target_argmax, golden_argmax, "argmax"), EXACT),
+              tol["target_context_features"], f"layers={layer_ids}"),
+        Check("target", "logits", _diff(out.logits, g["logits"], "logits"), tol["target_logits"]),
+        Check("target", "argmax (mismatches)", _diff(cap.target_argmax, golden_argmax, "argmax"),
+              tol["target_argmax"]),
     ]
     for c in checks:
         c.gate = gate
@@ -115,7 +135,7 @@ def build_drafter(root: Path, device: str) -> tuple[DFlashDrafter, dict[str, tor
 
 
 @torch.no_grad()
-def check_drafter(root: Path, device: str) -> list[Check]:
+def check_drafter(root: Path, device: str, tol: dict[str, float]) -> list[Check]:
     drafter, g = build_drafter(root, device)
     feats = g["context_features"].to(device)
     s = feats.shape[1]
@@ -124,25 +144,42 @@ def check_drafter(root: Path, device: str) -> list[Check]:
     context = drafter.fuse_context(feats)
     hidden, layers = drafter(ids, pos[:, s:], context, pos[:, :s], None, return_layer_outputs=True)
     logits = drafter.lm_head(hidden[:, 1:])
-    return [
-        Check("drafter", "noise_embedding", _diff(drafter.embed_tokens(ids), g["noise_embedding"], "emb"), TOL_DRAFTER),
-        Check("drafter", "fused_context", _diff(context, g["fused_context"], "fused"), TOL_DRAFTER),
-        Check("drafter", "layer_outputs", _diff(torch.stack(layers), g["layer_outputs"], "layers"), TOL_DRAFTER),
-        Check("drafter", "draft_hidden", _diff(hidden, g["draft_hidden"], "hidden"), TOL_DRAFTER),
-        Check("drafter", "draft_logits", _diff(logits, g["draft_logits"], "logits"), TOL_DRAFTER),
-        Check("drafter", "draft_tokens (mismatches)", _diff(logits.argmax(-1), g["draft_tokens"], "tokens"), EXACT),
+    th = tol["drafter_hidden"]
+    checks = [
+        Check("drafter", "noise_embedding", _diff(drafter.embed_tokens(ids), g["noise_embedding"], "emb"), th),
+        Check("drafter", "fused_context", _diff(context, g["fused_context"], "fused"), th),
+        Check("drafter", "layer_outputs", _diff(torch.stack(layers), g["layer_outputs"], "layers"), th),
+        Check("drafter", "draft_hidden", _diff(hidden, g["draft_hidden"], "hidden"), th),
+        Check("drafter", "draft_logits", _diff(logits, g["draft_logits"], "logits"), tol["drafter_logits"]),
+        Check("drafter", "draft_tokens (mismatches)", _diff(logits.argmax(-1), g["draft_tokens"], "tokens"),
+              tol["drafter_tokens"]),
     ]
+    cfg = drafter.config
+    if "layer_is_sliding" in g or cfg.has_sliding_layers:
+        exact = tol["masks_and_labels"]
+        ours = torch.tensor([t == SLIDING for t in cfg.layer_types])
+        ref = g.get("layer_is_sliding", torch.zeros_like(ours))
+        checks.append(Check("drafter", "layer_is_sliding", _diff(ours, ref, "layer_is_sliding"), exact))
+        if "sliding_attention_mask" in g:
+            mask = inference_sliding_mask(ids.shape[1], pos[:, :s], pos[:, s:], cfg.sliding_window or 0)
+            checks.append(Check("drafter", "sliding_attention_mask",
+                                _diff(mask, g["sliding_attention_mask"], "sliding_attention_mask"), exact,
+                                f"window={cfg.sliding_window}"))
+    return checks
 
 
 @torch.no_grad()
-def check_loss(root: Path, device: str, attention: str) -> list[Check]:
+def check_loss(root: Path, device: str, attention: str, tol: dict[str, float]) -> list[Check]:
     drafter, _ = build_drafter(root, device)
     g = load_file(str(root / "dflash_loss.safetensors"))
     blk, mask_id = int(g["block_size"]), int(g["mask_token_id"])
     if (blk, mask_id) != (drafter.config.block_size, drafter.config.mask_token_id):
         raise ValueError(f"dflash_loss block_size/mask {blk}/{mask_id} differ from drafter_config")
     gamma = float(g["loss_decay_gamma"])
-    checks = [Check("loss", "decay_weights", _diff(decay_weights(blk, gamma), g["decay_weights"], "decay"), TOL_LOSS)]
+    checks = [Check("loss", "decay_weights", _diff(decay_weights(blk, gamma), g["decay_weights"], "decay"),
+                    tol["loss"])]
+    exact = tol["masks_and_labels"]
+    window = drafter.config.sliding_window if drafter.config.has_sliding_layers else None
     for prefix in ("", "batch2."):
         t = {k[len(prefix):]: v.to(device) for k, v in g.items() if k.startswith(prefix) and (prefix or "." not in k)}
         anchors = Anchors(t["anchor_positions"], t["block_keep_mask"])
@@ -157,23 +194,26 @@ def check_loss(root: Path, device: str, attention: str) -> list[Check]:
         def c(name, ours, ref, tol, _case=case):
             checks.append(Check("loss", f"{_case}.{name}", _diff(ours, ref, f"{_case}.{name}"), tol))
 
-        c("noise_input_ids", ex["block_ids"], t["noise_input_ids"], EXACT)
-        c("position_ids", ex["position_ids"], t["position_ids"], EXACT)
-        c("attention_mask", ex["dense_mask"], t["attention_mask"], EXACT)
-        c("noise_embedding", drafter.embed_tokens(ex["block_ids"]), t["noise_embedding"], TOL_DRAFTER)
-        c("draft_hidden (valid blocks)", ex["hidden"][valid_q], t["draft_hidden"][valid_q], TOL_DRAFTER)
-        c("logits (valid blocks)", out.logits[valid_q], t["logits"][valid_q], TOL_DRAFTER)
-        c("target_ids (valid blocks)", ex["labels"][keep3], t["target_ids"][keep3], EXACT)
-        c("binary_eval_mask", ex["binary"], t["binary_eval_mask"], EXACT)
-        c("weight_mask", ex["weights"], t["weight_mask"], TOL_LOSS)
-        c("ce_per_slot (valid blocks)", ex["ce"][keep3], t["ce_per_slot"][keep3], TOL_LOSS * 10)
-        c("loss", out.loss, t["loss"], TOL_LOSS)
-        c("accuracy", out.accuracy, t["accuracy"], TOL_LOSS)
+        c("noise_input_ids", ex["block_ids"], t["noise_input_ids"], exact)
+        c("position_ids", ex["position_ids"], t["position_ids"], exact)
+        c("attention_mask", ex["dense_mask"], t["attention_mask"], exact)
+        if window is not None or "sliding_attention_mask" in t:
+            sliding = block_mask_dense(anchors.positions, anchors.keep, t["input_ids"].shape[1], blk, window)
+            c("sliding_attention_mask", sliding, t["sliding_attention_mask"], exact)
+        c("noise_embedding", drafter.embed_tokens(ex["block_ids"]), t["noise_embedding"], tol["loss_hidden"])
+        c("draft_hidden (valid blocks)", ex["hidden"][valid_q], t["draft_hidden"][valid_q], tol["loss_hidden"])
+        c("logits (valid blocks)", out.logits[valid_q], t["logits"][valid_q], tol["loss_logits"])
+        c("target_ids (valid blocks)", ex["labels"][keep3], t["target_ids"][keep3], exact)
+        c("binary_eval_mask", ex["binary"], t["binary_eval_mask"], exact)
+        c("weight_mask", ex["weights"], t["weight_mask"], tol["loss"])
+        c("ce_per_slot (valid blocks)", ex["ce"][keep3], t["ce_per_slot"][keep3], tol["loss_ce_per_slot"])
+        c("loss", out.loss, t["loss"], tol["loss"])
+        c("accuracy", out.accuracy, t["accuracy"], tol["accuracy"])
     return checks
 
 
-def check_ddtree(root: Path) -> list[Check]:
-    return [Check("ddtree", name, 0.0 if ok else 1.0, EXACT, "" if ok else detail)
+def check_ddtree(root: Path, tol: dict[str, float]) -> list[Check]:
+    return [Check("ddtree", name, 0.0 if ok else 1.0, tol["ddtree"], "" if ok else detail)
             for name, ok, detail in compare_with_golden(root / "ddtree.json")]
 
 
@@ -182,10 +222,11 @@ def run(root: Path, device: str = "cpu", attention: str = "auto", skip_target: b
     if device.startswith("cuda"):  # fp32 parity: no TF32 shortcuts in matmuls or convolutions
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
+    tol = load_tolerances(root)
     checks = check_layer_ids(root)
     if not skip_target:
-        checks += check_target(root, device, strict_target)
-    checks += check_drafter(root, device) + check_loss(root, device, attention) + check_ddtree(root)
+        checks += check_target(root, device, strict_target, tol)
+    checks += check_drafter(root, device, tol) + check_loss(root, device, attention, tol) + check_ddtree(root, tol)
     return checks
 
 
@@ -200,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not (args.dir / "README.md").exists() and not (args.dir / "drafter_config.json").exists():
         print(f"error: {args.dir} is not a golden fixture directory (no drafter_config.json)", file=sys.stderr)
+        return 2
+    try:
+        load_tolerances(args.dir)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     torch.manual_seed(0)
     checks = run(args.dir, args.device, args.attention, args.skip_target, args.strict_target)

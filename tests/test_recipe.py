@@ -3,12 +3,17 @@ anchor rule reaching the trainer's batches."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from data_pipeline.records import Sample
+from dflash_dist.config import ConfigError, load_config
 from dflash_dist.model.loss import dflash_loss, label_targets, loss_weights, sample_anchors
 from dflash_dist.trainer.batching import make_micro_batch
+from tests.conftest import REPO
 from tests.test_drafter import small_drafter
+
+TINY = REPO / "configs" / "tiny.yaml"
 
 
 def _batch(b: int, s: int, seed: int):
@@ -83,3 +88,24 @@ def test_micro_batch_anchor_rule_passes_through():
     assert new.anchors.positions[0][new.anchors.keep[0]].tolist() == [2, 3, 9]
     _, binary = label_targets(new.input_ids, new.loss_mask, new.anchors, 4)
     assert torch.all(binary[0, new.anchors.keep[0], 1] == 1)
+
+
+def test_recipe_config_fields_default_to_the_pinned_behaviour():
+    t = load_config(TINY).train
+    assert (t.anchor_rule, t.position_weighting, t.loss_norm) == ("mask", "decay", "micro_batch")
+    t = load_config(TINY, ["train.anchor_rule=mask_next", "train.position_weighting=dpace",
+                           "train.loss_norm=step_slots"]).train
+    assert (t.anchor_rule, t.position_weighting, t.loss_norm) == ("mask_next", "dpace", "step_slots")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.anchor_rule=next", "train.anchor_rule: 'next' is not one of"),
+        ("train.position_weighting=exp", "train.position_weighting: 'exp' is not one of"),
+        ("train.loss_norm=global", "train.loss_norm: 'global' is not one of"),
+    ],
+)
+def test_recipe_config_rejects_unknown_choices(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(TINY, [override])

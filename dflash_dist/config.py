@@ -99,6 +99,11 @@ class DrafterSection(_Section):
     intermediate_size: PosInt | None = None  # default: the target's
     block_size: Annotated[int, Field(ge=2)] = 16  # the anchor and at least one slot to draft
     mask_token_id: NonNegInt | None = None  # default: the tokenizer's mask token
+    # attention per drafter layer (SPEC 2): full_attention (bidirectional over context < anchor and the
+    # block) or sliding_attention (the last `sliding_window` positions, causal inside the block; z-lab's
+    # Qwen3.6-27B drafter: 4 x sliding + full, window 2048). None: every layer full
+    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
+    sliding_window: PosInt | None = None  # tokens a sliding layer's query sees, itself included (HF's convention)
 
 
 class TrainSection(_Section):
@@ -292,8 +297,12 @@ def _set_path(tree: dict, dotted: str, value, where: str) -> None:
     node[keys[-1]] = value
 
 
-def load_config(path: str | Path | None, overrides: list[str] = (), out_dir: str | None = None) -> Config:
-    """YAML file (or the defaults when path is None) + `a.b=c` overrides (values parsed as YAML)."""
+def load_config(path: str | Path | None, overrides: list[str] = (), out_dir: str | None = None,
+                check_files: bool = True) -> Config:
+    """YAML file (or the defaults when path is None) + `a.b=c` overrides (values parsed as YAML).
+
+    check_files=False skips the checks that the named target and data files exist (deriving a
+    drafter shape from a target's config.json needs neither weights nor data)."""
     tree: dict = {}
     if path is not None:
         path = Path(path)
@@ -314,20 +323,21 @@ def load_config(path: str | Path | None, overrides: list[str] = (), out_dir: str
         cfg = _build(tree)
     except ConfigError as e:
         raise ConfigError(f"{path or 'config'}: {e}") from None
-    _validate(cfg, path)
+    _validate(cfg, path, check_files)
     return cfg
 
 
-def _validate(cfg: Config, path) -> None:
+def _validate(cfg: Config, path, check_files: bool = True) -> None:
     where = path or "config"
     if cfg.target.kind == "hf" and not cfg.target.path:
         raise ConfigError(f"{where}: target.path is required when target.kind is 'hf'")
-    if cfg.target.path and cfg.target.kind == "hf" and not Path(cfg.target.path).exists():
+    _validate_drafter(cfg.drafter, where)
+    if check_files and cfg.target.path and cfg.target.kind == "hf" and not Path(cfg.target.path).exists():
         raise ConfigError(f"{where}: target.path {cfg.target.path} does not exist")
     for key in ("data.train_path", "data.eval_path"):
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
-        if value is not None and not Path(value).exists():
+        if check_files and value is not None and not Path(value).exists():
             raise ConfigError(f"{where}: {key}: file {value} not found")
     if cfg.target.kind == "hf" and cfg.data.train_path is None:
         raise ConfigError(f"{where}: data.train_path is required for an hf target")
@@ -348,6 +358,14 @@ def _validate_eval(e: EvalSection, where) -> None:
     if e.reference_drafter is not None and not (Path(e.reference_drafter) / "config.json").is_file():
         raise ConfigError(f"{where}: eval.reference_drafter: {e.reference_drafter}/config.json not found "
                           "(a z-lab-format drafter directory: config.json + model.safetensors)")
+
+
+def _validate_drafter(d: DrafterSection, where) -> None:
+    if d.layer_types is not None and len(d.layer_types) != d.num_layers:
+        raise ConfigError(f"{where}: drafter.layer_types has {len(d.layer_types)} entries for drafter.num_layers="
+                          f"{d.num_layers}: give one per drafter layer")
+    if d.layer_types and "sliding_attention" in d.layer_types and d.sliding_window is None:
+        raise ConfigError(f"{where}: drafter.layer_types has sliding_attention layers: set drafter.sliding_window")
 
 
 def _validate_regen(r: RegenSection, where) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -53,3 +54,28 @@ def test_golden_anchor_block_matches_inference_forward(golden_dir):
     drafter, g = build_drafter(golden_dir, "cpu")
     logits = drafter.draft_block(g["context_features"][0], int(g["block_input_ids"][0, 0]), 32)
     assert torch.allclose(logits, g["draft_logits"][0], atol=2e-5)
+
+
+def test_parity_passes_on_golden_swa(golden_swa_dir):
+    """The sliding-window set: main keys (SpecForge/SGLang semantics) and the sliding-layer masks."""
+    proc = _run(golden_swa_dir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ok = {ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("ok")}
+    assert {"drafter/sliding_attention_mask", "drafter/layer_is_sliding", "drafter/draft_logits",
+            "loss/single.sliding_attention_mask", "loss/batch2.sliding_attention_mask", "loss/batch2.loss"} <= ok
+
+
+def test_parity_judges_each_set_by_its_own_tolerances(golden_dir, tmp_path):
+    bad = tmp_path / "golden"
+    shutil.copytree(golden_dir, bad)
+    tol = json.loads((bad / "tolerances.json").read_text())
+    tol["target_hidden_states"] = 1e-12  # the torch reference matches to ~3e-6, not this
+    (bad / "tolerances.json").write_text(json.dumps(tol))
+    proc = _run(bad)
+    assert proc.returncode == 1
+    assert "FAIL target/hidden_states_all" in proc.stdout and "tol=1e-12" in proc.stdout
+    assert "ok   target/logits" in proc.stdout
+    del tol["loss"]
+    (bad / "tolerances.json").write_text(json.dumps(tol))
+    proc = _run(bad)
+    assert proc.returncode == 2 and "tolerances.json: no tolerance for ['loss']" in proc.stderr

@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 
 from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance, hash_weight_files, installed_versions
-from dflash_dist.config import Config
-from dflash_dist.model.capture import gdn_kernel_path
+from dflash_dist.config import Config, ConfigError, load_config
+from dflash_dist.model.capture import check_capture_layer_ids, gdn_kernel_path
 from dflash_dist.model.config import DrafterConfig, build_target_layer_ids
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -76,6 +76,7 @@ def load_embeddings(target_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 def layer_ids_for(cfg: Config, num_target_layers: int) -> list[int]:
     if cfg.capture.layer_ids is not None:
+        check_capture_layer_ids(cfg.capture.layer_ids, num_target_layers)
         return list(cfg.capture.layer_ids)
     return build_target_layer_ids(num_target_layers, cfg.capture.num_layers)
 
@@ -88,15 +89,39 @@ def drafter_config_for(cfg: Config, target_dir: Path, mask_token_id: int | None 
     if mask is None:
         raise ValueError("drafter.mask_token_id is not set and the tokenizer has no mask token: set it in the config")
     rope = t.get("rope_parameters") or {}
+    intermediate = d.intermediate_size or t.get("intermediate_size")
+    if intermediate is None:  # an MoE target has only per-expert sizes
+        raise ValueError(f"{target_dir}/config.json has no intermediate_size (an MoE target?): set "
+                         "drafter.intermediate_size in the run config")
     return DrafterConfig(
         hidden_size=t["hidden_size"], num_hidden_layers=d.num_layers, num_attention_heads=d.num_heads,
         num_key_value_heads=d.num_kv_heads, head_dim=d.head_dim,
-        intermediate_size=d.intermediate_size or t["intermediate_size"], vocab_size=t["vocab_size"],
+        intermediate_size=intermediate, vocab_size=t["vocab_size"],
         target_layer_ids=tuple(layer_ids_for(cfg, t["num_hidden_layers"])), num_target_layers=t["num_hidden_layers"],
         block_size=d.block_size, mask_token_id=int(mask), rms_norm_eps=t.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope.get("rope_theta", t.get("rope_theta", 1e7))),
         max_position_embeddings=t.get("max_position_embeddings", 32768),
+        layer_types=tuple(d.layer_types or ()), sliding_window=d.sliding_window,
     )
+
+
+def drafter_config_from_files(config_path: str | Path, overrides: list[str] = (),
+                              target_dir: str | Path | None = None) -> DrafterConfig:
+    """The drafter shape of a run config from its target's config.json alone: no weights, no
+    tokenizer, no data (configs/*.yaml name target.path to a directory holding only the public
+    config.json). target_dir overrides target.path; the mask token must be in the config."""
+    cfg = load_config(config_path, list(overrides), check_files=False)
+    if target_dir is None:
+        if cfg.target.kind != "hf":
+            raise ConfigError(f"{config_path}: target.kind={cfg.target.kind!r}: the shape comes from the built "
+                              "target; pass target_dir")
+        target_dir = cfg.target.path
+    target_json = Path(target_dir) / "config.json"
+    if not target_json.is_file():
+        raise ConfigError(f"{config_path}: target.path: {target_json} not found (the target's config.json)")
+    if cfg.drafter.mask_token_id is None:
+        raise ConfigError(f"{config_path}: drafter.mask_token_id is not set (no tokenizer is read here)")
+    return drafter_config_for(cfg, Path(target_dir))
 
 
 def tokenizer_mask_id(tokenizer) -> int | None:

@@ -18,10 +18,17 @@ from dflash_dist.model.capture import capture_features
 from dflash_dist.model.ddtree import build_ddtree, chain_acceptance, walk_tree_against_reference
 from dflash_dist.model.drafter import DFlashDrafter
 
+COUNTS = ("capped", "uncapped")
+
 
 @dataclass
 class ReplayResult:
-    """Per-prompt mean tau for the chain and each DDTree budget, plus round statistics."""
+    """Per-prompt mean tau for the chain and each DDTree budget, plus round statistics.
+
+    Built by `aggregate_rounds` from per-prompt round lists (replay, live decoding and the
+    evaluator all aggregate this one way). A prompt with no round (a one-token continuation) is
+    left out instead of contributing NaN.
+    """
 
     block_size: int
     tau_chain_per_prompt: list[float] = field(default_factory=list)
@@ -29,6 +36,7 @@ class ReplayResult:
     accept_hist: list[int] = field(default_factory=list)  # chain rounds by accepted drafts 0..B-1
     rounds: int = 0
     kernel_path: str = ""
+    chain_rounds: list[list[int]] = field(default_factory=list)  # per prompt: tau of each chain round
 
     @property
     def tau_chain(self) -> float:
@@ -44,21 +52,32 @@ class ReplayResult:
         total = max(sum(self.accept_hist), 1)
         return [sum(self.accept_hist[j:]) / total for j in range(1, self.block_size)]
 
-    def to_json(self) -> dict:
-        return {
-            "tau_chain": self.tau_chain,
-            "tau_ddtree": {str(b): self.tau_ddtree(b) for b in sorted(self.tau_ddtree_per_prompt)},
-            "tau_chain_per_prompt": self.tau_chain_per_prompt,
-            "accept_hist": self.accept_hist,
-            "slot_acceptance": self.slot_acceptance,
-            "rounds": self.rounds,
-            "prompts": len(self.tau_chain_per_prompt),
-            "kernel_path": self.kernel_path,
-        }
-
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
+
+
+def aggregate_rounds(block_size: int, chain: list[list[int]], trees: dict[int, list[list[int]]] | None = None,
+                     kernel_path: str = "") -> ReplayResult:
+    """The one aggregation of tau: `chain[i]` (and `trees[b][i]`) are prompt i's tau_round values.
+
+    Prompts without rounds are skipped in every list alike, so chain and trees average over the
+    same prompts; tau of a round above `block_size` (a chain) is an internal error."""
+    trees = trees or {}
+    res = ReplayResult(block_size=block_size, accept_hist=[0] * block_size, kernel_path=kernel_path)
+    res.tau_ddtree_per_prompt = {b: [] for b in trees}
+    for i, rounds in enumerate(chain):
+        if not rounds:
+            continue
+        assert all(1 <= t <= block_size for t in rounds), rounds
+        res.chain_rounds.append(list(rounds))
+        res.tau_chain_per_prompt.append(_mean(rounds))
+        res.rounds += len(rounds)
+        for t in rounds:
+            res.accept_hist[t - 1] += 1
+        for b, per_prompt in trees.items():
+            res.tau_ddtree_per_prompt[b].append(_mean(per_prompt[i]))
+    return res
 
 
 @torch.no_grad()
@@ -77,12 +96,21 @@ def greedy_continuation(target: nn.Module, prompt: list[int], max_new_tokens: in
 
 @torch.no_grad()
 def replay_sequence(drafter: DFlashDrafter, sequence: list[int], features: torch.Tensor, start: int,
-                    budgets: tuple[int, ...] = ()) -> tuple[list[int], dict[int, list[int]]]:
+                    budgets: tuple[int, ...] = (), end: int | None = None,
+                    count: str = "capped") -> tuple[list[int], dict[int, list[int]]]:
     """Rounds over one sequence (prompt + greedy continuation) starting at anchor position `start`.
 
-    features [T, k*H] are the target's features of the whole sequence. Returns the chain's
+    features [T, k*H] are the target's features of the sequence (at least up to `end`). Rounds
+    run while the anchor is before the continuation's last token, `end` - 1 (default: the whole
+    sequence). count "capped": a round is matched only against tokens before `end` (the last
+    round stops at the continuation's end); "uncapped": against whatever `sequence` holds beyond
+    it (the target's greedy tokens past the end, as the authors' loop counts). Returns the chain's
     tau_round list and, per budget, the DDTree's.
     """
+    if count not in COUNTS:
+        raise ValueError(f"count must be one of {COUNTS}, got {count!r}")
+    end = len(sequence) if end is None else end
+    limit = len(sequence) if count == "uncapped" else end
     blk = drafter.config.block_size
     context = drafter.fuse_context(features[None].to(drafter.fc.weight.device))
     cache: dict[int, torch.Tensor] = {}
@@ -94,8 +122,8 @@ def replay_sequence(drafter: DFlashDrafter, sequence: list[int], features: torch
 
     def walk(accept_fn) -> list[int]:
         taus, p = [], start
-        while p < len(sequence) - 1:
-            ref = sequence[p + 1 : p + blk]
+        while p < end - 1:
+            ref = sequence[p + 1 : min(p + blk, limit)]
             acc = accept_fn(logits_at(p), ref)
             taus.append(acc + 1)
             p += acc + 1
@@ -120,22 +148,20 @@ def replay_tau(
     """Greedy-replay tau of `drafter` against `target` on `prompts` (token id lists)."""
     layer_ids = drafter.config.target_layer_ids
     dev = next(target.parameters()).device
-    res = ReplayResult(block_size=drafter.config.block_size, accept_hist=[0] * drafter.config.block_size)
-    res.tau_ddtree_per_prompt = {b: [] for b in budgets}
+    chains: list[list[int]] = []
+    tree_rounds: dict[int, list[list[int]]] = {b: [] for b in budgets}
+    kernel_path = ""
     for i, prompt in enumerate(prompts):
         y = continuations[i] if continuations is not None else greedy_continuation(
             target, prompt, max_new_tokens, eos_token_id)
-        if not y:
+        if len(y) < 2:  # the first token comes from the prompt itself: no drafting round
             continue
         seq = list(prompt) + list(y)
         cap = capture_features(target, torch.tensor([seq], device=dev), layer_ids, with_argmax=False,
                                allow_torch_gdn_on_cuda=allow_torch_gdn_on_cuda)
-        res.kernel_path = cap.kernel_path
+        kernel_path = cap.kernel_path
         chain, trees = replay_sequence(drafter, seq, cap.features[0], len(prompt), budgets)
-        res.tau_chain_per_prompt.append(_mean(chain))
-        res.rounds += len(chain)
-        for t in chain:
-            res.accept_hist[t - 1] += 1
+        chains.append(chain)
         for b, taus in trees.items():
-            res.tau_ddtree_per_prompt[b].append(_mean(taus))
-    return res
+            tree_rounds[b].append(taus)
+    return aggregate_rounds(drafter.config.block_size, chains, tree_rounds, kernel_path)

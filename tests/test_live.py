@@ -1,0 +1,239 @@
+"""Live speculative decoding on a tiny Qwen3.5 hybrid target: exact GDN rollback, live vs greedy
+replay round by round, and exact tree verification on a hybrid target."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from dflash_dist.evaluator.live import (
+    live_decode,
+    tree_paths,
+    verify_tree,
+    verify_tree_masked,
+    verify_tree_rows,
+)
+from dflash_dist.evaluator.target_cache import TargetCache
+from dflash_dist.model.capture import capture_features
+from dflash_dist.model.ddtree import build_ddtree, follow_verified_tree
+from dflash_dist.model.replay import aggregate_rounds, greedy_continuation, replay_sequence
+from dflash_dist.tools.demo import DemoConfig, drafter_for, make_data, tiny_qwen35_target, train
+
+DEMO = replace(DemoConfig(), target_layers=4, k=2, num_prompts=6, prompt_len=12, new_tokens=24, steps=60)
+BUDGETS = (4, 8)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def trained():
+    target = tiny_qwen35_target(DEMO)
+    drafter = drafter_for(target, DEMO)
+    prompts, responses, ids, loss_mask, cap = make_data(target, DEMO, drafter.config.mask_token_id)
+    train(drafter, ids, cap.features, loss_mask, DEMO, log_every=0)
+    return target, drafter, prompts, responses
+
+
+def _gdn(cache: TargetCache):
+    return cache.gdn_states()
+
+
+def test_rollback_after_a_partial_accept_equals_a_fresh_prefill():
+    target = tiny_qwen35_target(DEMO)
+    g = torch.Generator().manual_seed(3)
+    seq = torch.randint(0, DEMO.vocab_size - 1, (40,), generator=g).tolist()
+    cache = TargetCache(target, (1, 2))
+    cache.step(seq[:20])
+    snap = cache.snapshot()
+    rejected = cache.step(seq[20:28])  # a block of 8 verified, of which 3 are accepted
+    assert cache.length == 28
+    cache.restore(snap)
+    cache.step(seq[20:23])
+    later = cache.step(seq[23:30])  # more decoding after the rollback
+    fresh = TargetCache(target, (1, 2))
+    full = fresh.step(seq[:30])
+    assert cache.length == fresh.length == 30
+    assert cache.cache.get_seq_length(3) == 30  # the attention layer's KV was cut too
+    torch.testing.assert_close(later.logits[0], full.logits[0, 23:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(later.features[0], full.features[0, 23:], rtol=1e-4, atol=1e-4)
+    mine, want = _gdn(cache), _gdn(fresh)
+    assert sorted(mine) == [(0, 0), (1, 0), (2, 0)]  # the three Gated DeltaNet layers
+    for key in want:
+        for a, b in zip(mine[key], want[key]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+    # without the restore the recurrent state still holds the 5 rejected tokens: logits differ
+    stale = TargetCache(target, (1, 2))
+    stale.step(seq[:20])
+    stale.step(seq[20:28])
+    for layer in stale.cache.layers[3:]:
+        layer.crop(-5)  # the attention KV alone, as a KV-only rollback would do
+    stale.length = 23
+    off = stale.step(seq[23:30])
+    assert (off.logits[0] - full.logits[0, 23:]).abs().max() > 1e-2
+    assert (rejected.logits[0, :3] - full.logits[0, 20:23]).abs().max() < 1e-4  # accepted part was right
+
+
+def test_rows_are_independent_copies():
+    target = tiny_qwen35_target(DEMO)
+    cache = TargetCache(target)
+    cache.step(list(range(10)))
+    before = _gdn(cache)
+    copy = cache.rows(3)
+    out = copy.step(torch.tensor([[5, 6], [7, 8], [5, 6]]))
+    torch.testing.assert_close(out.logits[0], out.logits[2])
+    assert copy.length == 12 and cache.length == 10
+    for key, (conv, rec) in _gdn(cache).items():
+        assert torch.equal(conv, before[key][0]) and torch.equal(rec, before[key][1])
+    one = cache.step([5, 6])
+    torch.testing.assert_close(one.logits[0], out.logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_live_decoding_matches_replay_round_by_round(trained):
+    target, drafter, prompts, responses = trained
+    chains, lives, trees, live_trees = [], [], {b: [] for b in BUDGETS}, {b: [] for b in BUDGETS}
+    for prompt, y in zip(prompts, responses):
+        seq = prompt + y
+        cap = capture_features(target, torch.tensor([seq]), drafter.config.target_layer_ids, with_argmax=False)
+        chain, replay_trees = replay_sequence(drafter, seq, cap.features[0], len(prompt), BUDGETS)
+        run = live_decode(target, drafter, prompt, DEMO.new_tokens)
+        assert list(run.tokens) == y  # live greedy decoding produces the target's greedy continuation
+        assert list(run.taus) == chain, (run.taus, chain)
+        chains.append(chain)
+        lives.append(list(run.taus))
+        for b in BUDGETS:
+            tree_run = live_decode(target, drafter, prompt, DEMO.new_tokens, budget=b)
+            assert list(tree_run.tokens) == y
+            assert list(tree_run.taus) == replay_trees[b], (b, tree_run.taus, replay_trees[b])
+            trees[b].append(replay_trees[b])
+            live_trees[b].append(list(tree_run.taus))
+    replay = aggregate_rounds(drafter.config.block_size, chains, trees)
+    live = aggregate_rounds(drafter.config.block_size, lives, live_trees)
+    assert replay.tau_chain > 2.0  # a trained drafter: multi-token rounds, rollbacks exercised
+    assert any(t < drafter.config.block_size for c in lives for t in c[:-1])  # partial accepts happened
+    assert live.tau_chain == pytest.approx(replay.tau_chain, rel=0.02)
+    for b in BUDGETS:
+        assert live.tau_ddtree(b) == pytest.approx(replay.tau_ddtree(b), rel=0.02)
+
+
+def test_uncapped_count_counts_past_the_end(trained):
+    target, drafter, prompts, _ = trained
+    short = 6  # ends mid-block, so the last round is cut by the cap
+    for prompt in prompts:
+        capped = live_decode(target, drafter, prompt, short)
+        uncapped = live_decode(target, drafter, prompt, short, count="uncapped")
+        assert capped.tokens == uncapped.tokens and len(capped.tokens) == short
+        assert capped.taus[:-1] == uncapped.taus[:-1] and capped.taus[-1] <= uncapped.taus[-1]
+        assert sum(capped.taus) <= short  # capped: the rounds cover the continuation, bonus at most once past it
+
+        # replay of the same count over the target's greedy tokens past the end agrees
+        y = greedy_continuation(target, prompt, short + drafter.config.block_size)
+        seq = prompt + y
+        cap = capture_features(target, torch.tensor([seq]), drafter.config.target_layer_ids, with_argmax=False)
+        end = len(prompt) + short
+        for count, run in (("capped", capped), ("uncapped", uncapped)):
+            chain, _ = replay_sequence(drafter, seq, cap.features[0], len(prompt), (), end=end, count=count)
+            assert list(run.taus) == chain, (count, run.taus, chain)
+    assert any(
+        sum(live_decode(target, drafter, p, short, count="uncapped").taus)
+        > sum(live_decode(target, drafter, p, short).taus) for p in prompts
+    )
+
+
+def _path_by_path(cache: TargetCache, tree, anchor: int) -> list[int]:
+    """The reference: each root-to-leaf path in its own forward from a fresh copy of the cache."""
+    posterior = [None] * len(tree.parents)
+    for path in tree_paths(tree):
+        tokens = [anchor if i == 0 else tree.node_token_ids[i - 1] for i in path]
+        argmax = cache.rows(1).step(tokens).logits[0].argmax(-1).tolist()
+        for depth, i in enumerate(path):
+            posterior[i] = argmax[depth] if posterior[i] is None else posterior[i]
+    return posterior
+
+
+def _sibling_tree(greedy: list[int], distractor: int, vocab: int):
+    """A tree whose first branch is a wrong token and whose second branch is the greedy path:
+    in flat order the greedy path's nodes come after the distractor's subtree."""
+    logits = torch.full((3, vocab), -20.0)
+    logits[0, distractor], logits[0, greedy[0]] = 10.0, 9.0
+    logits[1, greedy[1]], logits[2, greedy[2]] = 10.0, 9.0
+    return build_ddtree(logits, 6)
+
+
+def test_exact_tree_verification_on_a_hybrid_target():
+    target = tiny_qwen35_target(DEMO)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, DEMO.vocab_size - 1, (16,), generator=g).tolist()
+    y = greedy_continuation(target, prompt, 4)
+    cache = TargetCache(target)
+    cache.step(prompt)
+    anchor, greedy = y[0], y[1:4]
+    assert cache.has_gdn
+    differs = 0
+    for distractor in range(40):
+        if distractor in greedy:
+            continue
+        tree = _sibling_tree(greedy, distractor, DEMO.vocab_size)
+        assert len(tree_paths(tree)) >= 2 and tree.node_token_ids[0] == distractor
+        exact = verify_tree_rows(cache, tree, anchor)
+        assert exact == _path_by_path(cache, tree, anchor) == verify_tree(cache, tree, anchor)
+        accepted, bonus = follow_verified_tree(tree.child_maps, exact)
+        drafted = [tree.node_token_ids[i - 1] for i in accepted[1:]]
+        assert len(drafted) >= 2 and drafted == greedy[: len(drafted)]  # the greedy branch, below the distractor
+        masked_acc, masked_bonus = follow_verified_tree(tree.child_maps, verify_tree_masked(cache, tree, anchor))
+        differs += (masked_acc, masked_bonus) != (accepted, bonus)
+        assert cache.length == len(prompt)  # verification never moves the cache
+    assert differs > 0  # the tree-masked pass leaks siblings through the GDN state
+
+
+def test_tree_mask_is_exact_on_a_pure_attention_target():
+    from transformers import Qwen3_5ForCausalLM
+
+    hybrid = tiny_qwen35_target(DEMO)
+    config = hybrid.config
+    config.layer_types = ["full_attention"] * config.num_hidden_layers
+    torch.manual_seed(0)
+    target = Qwen3_5ForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, DEMO.vocab_size - 1, (16,), generator=g).tolist()
+    y = greedy_continuation(target, prompt, 4)
+    cache = TargetCache(target)
+    cache.step(prompt)
+    assert not cache.has_gdn
+    for distractor in range(10):
+        if distractor in y:
+            continue
+        tree = _sibling_tree(y[1:4], distractor, DEMO.vocab_size)
+        assert verify_tree_masked(cache, tree, y[0]) == _path_by_path(cache, tree, y[0])
+
+
+@pytest.mark.gpu
+def test_live_matches_replay_on_cuda_with_fla(trained):
+    """On the GPU, fla's kernels: live decoding through the cache vs greedy replay (one forward
+    over prompt + continuation) on the tiny target; prints the figure for docs/BENCHMARKS.md."""
+    from dflash_dist.model.capture import gdn_kernel_path
+
+    target, drafter, prompts, _ = trained
+    target, drafter = target.cuda(), drafter.cuda()
+    assert gdn_kernel_path(target) == "fla"
+    chains, lives, same_rounds, total_rounds, same_tokens = [], [], 0, 0, 0
+    for prompt in prompts:
+        y = greedy_continuation(target, prompt, DEMO.new_tokens)
+        seq = prompt + y
+        cap = capture_features(target, torch.tensor([seq], device="cuda"), drafter.config.target_layer_ids,
+                               with_argmax=False)
+        assert cap.kernel_path == "fla"
+        chain, _ = replay_sequence(drafter, seq, cap.features[0], len(prompt))
+        run = live_decode(target, drafter, prompt, DEMO.new_tokens)
+        chains.append(chain)
+        lives.append(list(run.taus))
+        same_tokens += list(run.tokens) == y
+        same_rounds += sum(a == b for a, b in zip(chain, run.taus))
+        total_rounds += max(len(chain), len(run.taus))
+    replay = aggregate_rounds(drafter.config.block_size, chains)
+    live = aggregate_rounds(drafter.config.block_size, lives)
+    print(f"fla tiny target: replay tau {replay.tau_chain:.4f} live tau {live.tau_chain:.4f} "
+          f"rounds equal {same_rounds}/{total_rounds} continuations equal {same_tokens}/{len(prompts)}")
+    assert live.tau_chain == pytest.approx(replay.tau_chain, rel=0.02)

@@ -7,8 +7,12 @@ tiny random Qwen3.5 target's captured features.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -417,3 +421,141 @@ def test_corrupt_shard_is_skipped_counted_and_accounted(tiny, ray_cluster, tmp_p
     assert sum(v for _, v in s["data/dropped_samples"]) == dropped
     assert all(math.isfinite(v) for _, v in s["train/loss"])
 
+
+# ---------------------------------------------------------------------------- (e) loss normalisation
+def _truncated(s: Sample, t: int) -> Sample:
+    return Sample(s.key, s.input_ids[:t], s.loss_mask[:t], s.features[:t], s.target_argmax[:t])
+
+
+def _capture_step_grads(spec_path: str) -> None:
+    """One rank of test_step_slots_gradient_is_the_slot_weighted_mean_over_step_and_ranks (run as
+    `python -m tests.test_trainer SPEC`): for each loss_norm, one real Trainer step, with the
+    full gradient of every trainable parameter taken at the accumulation boundary, before the
+    step clips and applies it (rank 0 saves it)."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_grad
+    from safetensors.torch import save_file
+
+    from data_pipeline.provenance import Provenance
+    from dflash_dist.config import load_config_dict
+    from dflash_dist.model.config import DrafterConfig
+    from dflash_dist.trainer.loop import Trainer, TrainJob
+
+    torch.set_num_threads(1)
+    spec = json.loads(Path(spec_path).read_text())
+    j = spec["job"]
+    drafter = DrafterConfig(**(j["drafter"] | {"target_layer_ids": tuple(j["drafter"]["target_layer_ids"])}))
+    job = TrainJob(**(j | {"provenance": Provenance.from_dict(j["provenance"]), "drafter": drafter}))
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    try:
+        for mode, cfg_dict in spec["cfgs"].items():
+            trainer = Trainer(load_config_dict(cfg_dict), job)
+            grads: dict[str, torch.Tensor] = {}
+            real_step = trainer.engine.step
+
+            def step(*args, _trainer=trainer, _grads=grads, _real=real_step, **kw):
+                if _trainer.engine.is_gradient_accumulation_boundary() and not _grads:
+                    for name, p in _trainer.engine.module.named_parameters():
+                        if p.requires_grad:
+                            _grads[name] = safe_get_full_grad(p).detach().clone()
+                return _real(*args, **kw)
+
+            trainer.engine.step = step
+            result = trainer.run()
+            assert result.steps == 1 and grads, (mode, result)
+            if dist.get_rank() == 0:
+                save_file(grads, str(Path(spec["out"]) / f"{mode}.grads.safetensors"))
+            print(json.dumps(dataclasses.asdict(result)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_step_slots_gradient_is_the_slot_weighted_mean_over_step_and_ranks(tiny, tmp_path):
+    """train.loss_norm: 2 ranks x 2 accumulated micro-batches of one sample each, long and short
+    samples mixed. "step_slots" yields the gradient of sum(w*CE) / sum(w) over all 4 samples
+    (every supervised slot counts the same), "micro_batch" that of the mean of the 4 per-sample
+    means; both checked against a single-process reference over the same samples and anchors
+    (from the sample log), and they differ."""
+    from safetensors.torch import load_file
+
+    from dflash_dist.model.loss import dflash_loss
+    from dflash_dist.trainer.batching import make_micro_batch
+    from dflash_dist.trainer.loop import SAMPLE_LOG, TRAIN_LOG, TrainJob
+    from tests.conftest import REPO
+
+    samples = [_truncated(s, 32 if i % 2 else 15) for i, s in enumerate(tiny["samples"][:8])]  # 3 or 14-20 supervised
+    shards = tmp_path / "shards"
+    write_shards(shards, tiny["prov"], samples, done=True)
+    cfgs = {
+        mode: make_cfg(tmp_path / mode, tiny["target_dir"], micro_batch_size=1, grad_accum=2, max_steps=1, epochs=1,
+                       loss_norm=mode, log_sample_keys=True, checkpoint_every=100)  # fmt: skip
+        for mode in ("step_slots", "micro_batch")
+    }
+    job = TrainJob(str(tiny["target_dir"]), str(shards), tiny["prov"], tiny["drafter"], total_steps=4)
+    spec = tmp_path / "spec.json"
+    job_dict = dataclasses.asdict(job) | {"provenance": job.provenance.to_dict()}
+    spec.write_text(json.dumps({"cfgs": {m: c.to_dict() for m, c in cfgs.items()}, "job": job_dict,
+                                "out": str(tmp_path)}))  # fmt: skip
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank),
+                            "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}  # fmt: skip
+        cmd = [sys.executable, "-m", "tests.test_trainer", str(spec)]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        outs = [p.communicate(timeout=400)[0].decode() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-4000:] for o in outs)
+
+    # the reference: the drafter as build_engine initialises it, the step's 4 micro-batches
+    # rebuilt from the sample logs (anchors are seeded by (seed, epoch, key))
+    by_key = {s.key: s for s in samples}
+    cfg = cfgs["step_slots"]
+    logs = [(cfg.out / SAMPLE_LOG / f"rank_{r}.jsonl").read_text().splitlines() for r in (0, 1)]
+    keys = [json.loads(line)["keys"] for lines in logs for line in lines]
+    assert len(keys) == 4 and all(len(k) == 1 for k in keys)
+    assert min(by_key[k[0]].num_tokens for k in keys) == 15 < max(by_key[k[0]].num_tokens for k in keys)
+    torch.manual_seed(cfg.run.seed)
+    drafter = DFlashDrafter(tiny["drafter"])
+    drafter.set_target_weights(*load_embeddings(tiny["target_dir"]))
+    batches = [make_micro_batch([by_key[k[0]]], {}, dtype=torch.float32, num_anchors=cfg.train.num_anchors,
+                                seed=cfg.run.seed, epoch=0) for k in keys]  # fmt: skip
+
+    def grad_of(objective: str) -> tuple[torch.Tensor, float]:
+        drafter.zero_grad()
+        wce, weight = [], []
+        for b in batches:
+            one = torch.tensor(1.0)
+            out = dflash_loss(drafter, b.input_ids, b.features, b.loss_mask, b.anchors, loss_denominator=one)
+            wce.append(out.loss)  # sum(w*CE) of the micro-batch
+            weight.append(out.weight_sum)
+        if objective == "step_slots":
+            loss = sum(wce) / sum(weight)
+        else:
+            loss = sum(x / (w + 1e-6) for x, w in zip(wce, weight)) / len(batches)
+        loss.backward()
+        grads = {f"drafter.{n}": p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad}
+        return torch.cat([grads[n].flatten() for n in sorted(grads)]), float(loss.detach())
+
+    def flat(mode: str) -> torch.Tensor:
+        got = load_file(str(tmp_path / f"{mode}.grads.safetensors"))
+        return torch.cat([got[n].flatten() for n in sorted(got)])
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm())
+
+    ref = {mode: grad_of(mode) for mode in cfgs}
+    for mode in cfgs:
+        assert rel(flat(mode), ref[mode][0]) < 1e-4, mode
+        logged = json.loads((cfgs[mode].out / TRAIN_LOG).read_text().splitlines()[0])["loss"]
+        assert logged == pytest.approx(ref[mode][1], rel=1e-5), mode  # the step's loss as each mode defines it
+    assert rel(ref["micro_batch"][0], ref["step_slots"][0]) > 0.05  # the two objectives differ here
+
+
+if __name__ == "__main__":
+    _capture_step_grads(sys.argv[1])

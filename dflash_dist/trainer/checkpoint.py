@@ -242,6 +242,11 @@ def _safe(key: str) -> bool:
     return any(key == s or (s.endswith(".") and key.startswith(s)) for s in RESUME_SAFE)
 
 
+def config_hash(cfg_dict: dict) -> str:
+    """Hash of the whole config (the marker's config_hash)."""
+    return hashlib.sha256(json.dumps(cfg_dict, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def training_config_hash(cfg_dict: dict) -> str:
     """Hash of the training-relevant fields (everything outside RESUME_SAFE)."""
     relevant = {k: v for k, v in _flatten(cfg_dict).items() if not _safe(k)}

@@ -30,10 +30,14 @@ class TrainForward(nn.Module):
     `loss_denominator` (train.loss_norm "step_slots"): the loss is sum(w*CE) / it instead of
     this micro-batch's own sum(w)."""
 
-    def __init__(self, drafter: DFlashDrafter, label_source: str, gamma: float | None, attention: str) -> None:
+    def __init__(
+        self, drafter: DFlashDrafter, label_source: str, gamma: float | None, attention: str,
+        position_weighting: str = "decay",
+    ) -> None:  # fmt: skip
         super().__init__()
         self.drafter = drafter
         self.label_source, self.gamma, self.attention = label_source, gamma, attention
+        self.position_weighting = position_weighting
 
     def forward(
         self, input_ids, features, loss_mask, target_argmax, anchor_positions, anchor_keep, loss_denominator=None
@@ -49,6 +53,7 @@ class TrainForward(nn.Module):
             label_source=self.label_source,
             gamma=self.gamma,
             attention=self.attention,
+            position_weighting=self.position_weighting,
             **extra,
         )
         return out.loss, out
@@ -71,7 +76,8 @@ def build_engine(
     torch.manual_seed(cfg.run.seed)
     drafter = DFlashDrafter(drafter_config)
     drafter.set_target_weights(*load_embeddings(Path(target_dir)))
-    module = TrainForward(drafter, cfg.train.label_source, cfg.train.gamma, cfg.train.attention)
+    t = cfg.train
+    module = TrainForward(drafter, t.label_source, t.gamma, t.attention, t.position_weighting)
     optimizer = build_optimizer(cfg, module, fused=on_gpu)
     engine, *_ = deepspeed.initialize(
         model=module,

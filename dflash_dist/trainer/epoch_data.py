@@ -67,6 +67,7 @@ class EpochData:
             num_anchors=self.cfg.train.num_anchors,
             seed=self.cfg.run.seed,
             epoch=state.epoch,
+            anchor_rule=self.cfg.train.anchor_rule,
         )
         return MicroBatchFeeder(
             with_positions(stream),

@@ -15,8 +15,6 @@ published by checkpoint.py only once every rank's files are on disk.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import shutil
 import signal
@@ -34,6 +32,7 @@ from data_pipeline.provenance import Provenance
 from dflash_dist.config import Config
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.export import export_drafter
+from dflash_dist.model.loss import loss_weights
 from dflash_dist.trainer import checkpoint, engine
 from dflash_dist.trainer.batching import MicroBatch
 from dflash_dist.trainer.epoch_data import EpochData
@@ -75,10 +74,6 @@ class TrainResult:
     samples_dropped: int  # this rank's epoch remainders (this run)
     resumed_from: str | None = None
     preempted: str | None = None  # the signal's name when a preemption notice ended the run
-
-
-def config_hash(cfg: Config) -> str:
-    return hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
 
 class Trainer:
@@ -171,9 +166,10 @@ class Trainer:
             return False
         batches = [b for _, b in gathered]
         wait_s = time.perf_counter() - t0
+        denominators = self._loss_denominators(batches)
         lr = self.engine.get_lr()[0]  # the LR this optimizer step uses
         step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, batch in enumerate(batches):
+        for i, (batch, denominator) in enumerate(zip(batches, denominators)):
             batch = batch.to(self.device)
             loss, out = self.engine(  # forward
                 batch.input_ids,
@@ -182,6 +178,7 @@ class Trainer:
                 batch.target_argmax,
                 batch.anchors.positions,
                 batch.anchors.keep,
+                denominator,
             )
             self.engine.backward(loss)  # backward (DeepSpeed divides by grad_accum, averages over ranks)
             last = i == len(batches) - 1
@@ -224,6 +221,23 @@ class Trainer:
             self.state.epoch_samples += len(got.keys)
             self.samples_consumed += len(got.keys)
         return batches
+
+    def _loss_denominators(self, batches: list[MicroBatch]) -> list[torch.Tensor | None]:
+        """train.loss_norm "micro_batch": None (each micro-batch's loss is its own weighted mean).
+        "step_slots": every micro-batch's loss is sum(w*CE) / D with D = (sum(w) over the step's
+        micro-batches on all ranks) / (grad_accum * world): DeepSpeed divides by grad_accum and
+        averages over ranks, so the gradient is that of the slot-weighted mean over the whole
+        step (every supervised slot counts the same)."""
+        if self.cfg.train.loss_norm == "micro_batch":
+            return [None] * len(batches)
+        weighting = self.cfg.train.position_weighting
+        total = torch.zeros(1, dtype=torch.float64)
+        for b in batches:  # on the host, before any forward: one all-reduce for the whole step
+            total += loss_weights(b.input_ids, b.loss_mask, b.anchors, self.block_size, self.gamma, weighting).sum()
+        dist.all_reduce(total, group=self._ctrl)
+        scale = self.cfg.train.grad_accum * self.world
+        denominator = torch.tensor(max(float(total), 1e-6) / scale, dtype=torch.float32, device=self.device)
+        return [denominator] * len(batches)
 
     def _finished(self) -> bool:
         max_steps = self.cfg.train.max_steps
@@ -318,7 +332,7 @@ class Trainer:
             "epoch": self.state.epoch,
             "world_size": self.world,
             "config": self.cfg.to_dict(),
-            "config_hash": config_hash(self.cfg),
+            "config_hash": checkpoint.config_hash(self.cfg.to_dict()),
             "train_config_hash": checkpoint.training_config_hash(self.cfg.to_dict()),
             "data": checkpoint.data_fingerprint(self.job.shard_dir) if self.rank == 0 else None,
         }

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from data_pipeline.chat_data import FORMATS, INGESTED_FROM, BadRecord, ChatRecord, parse_record
 from data_pipeline.durable_files import atomic_writer, write_text_atomic
+from dflash_dist.logging_setup import progress
 
 ON_BAD_RECORD = ("error", "skip")
 ON_OVERLONG = ("truncate", "skip", "error")
@@ -186,7 +187,7 @@ def ingest(
     ``measure`` (needs the tokenizer) enables the length checks against ``policy.max_length``."""
     report = IngestReport(source=str(path), kind=source_kind(path))
     records: list[ChatRecord] = []
-    for where, obj in iter_rows(path):
+    for where, obj in progress(iter_rows(path), desc=f"ingest {Path(path).name}", unit="record"):
         if policy.max_records is not None and len(records) >= policy.max_records:
             break
         report.read += 1

@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = _pipeline_parser(cmd).parse_intermixed_args(rest)
     from dflash_dist.config import ConfigError, load_config
+    from dflash_dist.logging_setup import setup_logging
+
+    setup_logging(_role(cmd, args))
 
     try:
         cfg = load_config(args.config, args.overrides, out_dir=args.out)
@@ -86,6 +89,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dflash-dist {cmd}: error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _role(cmd: str, args: argparse.Namespace) -> str:
+    """How this process names itself in log lines (a Slurm rank renames itself once it knows its rank)."""
+    if getattr(args, "slice", None):
+        return f"target {args.slice}"
+    if getattr(args, "launcher", "ray") == "slurm":
+        return "slurm" if cmd == "run" else "trainer"
+    return "driver"
 
 
 def _slurm(cmd: str, args: argparse.Namespace, cfg) -> int:
@@ -126,6 +138,9 @@ def _regenerate(rest: list[str]) -> int:
     from data_pipeline.ingest import DataError
     from dflash_dist.capture.regenerate import RegenError, run_regenerate
     from dflash_dist.config import ConfigError, load_config
+    from dflash_dist.logging_setup import setup_logging
+
+    setup_logging("regenerate")
 
     try:
         run_regenerate(load_config(args.config, args.overrides, out_dir=args.out), limit=args.limit)

@@ -5,19 +5,22 @@ Slice I takes the same records as target actor I of N would (capture_job.my_slic
 `t<I>-*` shards. Requeue-safe: a rerun captures only what its earlier attempt did not settle
 (data_pipeline/ledger.py). When a slice ends it leaves `DIR/capture_slices/I-of-N.json`; the
 slice that finds all N there checks no key was captured twice and marks the shards DONE (each
-writes its own file before looking, so the last one to finish always sees all of them).
+writes its own file before looking, so the last one to finish always sees all of them). The
+first slice to start computes the run plan (ingested data, target weight hash) for all of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from pathlib import Path
 
 from dflash_dist.config import Config, ConfigError
 
 SLICES_DIR = "capture_slices"
+log = logging.getLogger(__name__)
 
 
 def parse_slice(text: str) -> tuple[int, int]:
@@ -37,40 +40,41 @@ def finished_slices(out: Path, count: int) -> list[int]:
 
 
 def capture_slice(cfg: Config, index: int, count: int) -> dict:
-    """Capture slice `index` of `count`; mark the shards DONE if it completes the set."""
+    """Capture slice `index` of `count`; mark the shards DONE if it completes the set. The run plan
+    (target, weight hash, ingested data) is computed by the first slice of the array and read by
+    the others (run_plan.share_plan)."""
     from data_pipeline.durable_files import write_text_atomic
     from data_pipeline.ledger import duplicate_keys
+    from data_pipeline.records import DONE_NAME
     from data_pipeline.shard_writer import mark_done
     from dflash_dist.actors.heartbeat import Heartbeat
     from dflash_dist.capture.capture_job import CaptureJob
-    from dflash_dist.capture.data_prep import prepare_data
-    from dflash_dist.orchestration.pipeline import PipelineError, plan_stages
-    from dflash_dist.target.loading import resolve_target_dir, target_identity
+    from dflash_dist.orchestration.run_plan import PipelineError, share_plan
 
     if cfg.capture.num_actors != 1:
         raise ConfigError(f"capture.num_actors={cfg.capture.num_actors} with --slice: the slices are the actors "
                           "(--slice I/N runs one); leave capture.num_actors at 1")
     shards = cfg.out / "shards"
-    marker = slice_marker(cfg.out, index, count)
-    if not plan_stages(cfg, ("extract",), resume="auto"):  # DONE: the whole capture is complete
+    if (shards / DONE_NAME).exists():  # the whole capture is complete
+        log.info("%s is complete (%s): nothing to capture", shards, DONE_NAME)
         return {"slice": index, "skipped": "complete"}
+    marker = slice_marker(cfg.out, index, count)
     if marker.exists():
-        print(f"[extract] slice {index}/{count} already finished ({marker})", flush=True)
+        log.info("slice %d/%d already finished (%s)", index, count, marker)
         result = json.loads(marker.read_text())
     else:
-        target_dir = resolve_target_dir(cfg)
-        train_jsonl, _ = prepare_data(cfg)  # the same file from every slice (written atomically)
-        ident = target_identity(cfg, target_dir)
+        plan = share_plan(cfg, ("extract",), "auto", key=plan_key(os.environ, count))
         if not os.environ.get("CUDA_VISIBLE_DEVICES"):
             import torch
 
             torch.set_num_threads(max(1, int(os.environ.get("SLURM_CPUS_PER_TASK", "1"))))
         with Heartbeat(cfg.out, "target", index) as beat:
-            job = CaptureJob(cfg, target_dir, ident, train_jsonl, shards, index, count)
+            job = CaptureJob(cfg, Path(plan.target_dir), plan.identity, Path(plan.data.train_jsonl), shards, index,
+                             count)
             beat.info = job.progress
             result = dataclasses.asdict(job.run())
-        print(f"[extract] slice {index}/{count}: {result['samples']} samples, {result['tokens']} tokens in "
-              f"{result['shards']} shards (kernel path {result['kernel_path']})", flush=True)
+        log.info("slice %d/%d: %d samples, %d tokens in %d shards (kernel path %s)", index, count, result["samples"],
+                 result["tokens"], result["shards"], result["kernel_path"])
         marker.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(marker, json.dumps(result, sort_keys=True) + "\n")
     done = finished_slices(cfg.out, count)
@@ -80,7 +84,13 @@ def capture_slice(cfg: Config, index: int, count: int) -> dict:
             raise PipelineError(f"{shards}: samples captured twice ({twice[:5]}...): the shards are not usable; "
                                 "re-extract into another --out")
         mark_done(shards)
-        print(f"[extract] all {count} slices finished: {shards} marked DONE", flush=True)
+        log.info("all %d slices finished: %s marked DONE", count, shards)
     else:
-        print(f"[extract] {len(done)} of {count} slices finished; the last one marks {shards} DONE", flush=True)
+        log.info("%d of %d slices finished; the last one marks %s DONE", len(done), count, shards)
     return result
+
+
+def plan_key(env, count: int) -> str:
+    """The run plan the slices of one job array share: the array's job id (a requeued task keeps it)."""
+    job = env.get("SLURM_ARRAY_JOB_ID") or env.get("SLURM_JOB_ID") or "local"
+    return f"capture-{job}-of-{count}"

@@ -13,6 +13,7 @@ this exits 0 and the script requeues, and the requeued run continues with `--res
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import shutil
@@ -29,6 +30,7 @@ from dflash_dist.actors.ports import free_ports
 from dflash_dist.config import Config, ConfigError
 from launcher.slurm_train import step_hostnames
 
+log = logging.getLogger(__name__)
 NOTICES = (signal.SIGTERM, signal.SIGUSR1)
 RAYLET_WAIT = "RAY_raylet_start_wait_time_s"  # Ray's own (lower-case) config variable
 _HEAD_PORT_FLAGS = (
@@ -83,8 +85,7 @@ class SlurmRayCluster:
                        f"--exclude={self.hosts[0]}", _ray_bin(), "start", "--block", "--address", self.address,
                        "--disable-usage-stats"]
             self.procs.append(subprocess.Popen(workers, env=self.env, start_new_session=True))
-        print(f"[slurm] Ray head at {self.address} on {self.hosts[0]}; {len(self.hosts) - 1} worker node(s)",
-              flush=True)
+        log.info("Ray head at %s on %s; %d worker node(s)", self.address, self.hosts[0], len(self.hosts) - 1)
 
     def stop(self) -> None:
         """SIGTERM (then SIGKILL) each started process group; `ray start --block` stops its own."""
@@ -126,8 +127,7 @@ def forward_notice(out: Path, signum: int, quiet: bool = False) -> list[str]:
                               "kill", "-USR1", str(beat["pid"])])
             reached.append(who)
     if reached or not quiet:
-        print(f"[slurm] {signal.Signals(signum).name}: asked {reached or 'no running trainer (yet)'} to save and stop",
-              flush=True)
+        log.info("%s: asked %s to save and stop", signal.Signals(signum).name, reached or "no running trainer (yet)")
     return reached
 
 
@@ -165,7 +165,6 @@ def run_on_slurm_ray(cfg: Config, pipeline_argv: list[str]) -> int:
             signal.signal(s, handler)
         cluster.stop()
     if notices:
-        print(f"[slurm] stopped on {signal.Signals(notices[0]).name}: requeue to continue (--resume auto)",
-              flush=True)
+        log.info("stopped on %s: requeue to continue (--resume auto)", signal.Signals(notices[0]).name)
     return rc
 

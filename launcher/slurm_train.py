@@ -10,11 +10,15 @@ hostnames`); the port derives from the job id (MASTER_PORT overrides). A preempt
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 from collections.abc import Mapping
 
 from dflash_dist.config import Config, ConfigError
+from dflash_dist.logging_setup import setup_logging
+
+log = logging.getLogger(__name__)
 
 PORT_BASE, PORT_SPAN = 20000, 10000  # below Linux's ephemeral range, above Ray's worker ports
 
@@ -68,45 +72,37 @@ def tasks_per_node(env: Mapping[str, str]) -> list[int]:
 
 
 def run_slurm_trainer(cfg: Config, resume: str) -> int:
-    """This task's rank of the DeepSpeed group; 0 when it finished or saved after a notice."""
-    from transformers import AutoTokenizer
-
-    from data_pipeline.durable_files import write_text_atomic
+    """This task's rank of the DeepSpeed group; 0 when it finished or saved after a notice. Rank 0
+    computes the run plan (the resume decision, the target's weight hash, provenance, drafter
+    shape) for this job attempt and writes it; the other ranks read it (run_plan.share_plan)."""
     from dflash_dist.actors.trainer_group import default_extensions_dir, run_rank, train_job
-    from dflash_dist.orchestration.pipeline import plan_stages
-    from dflash_dist.target.loading import (
-        drafter_config_for,
-        expected_provenance,
-        resolve_target_dir,
-        target_identity,
-        tokenizer_mask_id,
-    )
+    from dflash_dist.orchestration.run_plan import share_plan
 
     env = slurm_rank_environment(os.environ, step_hostnames(os.environ), on_gpu=cfg.train.gpus_per_rank > 0)
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    setup_logging("trainer", rank)
     if world != cfg.train.world_size:
         raise ConfigError(
             f"train.world_size={cfg.train.world_size} but Slurm started {world} tasks: pass train.world_size={world} "
             f"or allocate {cfg.train.world_size} tasks (slurm/train.sbatch passes train.world_size=$SLURM_NTASKS)"
         )
-    plan_stages(cfg, ("train",), resume)  # shards are there; a resume is possible (PipelineError)
+    job_id, restart = os.environ["SLURM_JOB_ID"], os.environ.get("SLURM_RESTART_COUNT", "0")
+    plan = share_plan(cfg, ("train",), resume, key=f"train-{job_id}-restart-{restart}", leader=rank == 0)
     for sub in ("tb", "checkpoints", "export"):
         (cfg.out / sub).mkdir(parents=True, exist_ok=True)
     if rank == 0:
         import yaml
 
+        from data_pipeline.durable_files import write_text_atomic
+
         write_text_atomic(cfg.out / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    target_dir = resolve_target_dir(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    expected = expected_provenance(cfg, target_dir, target_identity(cfg, target_dir), tokenizer)
-    drafter_cfg = drafter_config_for(cfg, target_dir, tokenizer_mask_id(tokenizer))
-    job = train_job(cfg, target_dir, cfg.out / "shards", expected, drafter_cfg, resume=resume, announce=rank == 0)
+    job = train_job(cfg, plan.target_dir, cfg.out / "shards", plan.expected, plan.drafter, resume=plan.train_resume,
+                    announce=rank == 0)
     if rank == 0:
-        print(f"[train] Slurm job {os.environ['SLURM_JOB_ID']} (restart {os.environ.get('SLURM_RESTART_COUNT', 0)}):"
-              f" {world} rank(s), master {env['MASTER_ADDR']}:{env['MASTER_PORT']}, ZeRO-{cfg.train.zero_stage}, "
-              f"{job.total_steps} scheduled steps", flush=True)
+        log.info("Slurm job %s (restart %s): %d rank(s), master %s:%s, ZeRO-%d, %d scheduled steps", job_id, restart,
+                 world, env["MASTER_ADDR"], env["MASTER_PORT"], cfg.train.zero_stage, job.total_steps)
     result = run_rank(cfg.to_dict(), job, env, default_extensions_dir(), rank=rank)
     if rank == 0:
         how = f"stopped by {result.preempted} after saving" if result.preempted else "finished"
-        print(f"[train] {how} at step {result.steps}", flush=True)
+        log.info("training %s at step %d", how, result.steps)
     return 0

@@ -228,7 +228,7 @@ def test_release_follows_every_ranks_reader_and_the_gate_waits_then_stalls(saved
 
 # ---------------------------------------------------------------------------- Ray: kill a target actor
 def test_target_actor_killed_mid_shard_is_restarted_and_resumes(saved, ray_cluster, tmp_path):
-    from dflash_dist.actors.target_worker import TargetWorker
+    from dflash_dist.actors.target_worker import CaptureTask, TargetWorker
     from dflash_dist.target.loading import target_identity
 
     cfg = capture_config(tmp_path / "run", saved["dir"], saved["jsonl"], shard_bytes=200_000, regenerate=True,
@@ -237,8 +237,8 @@ def test_target_actor_killed_mid_shard_is_restarted_and_resumes(saved, ray_clust
     ident = target_identity(cfg, saved["dir"])
     worker = TargetWorker.options(num_cpus=0.5, max_restarts=2, max_task_retries=2).remote()
     t0 = time.monotonic()
-    ref = worker.capture.remote(cfg.to_dict(), str(saved["dir"]), dataclasses.asdict(ident), str(saved["jsonl"]),
-                                str(shards), 0, 1)
+    ref = worker.capture.remote(CaptureTask(cfg.to_dict(), str(saved["dir"]), ident, str(saved["jsonl"]),
+                                            str(shards), 0, 1))
     killed, complete_before = None, []
     while killed is None and time.monotonic() - t0 < 90:
         listed = read_manifest(shards) if shards.is_dir() else []
@@ -253,9 +253,9 @@ def test_target_actor_killed_mid_shard_is_restarted_and_resumes(saved, ray_clust
                 continue
         time.sleep(0.01)
     assert killed is not None, "never saw a shard in progress"
-    result = ray_cluster.get(ref, timeout=240)
-    assert result["resumed"] >= sum(r.n_samples for r in complete_before) > 0  # the retry read the ledger
-    assert result["resumed"] + result["samples"] == N and result["skipped"] == 0
+    result = ray_cluster.get(ref, timeout=240)  # a frozen CaptureResult
+    assert result.resumed >= sum(r.n_samples for r in complete_before) > 0  # the retry read the ledger
+    assert result.resumed + result.samples == N and result.skipped == 0
     assert_each_sample_once_and_complete(shards, saved["keys"])
     assert sorted(p.name for p in shards.glob("*.tar")) == sorted(r.name for r in read_manifest(shards))
     beat = json.loads((cfg.out / "heartbeat" / "target-0.json").read_text())

@@ -90,3 +90,35 @@ def test_checkpoints_exports_and_tensorboard(tiny_run):
     loss = [v for _, v in scalars["train/loss"]]
     assert sum(loss[-3:]) / 3 < sum(loss[:3]) / 3
     assert "tau chain" in proc.stdout and "tensorboard --logdir" in proc.stdout
+
+
+def test_run_plan_is_computed_once_and_read_back_by_the_other_tasks(tmp_path):
+    """One task makes the plan (ingested data with its content hash, the target's weight hash,
+    provenance, drafter shape, the resume decision); the others read it from JSON without touching
+    the weights, and get an equal frozen record."""
+    from data_pipeline.ingest import content_hash, sample_keys
+    from data_pipeline.provenance import hash_weight_files
+    from dflash_dist.orchestration.run_plan import PipelineError, RunPlan, plan_path, share_plan
+    from tests.test_capture import capture_config, make_capture_target, write_conversations
+
+    write_conversations(tmp_path / "train.jsonl", 6)
+    target = make_capture_target(tmp_path / "target")
+    cfg = capture_config(tmp_path / "run", target, tmp_path / "train.jsonl")
+    cfg.eval.enabled = False
+    weights_hash = hash_weight_files(target)
+    lead = share_plan(cfg, ("extract", "train"), "auto", key="job-1", leader=True)
+    assert lead.stages == ("extract", "train") and lead.resume_from is None and lead.train_resume == "never"
+    assert lead.identity.target_hash == lead.expected.target_hash == weights_hash
+    assert lead.drafter.target_layer_ids == (1, 2) and lead.expected.layer_ids == (1, 2)
+    records = read_chat_jsonl(lead.data.train_jsonl)
+    assert lead.data.capture.records == 6 and lead.data.capture.content_sha256 == content_hash(sample_keys(records))
+    assert RunPlan.from_json(lead.to_json(), "x") == lead
+    for weights in target.glob("*.safetensors"):  # the other tasks never read the weights
+        weights.rename(weights.with_suffix(".moved"))
+    assert share_plan(cfg, ("extract", "train"), "auto", key="job-1", leader=False) == lead
+    assert share_plan(cfg, ("extract", "train"), "auto", key="job-1") == lead  # no rank: the file is there
+    with pytest.raises(PipelineError, match="job-2.json did not appear within 1s"):
+        share_plan(cfg, ("extract",), "auto", key="job-2", leader=False, wait_s=1.0)
+    plan_path(cfg.out, "job-3").parent.joinpath("job-3.json").write_text("{}")
+    with pytest.raises(PipelineError, match="job-3.json: not a run plan"):
+        share_plan(cfg, ("extract",), "auto", key="job-3")

@@ -413,7 +413,7 @@ def test_regen_config_errors_name_the_field(target_dir, tmp_path, capsys) -> Non
     data = write_jsonl(tmp_path / "chats.jsonl", conversations())
     with pytest.raises(ConfigError, match=r"regen\.url is required when regen\.source is 'server'"):
         make_cfg(target_dir, tmp_path, data, "regen.source=server", "regen.model=m")
-    with pytest.raises(ConfigError, match=r"regen\.top_p must be in \(0, 1\]"):
+    with pytest.raises(ConfigError, match=r"regen\.top_p must be > 0"):
         make_cfg(target_dir, tmp_path, data, "regen.top_p=0")
     with pytest.raises(ConfigError, match=r"regen\.source: 'vllm' is not one of"):
         make_cfg(target_dir, tmp_path, data, "regen.source=vllm")

@@ -14,6 +14,7 @@ the driver tells it `trainer_finished` again (pipeline.wait_evaluator).
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import threading
@@ -25,6 +26,7 @@ import torch
 
 from dflash_dist.config import Config
 
+log = logging.getLogger(__name__)
 MAX_CONCURRENCY = 4  # wait() blocks one slot; status()/trainer_finished() need others
 
 
@@ -40,7 +42,9 @@ class EvaluatorActor:
                  expected_json: str | None = None, shard_dir: str | None = None, poll_s: float = 5.0,
                  max_backlog: int = 4, stride: int = 2) -> None:
         from dflash_dist.config import load_config_dict
+        from dflash_dist.logging_setup import setup_logging
 
+        setup_logging("evaluator", 0)  # the evaluator's INFO lines (references, tau per step) reach the driver
         self.cfg = load_config_dict(cfg_dict)
         if self.cfg.eval.num_gpus == 0:
             torch.set_num_threads(max(1, int(self.cfg.eval.num_cpus)))  # no more threads than reserved CPUs
@@ -56,7 +60,7 @@ class EvaluatorActor:
         self._error_text: str | None = None
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         if self.restarted:  # by Ray, after the process was lost: nobody calls start() again
-            print(f"[eval] evaluator restarted (pid {os.getpid()}): continuing after its last result", flush=True)
+            log.warning("evaluator restarted (pid %d): continuing after its last result", os.getpid())
             self.start()
 
     def start(self) -> None:

@@ -1,34 +1,51 @@
 """Target actors: thin Ray wrappers around CaptureJob (one GPU each on a GPU cluster).
 
 Started with max_restarts and max_task_retries (pipeline._start_capture): a worker process that
-dies is restarted by Ray and its `capture` call retried; the retry resumes from the ledger."""
+dies is restarted by Ray and its `capture` call retried; the retry resumes from the ledger.
+A call carries one frozen CaptureTask and returns the frozen CaptureResult (no tensors)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
+from dataclasses import dataclass
 
 import ray
 import torch
 
+from dflash_dist.capture.capture_job import CaptureResult
+from dflash_dist.target.loading import TargetIdentity
+
+
+@dataclass(frozen=True)
+class CaptureTask:
+    """What one target actor captures: its slice of the run plan's data into the shard directory."""
+
+    cfg: dict  # Config.to_dict()
+    target_dir: str
+    identity: TargetIdentity  # from the run plan: the weight hash is not computed again here
+    train_jsonl: str
+    shard_dir: str
+    actor_index: int
+    num_actors: int
+
 
 @ray.remote
 class TargetWorker:
-    def capture(self, cfg_dict: dict, target_dir: str, ident_dict: dict, train_jsonl: str, shard_dir: str,
-                actor_index: int, num_actors: int) -> dict:
-        """Runs one actor's slice; arguments and result are small records (no tensors)."""
+    def capture(self, task: CaptureTask) -> CaptureResult:
+        """Runs one actor's slice under a heartbeat."""
         from dflash_dist.actors.heartbeat import Heartbeat
         from dflash_dist.capture.capture_job import CaptureJob
         from dflash_dist.config import load_config_dict
-        from dflash_dist.target.loading import TargetIdentity
+        from dflash_dist.logging_setup import setup_logging
 
+        cfg = load_config_dict(task.cfg)
+        setup_logging("target", task.actor_index)
         if not torch.cuda.is_available():
             torch.set_num_threads(max(1, int(os.environ.get("DFLASH_THREADS_PER_ACTOR", "1"))))
-        cfg = load_config_dict(cfg_dict)
-        ident = TargetIdentity(**ident_dict)
-        with Heartbeat(cfg.out, "target", actor_index) as beat:
-            job = CaptureJob(cfg, target_dir, ident, train_jsonl, shard_dir, actor_index, num_actors)
+        with Heartbeat(cfg.out, "target", task.actor_index) as beat:
+            job = CaptureJob(cfg, task.target_dir, task.identity, task.train_jsonl, task.shard_dir,
+                             task.actor_index, task.num_actors)
             beat.info = job.progress
-            result = dataclasses.asdict(job.run())
-            beat.info = lambda: result
+            result = job.run()
+            beat.info = lambda: dict(result.__dict__)
         return result

@@ -9,6 +9,7 @@ shard is opened only while the disk buffer has room (disk_budget.py)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,9 +24,12 @@ from data_pipeline.shard_reader import NONFINITE
 from data_pipeline.shard_writer import ShardWriter
 from dflash_dist.capture.data_prep import data_sources
 from dflash_dist.config import Config
+from dflash_dist.logging_setup import progress
 from dflash_dist.model.capture import capture_features, check_kernel_path
 from dflash_dist.target.generation import generate_responses, pad_token_id, stop_token_ids
 from dflash_dist.target.loading import TargetIdentity, load_target, provenance_for
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -108,17 +112,19 @@ class CaptureJob:
         todo = [i for i in ours if self.keys[i] not in settled]
         counts["todo"], counts["resumed"] = len(todo), len(ours) - len(todo)
         if counts["resumed"]:
-            print(f"[extract] actor {self.actor_index}: {counts['resumed']} of {len(ours)} samples already "
-                  f"captured (ledger of {self.shard_dir}); capturing the other {len(todo)}", flush=True)
+            log.info("actor %d: %d of %d samples already captured (ledger of %s); capturing the other %d",
+                     self.actor_index, counts["resumed"], len(ours), self.shard_dir, len(todo))
         writer = ShardWriter(self.shard_dir, self.provenance, max_shard_bytes=cfg.capture.shard_bytes,
                              prefix=self.prefix, before_open=self.gate)
-        with writer:
+        bar = progress(total=len(todo), desc=f"capture {self.prefix}", unit="sample")
+        with writer, bar:
             for start in range(0, len(todo), cfg.capture.sort_window):
                 window = todo[start : start + cfg.capture.sort_window]
                 seqs = self._sequences([records[i] for i in window])
                 for group in pack_by_tokens([len(ids) for ids, _ in seqs], cfg.capture.token_budget,
                                             cfg.capture.batch_size):
                     self._capture_and_write(writer, [(window[j], seqs[j], records[window[j]]) for j in group])
+                    bar.update(len(group))
         return CaptureResult(self.actor_index, counts["samples"], counts["tokens"], len(writer.records),
                              self.kernel_path, counts["skipped"], counts["resumed"], self.gate.waited_s)
 

@@ -7,11 +7,14 @@ here (a ConfigError naming file and line or row) before any shard is written."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from dflash_dist.config import Config, ConfigError
 
 DEFAULT_TINY_TRAIN_SAMPLES = 400
+
+log = logging.getLogger(__name__)
 
 
 def data_sources(cfg: Config) -> tuple[Path | None, Path | None]:
@@ -66,7 +69,7 @@ def prepare_data(cfg: Config, tokenizer=None) -> tuple[Path, Path | None]:
         jsonl_path, report_path = ingested_paths(cfg, split)
         write_ingested(records, report, jsonl_path, report_path)
         outputs[split] = jsonl_path
-        print(f"[data] {split}: {report.summary_line()}; counts in {report_path}", flush=True)
+        log.info("data %s: %s; counts in %s", split, report.summary_line(), report_path)
     return outputs["train"], outputs.get("eval")
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from collections import Counter
@@ -33,11 +34,13 @@ from data_pipeline.ingest import DataError, IngestPolicy, ingest
 from data_pipeline.provenance import hash_weight_files
 from dflash_dist.capture.data_prep import data_sources, prepare_data
 from dflash_dist.config import Config, ConfigError
+from dflash_dist.logging_setup import progress
 from dflash_dist.model.capture import check_kernel_path
 from dflash_dist.target.generation import generate_responses, pad_token_id, stop_token_ids
 from dflash_dist.target.loading import load_target, resolve_target_dir
 
 PROVENANCE_SCHEMA = 1
+log = logging.getLogger(__name__)
 ID_SCHEME = "sha256 of the prompt turns (JSON), 16 hex; -N for the N-th repeat"
 
 
@@ -327,7 +330,7 @@ def _complete_lines(path: Path) -> Iterator[tuple[str, object]]:
             except json.JSONDecodeError as err:
                 raise RegenError(f"{path}:{lineno}: not JSON ({err.msg}); regenerate into a new regen.output") from None
     if end < path.stat().st_size:
-        print(f"[regen] {path}: cut an incomplete last line (an interrupted write)", flush=True)
+        log.warning("%s: cut an incomplete last line (an interrupted write)", path)
         os.truncate(path, end)
 
 
@@ -375,18 +378,20 @@ def regenerate(
     todo = todo if limit is None else todo[:limit]
     started, done_before, last_log = time.monotonic(), len(output.done), 0.0
     _write_provenance(output, provenance, len(jobs))
-    for start in range(0, len(todo), chunk_size):
-        results: list[Result] = []
-        try:
-            for result in generate(todo[start : start + chunk_size]):
-                results.append(result)
-        finally:
-            output.append(by_id, results)
-            _write_provenance(output, provenance, len(jobs))
-        if time.monotonic() - last_log > 30:
-            last_log = time.monotonic()
-            rate = (len(output.done) - done_before) / max(last_log - started, 1e-9)
-            print(f"[regen] {len(output.done)}/{len(jobs)} done ({rate:.2f} records/s)", flush=True)
+    with progress(total=len(todo), desc="regenerate", unit="record") as bar:
+        for start in range(0, len(todo), chunk_size):
+            results: list[Result] = []
+            try:
+                for result in generate(todo[start : start + chunk_size]):
+                    results.append(result)
+                    bar.update(1)
+            finally:
+                output.append(by_id, results)
+                _write_provenance(output, provenance, len(jobs))
+            if time.monotonic() - last_log > 30:
+                last_log = time.monotonic()
+                rate = (len(output.done) - done_before) / max(last_log - started, 1e-9)
+                log.info("%d/%d done (%.2f records/s)", len(output.done), len(jobs), rate)
     return RegenReport(
         str(output.path),
         len(jobs),
@@ -425,7 +430,7 @@ def run_regenerate(cfg: Config, limit: int | None = None) -> RegenReport:
         records, report = ingest(source, policy)
     except DataError as err:
         raise ConfigError(f"regen input: {err}") from None
-    print(f"[regen] input {report.summary_line()}", flush=True)
+    log.info("input %s", report.summary_line())
     sampling = Sampling(r.temperature, r.top_p, r.max_new_tokens, cfg.run.seed)
     jobs, no_prompt = make_jobs(records, cfg.run.seed, skip_bad=cfg.data.on_bad_record == "skip")
     template_kwargs = {} if cfg.data.enable_thinking is None else {"enable_thinking": cfg.data.enable_thinking}
@@ -462,11 +467,8 @@ def run_regenerate(cfg: Config, limit: int | None = None) -> RegenReport:
         "skipped_no_prompt": no_prompt,
     }
     result = regenerate(jobs, generate, generate.chunk_size, output, provenance, limit)
-    print(
-        f"[regen] {result.output}: {result.written} written, {result.rejected} rejected (empty), "
-        f"{result.remaining} remaining; {result.this_run} this run in {result.seconds:.0f} s",
-        flush=True,
-    )
+    log.info("%s: %d written, %d rejected (empty), %d remaining; %d this run in %.0f s", result.output,
+             result.written, result.rejected, result.remaining, result.this_run, result.seconds)
     return result
 
 

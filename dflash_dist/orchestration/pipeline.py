@@ -1,12 +1,15 @@
 """Orchestration on Ray: target actors feed DeepSpeed trainers through webdataset shards while
-an evaluator measures tau of each export. Actors receive small records (config dicts, paths,
-token-id lists); tensors travel only inside shards."""
+an evaluator measures tau of each export. What the roles share (target, its weight hash,
+provenance, drafter shape, data, the resume decision) is one RunPlan computed first
+(run_plan.py). Actors receive small frozen records (the plan's parts, paths, token-id lists);
+tensors travel only inside shards."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
+import logging
 import os
 import threading
 import time
@@ -21,12 +24,18 @@ from data_pipeline.durable_files import write_text_atomic
 from dflash_dist.actors.heartbeat import Heartbeat, clear_heartbeats
 from dflash_dist.config import Config
 from dflash_dist.orchestration import placement
+from dflash_dist.orchestration.run_plan import (  # noqa: F401 (plan_stages: re-exported for callers)
+    PLAN_NAME,
+    PipelineError,
+    RunPlan,
+    make_plan,
+    plan_stages,
+    write_plan,
+)
+
+log = logging.getLogger(__name__)
 
 EVALUATOR_RESTART_TIMEOUT_S = 600.0  # a restarting evaluator unavailable for longer: the run fails
-
-
-class PipelineError(RuntimeError):
-    """A stage failed or cannot start; the message says which and what to do."""
 
 
 @contextmanager
@@ -65,96 +74,44 @@ def _save_config(cfg: Config) -> None:
     write_text_atomic(cfg.out / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
-def plan_stages(cfg: Config, stages: tuple[str, ...], resume: str) -> tuple[str, ...]:
-    """The stages to run given what an earlier run left under cfg.out, checked before anything is
-    written or started. `resume` (auto, never or a checkpoint tag directory) applies to training;
-    unless it is never, complete (DONE) shards are reused instead of re-extracted and an
-    unfinished capture is resumed: its complete shards are kept and only the samples missing
-    from them are captured (data_pipeline/ledger.py)."""
-    from data_pipeline.ledger import captured_keys
-    from data_pipeline.records import DONE_NAME, MANIFEST_NAME
-    from dflash_dist.trainer.checkpoint import ResumeError, check_resumable, plan_resume, read_marker
-
-    shards = cfg.out / "shards"
-    try:
-        resume_from = plan_resume(resume, cfg.out / "checkpoints") if "train" in stages else None
-    except ResumeError as e:
-        raise PipelineError(str(e)) from None
-    if "extract" in stages and (shards / MANIFEST_NAME).exists():
-        if resume == "never":
-            raise PipelineError(
-                f"{shards} already holds shards: pass --resume auto to reuse complete shards (and continue the "
-                "training run there, if any), or use another --out"
-            )
-        if (shards / DONE_NAME).exists():
-            print(f"[extract] skipped: {shards} is complete ({DONE_NAME}), reusing its shards", flush=True)
-            stages = tuple(s for s in stages if s != "extract")
-        else:
-            print(f"[extract] resuming the unfinished capture in {shards}: {len(captured_keys(shards))} samples "
-                  "already settled (complete shards, skipped) are kept, the rest is captured", flush=True)
-    if "extract" in stages and "train" not in stages and cfg.capture.max_buffer_bytes is not None:
-        raise PipelineError(
-            f"capture.max_buffer_bytes={cfg.capture.max_buffer_bytes} pauses the capture until a trainer consumes "
-            "shards, and this invocation runs no trainer: use `dflash-dist run`, or set capture.max_buffer_bytes=null"
-        )
-    if "train" in stages and "extract" not in stages and not (shards / MANIFEST_NAME).exists():
-        raise PipelineError(f"no shards under {shards}: run `dflash-dist extract` with the same --out first")
-    if resume_from is not None:
-        try:
-            check_resumable(read_marker(resume_from), cfg.to_dict(), cfg.train.world_size, shards, str(resume_from))
-        except ResumeError as e:
-            raise PipelineError(str(e)) from None
-    return stages
-
-
 def run_pipeline(cfg: Config, stages: tuple[str, ...], resume: str = "never") -> dict:
     """Run the given stages ("extract", "train", "eval") under cfg.out; returns a summary dict.
-    `resume`: see plan_stages."""
+    `resume`: see run_plan.decide_stages. Everything the roles share comes from one RunPlan."""
     from transformers import AutoTokenizer
 
-    from dflash_dist.capture.data_prep import eval_prompt_ids, prepare_data
-    from dflash_dist.target.loading import (
-        drafter_config_for,
-        expected_provenance,
-        resolve_target_dir,
-        target_identity,
-        tokenizer_mask_id,
-    )
+    from dflash_dist.capture.data_prep import eval_prompt_ids
 
     t0 = time.time()
-    stages = plan_stages(cfg, stages, resume)
-    plan = placement.plan_placement(cfg, stages)
-    cfg.out.mkdir(parents=True, exist_ok=True)
+    plan = make_plan(cfg, stages, resume)
+    stages = plan.stages
+    pg_plan = placement.plan_placement(cfg, stages)
     paths = _layout(cfg)
     _save_config(cfg)
+    write_plan(cfg.out / PLAN_NAME, plan)
     clear_heartbeats(cfg.out)
-    target_dir = resolve_target_dir(cfg)
-    train_jsonl, eval_jsonl = prepare_data(cfg)
-    ident = target_identity(cfg, target_dir)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    expected = expected_provenance(cfg, target_dir, ident, tokenizer)
-    drafter_cfg = drafter_config_for(cfg, target_dir, tokenizer_mask_id(tokenizer))
     summary: dict = {"out": str(cfg.out)}
     with (
         Heartbeat(cfg.out, "driver", info=lambda: {"stages": list(stages)}),
         ray_session(cfg) as ray,
-        _placement_group(ray, cfg, plan) as pg,
+        _placement_group(ray, cfg, pg_plan) as pg,
     ):
         def where(role: str, i: int) -> dict:  # the Ray options placing process i of a role
-            return placement.actor_placement(cfg, role, i, plan, pg)
+            return placement.actor_placement(cfg, role, i, pg_plan, pg)
 
         capture_refs, group = [], None
         if "extract" in stages:
-            capture_refs = _start_capture(ray, cfg, target_dir, ident, train_jsonl, paths, where)
+            capture_refs = _start_capture(cfg, plan, paths, where)
         if "train" in stages:
-            group = _start_trainers(cfg, target_dir, expected, drafter_cfg, paths, resume, where)
+            group = _start_trainers(cfg, plan, paths, plan.train_resume, where)
             # supervised in a thread of its own: a lost rank is replaced while capture still runs
-            restart = functools.partial(_start_trainers, cfg, target_dir, expected, drafter_cfg, paths, where=where)
-            training = _InThread(supervise_training, cfg, group, restart, resume)
+            restart = functools.partial(_start_trainers, cfg, plan, paths, where=where)
+            training = _InThread(supervise_training, cfg, group, restart, plan.train_resume)
         evaluator = None
         if "eval" in stages and cfg.eval.enabled:
-            prompts = eval_prompt_ids(eval_jsonl, tokenizer, cfg.eval.num_prompts, cfg.data.enable_thinking)
-            evaluator = _start_evaluator(cfg, target_dir, prompts, expected, paths["shards"], where("evaluator", 0))
+            tokenizer = AutoTokenizer.from_pretrained(plan.target_dir)
+            prompts = eval_prompt_ids(Path(plan.data.eval_jsonl), tokenizer, cfg.eval.num_prompts,
+                                      cfg.data.enable_thinking)
+            evaluator = _start_evaluator(cfg, plan, prompts, paths["shards"], where("evaluator", 0))
         if capture_refs:
             summary["capture"] = _finish_capture(ray, capture_refs, paths["shards"])
         final_step = None
@@ -162,7 +119,7 @@ def run_pipeline(cfg: Config, stages: tuple[str, ...], resume: str = "never") ->
             results = training.result()
             summary["train"] = [dataclasses.asdict(r) for r in results]
             final_step = max(r.steps for r in results)
-            print(f"[train] finished at step {final_step}", flush=True)
+            log.info("training finished at step %d", final_step)
         if evaluator is not None:
             if final_step is None:  # eval alone: everything exported so far (None: nothing to wait for)
                 final_step = max(_export_steps(paths["export"]), default=None)
@@ -192,7 +149,7 @@ def supervise_training(cfg: Config, group, start_group: Callable[[str], Any], re
             decision = decide_restart(policy, failures)
             if not decision.restart:
                 raise PipelineError(decision.message) from e
-            print(f"[train] {decision.message}", flush=True)
+            log.warning("train: %s", decision.message)
             time.sleep(decision.delay_s)
             has_checkpoint = plan_resume("auto", cfg.out / "checkpoints") is not None
             group = start_group(restart_resume(resume, has_checkpoint))
@@ -243,8 +200,8 @@ def wait_evaluator(ray, evaluator, final_step: int | None, max_restarts: int) ->
             if lost > max_restarts:
                 raise PipelineError(f"the evaluator was lost {lost} time(s), more than eval.max_restarts="
                                     f"{max_restarts}: {str(e).splitlines()[0]}") from e
-            print(f"[eval] the evaluator was lost ({type(e).__name__}); Ray restarts it and it continues after "
-                  "its last finished checkpoint", flush=True)
+            log.warning("the evaluator was lost (%s); Ray restarts it and it continues after its last finished "
+                        "checkpoint", type(e).__name__)
 
 
 @contextmanager
@@ -260,12 +217,12 @@ def _placement_group(ray, cfg: Config, plan):
         placement.release(pg)
 
 
-def _start_capture(ray, cfg, target_dir, ident, train_jsonl, paths, where):
+def _start_capture(cfg: Config, plan: RunPlan, paths: dict[str, Path], where) -> list:
     """One TargetWorker per slice; Ray restarts a dead one (capture.max_restarts) and retries its
     call, which resumes from the ledger. No writer is alive yet, so unfinished shards left by an
     earlier attempt are removed first."""
     from data_pipeline.ledger import remove_stale_tmp
-    from dflash_dist.actors.target_worker import TargetWorker
+    from dflash_dist.actors.target_worker import CaptureTask, TargetWorker
 
     n = cfg.capture.num_actors
     remove_stale_tmp(paths["shards"])
@@ -273,9 +230,10 @@ def _start_capture(ray, cfg, target_dir, ident, train_jsonl, paths, where):
     workers = [TargetWorker.options(num_cpus=cfg.capture.cpus_per_actor, num_gpus=cfg.capture.gpus_per_actor,
                                     name=None, max_restarts=retries, max_task_retries=retries,
                                     **where("target", i)).remote() for i in range(n)]
-    refs = [w.capture.remote(cfg.to_dict(), str(target_dir), dataclasses.asdict(ident), str(train_jsonl),
-                             str(paths["shards"]), i, n) for i, w in enumerate(workers)]
-    print(f"[extract] {n} target actor(s) capturing layers {list(ident.layer_ids)} into {paths['shards']}", flush=True)
+    cfg_dict = cfg.to_dict()
+    refs = [w.capture.remote(CaptureTask(cfg_dict, plan.target_dir, plan.identity, plan.data.train_jsonl,
+                                         str(paths["shards"]), i, n)) for i, w in enumerate(workers)]
+    log.info("%d target actor(s) capturing layers %s into %s", n, list(plan.identity.layer_ids), paths["shards"])
     return refs
 
 
@@ -296,29 +254,29 @@ def _finish_capture(ray, refs, shard_dir: Path) -> list[dict]:
                             "re-extract into another --out")
     mark_done(shard_dir)
     records, skipped = read_manifest(shard_dir), read_skipped(shard_dir)
-    print(f"[extract] {sum(r.n_samples for r in records)} samples, {sum(r.n_tokens for r in records)} tokens in "
-          f"{len(records)} shards, {len(skipped)} skipped as non-finite (kernel path {results[0]['kernel_path']})",
-          flush=True)
-    return results
+    log.info("capture: %d samples, %d tokens in %d shards, %d skipped as non-finite (kernel path %s)",
+             sum(r.n_samples for r in records), sum(r.n_tokens for r in records), len(records), len(skipped),
+             results[0].kernel_path)
+    return [dataclasses.asdict(r) for r in results]
 
 
-def _start_trainers(cfg, target_dir, expected, drafter_cfg, paths, resume: str, where):
+def _start_trainers(cfg: Config, plan: RunPlan, paths: dict[str, Path], resume: str, where):
     from dflash_dist.actors.trainer_group import start_trainer_group
     from dflash_dist.trainer.checkpoint import ResumeError
 
     try:
-        return start_trainer_group(cfg, target_dir=target_dir, shard_dir=paths["shards"], expected=expected,
-                                   drafter_cfg=drafter_cfg, resume=resume,
+        return start_trainer_group(cfg, target_dir=plan.target_dir, shard_dir=paths["shards"], expected=plan.expected,
+                                   drafter_cfg=plan.drafter, resume=resume,
                                    placement=[where("trainer", r) for r in range(cfg.train.world_size)])
     except ResumeError as e:
         raise PipelineError(str(e)) from None
 
 
-def _start_evaluator(cfg, target_dir, prompts, expected, shard_dir: Path, where: dict):
+def _start_evaluator(cfg: Config, plan: RunPlan, prompts: list[list[int]], shard_dir: Path, where: dict):
     from dflash_dist.actors.evaluator_actor import EvaluatorActor, evaluator_actor_options
 
     actor = EvaluatorActor.options(**evaluator_actor_options(cfg), **where).remote(
-        cfg.to_dict(), str(cfg.out), str(target_dir), prompts, expected.to_json(), str(shard_dir),
+        cfg.to_dict(), str(cfg.out), plan.target_dir, prompts, plan.expected.to_json(), str(shard_dir),
         cfg.eval.poll_s, cfg.eval.max_backlog, cfg.eval.backlog_stride)
     actor.start.remote()
     return actor

@@ -13,8 +13,6 @@ from collections.abc import Iterable
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from dflash_dist.target.stdlib_corpus import iter_sources, list_stdlib_files
-
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -84,9 +82,3 @@ def wrap_tokenizer(backend: Tokenizer) -> PreTrainedTokenizerFast:
         clean_up_tokenization_spaces=False,
         model_max_length=4096,
     )
-
-
-def build_tiny_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE) -> PreTrainedTokenizerFast:
-    """The default tokenizer: BPE over the stdlib train split (held-out files never seen)."""
-    texts = (text for _, text in iter_sources(list_stdlib_files(split="train")))
-    return train_tokenizer(texts, vocab_size)

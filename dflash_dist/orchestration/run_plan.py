@@ -1,0 +1,242 @@
+"""The run plan: what every role of one run must agree on, computed once before anything starts.
+
+`make_plan` checks what an earlier run left under the output directory (`plan_stages`), makes the
+resume decision, resolves the target, hashes its weights (the only place a run does: 1-2 min at
+27B), derives the provenance trainers demand and the drafter shape, and ingests the data (with the
+content hash the capture ledger records). The result is a frozen `RunPlan`: the Ray pipeline uses
+it directly; under Slurm one task computes it and writes it atomically as JSON
+(`<out>/plans/<key>.json`, `share_plan`), and the other tasks of the job read it instead of
+repeating the work (a rank or capture slice never re-hashes the target).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from data_pipeline.durable_files import write_text_atomic
+from data_pipeline.ledger import CaptureData
+from data_pipeline.provenance import Provenance
+from dflash_dist.config import Config
+from dflash_dist.model.config import DrafterConfig
+from dflash_dist.target.loading import TargetIdentity
+
+log = logging.getLogger(__name__)
+
+PLAN_SCHEMA = 1
+PLANS_DIR = "plans"
+PLAN_NAME = "run_plan.json"  # the plan of the latest Ray run, for the record (<out>/run_plan.json)
+PLAN_WAIT_S = 1800.0  # a task waiting for another's plan gives up after this (that task failed)
+
+
+class PipelineError(RuntimeError):
+    """A stage failed or cannot start; the message says which and what to do."""
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """The ingested conversations under <out>/data/ and the identity of what capture reads."""
+
+    train_jsonl: str
+    eval_jsonl: str | None
+    capture: CaptureData  # source, data.max_train_samples, records, content hash (the ledger's record)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    stages: tuple[str, ...]  # what runs, after what an earlier run left (a complete capture is not redone)
+    resume: str  # as asked: auto, never or a checkpoint tag directory
+    resume_from: str | None  # the decision: the checkpoint tag training continues from, None: fresh
+    target_dir: str
+    identity: TargetIdentity  # with the weight hash
+    expected: Provenance  # what trainers and the evaluator demand of every shard
+    drafter: DrafterConfig
+    data: DataPlan | None  # None when no stage reads the conversations (training alone)
+    made_by: str  # who computed it (for a person reading the file)
+
+    @property
+    def train_resume(self) -> str:
+        """The decision as trainer_group.train_job's `resume`: the tag, or never (nothing to resume)."""
+        return self.resume_from or "never"
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["expected"] = self.expected.to_dict()
+        return json.dumps({"schema": PLAN_SCHEMA, **d}, indent=1, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> RunPlan:
+        try:
+            d = json.loads(text)
+            if d.pop("schema") != PLAN_SCHEMA:
+                raise ValueError(f"schema is not {PLAN_SCHEMA}")
+            data = d.pop("data")
+            return cls(
+                stages=tuple(d.pop("stages")),
+                identity=TargetIdentity(**_tuples(d.pop("identity"))),
+                expected=Provenance.from_dict(d.pop("expected"), where),
+                drafter=DrafterConfig(**_tuples(d.pop("drafter"))),
+                data=None if data is None else DataPlan(data["train_jsonl"], data["eval_jsonl"],
+                                                        CaptureData(**data["capture"])),
+                **d,
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise PipelineError(f"{where}: not a run plan this code reads ({type(e).__name__}: {e}); "
+                                "delete it") from None
+
+
+def _tuples(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+
+
+def plan_stages(cfg: Config, stages: tuple[str, ...], resume: str) -> tuple[str, ...]:
+    """The stages to run (decide_stages without the resume decision)."""
+    return decide_stages(cfg, stages, resume)[0]
+
+
+def decide_stages(cfg: Config, stages: tuple[str, ...], resume: str) -> tuple[tuple[str, ...], str | None]:
+    """(the stages to run, the checkpoint training resumes from) given what an earlier run left
+    under cfg.out, checked before anything is written or started. `resume` (auto, never or a
+    checkpoint tag directory) applies to training; unless it is never, complete (DONE) shards are
+    reused instead of re-extracted and an unfinished capture is resumed: its complete shards are
+    kept and only the samples missing from them are captured (data_pipeline/ledger.py)."""
+    from data_pipeline.ledger import captured_keys
+    from data_pipeline.records import DONE_NAME, MANIFEST_NAME
+    from dflash_dist.trainer.checkpoint import ResumeError, check_resumable, plan_resume, read_marker
+
+    shards = cfg.out / "shards"
+    try:
+        resume_from = plan_resume(resume, cfg.out / "checkpoints") if "train" in stages else None
+    except ResumeError as e:
+        raise PipelineError(str(e)) from None
+    if "extract" in stages and (shards / MANIFEST_NAME).exists():
+        if resume == "never":
+            raise PipelineError(
+                f"{shards} already holds shards: pass --resume auto to reuse complete shards (and continue the "
+                "training run there, if any), or use another --out"
+            )
+        if (shards / DONE_NAME).exists():
+            log.info("extract skipped: %s is complete (%s), reusing its shards", shards, DONE_NAME)
+            stages = tuple(s for s in stages if s != "extract")
+        else:
+            log.info("resuming the unfinished capture in %s: %d samples already settled (complete shards, skipped) "
+                     "are kept, the rest is captured", shards, len(captured_keys(shards)))
+    if "extract" in stages and "train" not in stages and cfg.capture.max_buffer_bytes is not None:
+        raise PipelineError(
+            f"capture.max_buffer_bytes={cfg.capture.max_buffer_bytes} pauses the capture until a trainer consumes "
+            "shards, and this invocation runs no trainer: use `dflash-dist run`, or set capture.max_buffer_bytes=null"
+        )
+    if "train" in stages and "extract" not in stages and not (shards / MANIFEST_NAME).exists():
+        raise PipelineError(f"no shards under {shards}: run `dflash-dist extract` with the same --out first")
+    if resume_from is not None:
+        try:
+            check_resumable(read_marker(resume_from), cfg.to_dict(), cfg.train.world_size, shards, str(resume_from))
+        except ResumeError as e:
+            raise PipelineError(str(e)) from None
+    return stages, (str(resume_from) if resume_from is not None else None)
+
+
+def make_plan(cfg: Config, stages: tuple[str, ...], resume: str, made_by: str = "") -> RunPlan:
+    """Everything the run's roles share, computed here once (see the module docstring)."""
+    from transformers import AutoTokenizer
+
+    from dflash_dist.target.loading import (
+        drafter_config_for,
+        expected_provenance,
+        resolve_target_dir,
+        target_identity,
+        tokenizer_mask_id,
+    )
+
+    stages, resume_from = decide_stages(cfg, stages, resume)
+    target_dir = resolve_target_dir(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    data = _plan_data(cfg, tokenizer) if ("extract" in stages or "eval" in stages) else None
+    t0 = time.monotonic()
+    ident = target_identity(cfg, target_dir)
+    log.info("target %s: weights hashed once for the run in %.1fs (%s...)", ident.target_id, time.monotonic() - t0,
+             ident.target_hash[:12])
+    expected = expected_provenance(cfg, target_dir, ident, tokenizer)
+    drafter = drafter_config_for(cfg, target_dir, tokenizer_mask_id(tokenizer))
+    return RunPlan(tuple(stages), resume, resume_from, str(target_dir), ident, expected, drafter, data,
+                   made_by or f"pid {os.getpid()} on {os.uname().nodename}")
+
+
+def _plan_data(cfg: Config, tokenizer) -> DataPlan:
+    """Ingest the data (capture/data_prep.py) and, when shards from an earlier capture are there,
+    refuse to go on over other conversations than theirs (the ledger's capture_data.json)."""
+    from data_pipeline.chat_data import read_chat_jsonl
+    from data_pipeline.ingest import content_hash, sample_keys
+    from data_pipeline.ledger import DATA_NAME, DataChanged, check_capture_data
+    from dflash_dist.capture.data_prep import data_sources, prepare_data
+
+    train_jsonl, eval_jsonl = prepare_data(cfg, tokenizer)
+    records = read_chat_jsonl(train_jsonl)
+    if cfg.data.max_train_samples is not None:
+        records = records[: cfg.data.max_train_samples]
+    source, _ = data_sources(cfg)
+    capture = CaptureData(str(source) if source else None, cfg.data.max_train_samples, len(records),
+                          content_hash(sample_keys(records)))
+    shards = cfg.out / "shards"
+    if (shards / DATA_NAME).exists():
+        try:
+            check_capture_data(shards, capture)
+        except DataChanged as e:
+            raise PipelineError(str(e)) from None
+    return DataPlan(str(train_jsonl), str(eval_jsonl) if eval_jsonl else None, capture)
+
+
+def plan_path(out: Path, key: str) -> Path:
+    return out / PLANS_DIR / f"{key}.json"
+
+
+def write_plan(path: Path, plan: RunPlan) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, plan.to_json())
+
+
+def read_plan(path: Path) -> RunPlan:
+    return RunPlan.from_json(path.read_text(), str(path))
+
+
+def share_plan(cfg: Config, stages: tuple[str, ...], resume: str, key: str, leader: bool | None = None,
+               wait_s: float = PLAN_WAIT_S) -> RunPlan:
+    """The plan of the job `key` (e.g. a Slurm job id and restart count): the leader computes and
+    writes it; every other task waits for that file and reads it. `leader=None`: whoever first
+    creates `<key>.lock` leads (the tasks of a job array, which have no rank); a leader that fails
+    removes its lock, so a waiting task takes over."""
+    path = plan_path(cfg.out, key)
+    lock = path.with_suffix(".lock")
+    deadline = time.monotonic() + wait_s
+    waited = False
+    while not path.exists():
+        if leader is None:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                pass
+            else:
+                try:
+                    plan = make_plan(cfg, stages, resume, made_by=key)
+                    write_plan(path, plan)
+                    return plan
+                finally:
+                    lock.unlink(missing_ok=True)
+        elif leader:
+            plan = make_plan(cfg, stages, resume, made_by=key)
+            write_plan(path, plan)
+            return plan
+        if time.monotonic() > deadline:
+            raise PipelineError(f"{path} did not appear within {wait_s:.0f}s: the task computing the run plan failed "
+                                "(see its log); resubmit the job")
+        waited = True
+        time.sleep(0.5)
+    if waited:
+        log.info("run plan %s read (computed by another task of the job)", path)
+    return read_plan(path)

@@ -170,6 +170,9 @@ def collect(out: str | os.PathLike[str], now: float | None = None) -> dict:
     if evals:
         r = json.loads(evals[-1].read_text())
         eval_.update(step=r["step"], tau_chain=r["tau_chain"], tau_ddtree=r["tau_ddtree"])
+        if r.get("reference"):  # eval.reference_drafter: this checkpoint's tau against it
+            eval_.update(reference_tau_chain=r["reference"]["tau_chain"],
+                         tau_chain_vs_reference=r["tau_chain"] / r["reference"]["tau_chain"])
     return {
         "out": str(out),
         "run": _config_value(cfg, "run.name"),
@@ -218,6 +221,8 @@ def render(s: dict) -> tuple[list[tuple[str, str]], list[list[str]]]:
         ),
         ("tokens/s", f"{tps['value']:.0f} (at step {tps['step']})" if tps else "-"),
         ("tau", f"step {ev['step']}: chain {ev['tau_chain']:.2f}  {taus}" if ev["step"] is not None else "-"),
+        *([("tau vs reference", f"chain {ev['tau_chain_vs_reference']:.2f}x the reference drafter's "
+                                f"{ev['reference_tau_chain']:.2f}")] if "tau_chain_vs_reference" in ev else []),
     ]
     roles = [
         [

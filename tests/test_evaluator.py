@@ -255,7 +255,8 @@ def test_evaluator_actor_follows_exports_as_they_appear(tiny, tmp_path, monkeypa
         assert results[1].tau_chain > results[0].tau_chain + 0.5
         status = ray.get(actor.status.remote())
         assert not status["alive"] and status["evaluated"] == [10, 20] and status["last_step"] == 20
-        assert sorted(p.name for p in (out / "eval").iterdir()) == ["step_10.json", "step_20.json"]
+        assert sorted(p.name for p in (out / "eval").iterdir()) == ["rounds", "step_10.json", "step_20.json"]
+        assert sorted(p.name for p in (out / "eval" / "rounds").iterdir()) == ["step_10.json", "step_20.json"]
         ray.kill(actor)
 
         # a refusal inside the actor reaches the caller of wait() with its type name and message
@@ -274,3 +275,121 @@ def test_run_until_does_not_wait_forever_for_a_missing_final_export(tiny, tmp_pa
     assert ev.run_until(lambda: (True, None), poll_s=0.01) == []  # finished, nothing exported
     with pytest.raises(FileNotFoundError, match="step_5"):
         ev.run_until(lambda: (True, 5), poll_s=0.01, final_export_timeout_s=0.05)
+
+
+# ---- modes: live, server, the count convention, a reference drafter, images, status --------------
+
+
+def _cfg(tiny, **eval_fields):
+    tree = tiny["cfg"].to_dict()
+    tree["eval"].update(eval_fields)
+    return load_config_dict(tree)
+
+
+def read_images(tb_dir: Path) -> dict[str, dict[int, tuple[int, int]]]:
+    """tag -> step -> (width, height) of the PNG TensorBoard holds."""
+    import io
+
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir), size_guidance={"images": 0})
+    acc.Reload()
+    return {tag: {e.step: Image.open(io.BytesIO(e.encoded_image_string)).size for e in acc.Images(tag)}
+            for tag in acc.Tags()["images"]}
+
+
+def test_live_mode_every_n_checkpoints_against_a_reference_drafter(tiny, tmp_path):
+    out = tmp_path / "run"
+    (out / "export").mkdir(parents=True)
+    cfg = _cfg(tiny, mode="live", live_every=2, reference_drafter=str(tiny["root"] / "trained"))
+    ev = Evaluator(cfg, out, tiny["target_dir"], tiny["prompts"], expected=None)
+    for step, which in ((10, "random"), (20, "trained"), (30, "trained")):
+        publish(tiny, out, which, step)
+    results = {r.step: r for r in ev.run_until(lambda: (True, 30), poll_s=0.05)}
+    ev.close()
+    assert sorted(results) == [10, 20, 30]
+    assert results[20].live is None  # live runs at the 1st and every 2nd evaluated checkpoint
+    for step in (10, 30):
+        r = results[step]
+        live = r.live
+        assert r.mode == "live" and r.count == "capped"
+        assert live["tau_chain"] == pytest.approx(r.tau_chain, rel=0.02)
+        for b in BUDGETS:
+            assert live["tau_ddtree"][b] == pytest.approx(r.tau_ddtree[b], rel=0.02)
+        assert live["rounds_equal"] >= 0.9 * live["rounds_compared"] and live["continuations_equal"] == 3
+        rounds = json.loads((out / "eval" / "rounds" / f"step_{step}.json").read_text())
+        for replay_rounds, live_rounds in zip(rounds["replay"]["chain"], rounds["live"]["chain"]):
+            assert len(replay_rounds) >= 1 and abs(len(replay_rounds) - len(live_rounds)) <= 1
+    assert "live" not in json.loads((out / "eval" / "rounds" / "step_20.json").read_text())
+
+    # the reference is the same drafter as step 20/30: ratio 1, measured once (eval/reference.json)
+    ref = results[20].reference
+    assert ref["tau_chain"] == pytest.approx(results[20].tau_chain)
+    assert ref["live_tau_chain"] == pytest.approx(results[30].live["tau_chain"])
+    assert results[20].tau_chain_vs_reference == pytest.approx(1.0)
+    assert results[10].tau_chain_vs_reference < 0.9  # the random drafter, well below the reference
+    assert EvalResult.from_json(json.loads((out / "eval" / "step_30.json").read_text())) == results[30]
+    stamp = (out / "eval" / "reference.json").stat().st_mtime_ns
+    ev2 = Evaluator(cfg, out, tiny["target_dir"], tiny["prompts"], expected=None)
+    assert ev2.reference_tau() == ref and (out / "eval" / "reference.json").stat().st_mtime_ns == stamp
+
+    tb = read_scalars(out / "tb" / "eval")
+    assert sorted(tb["eval/tau_live_chain"]) == [10, 30]
+    assert tb["eval/tau_chain_vs_reference"][20] == pytest.approx(1.0)
+    assert set(tb["eval/reference_tau_ddtree_8"]) == {10, 20, 30}
+    assert set(tb["eval/slot_acceptance_live_1"]) == {10, 30} and "eval/live_rounds_equal" in tb
+    images = read_images(out / "tb" / "eval")
+    assert set(images["eval/tau_vs_step"]) == {10, 20, 30} and set(images["eval/accept_hist"]) == {10, 20, 30}
+    assert set(images["eval/accept_hist_live"]) == {10, 30}
+    assert images["eval/tau_vs_step"][30] == (640, 400)
+
+    # dflash-dist status shows the newest checkpoint's tau against the reference
+    import yaml
+
+    from launcher.status import collect, render
+
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))  # what the pipeline saves
+    s = collect(out)
+    assert s["eval"]["tau_chain_vs_reference"] == pytest.approx(1.0)
+    rows = dict(render(s)[0])
+    assert rows["tau vs reference"].startswith("chain 1.00x")
+
+
+def test_uncapped_count_is_recorded_and_counts_at_least_as_much(tiny, tmp_path):
+    capped, uncapped = [], []
+    for count, into in (("capped", capped), ("uncapped", uncapped)):
+        out = tmp_path / count
+        (out / "export").mkdir(parents=True)
+        publish(tiny, out, "trained", 5)
+        ev = Evaluator(_cfg(tiny, count=count, max_new_tokens=10), out, tiny["target_dir"], tiny["prompts"], None)
+        into += ev.run_until(lambda: (True, 5), poll_s=0.05)
+        ev.close()
+    c, u = capped[0], uncapped[0]
+    assert c.count == "capped" and u.count == "uncapped"
+    assert u.tau_chain > c.tau_chain  # 10 tokens end mid-block: the last round counts past the end
+    assert all(u.tau_ddtree[b] >= c.tau_ddtree[b] for b in BUDGETS)
+
+
+def test_server_mode_logs_the_engines_tau(tiny, tmp_path):
+    import threading
+
+    from tests.test_server_eval import PROMPTS, FakeEngine
+
+    srv = FakeEngine("sglang", fail_first=1)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        out = tmp_path / "run"
+        (out / "export").mkdir(parents=True)
+        publish(tiny, out, "trained", 5)
+        cfg = _cfg(tiny, mode="server", server_url=srv.url, server_engine="sglang", server_concurrency=2)
+        ev = Evaluator(cfg, out, tiny["target_dir"], tiny["prompts"], expected=None)
+        (result,) = ev.run_until(lambda: (True, 5), poll_s=0.05)
+        ev.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert PROMPTS  # the fake engine's accept length depends only on each prompt
+    assert result.server["engine"] == "sglang" and result.server["requests"] == 3 and srv.requests == 4
+    assert read_scalars(out / "tb" / "eval")["eval/tau_server"] == pytest.approx({5: result.server["tau"]})

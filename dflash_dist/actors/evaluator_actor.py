@@ -86,6 +86,8 @@ class EvaluatorActor:
             "evaluated": sorted(ev.done) if ev is not None else [],
             "last_step": last.step if last else None,
             "last_tau_chain": last.tau_chain if last else None,
+            "last_tau_vs_reference": last.tau_chain_vs_reference if last else None,
+            "last_tau_live_chain": last.live["tau_chain"] if last and last.live else None,
             "trainer_finished": self._finished,
             "error": self._error_text,
             "restarted": self.restarted,

@@ -1,4 +1,10 @@
-"""The evaluator: greedy-replay tau (SPEC 4) of each drafter export the trainer writes.
+"""The evaluator: tau (SPEC 4) of each drafter export the trainer writes, three ways.
+
+eval.mode: `replay` (greedy replay, every checkpoint; always measured), `live` (also real
+speculative decoding through the target's cache, chain and DDTree, every eval.live_every-th
+checkpoint; live.py), `server` (also the serving engine's own count from eval.server_url;
+server.py). eval.count picks how a round at the continuation's end counts. eval.reference_drafter
+is measured once on the same prompts and modes; each checkpoint's tau is shown against it.
 
 Plain Python (the Ray actor in actors/evaluator_actor.py only runs it in a thread). The target
 is loaded once, the way capture loads it, so its Provenance (target, layers, dtype, GDN kernel
@@ -10,8 +16,9 @@ once and reused; each checkpoint then costs only drafter forwards.
 Files under the run directory `<out>`:
   export/step_N/{config.json, model.safetensors}  read: written atomically by the trainer
   eval/step_N.json                                 written atomically, one EvalResult each
-  tb/eval/                                         eval/tau_chain, eval/tau_ddtree_<b>,
-                                                   eval/slot_acceptance_<j> at global step N
+  eval/rounds/step_N.json                          every prompt's per-round tau, replay and live
+  eval/reference.json                              the reference drafter's tau (measured once)
+  tb/eval/                                         scalars and images at global step N (tb_log.py)
 The eval/step_N.json files are the evaluator's progress: a restarted evaluator reads them and
 continues after the last checkpoint it finished.
 """
@@ -24,7 +31,6 @@ import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,11 +40,13 @@ from data_pipeline.durable_files import write_text_atomic
 from data_pipeline.provenance import Provenance, check_compatible
 from data_pipeline.shard_reader import read_manifest
 from dflash_dist.config import Config
-from dflash_dist.evaluator.policy import EvalRequest, EvalResult, pending_steps, should_stop
+from dflash_dist.evaluator.measure import HeldOut, measure_live, measure_replay, rounds_agreement
+from dflash_dist.evaluator.policy import EvalRequest, EvalResult, pending_steps, should_stop, tau_record_from_json
+from dflash_dist.evaluator.server import server_tau
+from dflash_dist.evaluator.tb_log import log_result
 from dflash_dist.model.capture import capture_features, check_kernel_path
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.export import load_drafter
-from dflash_dist.model.replay import ReplayResult, replay_sequence
 from dflash_dist.target.generation import generate_responses, pad_token_id, stop_token_ids
 from dflash_dist.target.loading import load_target, provenance_for, target_identity
 from dflash_dist.trainer.metrics import Metrics
@@ -49,6 +57,7 @@ EXPORT_NAME_RE = re.compile(r"step_(\d+)")
 RESULT_NAME_RE = re.compile(r"step_(\d+)\.json")
 EXPORT_FILES = ("config.json", "model.safetensors")
 _STATE_VERSION = 1
+REFERENCE_VERSION = 1
 
 
 def list_exports(export_root: str | os.PathLike[str]) -> dict[int, Path]:
@@ -66,15 +75,6 @@ def list_exports(export_root: str | os.PathLike[str]) -> dict[int, Path]:
         if m and d.is_dir() and all((d / f).is_file() for f in EXPORT_FILES):
             found[int(m.group(1))] = d
     return dict(sorted(found.items()))
-
-
-@dataclass(frozen=True)
-class _Reference:
-    """One held-out prompt as replay needs it; independent of the checkpoint."""
-
-    prompt_len: int
-    sequence: tuple[int, ...]  # prompt + the target's greedy continuation
-    features: torch.Tensor  # [T, k*H] target features of `sequence`
 
 
 class Evaluator:
@@ -114,7 +114,8 @@ class Evaluator:
         self.pad_id = pad_token_id(self.tokenizer, self.stop_ids)
         self.device = next(self.model.parameters()).device
 
-        self._refs: list[_Reference] | None = None
+        self._refs: list[HeldOut] | None = None
+        self._reference: dict | None = None  # the reference drafter's tau, measured on first use
         self._metrics: Metrics | None = None  # opened on the first result
         # Replaced, never mutated, so another thread (the actor's status()) reads a consistent copy.
         self.results: dict[int, EvalResult] = self._read_results()
@@ -166,7 +167,7 @@ class Evaluator:
 
     # ---- evaluation -----------------------------------------------------------------------
 
-    def references(self) -> list[_Reference]:
+    def references(self) -> list[HeldOut]:
         """Greedy continuations and target features of the eval prompts, computed on first use."""
         if self._refs is None:
             t0 = time.time()
@@ -182,7 +183,7 @@ class Evaluator:
                 cap = capture_features(self.model, ids, self.identity.layer_ids, with_argmax=False,
                                        allow_torch_gdn_on_cuda=self.cfg.target.allow_torch_gdn_on_cuda)
                 assert cap.kernel_path == self.provenance.kernel_path, (cap.kernel_path, self.provenance)
-                refs.append(_Reference(len(prompt), tuple(seq), cap.features[0]))
+                refs.append(HeldOut(len(prompt), len(seq), tuple(seq), cap.features[0]))
             if not refs:
                 raise ValueError(
                     f"none of the {len(self.eval_prompts)} eval prompts got a greedy continuation of 2+ tokens "
@@ -193,39 +194,115 @@ class Evaluator:
             self._refs = refs
         return self._refs
 
-    def evaluate(self, step: int, export_dir: str | os.PathLike[str]) -> EvalResult:
-        """Replay tau of one export; writes eval/step_N.json and the eval/ scalars at step N."""
-        t0 = time.time()
-        export_dir = Path(export_dir)
-        refs = self.references()
+    def _counted(self, refs: list[HeldOut], block_size: int) -> list[HeldOut]:
+        """The references as eval.count needs them: uncapped rounds look past the continuation's
+        end, so each gets the target's greedy tokens beyond it (stop tokens ignored, as a
+        decoding loop that counts every accepted draft sees them)."""
+        if self.cfg.eval.count == "capped":
+            return refs
+        need = block_size - 1
+        out = []
+        for ref in refs:
+            if len(ref.sequence) - ref.end < need:
+                head = list(ref.sequence[: ref.end])
+                (ext,) = generate_responses(self.model, [head], need, (), self.pad_id)
+                ref = HeldOut(ref.prompt_len, ref.end, tuple(head + list(ext.tokens)), ref.features)
+            out.append(ref)
+        self._refs = out
+        return out
+
+    def _load_drafter(self, export_dir: Path):
         drafter = load_drafter(export_dir, self.model.get_input_embeddings().weight,
                                self.model.get_output_embeddings().weight, device=self.device)
         self._check_drafter(drafter.config, export_dir)
-        blk = drafter.config.block_size
-        res = ReplayResult(block_size=blk, accept_hist=[0] * blk, kernel_path=self.provenance.kernel_path)
-        res.tau_ddtree_per_prompt = {b: [] for b in self.budgets}
-        for ref in refs:  # aggregated as replay_tau does: mean over prompts of per-prompt means
-            chain, trees = replay_sequence(drafter, list(ref.sequence), ref.features, ref.prompt_len, self.budgets)
-            res.tau_chain_per_prompt.append(sum(chain) / len(chain))
-            res.rounds += len(chain)
-            for t in chain:
-                res.accept_hist[t - 1] += 1
-            for b, taus in trees.items():
-                res.tau_ddtree_per_prompt[b].append(sum(taus) / len(taus))
+        return drafter
+
+    def _live_now(self) -> bool:
+        """live/server run at the first evaluated checkpoint and every eval.live_every-th after."""
+        return self.cfg.eval.mode != "replay" and len(self.done) % self.cfg.eval.live_every == 0
+
+    def _measure_live(self, drafter, refs):
+        e = self.cfg.eval
+        return measure_live(self.model, drafter, refs, self.budgets, e.count, self.stop_ids, e.max_new_tokens,
+                            self.provenance.kernel_path)
+
+    def reference_tau(self) -> dict | None:
+        """The reference drafter's tau on the same prompts and modes (replay; live in live mode),
+        measured once: kept in eval/reference.json, re-measured only if its settings changed."""
+        e = self.cfg.eval
+        if e.reference_drafter is None:
+            return None
+        if self._reference is None:
+            path = self.eval_dir / "reference.json"
+            key = {"version": REFERENCE_VERSION, "dir": str(Path(e.reference_drafter).resolve()), "count": e.count,
+                   "live": e.mode == "live", "prompts": [list(r.sequence[: r.prompt_len]) for r in self.references()],
+                   "budgets": list(self.budgets)}
+            if path.is_file():
+                saved = json.loads(path.read_text())
+                if saved.get("key") == key:
+                    self._reference = tau_record_from_json(saved["reference"])
+                    return self._reference
+            t0 = time.time()
+            drafter = self._load_drafter(Path(e.reference_drafter))
+            refs = self._counted(self.references(), drafter.config.block_size)
+            replay = measure_replay(drafter, refs, self.budgets, e.count, self.provenance.kernel_path)
+            ref = {"dir": key["dir"], "tau_chain": replay.result.tau_chain,
+                   "tau_ddtree": {b: replay.result.tau_ddtree(b) for b in self.budgets}}
+            if e.mode == "live":
+                live = self._measure_live(drafter, refs).result
+                ref.update(live_tau_chain=live.tau_chain,
+                           live_tau_ddtree={b: live.tau_ddtree(b) for b in self.budgets})
+            del drafter
+            self.eval_dir.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(path, json.dumps({"key": key, "reference": ref}, indent=2) + "\n")
+            log.info("evaluator: reference drafter %s tau chain=%.3f (%.1fs)", e.reference_drafter, ref["tau_chain"],
+                     time.time() - t0)
+            self._reference = tau_record_from_json(json.loads(json.dumps(ref)))
+        return self._reference
+
+    def evaluate(self, step: int, export_dir: str | os.PathLike[str]) -> EvalResult:
+        """tau of one export; writes eval/step_N.json (+ its rounds) and the eval/ TensorBoard data at step N."""
+        t0 = time.time()
+        e = self.cfg.eval
+        export_dir = Path(export_dir)
+        drafter = self._load_drafter(export_dir)
+        refs = self._counted(self.references(), drafter.config.block_size)
+        kernel_path = self.provenance.kernel_path
+        replay = measure_replay(drafter, refs, self.budgets, e.count, kernel_path)
+        rounds: dict = {"step": step, "count": e.count, "replay": replay.rounds_json()}
+        live = server = None
+        if self._live_now() and e.mode == "live":
+            measured = self._measure_live(drafter, refs)
+            same, total = rounds_agreement(replay, measured)
+            live = {**measured.record(self.budgets), "rounds_equal": same, "rounds_compared": total,
+                    "continuations_equal": measured.tokens_equal, "prompts": len(refs)}
+            rounds["live"] = measured.rounds_json()
+        elif self._live_now() and e.mode == "server":
+            server = server_tau(e.server_url, e.server_engine, [r.prompt for r in refs], e.max_new_tokens,
+                                e.server_model, e.server_concurrency, e.server_max_retries, e.server_timeout_s)
+            server = server.to_json()
         del drafter
+        res = replay.result
         result = EvalResult(
             step=step, tau_chain=res.tau_chain, tau_ddtree={b: res.tau_ddtree(b) for b in self.budgets},
             accept_hist=tuple(res.accept_hist), slot_acceptance=tuple(res.slot_acceptance),
-            prompts=len(refs), rounds=res.rounds, kernel_path=res.kernel_path, seconds=time.time() - t0,
+            prompts=len(res.tau_chain_per_prompt), rounds=res.rounds, kernel_path=kernel_path,
+            seconds=time.time() - t0, mode=e.mode, count=e.count, live=live, server=server,
+            reference=self.reference_tau(),
         )
-        # Scalars first, then the result file that marks the step done: a crash in between
-        # re-evaluates the step after a restart (a repeated point) instead of losing the point.
+        # TensorBoard and the rounds first, then the result file that marks the step done: a crash in
+        # between re-evaluates the step after a restart (a repeated point) instead of losing the point.
         self._log_scalars(result)
+        (self.eval_dir / "rounds").mkdir(parents=True, exist_ok=True)
+        write_text_atomic(self.eval_dir / "rounds" / f"step_{step}.json", json.dumps(rounds) + "\n")
         self._write_result(result)
         self.results = {**self.results, step: result}
         self.done = self.done | {step}
         trees = " ".join(f"ddtree{b}={t:.3f}" for b, t in result.tau_ddtree.items())
-        log.info("evaluator: step %d tau chain=%.3f %s (%d prompts, %.1fs)", step, result.tau_chain, trees,
+        extra = f" live chain={live['tau_chain']:.3f}" if live else ""
+        extra += f" server={server['tau']:.3f}" if server else ""
+        extra += f" vs reference x{result.tau_chain_vs_reference:.3f}" if result.reference else ""
+        log.info("evaluator: step %d tau chain=%.3f %s%s (%d prompts, %.1fs)", step, result.tau_chain, trees, extra,
                  result.prompts, result.seconds)
         return result
 
@@ -236,11 +313,7 @@ class Evaluator:
     def _log_scalars(self, result: EvalResult) -> None:
         if self._metrics is None:
             self._metrics = Metrics(self.tb_dir)
-        scalars = {"eval/tau_chain": result.tau_chain}
-        scalars.update({f"eval/tau_ddtree_{b}": tau for b, tau in result.tau_ddtree.items()})
-        scalars.update({f"eval/slot_acceptance_{j}": a for j, a in enumerate(result.slot_acceptance, start=1)})
-        self._metrics.log(result.step, scalars)
-        self._metrics.flush()
+        log_result(self._metrics, result, [*self.results.values(), result])
 
     def close(self) -> None:
         if self._metrics is not None:

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-EVAL_RESULT_VERSION = 1
+EVAL_RESULT_VERSION = 2
+_READS_VERSIONS = (1, 2)  # version 1 lacks mode, count, live, server, reference
 
 
 def pending_steps(available: list[int], done: set[int], max_backlog: int = 4, stride: int = 2) -> list[int]:
@@ -65,11 +66,16 @@ class EvalRequest:
 
 @dataclass(frozen=True)
 class EvalResult:
-    """Greedy-replay tau of one export (SPEC 4): what `eval/step_N.json` holds.
+    """tau of one export (SPEC 4): what `eval/step_N.json` holds.
 
-    tau_* are the mean over prompts of each prompt's mean tau_round; accept_hist counts chain
-    rounds by accepted drafts 0..B-1; slot_acceptance[j-1] is the share of chain rounds whose
-    draft slot j was accepted.
+    tau_* are greedy replay's: the mean over prompts of each prompt's mean tau_round;
+    accept_hist counts chain rounds by accepted drafts 0..B-1; slot_acceptance[j-1] is the share
+    of chain rounds whose draft slot j was accepted. `count` is how a round at the
+    continuation's end was counted ("capped" | "uncapped"). `live` (eval.mode=live, at the
+    checkpoints it ran) holds live speculative decoding's tau_chain, tau_ddtree, accept_hist,
+    slot_acceptance, rounds and how many rounds and continuations equal replay's; `server` the
+    engine's ServerResult JSON; `reference` the reference drafter's tau_chain and tau_ddtree
+    (replay, and live when measured) on the same prompts, for the ratio.
     """
 
     step: int
@@ -81,11 +87,24 @@ class EvalResult:
     rounds: int
     kernel_path: str
     seconds: float
+    mode: str = "replay"
+    count: str = "capped"
+    live: dict[str, Any] | None = None
+    server: dict[str, Any] | None = None
+    reference: dict[str, Any] | None = None
+
+    @property
+    def tau_chain_vs_reference(self) -> float | None:
+        """This export's replay chain tau over the reference drafter's (None without one)."""
+        ref = (self.reference or {}).get("tau_chain")
+        return self.tau_chain / ref if ref else None
 
     def to_json(self) -> dict[str, Any]:
         return {
             "version": EVAL_RESULT_VERSION,
             "step": self.step,
+            "mode": self.mode,
+            "count": self.count,
             "tau_chain": self.tau_chain,
             "tau_ddtree": {str(b): t for b, t in sorted(self.tau_ddtree.items())},
             "accept_hist": list(self.accept_hist),
@@ -94,14 +113,18 @@ class EvalResult:
             "rounds": self.rounds,
             "kernel_path": self.kernel_path,
             "seconds": self.seconds,
+            "live": self.live,
+            "server": self.server,
+            "reference": self.reference,
+            "tau_chain_vs_reference": self.tau_chain_vs_reference,
         }
 
     @classmethod
     def from_json(cls, d: dict[str, Any], where: str = "<eval result>") -> EvalResult:
-        if not isinstance(d, dict) or d.get("version") != EVAL_RESULT_VERSION:
+        if not isinstance(d, dict) or d.get("version") not in _READS_VERSIONS:
             got = d.get("version") if isinstance(d, dict) else type(d).__name__
             raise ValueError(
-                f"{where}: eval result version {got!r}, this code reads {EVAL_RESULT_VERSION}: "
+                f"{where}: eval result version {got!r}, this code reads {list(_READS_VERSIONS)}: "
                 "delete the file to have the step evaluated again"
             )
         try:
@@ -115,7 +138,22 @@ class EvalResult:
                 rounds=int(d["rounds"]),
                 kernel_path=str(d["kernel_path"]),
                 seconds=float(d["seconds"]),
+                mode=str(d.get("mode", "replay")),
+                count=str(d.get("count", "capped")),
+                live=tau_record_from_json(d.get("live")),
+                server=d.get("server"),
+                reference=tau_record_from_json(d.get("reference")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"{where}: not a valid eval result ({type(e).__name__}: {e})") from None
 
+
+def tau_record_from_json(d: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A tau record read back from JSON: its tau_ddtree keys are budgets (ints) again."""
+    if d is None:
+        return None
+    out = dict(d)
+    for key, value in d.items():
+        if key.endswith("tau_ddtree") and isinstance(value, dict):
+            out[key] = {int(b): float(t) for b, t in value.items()}
+    return out

@@ -56,6 +56,14 @@ class Metrics:
             if len(vals):
                 self._writer.add_histogram(tag, np.asarray(vals, dtype=np.float64), global_step=step)
 
+    def images(self, step: int, images: Mapping[str, np.ndarray]) -> None:
+        """One TensorBoard image per tag at `step`: HWC uint8 arrays (the evaluator's plots)."""
+        _check_tags(images)
+        if self._writer is None:
+            return
+        for tag, img in images.items():
+            self._writer.add_image(tag, np.asarray(img, dtype=np.uint8), global_step=step, dataformats="HWC")
+
     def flush(self) -> None:
         if self._writer is not None:
             self._writer.flush()

@@ -237,3 +237,18 @@ def test_live_matches_replay_on_cuda_with_fla(trained):
     print(f"fla tiny target: replay tau {replay.tau_chain:.4f} live tau {live.tau_chain:.4f} "
           f"rounds equal {same_rounds}/{total_rounds} continuations equal {same_tokens}/{len(prompts)}")
     assert live.tau_chain == pytest.approx(replay.tau_chain, rel=0.02)
+
+
+def test_replay_tau_is_finite_with_a_one_token_continuation(trained):
+    import math
+
+    from dflash_dist.model.replay import replay_tau
+
+    target, drafter, prompts, responses = trained
+    continuations = [responses[0][:1], *responses[1:3]]  # the first has no drafting round
+    res = replay_tau(target, drafter, prompts[:3], DEMO.new_tokens, (4,), continuations=continuations)
+    assert math.isfinite(res.tau_chain) and math.isfinite(res.tau_ddtree(4))
+    rest = replay_tau(target, drafter, prompts[1:3], DEMO.new_tokens, (4,), continuations=responses[1:3])
+    assert res.tau_chain == rest.tau_chain and res.tau_ddtree(4) == rest.tau_ddtree(4)
+    assert len(res.tau_chain_per_prompt) == 2 and sum(res.accept_hist) == res.rounds
+    assert aggregate_rounds(8, [[], [3, 1]], {4: [[], [2, 2]]}).tau_ddtree(4) == 2.0

@@ -209,34 +209,70 @@ def test_tree_mask_is_exact_on_a_pure_attention_target():
         assert verify_tree_masked(cache, tree, y[0]) == _path_by_path(cache, tree, y[0])
 
 
+def trained_on_device(device: str, cfg: DemoConfig = DEMO):
+    """The tiny target on `device` and a drafter trained on its features there. Only the drafter
+    trains on the CPU: with fla installed a CPU forward of the target would go to fla and crash."""
+    target = tiny_qwen35_target(cfg)
+    drafter = drafter_for(target, cfg)  # copies the embedding and lm_head while both are on the CPU
+    target = target.to(device)
+    g = torch.Generator().manual_seed(cfg.seed + 2)
+    prompts = [torch.randint(0, drafter.config.mask_token_id, (cfg.prompt_len,), generator=g).tolist()
+               for _ in range(cfg.num_prompts)]
+    responses = [greedy_continuation(target, p, cfg.new_tokens) for p in prompts]
+    ids = torch.tensor([p + r for p, r in zip(prompts, responses)])
+    loss_mask = torch.zeros_like(ids, dtype=torch.float32)
+    loss_mask[:, cfg.prompt_len:] = 1.0
+    cap = capture_features(target, ids.to(device), drafter.config.target_layer_ids, with_argmax=False)
+    train(drafter, ids, cap.features.float().cpu(), loss_mask, cfg, log_every=0)
+    return target, drafter.to(device), prompts, responses, cap.kernel_path
+
+
+def live_vs_replay(target, drafter, prompts, new_tokens: int, budgets=BUDGETS) -> dict:
+    """tau of replay and live decoding over `prompts`, and how many rounds/continuations agree."""
+    dev = next(target.parameters()).device
+    chains, lives, same, total, equal = [], [], 0, 0, 0
+    trees, live_trees = {b: [] for b in budgets}, {b: [] for b in budgets}
+    for prompt in prompts:
+        y = greedy_continuation(target, prompt, new_tokens)
+        seq = prompt + y
+        cap = capture_features(target, torch.tensor([seq], device=dev), drafter.config.target_layer_ids,
+                               with_argmax=False)
+        chain, replay_trees = replay_sequence(drafter, seq, cap.features[0], len(prompt), budgets)
+        run = live_decode(target, drafter, prompt, new_tokens)
+        pairs = [(chain, list(run.taus))]
+        for b in budgets:
+            tree_run = live_decode(target, drafter, prompt, new_tokens, budget=b)
+            trees[b].append(replay_trees[b])
+            live_trees[b].append(list(tree_run.taus))
+            pairs.append((replay_trees[b], list(tree_run.taus)))
+        chains.append(chain)
+        lives.append(list(run.taus))
+        equal += list(run.tokens) == y
+        for a, b in pairs:
+            same += sum(x == z for x, z in zip(a, b))
+            total += max(len(a), len(b))
+    blk = drafter.config.block_size
+    return {"replay": aggregate_rounds(blk, chains, trees), "live": aggregate_rounds(blk, lives, live_trees),
+            "rounds_equal": same, "rounds": total, "continuations_equal": equal, "prompts": len(prompts)}
+
+
 @pytest.mark.gpu
-def test_live_matches_replay_on_cuda_with_fla(trained):
+def test_live_matches_replay_on_cuda_with_fla():
     """On the GPU, fla's kernels: live decoding through the cache vs greedy replay (one forward
     over prompt + continuation) on the tiny target; prints the figure for docs/BENCHMARKS.md."""
     from dflash_dist.model.capture import gdn_kernel_path
 
-    target, drafter, prompts, _ = trained
-    target, drafter = target.cuda(), drafter.cuda()
-    assert gdn_kernel_path(target) == "fla"
-    chains, lives, same_rounds, total_rounds, same_tokens = [], [], 0, 0, 0
-    for prompt in prompts:
-        y = greedy_continuation(target, prompt, DEMO.new_tokens)
-        seq = prompt + y
-        cap = capture_features(target, torch.tensor([seq], device="cuda"), drafter.config.target_layer_ids,
-                               with_argmax=False)
-        assert cap.kernel_path == "fla"
-        chain, _ = replay_sequence(drafter, seq, cap.features[0], len(prompt))
-        run = live_decode(target, drafter, prompt, DEMO.new_tokens)
-        chains.append(chain)
-        lives.append(list(run.taus))
-        same_tokens += list(run.tokens) == y
-        same_rounds += sum(a == b for a, b in zip(chain, run.taus))
-        total_rounds += max(len(chain), len(run.taus))
-    replay = aggregate_rounds(drafter.config.block_size, chains)
-    live = aggregate_rounds(drafter.config.block_size, lives)
+    target, drafter, prompts, _, kernel_path = trained_on_device("cuda")
+    assert gdn_kernel_path(target) == "fla" and kernel_path == "fla"
+    r = live_vs_replay(target, drafter, prompts, DEMO.new_tokens)
+    replay, live = r["replay"], r["live"]
     print(f"fla tiny target: replay tau {replay.tau_chain:.4f} live tau {live.tau_chain:.4f} "
-          f"rounds equal {same_rounds}/{total_rounds} continuations equal {same_tokens}/{len(prompts)}")
+          + " ".join(f"DDTree-{b} {replay.tau_ddtree(b):.4f}/{live.tau_ddtree(b):.4f}" for b in BUDGETS)
+          + f" rounds equal {r['rounds_equal']}/{r['rounds']} continuations equal "
+          f"{r['continuations_equal']}/{r['prompts']}")
     assert live.tau_chain == pytest.approx(replay.tau_chain, rel=0.02)
+    for b in BUDGETS:
+        assert live.tau_ddtree(b) == pytest.approx(replay.tau_ddtree(b), rel=0.02)
 
 
 def test_replay_tau_is_finite_with_a_one_token_continuation(trained):

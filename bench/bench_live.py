@@ -5,7 +5,7 @@
 
 Prints, per setting: tau of replay and of live decoding (chain and DDTree-4/8), how many rounds
 have the same tau in both, how many live continuations equal the target's greedy continuation,
-and live decoding's wall time. Uses tests/test_live.py's helpers (the same code the gpu-marked
+and live decoding's wall time. Uses dflash_dist/tools/live_check.py (the same code tests/test_live.py's gpu-marked
 test runs), so the figure in docs/BENCHMARKS.md is what that test asserts on.
 """
 
@@ -22,7 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_dist.tools.demo import DemoConfig  # noqa: E402
-from tests.test_live import BUDGETS, DEMO, live_vs_replay, trained_on_device  # noqa: E402
+from dflash_dist.tools.live_check import live_vs_replay, trained_on_device  # noqa: E402
+
+BUDGETS = (4, 8)
+DEMO = replace(DemoConfig(), target_layers=4, k=2, num_prompts=6, prompt_len=12, new_tokens=24, steps=60)  # the test's
 
 
 def main() -> int:

@@ -13,6 +13,8 @@ _UNSUPPORTED = {
     "hidden_act": "silu",
     "partial_rotary_factor": 1.0,
     "is_causal": False,  # SGLang's switch to causal full layers; we train bidirectional ones
+    "attn_output_gate": False,  # Qwen3.5's gated attention: not in the DFlash drafter
+    "mlp_bias": False,
 }
 
 FULL_ATTENTION = "full_attention"

@@ -27,6 +27,16 @@ TEST_REQUIRES = [
     "ruff",
 ]
 
+BENCH_REQUIRES = [
+    "matplotlib==3.11.2",  # bench/bench_quality.py's tau-vs-samples plot
+]
+
+# GPU machines only (needs Triton, which CPU environments must not install: ../shared/PLATFORM.md):
+# the drafter's `train.kernels: liger` set (dflash_dist/model/fused.py); without it "auto" uses torch.compile
+GPU_REQUIRES = [
+    "liger-kernel==0.8.5",
+]
+
 setup(
     name="dflash-dist",
     version="0.1.0",
@@ -35,6 +45,6 @@ setup(
     packages=find_packages(include=["dflash_dist*", "data_pipeline*", "launcher*"]),
     package_data={"": ["*.yaml"]},
     install_requires=INSTALL_REQUIRES,
-    extras_require={"test": TEST_REQUIRES},
+    extras_require={"test": TEST_REQUIRES, "bench": BENCH_REQUIRES, "gpu": GPU_REQUIRES},
     entry_points={"console_scripts": ["dflash-dist=launcher.cli:main"]},
 )

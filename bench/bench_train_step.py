@@ -1,11 +1,22 @@
 """Throughput and peak memory of one full training step of the drafter inside our DeepSpeed loop:
 engine(batch) -> engine.backward -> engine.step (clip, AdamW on the fp32 master weights, LR
-schedule), wrapped exactly as the trainer wraps it (trainer/loop.py TrainForward, ds_config.py),
+schedule), wrapped exactly as the trainer wraps it (trainer/engine.py TrainForward, ds_config.py),
 with the chunked loss (our default) and the naive full-logits loss measured in one run.
 
     python bench/bench_train_step.py                        # the 27B drafter shape, ZeRO-2, batch 1
     python bench/bench_train_step.py --zero-stage 1 --batch 2 --steps 10
     python bench/bench_train_step.py --loss chunked --profile 2   # + torch.profiler kernel table
+    python bench/bench_train_step.py --loss chunked --kernels torch,liger,compile --mix 24 --no-overflow-check
+
+--kernels times each kernel set (fused.py) on one engine (`drafter.set_kernels` between runs) and
+prints each set's loss on the same batch with the same weights next to the torch reference.
+--mix N times N samples of a realistic length mix (`length_mix`) twice: right-padded micro-batches
+(`mix_batches`: one sample each, or the trainer's token-budget BatchLimit with --mix-batch > 1) and
+packed rows of --seq tokens (`pack_batches`, documents kept apart by loss.Anchors starts/ends).
+--sliding-layers 4 --window 2048 gives the Qwen3.6-27B recipe's layer types. --no-overflow-check
+also times the step with DeepSpeed's separate inf/nan pass off (bf16 check_grad_overflow; the grad
+norm stays). --host-sync first times the torch set with a loss read after every forward (the
+former finite-loss assert).
 
 One process, world size 1 (NCCL), random bf16 features/ids, loss mask all ones, 512 anchors per
 sequence drawn like the trainer draws them. MFU counts SPEC section 6's model FLOPs (drafter layers
@@ -17,6 +28,7 @@ bf16 matmul rate measured on an H200, SPEC's convention) and the 989 TFLOP/s dat
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 
@@ -26,40 +38,49 @@ import torch.distributed as dist
 from dflash_dist.config import load_config
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.drafter import DFlashDrafter
+from dflash_dist.model.fused import KERNELS
 from dflash_dist.model.loss import Anchors, dflash_loss, label_targets, sample_anchors
+from dflash_dist.trainer.batching import BatchLimit
 from dflash_dist.trainer.ds_config import build_lr_schedule, build_optimizer, deepspeed_config
-from dflash_dist.trainer.loop import TrainForward
+from dflash_dist.trainer.engine import TrainForward
 
 DATASHEET_TFLOPS = 989.0
 
 
 class BenchForward(TrainForward):
     """TrainForward (the chunked loss, as trained) or, with `naive`, the full-logits loss path
-    (dflash_loss return_logits=True: lm_head over every block slot, fp32 logits, F.cross_entropy)."""
+    (dflash_loss return_logits=True: lm_head over every block slot, fp32 logits, F.cross_entropy).
+    With anchor_starts/anchor_ends: packed rows (each anchor's document bounds, loss.Anchors)."""
 
     naive = False
 
-    def forward(self, input_ids, features, loss_mask, target_argmax, anchor_positions, anchor_keep):
-        if not self.naive:
+    def forward(
+        self, input_ids, features, loss_mask, target_argmax, anchor_positions, anchor_keep, anchor_starts=None,
+        anchor_ends=None,
+    ):
+        if not self.naive and anchor_starts is None:
             return super().forward(input_ids, features, loss_mask, target_argmax, anchor_positions, anchor_keep)
         out = dflash_loss(
             self.drafter,
             input_ids,
             features,
             loss_mask,
-            Anchors(anchor_positions, anchor_keep),
+            Anchors(anchor_positions, anchor_keep, anchor_starts, anchor_ends),
             target_argmax=target_argmax,
             label_source=self.label_source,
             gamma=self.gamma,
             attention=self.attention,
-            return_logits=True,
+            return_logits=self.naive,
         )
         out.logits = out.extras = None  # only the loss leaves the step
         return out.loss, out
 
 
-def model_flops(dc: DrafterConfig, seq_len: int, input_ids, loss_mask, anchors: Anchors) -> float:
-    """SPEC 6 cost model for one micro-batch (all rows), from the anchors actually drawn."""
+def model_flops(
+    dc: DrafterConfig, seq_len: int, input_ids, loss_mask, anchors: Anchors, context_tokens: int | None = None
+) -> float:
+    """SPEC 6 cost model for one micro-batch (all rows), from the anchors actually drawn;
+    `context_tokens`: the real (unpadded) context tokens, default seq_len per row."""
     h, L, blk, d = dc.hidden_size, dc.num_hidden_layers, dc.block_size, dc.head_dim
     nq, nkv = dc.num_attention_heads, dc.num_key_value_heads
     kv_params = 2 * h * nkv * d
@@ -68,9 +89,11 @@ def model_flops(dc: DrafterConfig, seq_len: int, input_ids, loss_mask, anchors: 
     block_tokens = int(keep.sum()) * blk
     rows = input_ids.shape[0]
     layers = 6 * layer_params * block_tokens * L
-    context = 6 * (dc.num_context_layers * h * h + L * kv_params) * seq_len * rows
-    # each query of block j sees the context keys < a_j and the block's B keys
-    pairs = float(((anchors.positions + blk) * keep).sum()) * blk
+    ctx_tokens = seq_len * rows if context_tokens is None else context_tokens
+    context = 6 * (dc.num_context_layers * h * h + L * kv_params) * ctx_tokens
+    # each query of block j sees the context keys in [start_j, a_j) and the block's B keys
+    start = 0 if anchors.starts is None else anchors.starts
+    pairs = float(((anchors.positions - start + blk) * keep).sum()) * blk
     attention = 3 * 4 * nq * d * pairs * L
     _, binary = label_targets(input_ids, loss_mask, anchors, blk)
     head = 4 * h * dc.vocab_size * float(binary.sum())
@@ -78,6 +101,10 @@ def model_flops(dc: DrafterConfig, seq_len: int, input_ids, loss_mask, anchors: 
 
 
 def drafter_config(a) -> DrafterConfig:
+    sliding = {}
+    if a.sliding_layers:  # the Qwen3.6-27B recipe: the first N layers slide, the last is full
+        types = ["sliding_attention"] * a.sliding_layers + ["full_attention"] * (a.layers - a.sliding_layers)
+        sliding = {"layer_types": tuple(types), "sliding_window": a.window}
     return DrafterConfig(
         hidden_size=a.hidden,
         num_hidden_layers=a.layers,
@@ -90,6 +117,7 @@ def drafter_config(a) -> DrafterConfig:
         num_target_layers=64,
         block_size=a.block,
         mask_token_id=a.vocab - 250,
+        **sliding,
     )
 
 
@@ -147,6 +175,101 @@ def make_batches(a, dc: DrafterConfig, n: int):
     return out
 
 
+def length_mix(n: int, max_len: int, seed: int = 4) -> list[tuple[int, int]]:
+    """(length, prompt length) of n chat samples: prompt + response lengths log-normal with
+    median 1024 and sigma 0.75 (mean ~1350), clipped to [192, max_len]; the prompt is the first
+    30% (loss mask 0), the response the rest (loss mask 1). A stand-in for a fit to chat data:
+    most samples are far shorter than the maximum, a tail reaches it."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, generator=g)
+    lens = (math.log(1024) + 0.75 * z).exp().clamp(192, max_len).round().long().tolist()
+    return [(s, int(0.3 * s)) for s in lens]
+
+
+def mix_batches(a, dc: DrafterConfig, lengths, bucket: int):
+    """Right-padded micro-batches of the length mix, grouped like the trainer groups them
+    (BatchLimit: one sample each with --mix-batch 1, else a token budget of --seq padded tokens); the
+    padded length is rounded up to a multiple of `bucket` so flex_attention compiles for few shapes. Anchors per sample
+    (sample_anchors on its own loss mask), padded to --anchors per row (keep False).
+    Returns [(batch tuple, real tokens, samples)]."""
+    limit = BatchLimit(size=1) if a.mix_batch == 1 else BatchLimit(size=a.mix_batch, tokens=a.seq)
+    groups, cur = [], []
+    for s, p in lengths:
+        if cur and not limit.fits([x for x, _ in cur], s):
+            groups.append(cur)
+            cur = []
+        cur.append((s, p))
+    if cur:
+        groups.append(cur)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    cpu_g = torch.Generator().manual_seed(6)
+    out = []
+    for grp in groups:
+        b = len(grp)
+        s_len = min(a.seq, -(-max(s for s, _ in grp) // bucket) * bucket)
+        ids = torch.randint(0, dc.vocab_size, (b, s_len), generator=g, device="cuda")
+        feats = torch.randn(b, s_len, dc.num_context_layers * dc.hidden_size, generator=g, device="cuda")
+        mask = torch.zeros(b, s_len, dtype=torch.long)
+        for i, (s, p) in enumerate(grp):
+            mask[i, p:s] = 1
+        pos = torch.zeros(b, a.anchors, dtype=torch.long)
+        keep = torch.zeros(b, a.anchors, dtype=torch.bool)
+        for i in range(b):
+            anc = sample_anchors(mask[i : i + 1], a.anchors, cpu_g)
+            k = anc.positions.shape[1]
+            pos[i, :k], keep[i, :k] = anc.positions[0], anc.keep[0]
+        batch = (ids, feats.to(torch.bfloat16), mask.cuda(), ids, pos.cuda(), keep.cuda())
+        out.append((batch, sum(s for s, _ in grp), b))
+    return out
+
+
+HOST_SYNC = False  # --host-sync: read the loss after every forward, as the former finite-loss assert did
+
+
+def pack_batches(a, dc: DrafterConfig, lengths, anchor_bucket: int):
+    """Packed rows of --seq tokens, first fit: each sample in arrival order joins the first row with
+    room (rows stay open over the whole mix: a stand-in for a shuffle buffer of that size);
+    each sample's anchors drawn on its own loss mask (up to --anchors), shifted to its offset, with
+    its document bounds (loss.Anchors starts/ends: no block sees or is labelled by another
+    document). Anchors per row padded to a multiple of `anchor_bucket` (few compiled shapes).
+    Positions stay the row's (RoPE is relative: a shift changes no score). Returns
+    [(batch tuple of 8, real tokens, samples)]."""
+    rows, used = [], []
+    for s, p in lengths:
+        i = next((i for i, u in enumerate(used) if u + s <= a.seq), len(rows))
+        if i == len(rows):
+            rows.append([])
+            used.append(0)
+        rows[i].append((s, p))
+        used[i] += s
+    g = torch.Generator(device="cuda").manual_seed(5)
+    cpu_g = torch.Generator().manual_seed(6)
+    out = []
+    for row in rows:
+        mask = torch.zeros(1, a.seq, dtype=torch.long)
+        per, off = [], 0
+        for s, p in row:
+            doc = torch.zeros(1, s, dtype=torch.long)
+            doc[0, p:] = 1
+            mask[0, off + p : off + s] = 1
+            anc = sample_anchors(doc, a.anchors, cpu_g)
+            k = anc.keep[0]
+            m = int(k.sum())
+            per.append((anc.positions[0][k] + off, torch.full((m,), off), torch.full((m,), off + s)))
+            off += s
+        pos, starts, ends = (torch.cat([x[i] for x in per]) for i in range(3))
+        n = max(anchor_bucket, -(-pos.numel() // anchor_bucket) * anchor_bucket)
+        pad = n - pos.numel()
+        keep = torch.cat([torch.ones(pos.numel(), dtype=torch.bool), torch.zeros(pad, dtype=torch.bool)])
+        pos, starts, ends = (torch.cat([t, torch.zeros(pad, dtype=torch.long)]) for t in (pos, starts, ends))
+        ids = torch.randint(0, dc.vocab_size, (1, a.seq), generator=g, device="cuda")
+        feats = torch.randn(1, a.seq, dc.num_context_layers * dc.hidden_size, generator=g, device="cuda")
+        anchors = tuple(t[None].cuda() for t in (pos, keep, starts, ends))
+        batch = (ids, feats.to(torch.bfloat16), mask.cuda(), ids, *anchors)
+        out.append((batch, off, len(row)))
+    return out
+
+
 def run_steps(engine, batches):
     """(seconds for all steps, [(fwd, bwd, step) ms] per step) with per-phase CUDA events."""
     events = []
@@ -156,6 +279,8 @@ def run_steps(engine, batches):
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         ev[0].record()
         loss, out = engine(*b)
+        if HOST_SYNC:
+            float(loss.detach())
         ev[1].record()
         engine.backward(loss)
         ev[2].record()
@@ -174,12 +299,35 @@ def profile(engine, batches, path: str | None) -> None:
     from torch.profiler import profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=bool(path)) as prof:
-        run_steps(engine, batches)
+        secs, _ = run_steps(engine, batches)
     avgs = prof.key_averages()
     key = "self_device_time_total" if hasattr(avgs[0], "self_device_time_total") else "self_cuda_time_total"
     print(avgs.table(sort_by=key, row_limit=45, max_name_column_width=90))
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time for e in kernels) / 1e3 / len(batches)  # ms of kernels per step (streams summed)
+    wall = secs * 1e3 / len(batches)
+    print(f"profiled: {wall:.1f} ms/step wall, {busy:.1f} ms of kernels per step (GPU idle >= {wall - busy:.1f} ms)")
     if path:
         prof.export_chrome_trace(path)
+
+
+def report(name, secs, steps, samples, tokens, flops, peak, phases, peak_tflops) -> str:
+    per_step = secs / steps
+    fwd, bwd, stp = (sum(x[i] for x in phases) / len(phases) for i in range(3))
+    return (
+        f"{name:22s} {per_step * 1e3:7.1f} ms/step  {samples / secs:5.2f} samples/s  {tokens / secs:8.0f} tokens/s  "
+        f"MFU {flops / secs / (peak_tflops * 1e12):5.1%} of {peak_tflops:.0f} "
+        f"({flops / secs / (DATASHEET_TFLOPS * 1e12):5.1%} of {DATASHEET_TFLOPS:.0f})  "
+        f"peak {peak:6.1f} GiB  [fwd {fwd:.1f} / bwd {bwd:.1f} / step {stp:.1f} ms]"
+    )
+
+
+def timed(engine, warm, timed_batches):
+    run_steps(engine, warm)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    secs, phases = run_steps(engine, timed_batches)
+    return secs, phases, torch.cuda.max_memory_allocated() / 2**30
 
 
 def main() -> None:
@@ -189,6 +337,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per loss (compiles flex_attention)")
     p.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3])
     p.add_argument("--loss", default="chunked,naive", help="comma list of chunked, naive (one engine)")
+    p.add_argument("--kernels", default="torch", help=f"comma list of kernel sets {KERNELS} (chunked loss)")
     p.add_argument("--seq", type=int, default=3072)
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--hidden", type=int, default=5120)
@@ -199,14 +348,25 @@ def main() -> None:
     p.add_argument("--intermediate", type=int, default=17408)
     p.add_argument("--vocab", type=int, default=248320)
     p.add_argument("--block", type=int, default=16)
+    p.add_argument("--sliding-layers", type=int, default=0, help="first N layers sliding-window (recipe: 4)")
+    p.add_argument("--window", type=int, default=2048, help="sliding window (tokens)")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="MFU denominator (SPEC 6: 790 measured)")
     p.add_argument("--foreach-adamw", action="store_true", help="torch's foreach AdamW instead of the fused default")
+    p.add_argument("--no-overflow-check", action="store_true", help="also time with DeepSpeed's inf/nan pass off")
+    p.add_argument("--host-sync", action="store_true", help="first time torch kernels with a loss read per forward")
+    p.add_argument("--mix", type=int, default=0, help="also time N samples of the realistic length mix")
+    p.add_argument("--mix-bucket", type=int, default=1024, help="padded lengths rounded up to this multiple")
+    p.add_argument("--mix-batch", type=int, default=1, help="1: a sample per micro-batch; else a token budget of --seq")
+    p.add_argument("--mix-kernels", default=None, help="kernel sets for the mix (default: the last of --kernels)")
     p.add_argument("--profile", type=int, default=0, help="profile N chunked steps after timing")
     p.add_argument("--trace", default=None, help="chrome trace path for --profile (with Python stacks)")
     a = p.parse_args()
     losses = [s.strip() for s in a.loss.split(",") if s.strip()]
+    kernel_sets = [s.strip() for s in a.kernels.split(",") if s.strip()]
     if not set(losses) <= {"chunked", "naive"}:
         raise SystemExit(f"--loss: expected chunked and/or naive, got {a.loss}")
+    if not set(kernel_sets) <= set(KERNELS):
+        raise SystemExit(f"--kernels: expected some of {KERNELS}, got {a.kernels}")
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
 
@@ -223,12 +383,12 @@ def main() -> None:
 
     dc = drafter_config(a)
     cfg, engine = build(a, dc)
+    drafter = engine.module.drafter
     n_train = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
     batches = make_batches(a, dc, a.warmup + a.steps)
     ids, _, mask = batches[0][:3]
-    flops = (
-        sum(model_flops(dc, a.seq, ids.cpu(), mask.cpu(), Anchors(b[4].cpu(), b[5].cpu())) for b in batches[a.warmup :])
-        / a.steps
+    flops = sum(
+        model_flops(dc, a.seq, ids.cpu(), mask.cpu(), Anchors(b[4].cpu(), b[5].cpu())) for b in batches[a.warmup :]
     )
     print(f"torch {torch.__version__}  {torch.cuda.get_device_name()}  deepspeed {__import__('deepspeed').__version__}")
     print(
@@ -236,32 +396,78 @@ def main() -> None:
         f"{dc.num_key_value_heads}x{dc.head_dim}  I {dc.intermediate_size}  V {dc.vocab_size}  B {dc.block_size}"
         f"  seq {a.seq}  anchors {a.anchors}  batch {a.batch}  ZeRO-{a.zero_stage}  bf16 flex_attention"
         f"  trainable {n_train / 1e9:.3f}B  optimizer {type(engine.optimizer).__name__}"
-        f"{' foreach AdamW' if a.foreach_adamw else ' fused AdamW'}"
+        f"{' foreach AdamW' if a.foreach_adamw else ' fused AdamW'}  layer types {list(dc.layer_types)}"
+        f"{f' window {dc.sliding_window}' if dc.has_sliding_layers else ''}"
     )
-    print(f"model FLOPs per sample (SPEC 6): {flops / a.batch / 1e12:.1f} TFLOP")
+    print(f"model FLOPs per sample (SPEC 6): {flops / a.steps / a.batch / 1e12:.1f} TFLOP", flush=True)
+
+    # the loss of each kernel set on one batch with the same weights (forward only, no step)
+    ref = None
+    for k in kernel_sets:
+        drafter.set_kernels(k)
+        with torch.no_grad():
+            loss = float(engine.module(*batches[0])[0])
+        ref = loss if ref is None else ref
+        print(f"loss on batch 0, kernels {k:8s}: {loss:.6f}  (vs {kernel_sets[0]}: {loss - ref:+.2e})", flush=True)
 
     results = {}
-    for name in losses:
-        engine.module.naive = name == "naive"
-        run_steps(engine, batches[: a.warmup])
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        secs, phases = run_steps(engine, batches[a.warmup :])
-        per_step = secs / a.steps
-        samples = a.batch / per_step
-        peak = torch.cuda.max_memory_allocated() / 2**30
-        fwd, bwd, stp = (sum(x[i] for x in phases) / len(phases) for i in range(3))
-        results[name] = samples
+    global HOST_SYNC
+    runs = [("naive", "torch")] if "naive" in losses else []
+    runs += [("chunked+sync", "torch")] if a.host_sync else []
+    runs += [("chunked", k) for k in kernel_sets] if "chunked" in losses else []
+    for loss_name, k in runs:
+        engine.module.naive = loss_name == "naive"
+        HOST_SYNC = loss_name == "chunked+sync"
+        drafter.set_kernels(k)
+        secs, phases, peak = timed(engine, batches[: a.warmup], batches[a.warmup :])
+        name = f"{loss_name}/{k}"
+        results[name] = a.steps * a.batch / secs
+        n = a.steps * a.batch
+        print(report(name, secs, a.steps, n, n * a.seq, flops, peak, phases, a.peak_tflops), flush=True)
+    engine.module.naive = False
+    if a.no_overflow_check:  # DeepSpeed reads this flag at every step (bf16 config check_grad_overflow)
+        engine.optimizer.check_grad_overflow = False
+        secs, phases, peak = timed(engine, batches[:1], batches[a.warmup :])
+        n = a.steps * a.batch
+        name = f"chunked/{kernel_sets[-1]} no-ovf"
+        results[name] = n / secs
+        print(report(name, secs, a.steps, n, n * a.seq, flops, peak, phases, a.peak_tflops), flush=True)
+    if len(results) > 1:
+        base = next(iter(results.values()))
+        print("samples/s vs the first run: " + ", ".join(f"{k} {v / base:.3f}" for k, v in results.items()))
+
+    if a.mix:
+        lengths = length_mix(a.mix, a.seq)
+        real = sum(s for s, _ in lengths)
         print(
-            f"{name:8s} {per_step * 1e3:7.1f} ms/step  {samples:5.2f} samples/s  {samples * a.seq:8.0f} tokens/s  "
-            f"MFU {flops / per_step / (a.peak_tflops * 1e12):5.1%} of {a.peak_tflops:.0f} "
-            f"({flops / per_step / (DATASHEET_TFLOPS * 1e12):5.1%} of {DATASHEET_TFLOPS:.0f})  "
-            f"peak {peak:6.1f} GiB  [fwd {fwd:.1f} / bwd {bwd:.1f} / step {stp:.1f} ms]"
+            f"length mix: {a.mix} samples, lengths median {sorted(s for s, _ in lengths)[a.mix // 2]} mean "
+            f"{real / a.mix:.0f} min {min(s for s, _ in lengths)} max {max(s for s, _ in lengths)} "
+            "(log-normal, median 1024, sigma 0.75, clipped to [192, seq]; first 30% prompt, loss mask 0)"
         )
-    if len(results) == 2:
-        print(f"chunked / naive samples/s: {results['chunked'] / results['naive']:.3f}")
+        modes = {
+            "padded": mix_batches(a, dc, lengths, a.mix_bucket),
+            "packed": pack_batches(a, dc, lengths, a.anchors),
+        }
+        for mode, mixed in modes.items():
+            padded = sum(b[0].numel() for b, _, _ in mixed)
+            mix_flops = sum(
+                model_flops(dc, b[0].shape[1], b[0].cpu(), b[2].cpu(), Anchors(*(t.cpu() for t in b[4:])), real_tok)
+                for b, real_tok, _ in mixed
+            )
+            print(
+                f"{mode}: {len(mixed)} micro-batches ({'rows of' if mode == 'packed' else 'token budget'} {a.seq}"
+                f"{f', --mix-batch {a.mix_batch}, bucket {a.mix_bucket}' if mode == 'padded' else ''}), padding "
+                f"{1 - real / padded:.1%}, "
+                f"model FLOPs per sample {mix_flops / a.mix / 1e12:.1f} TFLOP"
+            )
+            for k in [s.strip() for s in (a.mix_kernels or kernel_sets[-1]).split(",")]:
+                drafter.set_kernels(k)
+                shapes = {}
+                for b, _, _ in mixed:  # one warm-up step per shape (flex_attention compiles per shape)
+                    shapes.setdefault((tuple(b[0].shape), tuple(b[4].shape)), b)
+                secs, phases, peak = timed(engine, list(shapes.values()), [b for b, _, _ in mixed])
+                print(report(f"mix {mode}/{k}", secs, len(mixed), a.mix, real, mix_flops, peak, phases, a.peak_tflops))
     if a.profile:
-        engine.module.naive = False
         profile(engine, batches[: a.profile], a.trace)
     dist.destroy_process_group()
 

@@ -89,6 +89,12 @@ class CaptureSection(_Section):
     max_restarts: NonNegInt = 3  # Ray restarts a dead target actor this often; its capture resumes from the ledger
     cpus_per_actor: NonNegFloat = 1.0
     gpus_per_actor: NonNegFloat = 0.0
+    # writer processes per target actor: device-to-host copies on a side stream into pinned shared
+    # buffers, encoded and written off the GPU thread (capture/host_sink.py); 0: on the GPU thread
+    writers: NonNegInt = 0
+    # eager: transformers' modules as they are; fused (CUDA only): torch.compile'd RMSNorms, gated
+    # RMSNorm and SwiGLU plus fla's causal conv (capture/fused_target.py): kernel path "fla_fused"
+    kernels: Literal["eager", "fused"] = "eager"
 
 
 class DrafterSection(_Section):
@@ -114,6 +120,10 @@ class TrainSection(_Section):
     # None: micro_batch_size samples each. DeepSpeed's train_micro_batch_size_per_gpu stays
     # micro_batch_size either way (it only does bookkeeping: throughput, train_batch_size)
     micro_batch_tokens: PosInt | None = None
+    # concatenate a micro-batch's samples into one row of micro_batch_tokens (needs it), documents
+    # kept apart by the block mask (trainer/batching.py); 1.19x samples/s over padding on a chat-like
+    # length mix at the 27B shape (docs/BENCHMARKS.md). Off: right-padded rows, as before
+    packing: bool = False
     # samples within a shard in a permutation seeded by (run.seed, epoch, shard); the shard order
     # of epochs after the first is permuted by (run.seed, epoch) either way
     shuffle: bool = True
@@ -141,6 +151,14 @@ class TrainSection(_Section):
     # "step_slots": over the whole optimizer step and all ranks (each supervised slot counts the same)
     loss_norm: Literal["micro_batch", "step_slots"] = "micro_batch"
     attention: Literal["auto", "dense", "flex"] = "auto"
+    # the drafter's elementwise kernels and lm_head CE (model/fused.py): "torch" (the reference; CPU),
+    # "liger" (Triton, needs liger-kernel), "compile" (torch.compile); "auto": torch on CPU, on a GPU
+    # liger when liger-kernel imports, else compile (27B shape, H200: 3.29 -> 3.84 samples/s, docs/BENCHMARKS.md)
+    kernels: Literal["auto", "torch", "liger", "compile"] = "auto"
+    # DeepSpeed's separate inf/nan pass over the bf16 gradients before the step (bf16
+    # check_grad_overflow); off saves ~9 ms a step at the 27B shape, but a non-finite gradient is then
+    # applied instead of skipped (the trainer still fails on a non-finite logged loss)
+    grad_overflow_check: bool = True
     checkpoint_every: PosInt = 500
     keep_checkpoints: PosInt = 3
     log_every: PosInt = 10
@@ -345,6 +363,8 @@ def _validate(cfg: Config, path, check_files: bool = True) -> None:
     if d.num_heads % d.num_kv_heads:
         raise ConfigError(f"{where}: drafter.num_heads={d.num_heads} is not a multiple of drafter.num_kv_heads="
                           f"{d.num_kv_heads} (grouped-query attention shares each KV head among equal groups)")
+    if cfg.train.packing and cfg.train.micro_batch_tokens is None:
+        raise ConfigError(f"{where}: train.packing needs train.micro_batch_tokens (the packed row's length)")
     _validate_capture(cfg, where)
     _validate_regen(cfg.regen, where)
     _validate_eval(cfg.eval, where)

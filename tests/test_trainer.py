@@ -207,8 +207,8 @@ def test_deepspeed_config_reaches_engine(tiny, tmp_path, monkeypatch):
         lr=1e-3,
     )
     ds = deepspeed_config(cfg, world_size=1, on_gpu=False)
-    assert ds["train_batch_size"] == 6 and ds["bf16"] == {"enabled": False}
-    assert deepspeed_config(cfg, world_size=4, on_gpu=True)["bf16"] == {"enabled": True}
+    assert ds["train_batch_size"] == 6 and ds["bf16"] == {"enabled": False, "check_grad_overflow": True}
+    assert deepspeed_config(cfg, world_size=4, on_gpu=True)["bf16"] == {"enabled": True, "check_grad_overflow": True}
     assert deepspeed_config(cfg, 4, True)["train_batch_size"] == 24
 
     for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1").items():

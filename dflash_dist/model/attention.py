@@ -4,6 +4,9 @@ Training puts all blocks of a sequence in one forward: block j (anchor a_j) sees
 entries at positions < a_j (strictly: the anchor's own feature stays hidden), its own B entries
 bidirectionally, and no other block. On CUDA this is a sparse flex_attention BlockMask; on CPU an
 equivalent dense boolean mask through sdpa. Both are built from one mask rule below.
+
+Packed rows (several documents in one row): `starts` [b, N] gives each anchor's document start;
+block j then sees only context entries in [starts_j, a_j), so documents never see each other.
 """
 
 from __future__ import annotations
@@ -24,14 +27,18 @@ LayerMasks = dict[str, "AttentionMask | None"]
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
-def _mask_rule(q_idx, kv_idx, anchor, keep, context_len: int, block_size: int, window: int | None = None):
+def _mask_rule(q_idx, kv_idx, anchor, keep, context_len: int, block_size: int, window: int | None = None,
+               start=None):
     """The one definition of who sees what; works on index tensors of any broadcast shape.
 
     Context entry kv sits at position kv; query q is slot q % B of block q // B. window=None: a
-    full layer; window=w: a sliding layer (module docstring)."""
+    full layer; window=w: a sliding layer (module docstring). start: the anchor's document start
+    in a packed row (None: the row is one document)."""
     block_of_q = q_idx // block_size
     is_ctx = kv_idx < context_len
     sees_ctx = is_ctx & (kv_idx < anchor)
+    if start is not None:
+        sees_ctx = sees_ctx & (kv_idx >= start)
     sees_own_block = ~is_ctx & ((kv_idx - context_len) // block_size == block_of_q)
     if window is not None:
         slot = q_idx - block_of_q * block_size
@@ -41,25 +48,29 @@ def _mask_rule(q_idx, kv_idx, anchor, keep, context_len: int, block_size: int, w
 
 
 def block_mask_dense(anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int,
-                     sliding_window: int | None = None) -> torch.Tensor:
-    """[b, N*B, S+N*B] bool mask for anchors/keep [b, N]; sliding_window=w: a sliding layer's."""
+                     sliding_window: int | None = None, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """[b, N*B, S+N*B] bool mask for anchors/keep [b, N]; sliding_window=w: a sliding layer's;
+    starts [b, N]: each anchor's document start in a packed row."""
     b, n = anchors.shape
     q_idx = torch.arange(n * block_size, device=anchors.device)
     kv_idx = torch.arange(context_len + n * block_size, device=anchors.device)
     anchor_q = anchors.repeat_interleave(block_size, dim=1)[:, :, None]  # [b, Q, 1]
     keep_q = keep.repeat_interleave(block_size, dim=1)[:, :, None]
+    start_q = None if starts is None else starts.repeat_interleave(block_size, dim=1)[:, :, None]
     return _mask_rule(q_idx[None, :, None], kv_idx[None, None, :], anchor_q, keep_q, context_len, block_size,
-                      sliding_window)
+                      sliding_window, start_q)
 
 
 def block_mask_flex(anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int,
-                    sliding_window: int | None = None):
+                    sliding_window: int | None = None, starts: torch.Tensor | None = None):
     """The same mask as a sparse flex_attention BlockMask."""
     b, n = anchors.shape
 
     def mask_mod(bi, hi, q_idx, kv_idx):
         j = q_idx // block_size
-        return _mask_rule(q_idx, kv_idx, anchors[bi, j], keep[bi, j], context_len, block_size, sliding_window)
+        start = None if starts is None else starts[bi, j]
+        return _mask_rule(q_idx, kv_idx, anchors[bi, j], keep[bi, j], context_len, block_size, sliding_window,
+                          start)
 
     return create_block_mask(
         mask_mod, B=b, H=None, Q_LEN=n * block_size, KV_LEN=context_len + n * block_size, device=anchors.device
@@ -67,15 +78,16 @@ def block_mask_flex(anchors: torch.Tensor, keep: torch.Tensor, context_len: int,
 
 
 def layer_masks(attention: str, anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int,
-                layer_types: tuple[str, ...] = (), sliding_window: int | None = None
-                ) -> AttentionMask | LayerMasks:
+                layer_types: tuple[str, ...] = (), sliding_window: int | None = None,
+                starts: torch.Tensor | None = None) -> AttentionMask | LayerMasks:
     """The training block mask(s) for a drafter with these layer types: one mask when every layer
-    is full (as before), else one per layer type. attention: "flex" or "dense"."""
+    is full (as before), else one per layer type. attention: "flex" or "dense". starts: packed
+    rows' per-anchor document starts (None: one document per row)."""
     build = {"flex": block_mask_flex, "dense": block_mask_dense}[attention]
-    full = build(anchors, keep, context_len, block_size)
+    full = build(anchors, keep, context_len, block_size, None, starts)
     if SLIDING not in layer_types:
         return full
-    return {FULL: full, SLIDING: build(anchors, keep, context_len, block_size, sliding_window)}
+    return {FULL: full, SLIDING: build(anchors, keep, context_len, block_size, sliding_window, starts)}
 
 
 def inference_sliding_mask(block_len: int, context_positions: torch.Tensor, block_positions: torch.Tensor,

@@ -10,12 +10,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_dist.model.attention import AttentionMask, attend
+from dflash_dist.model.attention import FULL, SLIDING, AttentionMask, LayerMasks, attend, inference_sliding_mask
 from dflash_dist.model.config import DrafterConfig
+from dflash_dist.model.fused import norm_rope_fn, rms_norm_fn, swiglu_fn
 
 
 class RMSNorm(nn.Module):
     """Qwen3 RMSNorm: computed in fp32, g = weight (not zero-centred)."""
+
+    fast = None  # fused.py's (x, weight, eps) kernel, set by DFlashDrafter.set_kernels; None: the code below
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -23,6 +26,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast is not None:
+            return self.fast(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -63,6 +68,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DrafterAttention(nn.Module):
+    norm_rope = None  # fused.py's q/k norm + RoPE, set by DFlashDrafter.set_kernels; None: the code below
+
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
@@ -90,16 +97,23 @@ class DrafterAttention(nn.Module):
         # KV injection: the fused context features pass through this layer's own k/v projections
         # and k_norm, then sit in front of the block's keys; they never become queries.
         kv_in = torch.cat([context, x], dim=1)
-        q = self.q_norm(self._heads(self.q_proj(x), self.num_heads)).transpose(1, 2)
-        k = self.k_norm(self._heads(self.k_proj(kv_in), self.num_kv_heads)).transpose(1, 2)
         v = self._heads(self.v_proj(kv_in), self.num_kv_heads).transpose(1, 2)
-        q = apply_rope(q, *rope_q)
-        k = apply_rope(k, *rope_kv)
+        if self.norm_rope is not None:
+            qn, kn = self.q_norm, self.k_norm
+            q = self.norm_rope(self._heads(self.q_proj(x), self.num_heads), qn.weight, qn.eps, *rope_q)
+            k = self.norm_rope(self._heads(self.k_proj(kv_in), self.num_kv_heads), kn.weight, kn.eps, *rope_kv)
+        else:
+            q = self.q_norm(self._heads(self.q_proj(x), self.num_heads)).transpose(1, 2)
+            k = self.k_norm(self._heads(self.k_proj(kv_in), self.num_kv_heads)).transpose(1, 2)
+            q = apply_rope(q, *rope_q)
+            k = apply_rope(k, *rope_kv)
         out = attend(q, k, v, mask, scale=self.head_dim**-0.5)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
 class DrafterMLP(nn.Module):
+    act = None  # fused.py's (gate, up) -> silu(gate) * up, set by DFlashDrafter.set_kernels
+
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -107,12 +121,15 @@ class DrafterMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act is not None:
+            return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DrafterLayer(nn.Module):
-    def __init__(self, cfg: DrafterConfig) -> None:
+    def __init__(self, cfg: DrafterConfig, layer_idx: int = 0) -> None:
         super().__init__()
+        self.attention_type = cfg.layer_types[layer_idx]  # which of the per-type masks this layer uses
         self.self_attn = DrafterAttention(cfg)
         self.mlp = DrafterMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -128,19 +145,33 @@ class DFlashDrafter(nn.Module):
 
     TARGET_KEYS = ("embed_tokens.weight", "lm_head.weight")
 
-    def __init__(self, cfg: DrafterConfig) -> None:
+    def __init__(self, cfg: DrafterConfig, kernels: str = "torch") -> None:
         super().__init__()
         self.config = cfg
         h = cfg.hidden_size
         self.fc = nn.Linear(cfg.num_context_layers * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DrafterLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
         self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False)
         self.embed_tokens.weight.requires_grad_(False)
         self.lm_head.weight.requires_grad_(False)
+        self.set_kernels(kernels)
+
+    def set_kernels(self, kernels: str) -> None:
+        """Elementwise kernels (fused.py): "torch" (reference, CPU), "compile" or "liger" (GPU).
+        Changes no weights; the loss reads `self.kernels` for its cross-entropy kernel."""
+        norm, act, norm_rope = rms_norm_fn(kernels), swiglu_fn(kernels), norm_rope_fn(kernels)
+        self.kernels = kernels
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.fast = norm
+            elif isinstance(m, DrafterMLP):
+                m.act = act
+            elif isinstance(m, DrafterAttention):
+                m.norm_rope = norm_rope
 
     def set_target_weights(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         """Share the target's embedding and lm_head (frozen)."""
@@ -171,23 +202,42 @@ class DFlashDrafter(nn.Module):
         block_positions: torch.Tensor,
         context: torch.Tensor,
         context_positions: torch.Tensor,
-        mask: AttentionMask | None = None,
+        mask: AttentionMask | LayerMasks | None = None,
         return_layer_outputs: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """Final normed hidden states of the block slots.
 
         block_ids/positions [b, Q]; context = fuse_context(features) [b, S, H] at context_positions
-        [b, S]; mask None = every query sees every key (one block at inference).
+        [b, S]; mask None = one block at inference: full layers see every key, sliding layers the
+        window (attention.inference_sliding_mask); training passes attention.layer_masks(...).
         """
         h = self.embed_tokens(block_ids).to(context.dtype)
         rope_q = self.rotary(block_positions, h.dtype)
         rope_kv = self.rotary(torch.cat([context_positions, block_positions], dim=1), h.dtype)
+        masks = self._per_layer_masks(mask, context_positions, block_positions)
         outs = []
         for layer in self.layers:
-            h = layer(h, context, rope_q, rope_kv, mask)
+            h = layer(h, context, rope_q, rope_kv, masks[layer.attention_type] if isinstance(masks, dict) else masks)
             outs.append(h)
         h = self.norm(h)
         return (h, outs) if return_layer_outputs else h
+
+    def _per_layer_masks(self, mask, context_positions: torch.Tensor, block_positions: torch.Tensor):
+        """The mask (or per-layer-type masks) the layers use; refuses one mask for a sliding drafter,
+        which would silently run its sliding layers as full attention."""
+        cfg = self.config
+        if not cfg.has_sliding_layers:
+            return mask[FULL] if isinstance(mask, dict) else mask
+        if mask is None:
+            sliding = inference_sliding_mask(block_positions.shape[1], context_positions, block_positions,
+                                             cfg.sliding_window)
+            return {FULL: None, SLIDING: sliding}
+        if not isinstance(mask, dict) or set(cfg.layer_types) - set(mask):
+            raise ValueError(
+                f"this drafter has layer_types {list(cfg.layer_types)}: pass one mask per layer type "
+                "(attention.layer_masks), not a single mask"
+            )
+        return mask
 
     def draft_block(
         self, features: torch.Tensor, anchor_token: int, start: int, context: torch.Tensor | None = None

@@ -22,20 +22,26 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from dflash_dist.model.fused import ce_chunk_fn, ce_logits_bytes, check_kernels
+
 # fp32 logits of one chunk. On an H200 at the 27B shape (7680 slots, H 5120, V 248320, bf16) a
 # forward+backward took 78.9 / 75.5 / 74.1 / 73.6 ms at 256 MiB / 512 MiB / 1 GiB / 2 GiB chunks
 # (peak 0.8 / 1.6 / 3.1 / 6.1 GiB) against 75.6 ms and 21.3 GiB for the full logits.
 CHUNK_BYTES = 2**30
 
 
-def default_chunk_rows(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Rows whose fp32 logits fit in `chunk_bytes` (1081 rows at V = 248320 and 1 GiB)."""
-    return max(1, chunk_bytes // (4 * vocab_size))
+def default_chunk_rows(vocab_size: int, chunk_bytes: int = CHUNK_BYTES, logit_bytes: int = 4) -> int:
+    """Rows whose logits fit in `chunk_bytes` (1081 fp32 rows at V = 248320 and 1 GiB; the fused
+    kernels hold only bf16 logits, `logit_bytes` 2: 2162 rows)."""
+    return max(1, chunk_bytes // (logit_bytes * vocab_size))
 
 
 class ChunkedLMHeadCE(torch.autograd.Function):
-    """(hidden [N, H], weight [V, H] frozen, labels [N], row_weights [N], chunk_rows)
+    """(hidden [N, H], weight [V, H] frozen, labels [N], row_weights [N], chunk_rows, kernels)
     -> (loss = sum(row_weights * ce), ce [N], argmax [N]).
+
+    kernels "torch": the passes below; "liger"/"compile": one fused CE per chunk (fused.py) that
+    returns the CE, the argmax and softmax - onehot in the logits' dtype.
 
     Only `loss` is differentiable, and only in `hidden`; `ce` and `argmax` are for metrics. The
     gradient is formed whenever `hidden` requires grad, under no_grad too: call it through
@@ -43,8 +49,9 @@ class ChunkedLMHeadCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, row_weights, chunk_rows):
+    def forward(ctx, hidden, weight, labels, row_weights, chunk_rows, kernels="torch"):
         n = hidden.shape[0]
+        fused_ce = ce_chunk_fn(kernels)
         acc = torch.promote_types(hidden.dtype, torch.float32)
         ce = torch.empty(n, dtype=acc, device=hidden.device)
         argmax = torch.empty(n, dtype=torch.long, device=hidden.device)
@@ -53,6 +60,12 @@ class ChunkedLMHeadCE(torch.autograd.Function):
             hi = min(lo + chunk_rows, n)
             rows, y = torch.arange(hi - lo, device=hidden.device), labels[lo:hi]
             logits = F.linear(hidden[lo:hi], weight)  # the input dtype
+            if fused_ce is not None:
+                ce[lo:hi], argmax[lo:hi], grad = fused_ce(logits, y, grad_hidden is not None)
+                if grad is not None:
+                    torch.mul(grad @ weight, row_weights[lo:hi, None], out=grad_hidden[lo:hi])
+                del logits, grad
+                continue
             log_probs = torch.log_softmax(logits, -1, dtype=acc)  # = cross_entropy's, on the upcast logits
             ce[lo:hi] = -log_probs[rows, y]
             argmax[lo:hi] = logits.argmax(-1)
@@ -72,9 +85,9 @@ class ChunkedLMHeadCE(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_ce, _grad_argmax):
         (grad_hidden,) = ctx.saved_tensors
         if grad_hidden is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         # the upstream scale (1, or 1/grad_accum under DeepSpeed) is applied in fp32
-        return (grad_hidden.float() * grad_loss).to(grad_hidden.dtype), None, None, None, None
+        return (grad_hidden.float() * grad_loss).to(grad_hidden.dtype), None, None, None, None, None
 
 
 def lm_head_cross_entropy(
@@ -83,14 +96,17 @@ def lm_head_cross_entropy(
     labels: torch.Tensor,
     row_weights: torch.Tensor,
     chunk_rows: int | None = None,
+    kernels: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """sum(row_weights * CE) over rows of `hidden @ weight.T` (differentiable in `hidden`), with
     the per-row CE and argmax, holding at most `chunk_rows` rows of logits at once (default:
     `default_chunk_rows(V)`).
 
     hidden [N, H]; weight [V, H], frozen (requires_grad False); labels [N] int64 in [0, V);
-    row_weights [N] (not differentiated). Pass only the rows that carry weight.
+    row_weights [N] (not differentiated). Pass only the rows that carry weight. kernels: "torch"
+    (the reference), "liger" or "compile" (fused.py's CE per chunk).
     """
+    check_kernels(kernels)
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(
             f"lm_head weight has shape {tuple(weight.shape)}, expected [V, {hidden.shape[-1]}]; an empty weight "
@@ -104,9 +120,10 @@ def lm_head_cross_entropy(
         )
     if weight.requires_grad:
         raise ValueError("the lm_head weight must be frozen (requires_grad=False): no weight gradient is computed")
-    chunk_rows = default_chunk_rows(weight.shape[0]) if chunk_rows is None else chunk_rows
+    if chunk_rows is None:
+        chunk_rows = default_chunk_rows(weight.shape[0], logit_bytes=ce_logits_bytes(kernels))
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     if not torch.is_grad_enabled():
         hidden = hidden.detach()  # needs_input_grad ignores no_grad: skip the gradient work explicitly
-    return ChunkedLMHeadCE.apply(hidden, weight, labels, row_weights.detach(), chunk_rows)
+    return ChunkedLMHeadCE.apply(hidden, weight, labels, row_weights.detach(), chunk_rows, kernels)

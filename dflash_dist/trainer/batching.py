@@ -11,6 +11,12 @@ as fit the token budget padded (`BatchLimit`). Either way its end depends only o
 sequence, so a resume from the position after a batch's last sample rebuilds the same batches.
 DeepSpeed's `train_micro_batch_size_per_gpu` stays micro_batch_size with a token budget: the
 engine uses it only for bookkeeping (train_batch_size, throughput), never to split a batch.
+
+`train.packing`: the samples of a token-budget micro-batch are concatenated into one row of
+exactly `micro_batch_tokens` (sum of lengths <= budget, not longest x count), each sample's anchors
+drawn as unpacked and shifted to its offset, with its document bounds (loss.Anchors starts/ends:
+no block sees or is labelled by another sample). One row shape: flex_attention compiles once.
+Per-sample diagnostics then come per row (`lengths` holds the row's real tokens).
 """
 
 from __future__ import annotations
@@ -47,13 +53,20 @@ class MicroBatch:
     lengths: tuple[int, ...] = ()  # each sample's real tokens (diagnostics by length)
 
     def to(self, device: torch.device | str) -> MicroBatch:
+        """Non-blocking: the features come from pinned memory on a GPU machine (collate), so the
+        copy is queued behind the running step instead of stalling it."""
+
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=True)
+
+        a = self.anchors
         return replace(
             self,
-            input_ids=self.input_ids.to(device),
-            features=self.features.to(device),
-            loss_mask=self.loss_mask.to(device),
-            target_argmax=self.target_argmax.to(device),
-            anchors=Anchors(self.anchors.positions.to(device), self.anchors.keep.to(device)),
+            input_ids=move(self.input_ids),
+            features=move(self.features),
+            loss_mask=move(self.loss_mask),
+            target_argmax=move(self.target_argmax),
+            anchors=Anchors(move(a.positions), move(a.keep), move(a.starts), move(a.ends)),
         )
 
 
@@ -66,9 +79,10 @@ def collate(samples: list[Sample], dtype: torch.dtype) -> dict[str, torch.Tensor
     if len(widths) != 1:
         raise ValueError(f"collate: samples disagree on the feature width k*H: {sorted(widths)}")
     b, s_len, width = len(samples), max(s.num_tokens for s in samples), widths.pop()
+    pin = torch.cuda.is_available()  # page-locked on GPU machines: MicroBatch.to copies without a sync
     out = {
         "input_ids": torch.zeros(b, s_len, dtype=torch.int64),
-        "features": torch.zeros(b, s_len, width, dtype=dtype),
+        "features": torch.zeros(b, s_len, width, dtype=dtype, pin_memory=pin),
         "loss_mask": torch.zeros(b, s_len, dtype=torch.float32),
         "target_argmax": torch.zeros(b, s_len, dtype=torch.int64),
     }
@@ -104,10 +118,56 @@ def batch_anchors(
     return Anchors(positions, keep)
 
 
+def pack(
+    samples: list[Sample], dtype: torch.dtype, row_tokens: int, anchors: Anchors, num_anchors: int
+) -> tuple[dict[str, torch.Tensor], Anchors]:
+    """One row of max(row_tokens, total) tokens holding the samples back to back (zeros after), and
+    their anchors ([len(samples), N] as batch_anchors draws them) in row coordinates with document
+    bounds, padded to a multiple of `num_anchors` (few shapes)."""
+    lengths = [s.num_tokens for s in samples]
+    row = max(row_tokens, sum(lengths))
+    widths = {s.features.shape[1] for s in samples}
+    if len(widths) != 1:
+        raise ValueError(f"pack: samples disagree on the feature width k*H: {sorted(widths)}")
+    out = {  # dtypes and pinning as collate's
+        "input_ids": torch.zeros(1, row, dtype=torch.int64),
+        "features": torch.zeros(1, row, widths.pop(), dtype=dtype, pin_memory=torch.cuda.is_available()),
+        "loss_mask": torch.zeros(1, row, dtype=torch.float32),
+        "target_argmax": torch.zeros(1, row, dtype=torch.int64),
+    }
+    pos, starts, ends, off = [], [], [], 0
+    for i, (smp, n) in enumerate(zip(samples, lengths)):
+        out["input_ids"][0, off : off + n] = smp.input_ids
+        out["features"][0, off : off + n] = smp.features.to(dtype)
+        out["loss_mask"][0, off : off + n] = smp.loss_mask.float()
+        out["target_argmax"][0, off : off + n] = smp.target_argmax
+        kept = anchors.positions[i][anchors.keep[i]]
+        pos.append(kept + off)
+        starts.append(torch.full_like(kept, off))
+        ends.append(torch.full_like(kept, off + n))
+        off += n
+    pos, starts, ends = torch.cat(pos), torch.cat(starts), torch.cat(ends)
+    k = pos.numel()
+    n_pad = max(num_anchors, -(-k // num_anchors) * num_anchors) - k
+    keep = torch.cat([torch.ones(k, dtype=torch.bool), torch.zeros(n_pad, dtype=torch.bool)])
+    pos, starts, ends = (torch.cat([x, x.new_zeros(n_pad)])[None] for x in (pos, starts, ends))
+    return out, Anchors(pos, keep[None], starts, ends)
+
+
 def make_micro_batch(
     samples: list[Sample], reader_state: dict[str, Any], *, dtype: torch.dtype, num_anchors: int, seed: int, epoch: int,
-    anchor_rule: str = "mask",
+    anchor_rule: str = "mask", pack_tokens: int | None = None,
 ) -> MicroBatch:
+    """pack_tokens (train.packing with micro_batch_tokens): one packed row of that many tokens."""
+    if pack_tokens is not None:
+        t, anchors = pack(samples, dtype, pack_tokens, batch_anchors(samples, num_anchors, seed, epoch, anchor_rule),
+                          num_anchors)
+        return MicroBatch(
+            keys=tuple(s.key for s in samples), input_ids=t["input_ids"], features=t["features"],
+            loss_mask=t["loss_mask"], target_argmax=t["target_argmax"], anchors=anchors,
+            num_tokens=sum(s.num_tokens for s in samples), reader_state=reader_state,
+            lengths=(sum(s.num_tokens for s in samples),),
+        )
     t = collate(samples, dtype)
     return MicroBatch(
         keys=tuple(s.key for s in samples),
@@ -130,6 +190,7 @@ class BatchLimit:
 
     size: int
     tokens: int | None = None
+    packed: bool = False  # train.packing: the budget bounds the sum of lengths (one packed row)
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -143,12 +204,16 @@ class BatchLimit:
             return True
         if self.tokens is None:
             return len(lengths) < self.size
+        if self.packed:
+            return sum(lengths) + new <= self.tokens
         return max(max(lengths), new) * (len(lengths) + 1) <= self.tokens
 
     def full(self, lengths: list[int]) -> bool:
         """Whether no further sample can join (a sample of any length would exceed the limit)."""
         if self.tokens is None:
             return len(lengths) >= self.size
+        if self.packed:
+            return sum(lengths) >= self.tokens
         return bool(lengths) and max(lengths) * (len(lengths) + 1) > self.tokens
 
 
@@ -195,9 +260,10 @@ class MicroBatchFeeder:
         depth: int = 2,
         stop: threading.Event | None = None,
         micro_batch_tokens: int | None = None,
+        packed: bool = False,
     ) -> None:
         self._samples = samples
-        self._limit = BatchLimit(micro_batch_size, micro_batch_tokens)
+        self._limit = BatchLimit(micro_batch_size, micro_batch_tokens, packed)
         self._build = build
         self._queue: queue.Queue[MicroBatch] = queue.Queue(maxsize=depth)
         self._stop = stop or threading.Event()  # shared with the stream's stop_when

@@ -55,7 +55,7 @@ def deepspeed_config(
             # exports gather the drafter's own weights (loop.py); checkpoints keep partitions
             "stage3_gather_16bit_weights_on_model_save": False,
         },
-        "bf16": {"enabled": on_gpu},
+        "bf16": {"enabled": on_gpu, "check_grad_overflow": t.grad_overflow_check},
         "fp16": {"enabled": False},
         "torch_autocast": {"enabled": False},
         "checkpoint": {"load_universal": load_universal},

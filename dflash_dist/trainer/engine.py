@@ -17,6 +17,7 @@ from torch import nn
 from dflash_dist.config import Config
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.drafter import DFlashDrafter
+from dflash_dist.model.fused import resolve_kernels
 from dflash_dist.model.loss import Anchors, dflash_loss
 from dflash_dist.target.loading import load_embeddings
 from dflash_dist.trainer import checkpoint, universal
@@ -28,7 +29,8 @@ class TrainForward(nn.Module):
     whole training forward (ZeRO-3 gathers parameters through its module hooks) and returns
     the loss tensor for DeepSpeed's backward hooks next to the full LossOutput.
     `loss_denominator` (train.loss_norm "step_slots"): the loss is sum(w*CE) / it instead of
-    this micro-batch's own sum(w)."""
+    this micro-batch's own sum(w). `anchor_starts/ends` (train.packing): each anchor's document
+    bounds in a packed row (loss.Anchors)."""
 
     def __init__(
         self, drafter: DFlashDrafter, label_source: str, gamma: float | None, attention: str,
@@ -40,7 +42,8 @@ class TrainForward(nn.Module):
         self.position_weighting = position_weighting
 
     def forward(
-        self, input_ids, features, loss_mask, target_argmax, anchor_positions, anchor_keep, loss_denominator=None
+        self, input_ids, features, loss_mask, target_argmax, anchor_positions, anchor_keep, loss_denominator=None,
+        anchor_starts=None, anchor_ends=None,
     ):
         extra = {} if loss_denominator is None else {"loss_denominator": loss_denominator}
         out = dflash_loss(
@@ -48,7 +51,7 @@ class TrainForward(nn.Module):
             input_ids,
             features,
             loss_mask,
-            Anchors(anchor_positions, anchor_keep),
+            Anchors(anchor_positions, anchor_keep, anchor_starts, anchor_ends),
             target_argmax=target_argmax,
             label_source=self.label_source,
             gamma=self.gamma,
@@ -74,9 +77,9 @@ def build_engine(
     import deepspeed  # imported late: the actor sets DS_ACCELERATOR / CUDA_VISIBLE_DEVICES first
 
     torch.manual_seed(cfg.run.seed)
-    drafter = DFlashDrafter(drafter_config)
-    drafter.set_target_weights(*load_embeddings(Path(target_dir)))
     t = cfg.train
+    drafter = DFlashDrafter(drafter_config, kernels=resolve_kernels(t.kernels, on_gpu))
+    drafter.set_target_weights(*load_embeddings(Path(target_dir)))
     module = TrainForward(drafter, t.label_source, t.gamma, t.attention, t.position_weighting)
     optimizer = build_optimizer(cfg, module, fused=on_gpu)
     engine, *_ = deepspeed.initialize(

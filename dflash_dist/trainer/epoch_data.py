@@ -68,6 +68,7 @@ class EpochData:
             seed=self.cfg.run.seed,
             epoch=state.epoch,
             anchor_rule=self.cfg.train.anchor_rule,
+            pack_tokens=self.cfg.train.micro_batch_tokens if self.cfg.train.packing else None,
         )
         return MicroBatchFeeder(
             with_positions(stream),
@@ -75,6 +76,7 @@ class EpochData:
             build,
             stop=stop,
             micro_batch_tokens=self.cfg.train.micro_batch_tokens,
+            packed=self.cfg.train.packing,
         )
 
     def next(self, state: TrainState, signum: int) -> MicroBatch | int | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import shutil
 import signal
 import threading
@@ -179,6 +180,8 @@ class Trainer:
                 batch.anchors.positions,
                 batch.anchors.keep,
                 denominator,
+                batch.anchors.starts,  # None unless train.packing
+                batch.anchors.ends,
             )
             self.engine.backward(loss)  # backward (DeepSpeed divides by grad_accum, averages over ranks)
             last = i == len(batches) - 1
@@ -300,6 +303,8 @@ class Trainer:
         grad_norm = self.engine.get_global_grad_norm()
         scalars, per_sample = self.window.reduce(self.world, self.data.skipped(), self.state.skipped_total, self._ctrl)
         self.final_loss = scalars["train/loss"]
+        if not math.isfinite(self.final_loss):  # the loss's finite check, read here: no host sync per micro-batch
+            raise FloatingPointError(f"non-finite DFlash loss {self.final_loss} in the steps up to {self.state.step}")
         scalars["train/lr"] = self._last_lr
         if grad_norm is not None:
             scalars["train/grad_norm"] = float(grad_norm)

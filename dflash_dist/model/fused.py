@@ -1,0 +1,180 @@
+"""Fast paths for the drafter's elementwise work: RMSNorm, SwiGLU, q/k-norm + RoPE, and the
+per-chunk cross-entropy through the frozen lm_head.
+
+Kernel sets (`DFlashDrafter(cfg, kernels=...)`):
+- "torch": the plain torch code in drafter.py / vocab_loss.py, the reference and the CPU path
+  (the pinned loss curve runs it);
+- "compile": the same functions through torch.compile (inductor fuses each into one or two
+  kernels; runs on CPU too);
+- "liger": liger-kernel's Triton RMSNorm (llama casting: normalise in fp32, cast, then scale by
+  the gain, as drafter.RMSNorm) and SiLU-mul, and its fused cross-entropy kernel (loss, argmax and
+  softmax - onehot written in place of the chunk's logits in one launch). Liger's RoPE needs q and
+  k of one length (ours: block queries against context + block keys), so RoPE is compiled.
+  GPU only (Triton).
+
+Each fast function computes what its reference computes up to bf16 rounding (tests/test_fused.py).
+Pure torch (STYLE 6): no DeepSpeed or Ray here.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+KERNELS = ("torch", "liger", "compile")
+
+
+def check_kernels(kernels: str) -> str:
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels={kernels!r}; expected one of {KERNELS}")
+    return kernels
+
+
+def resolve_kernels(kernels: str, on_gpu: bool) -> str:
+    """train.kernels "auto": the torch reference on CPU; on a GPU liger when liger-kernel (and
+    Triton) import, else torch.compile. Any other value is taken as given."""
+    if kernels != "auto":
+        return check_kernels(kernels)
+    if not on_gpu:
+        return "torch"
+    try:
+        _liger()
+    except ImportError:
+        return "compile"
+    return "liger"
+
+
+# ---- references (the same arithmetic as drafter.py's modules) ----
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, heads, T, d]; cos/sin [b, T, d]."""
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+def norm_rope_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
+    """q/k path of the attention: x [b, T, heads, d] -> RMSNorm over d, to [b, heads, T, d], RoPE."""
+    return rope_ref(rms_norm_ref(x, weight, eps).transpose(1, 2), cos, sin)
+
+
+def ce_chunk_ref(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool):
+    """(ce fp32 [r], argmax [r], softmax - onehot in the logits' dtype [r, V] or None) of one chunk."""
+    log_probs = torch.log_softmax(logits, -1, dtype=torch.float32)
+    ce = -log_probs.gather(1, labels[:, None]).squeeze(1)
+    argmax = logits.argmax(-1)
+    if not need_grad:
+        return ce, argmax, None
+    cols = torch.arange(logits.shape[-1], device=logits.device)
+    probs = log_probs.exp()
+    grad = torch.where(cols[None] == labels[:, None], probs - 1, probs).to(logits.dtype)
+    return ce, argmax, grad
+
+
+# ---- torch.compile ----
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    return torch.compile(fn, dynamic=None)
+
+
+# ---- liger ----
+
+
+@functools.cache
+def _liger():
+    try:
+        from liger_kernel.ops.cross_entropy import liger_cross_entropy_kernel
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    except ImportError as e:  # pragma: no cover (GPU environments)
+        raise ImportError(
+            "kernels='liger' needs liger-kernel (and Triton on a CUDA device): pip install liger-kernel==0.8.5, "
+            f"or use kernels='compile' / 'torch' ({e})"
+        ) from e
+    return LigerRMSNormFunction, LigerSiLUMulFunction, liger_cross_entropy_kernel
+
+
+def _liger_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # llama casting = drafter.RMSNorm: (x_fp32 * rstd).to(dtype) * weight; in_place=False: the
+    # incoming gradient may be read elsewhere (residual stream)
+    return _liger()[0].apply(x, weight, eps, 0.0, "llama", False)
+
+
+def _liger_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return _liger()[1].apply(gate, up)
+
+
+def _liger_norm_rope(x, weight, eps, cos, sin):
+    return _compiled(rope_ref)(_liger_rms_norm(x, weight, eps).transpose(1, 2), cos, sin)
+
+
+def _liger_ce_chunk(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool):
+    """Liger's CE kernel, reduction "sum": per-row CE and argmax; with need_grad the logits buffer
+    is overwritten with softmax - onehot (fp32 math, stored in the logits' dtype)."""
+    kernel = _liger()[2]
+    rows, v = logits.shape
+    logits = logits.contiguous()
+    labels = labels.contiguous()
+    ce = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    argmax = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows:
+        kernel[(rows,)](
+            X_ptr=logits, X_stride=logits.stride(-2), Y_ptr=labels, Y_stride=labels.stride(-1), weight_ptr=None,
+            loss_ptr=ce, z_loss_ptr=None, loss_stride=ce.stride(-1), token_accuracy_ptr=None,
+            token_accuracy_stride=0, predicted_tokens_ptr=argmax, predicted_tokens_stride=argmax.stride(-1),
+            n_cols=v, n_non_ignore=1.0, sum_non_ignore_weight=1.0, weight_sum=0.0, ignore_index=-100,
+            lse_square_scale=0.0, label_smoothing=0.0, reduction="sum", softcap=None, RETURN_Z_LOSS=False,
+            RETURN_TOKEN_ACCURACY=False, RETURN_PREDICTED_TOKENS=True, HAS_WEIGHT=False, HAS_SOFTCAPPING=False,
+            HAS_GRADIENTS=need_grad, BLOCK_SIZE=min(32768, 1 << (v - 1).bit_length()), num_warps=32,
+        )
+    return ce, argmax, (logits if need_grad else None)
+
+
+# ---- the tables the drafter and the loss read ----
+
+
+def rms_norm_fn(kernels: str) -> Callable | None:
+    """(x, weight, eps) -> normed x; None = the module's own torch code."""
+    return {"torch": None, "compile": _compiled(rms_norm_ref), "liger": _liger_rms_norm}[check_kernels(kernels)]
+
+
+def swiglu_fn(kernels: str) -> Callable | None:
+    """(gate, up) -> silu(gate) * up; None = the module's own torch code."""
+    return {"torch": None, "compile": _compiled(swiglu_ref), "liger": _liger_swiglu}[check_kernels(kernels)]
+
+
+def norm_rope_fn(kernels: str) -> Callable | None:
+    """(x [b, T, heads, d], norm weight, eps, cos, sin) -> [b, heads, T, d]; None = torch code."""
+    return {"torch": None, "compile": _compiled(norm_rope_ref), "liger": _liger_norm_rope}[check_kernels(kernels)]
+
+
+def ce_chunk_fn(kernels: str) -> Callable:
+    """(logits [r, V], labels [r], need_grad) -> (ce fp32, argmax, softmax - onehot or None), or
+    None for vocab_loss.py's own torch code."""
+    return {"torch": None, "compile": _compiled(ce_chunk_ref), "liger": _liger_ce_chunk}[check_kernels(kernels)]
+
+
+def ce_logits_bytes(kernels: str) -> int:
+    """Bytes per logit a chunk holds at once: the torch path keeps fp32 log-probs, the fused ones
+    only the input-dtype logits (assumed bf16), so their chunks hold twice the rows."""
+    return 4 if check_kernels(kernels) == "torch" else 2

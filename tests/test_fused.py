@@ -1,0 +1,157 @@
+"""The fast kernel sets (model/fused.py) compute the torch reference's loss and gradients: the
+compiled set on CPU (fp32), liger on CUDA (bf16, marked gpu); the default stays the torch path;
+the loss's finite check stays on the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_dist.model import fused
+from dflash_dist.model.drafter import DFlashDrafter
+from dflash_dist.model.loss import Anchors, dflash_loss
+from dflash_dist.model.vocab_loss import lm_head_cross_entropy
+from tests.test_drafter import small_drafter
+
+
+def _batch(d: DFlashDrafter, seed: int = 7, s: int = 24, device: str = "cpu"):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, d.config.vocab_size - 2, (2, s), generator=g)
+    feats = torch.randn(2, s, d.config.num_context_layers * d.config.hidden_size, generator=g)
+    lm = torch.ones(2, s)
+    lm[1, :5] = 0
+    anchors = Anchors(torch.tensor([[2, 9, 17], [6, 12, 0]]), torch.tensor([[True, True, True], [True, True, False]]))
+    to = lambda t: t.to(device)  # noqa: E731
+    return to(ids), to(feats), to(lm), Anchors(to(anchors.positions), to(anchors.keep))
+
+
+def _loss_and_grads(d: DFlashDrafter, batch, **kw):
+    d.zero_grad(set_to_none=True)
+    out = dflash_loss(d, *batch, gamma=3.0, **kw)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in d.named_parameters() if p.requires_grad}
+    return out, grads
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+
+
+def test_default_is_the_torch_reference_path():
+    d = small_drafter()
+    assert d.kernels == "torch"
+    assert all(m.fast is None for m in d.modules() if hasattr(m, "fast"))
+    with pytest.raises(ValueError, match="kernels="):
+        d.set_kernels("triton")
+
+
+def test_compiled_kernels_match_torch_on_cpu():
+    """Same weights, same batch: loss, accuracy and every trainable gradient of the compiled path
+    agree with the reference to fp32 rounding; switching back restores the reference exactly."""
+    d = small_drafter(block=4)
+    batch = _batch(d)
+    ref, ref_g = _loss_and_grads(d, batch)
+    d.set_kernels("compile")
+    assert all(m.fast is not None for m in d.modules() if type(m).__name__ == "RMSNorm")
+    out, g = _loss_and_grads(d, batch)
+    assert abs(float(out.loss.detach()) - float(ref.loss.detach())) <= 1e-5 * abs(float(ref.loss.detach()))
+    assert torch.equal(out.slot_count, ref.slot_count) and out.num_blocks == ref.num_blocks
+    assert float(out.accuracy) == pytest.approx(float(ref.accuracy))
+    worst = max(_rel(g[n], ref_g[n]) for n in ref_g)
+    assert worst < 1e-4, worst
+    d.set_kernels("torch")
+    again, again_g = _loss_and_grads(d, batch)
+    assert torch.equal(again.loss, ref.loss) and all(torch.equal(again_g[n], ref_g[n]) for n in ref_g)
+
+
+def test_compiled_chunk_ce_matches_reference():
+    """The fused per-chunk CE (compile) gives the reference CE, argmax and dL/dh, over several
+    chunks including a short last one."""
+    torch.manual_seed(0)
+    h = torch.randn(37, 16, requires_grad=True)
+    w = torch.randn(50, 16) * 0.5
+    y = torch.randint(0, 50, (37,))
+    rw = torch.rand(37) / 37
+    loss_ref, ce_ref, am_ref = lm_head_cross_entropy(h, w, y, rw, chunk_rows=10)
+    (g_ref,) = torch.autograd.grad(loss_ref, h)
+    loss, ce, am = lm_head_cross_entropy(h, w, y, rw, chunk_rows=10, kernels="compile")
+    (g,) = torch.autograd.grad(loss, h)
+    assert torch.allclose(loss, loss_ref, rtol=1e-5) and torch.allclose(ce, ce_ref, rtol=1e-5, atol=1e-6)
+    assert torch.equal(am, am_ref)
+    assert _rel(g, g_ref) < 1e-5
+
+
+def test_non_finite_loss_is_flagged_on_device_not_raised():
+    """No host sync per micro-batch: a NaN feature gives finite=False in the output."""
+    d = small_drafter()
+    ids, feats, lm, anchors = _batch(d)
+    out = dflash_loss(d, ids, feats, lm, anchors)
+    assert out.finite.device == out.loss.device and bool(out.finite)
+    feats[0, 1] = float("nan")
+    out = dflash_loss(d, ids, feats, lm, anchors)
+    assert not bool(out.finite) and not torch.isfinite(out.loss)
+    out = dflash_loss(d, ids, torch.randn_like(feats), torch.zeros_like(lm), anchors)  # nothing supervised
+    assert bool(out.finite)
+
+
+def _gpu_drafter(dtype):
+    from dflash_dist.model.config import DrafterConfig
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                        head_dim=64, intermediate_size=1536, vocab_size=8192, target_layer_ids=(1, 3, 5),
+                        num_target_layers=8, block_size=16, mask_token_id=8191)
+    with torch.device("cuda"):
+        d = DFlashDrafter(cfg)
+        d.set_target_weights(torch.randn(8192, 512), torch.randn(8192, 512) * 512**-0.5)
+    return d.to(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels", ["liger", "compile"])
+def test_gpu_fast_kernels_match_torch_in_bf16(kernels):
+    """bf16 on CUDA, flex_attention: the liger / compiled sets against the torch reference on the
+    same weights and batch: loss to 1e-2 relative, gradients to bf16 noise (a few 1e-2)."""
+    d = _gpu_drafter(torch.bfloat16)
+    s = 512
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, 8000, (2, s), device="cuda", generator=g)
+    feats = torch.randn(2, s, 3 * 512, device="cuda", generator=g).bfloat16()
+    lm = torch.ones(2, s, device="cuda")
+    pos = torch.sort(torch.randperm(s - 1, generator=torch.Generator().manual_seed(2))[:64]).values
+    anchors = Anchors(torch.stack([pos, pos]).cuda(), torch.ones(2, 64, dtype=torch.bool, device="cuda"))
+    batch = (ids, feats, lm, anchors)
+    ref, ref_g = _loss_and_grads(d, batch)
+    d.set_kernels(kernels)
+    out, gr = _loss_and_grads(d, batch)
+    assert torch.isfinite(out.loss)
+    assert abs(float(out.loss.detach()) - float(ref.loss.detach())) <= 1e-2 * abs(float(ref.loss.detach()))
+    worst = max(_rel(gr[n], ref_g[n]) for n in ref_g)
+    assert worst < 5e-2, worst
+
+
+@pytest.mark.gpu
+def test_gpu_liger_chunk_ce_matches_reference():
+    """liger's CE kernel per chunk: CE and dL/dh of the torch chunked path, argmax equal where the
+    top logit is not tied within bf16."""
+    torch.manual_seed(0)
+    h = torch.randn(700, 256, device="cuda").bfloat16().requires_grad_()
+    w = (torch.randn(9000, 256, device="cuda") * 256**-0.5).bfloat16()
+    y = torch.randint(0, 9000, (700,), device="cuda")
+    rw = torch.rand(700, device="cuda") / 700
+    loss_ref, ce_ref, am_ref = lm_head_cross_entropy(h, w, y, rw, chunk_rows=300)
+    (g_ref,) = torch.autograd.grad(loss_ref, h)
+    loss, ce, am = lm_head_cross_entropy(h, w, y, rw, chunk_rows=300, kernels="liger")
+    (g,) = torch.autograd.grad(loss, h)
+    assert _rel(ce, ce_ref) < 1e-4 and abs(float(loss) - float(loss_ref)) < 1e-4 * abs(float(loss_ref))
+    assert float((am == am_ref).float().mean()) > 0.99
+    assert _rel(g, g_ref) < 2e-2
+    assert fused.ce_logits_bytes("liger") == 2
+
+
+def test_auto_kernels_resolve_to_torch_on_cpu():
+    """train.kernels "auto" keeps the reference on CPU (the pinned loss curve's path)."""
+    assert fused.resolve_kernels("auto", on_gpu=False) == "torch"
+    assert fused.resolve_kernels("compile", on_gpu=False) == "compile"
+    with pytest.raises(ValueError, match="kernels="):
+        fused.resolve_kernels("cuda", on_gpu=True)

@@ -22,7 +22,7 @@ embedding (25.6B) is printed too. Tokens are real (unpadded) tokens.
 from __future__ import annotations
 
 import argparse
-import functools
+import dataclasses
 import json
 import os
 import random
@@ -33,12 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance, installed_versions
+from dflash_dist.capture.fused_target import fuse_target, unfuse_target
 from dflash_dist.config import Config
 from dflash_dist.model.capture import (
     CaptureOutput,
@@ -50,6 +50,7 @@ from dflash_dist.model.capture import (
 from dflash_dist.target.loading import layer_ids_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from capture_parts import disk_write_bandwidth, profile_forward, time_parts  # noqa: E402
 from capture_sink import HostSink  # noqa: E402
 
 PEAK_TFLOPS = 790.0  # bf16 matmul rate measured on an H200 (SPEC 6's convention)
@@ -206,6 +207,44 @@ def run_compute(model: nn.Module, batches: list[Batch], layer_ids: list[int], ma
     return time.perf_counter() - t0
 
 
+def run_job(model, batches: list[Batch], layer_ids: list[int], a, provenance, fused: bool) -> tuple:
+    """capture_job's own path (CaptureJob.capture_passes: host ids -> device, capture, side-stream
+    copies into pinned buffers, --writers writer processes; fuse_target for the fused path).
+    (seconds to the last pass submitted and its copies done, seconds to the last shard listed, SinkCounts)."""
+    from dflash_dist.capture.capture_job import CaptureJob
+    from dflash_dist.capture.fused_target import FUSED_KERNEL_PATH
+
+    shard_dir = Path(a.shard_dir)
+    shutil.rmtree(shard_dir, ignore_errors=True)
+    cfg = Config()
+    cfg.capture.writers, cfg.capture.shard_bytes = a.writers, a.shard_bytes
+    cfg.capture.token_budget = max(b.padded_tokens for b in batches)
+    unfuse(model)
+    if fused:
+        fuse_target(model)
+        provenance = dataclasses.replace(provenance, kernel_path=FUSED_KERNEL_PATH)
+    job = CaptureJob.for_model(cfg, model, provenance, layer_ids, shard_dir)
+    passes = [[(k, ids.tolist(), [1] * len(ids), {}) for k, ids in zip(b.keys, b.ids)] for b in batches]
+    gpu_done: list[float] = []
+
+    def on_pass(_items) -> None:
+        if len(gpu_done) == len(passes) - 1:  # the last pass: wait for its compute and copies
+            torch.cuda.synchronize() if a.device.startswith("cuda") else None
+        gpu_done.append(time.perf_counter())
+
+    pool = job.writer_pool()  # started before the clock: process start-up is not per pass
+    sync(a.device)
+    t0 = time.perf_counter()
+    try:
+        counts = job.capture_passes(passes, on_pass, pool)
+    finally:
+        unfuse(model)
+    total = time.perf_counter() - t0
+    if not a.keep_shards:
+        shutil.rmtree(shard_dir, ignore_errors=True)
+    return gpu_done[-1] - t0, total, counts
+
+
 def run_end_to_end(model, batches: list[Batch], layer_ids: list[int], mask: str, args, provenance, mode: str):
     """(seconds from the first forward to the last shard renamed, SinkStats)."""
     shard_dir = Path(args.shard_dir)
@@ -227,141 +266,11 @@ def run_end_to_end(model, batches: list[Batch], layer_ids: list[int], mask: str,
     return secs, stats
 
 
-KERNEL_CLASSES = (  # first match wins; lower-case substrings of CUDA kernel names
-    ("copy/cat", ("memcpy", "catarray", "copy_kernel", "memset")),
-    ("attention", ("flash", "fmha", "attention", "sdpa", "attn")),
-    ("conv1d", ("conv", "fprop", "depthwise")),
-    (
-        "gdn (fla triton)",
-        (
-            "chunk_",
-            "gated_delta",
-            "recompute_w_u",
-            "solve_tril",
-            "merge_16x16",
-            "l2norm",
-            "kkt",
-            "fused_recurrent",
-            "cumsum",
-        ),
-    ),
-    ("inductor fused", ("triton_",)),
-    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "sm90", "wgmma", "cublas")),
-    ("reduce (norms, argmax)", ("reduce", "argmax", "norm")),
-    ("elementwise", ("elementwise", "vectorized", "unrolled", "index", "gather", "embedding")),
-)
-
-
-def classify(name: str) -> str:
-    low = name.lower()
-    for label, keys in KERNEL_CLASSES:
-        if any(k in low for k in keys):
-            return label
-    return "other"
-
-
-def profile_forward(model, batch: Batch, layer_ids: list[int], mask: str) -> dict:
-    """Kernel time of one capture forward, by class and the top kernels (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        cap = capture(model, batch, layer_ids, mask)
-        del cap
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by_class: dict[str, float] = {}
-    for e in kernels:
-        by_class[classify(e.key)] = by_class.get(classify(e.key), 0.0) + e.self_device_time_total / 1e3
-    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:20]
-    return {
-        "by_class_ms": dict(sorted(by_class.items(), key=lambda kv: -kv[1])),
-        "top": [(e.key[:110], round(e.self_device_time_total / 1e3, 2), e.count) for e in top],
-    }
-
-
-def time_parts(model, tokens: int, width: int, device: str) -> dict:
-    """Seconds of the chunked argmax over `tokens` hidden states and of one features D2H copy."""
-    h = model.config.hidden_size
-    hidden = torch.randn(1, tokens, h, device=device, dtype=model.dtype)
-    chunked_argmax(hidden, model.get_output_embeddings())
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(3):
-        chunked_argmax(hidden, model.get_output_embeddings())
-    sync(device)
-    argmax_s = (time.perf_counter() - t0) / 3
-    feats = torch.randn(tokens, width, device=device, dtype=model.dtype)
-    host = torch.empty(tokens, width, dtype=model.dtype, pin_memory=device.startswith("cuda"))
-    host.copy_(feats)
-    sync(device)
-    t0 = time.perf_counter()
-    host.copy_(feats, non_blocking=True)
-    sync(device)
-    d2h_s = time.perf_counter() - t0
-    return {"argmax_s": argmax_s, "d2h_s": d2h_s, "d2h_gb": feats.numel() * feats.element_size() / 1e9}
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3_5RMSNorm.forward, as one function of its inputs."""
-    out = x.float()
-    out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + eps)
-    return (out * (1.0 + weight.float())).type_as(x)
-
-
-def _gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3_5RMSNormGated.forward, as one function of its inputs."""
-    out = x.float()
-    out = weight * (out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return (out * F.silu(gate.float())).to(x.dtype)
-
-
-def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
-
-
-def fuse_elementwise(model: nn.Module) -> int:
-    """Experiment: torch.compile the fp32 RMSNorms, the gated RMSNorm and SwiGLU's silu * up of
-    every layer into fused kernels (GEMMs, attention and fla's kernels untouched; same math in the
-    same precision). Weights are arguments, so one compiled graph serves every layer."""
-    import torch._inductor.config as inductor_config
-
-    inductor_config.emulate_precision_casts = True  # round where eager rounds (bf16 intermediates)
-    rms, gated, silu_mul = (torch.compile(f, dynamic=True) for f in (_rms_norm, _gated_rms_norm, _silu_mul))
-    n = 0
-    for m in model.modules():
-        kind = type(m).__name__
-        if kind.endswith("RMSNormGated"):
-            m.forward = functools.partial(gated, weight=m.weight, eps=m.variance_epsilon)
-        elif kind.endswith("RMSNorm"):
-            m.forward = functools.partial(rms, weight=m.weight, eps=m.eps)
-        elif kind.endswith("MLP") and hasattr(m, "gate_proj"):
-            m.forward = functools.partial(_mlp, m, silu_mul)
-        else:
-            continue
-        n += 1
-    return n
-
-
-def _mlp(m: nn.Module, silu_mul, x: torch.Tensor) -> torch.Tensor:
-    return m.down_proj(silu_mul(m.gate_proj(x), m.up_proj(x)))
-
-
-def _fla_conv1d(x: torch.Tensor, weight: torch.Tensor, bias=None, activation=None, **_) -> torch.Tensor:
-    """transformers' causal_conv1d_fn contract (x [B, D, T], a transposed [B, T, D] tensor) on fla's
-    Triton causal conv, which reads [B, T, D] in place: no transposed copy, no cuDNN depthwise conv."""
-    from fla.modules.causal_conv1d import causal_conv1d
-
-    return causal_conv1d(x.transpose(1, 2), weight=weight, bias=bias, activation=activation)[0].transpose(1, 2)
-
-
 _TORCH_CONV = modeling_qwen3_5.causal_conv1d_fn
 
 
 def unfuse(model: nn.Module) -> None:
-    modeling_qwen3_5.causal_conv1d_fn = _TORCH_CONV
-    for m in model.modules():
-        if "forward" in m.__dict__:
-            del m.forward
+    unfuse_target(model, _TORCH_CONV)
 
 
 @dataclass(frozen=True)
@@ -390,11 +299,10 @@ class Variant:
 
 
 def use_variant(model: nn.Module, v: Variant) -> None:
+    """fused: capture_job's fuse_target without fla's conv; fusedconv: capture_job's fused path."""
     unfuse(model)
     if v.fused:
-        fuse_elementwise(model)
-    if v.mode == "fusedconv":
-        modeling_qwen3_5.causal_conv1d_fn = _fla_conv1d
+        fuse_target(model, conv=v.mode == "fusedconv")
 
 
 def figures(secs: float, batches: list[Batch], params: dict[str, int]) -> dict:
@@ -454,7 +362,7 @@ def measure_profile(model, v: Variant, a, layer_ids) -> dict:
     batches, _ = make_batches(1, v.budget, a.min_len, a.max_len, model.config.vocab_size, a.device, seed=7)
     use_variant(model, v)
     run_compute(model, batches, layer_ids, v.mask, a.device)  # warm (compiles, autotunes)
-    prof = profile_forward(model, batches[0], layer_ids, v.mask)
+    prof = profile_forward(model, batches[0], layer_ids, v.mask, capture)
     prof["parts"] = time_parts(model, batches[0].real_tokens, len(layer_ids) * model.config.hidden_size, a.device)
     prof["tokens"] = batches[0].real_tokens
     total = sum(prof["by_class_ms"].values())
@@ -492,7 +400,35 @@ def measure_end_to_end(model, v: Variant, a, layer_ids, params, kernel_path: str
     run_compute(model, batches, layer_ids, v.mask, a.device)  # first sight of these shapes
     out = {"compute_only": figures(run_compute(model, batches, layer_ids, v.mask, a.device), batches, params)}
     print(line(f"compute only {v}", out["compute_only"]), flush=True)
+    if a.disk_gib > 0:
+        bw = disk_write_bandwidth(Path(a.shard_dir).parent, a.disk_gib)
+        out["disk_write_gb_s"] = round(bw / 1e9, 3)
+        print(f"disk write bandwidth (fsync, {a.disk_gib} GiB in 16 MiB blocks) under {Path(a.shard_dir).parent}: "
+              f"{bw / 1e9:.2f} GB/s", flush=True)
     for sink in a.sinks.split(","):
+        if sink == "job":
+            try:
+                if v.mode == "fused":
+                    raise ValueError("the job sink runs capture_job's modes: eager or fusedconv (fuse_target)")
+                loop_s, secs, c = run_job(model, batches, layer_ids, a, prov, fused=v.mode == "fusedconv")
+            except Exception as e:
+                out[sink] = {"error": f"{type(e).__name__}: {e}"}
+                print(f"FAILED end to end, capture_job: {out[sink]['error']}", flush=True)
+                continue
+            f = figures(secs, batches, params)
+            loop = figures(loop_s, batches, params)
+            per_token = c.bytes / max(1, c.tokens)
+            f.update(gpu_loop=loop, shards=c.shards, shard_gb=round(c.bytes / 1e9, 2), samples=c.samples,
+                     writer_busy_s=round(c.busy_s, 2), gpu_waited_s=round(c.gpu_waited_s, 2), writers=a.writers,
+                     bytes_per_token=round(per_token))
+            if "disk_write_gb_s" in out:
+                f["disk_bound_tokens_per_s"] = round(out["disk_write_gb_s"] * 1e9 / per_token)
+            out[sink] = f
+            print(line(f"end to end, capture_job {v.mode}", f) + f"  {c.shards} shards, {f['shard_gb']} GB, "
+                  f"writers busy {f['writer_busy_s']} s, GPU thread waited {f['gpu_waited_s']} s for a buffer; "
+                  f"GPU loop alone {loop['tokens_per_s']:.0f} tok/s ({100 * loop['bound_share']:.1f}%); the disk "
+                  f"allows {f.get('disk_bound_tokens_per_s', 0)} tok/s at {per_token / 1e3:.1f} kB/token", flush=True)
+            continue
         try:
             secs, s = run_end_to_end(model, batches, layer_ids, v.mask, a, prov, sink)
         except Exception as e:  # the other sinks still run
@@ -536,9 +472,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--sinks",
         default="threads,processes,d2h",
-        help="end-to-end runs: writer threads, writer processes, or device-to-host copies only",
+        help="end-to-end runs: job (capture_job's own path: CaptureJob.capture_passes, capture.writers writer "
+        "processes), the bench's writer threads or processes, or device-to-host copies only",
     )
     ap.add_argument("--writers", type=int, default=2)
+    ap.add_argument("--disk-gib", type=float, default=4.0, help="GiB written to measure the disk (0: skip)")
     ap.add_argument("--spare-buffers", type=int, default=1, help="host buffers beyond one per writer")
     ap.add_argument("--shard-dir", default="/tmp/bench_capture_shards")
     ap.add_argument("--shard-bytes", type=int, default=1 << 30)

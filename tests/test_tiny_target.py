@@ -31,6 +31,7 @@ from dflash_dist.target.tiny_target import (
     read_stamp,
 )
 from dflash_dist.target.tiny_tokenizer import ENDOFTEXT, IM_END, IM_START, MASK, SPECIAL_TOKENS, train_tokenizer
+from tests.conftest import REPO
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +180,89 @@ def test_default_build_is_meaningfully_trained() -> None:
         out = model.generate(torch.from_numpy(prompt)[None], max_new_tokens=40, do_sample=False)
     text = tokenizer.decode(out[0, len(prompt) :])
     assert text.startswith("    ") and any(token in text for token in ("self", " = ", "(", "def ", "return"))
+
+
+# ---- a machine with fla + Triton: transformers picks fla for every forward, CPU ones too ----
+
+SHIM = Path(__file__).resolve().parent / "fla_cpu_shim"  # sitecustomize: fla.ops.gated_delta_rule imports
+
+_PICKED_FLA_BUILD = r"""
+import sys, torch
+from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+from dflash_dist.target.gdn_path import selected_implementation
+picked = selected_implementation(m)
+assert picked.startswith("fla"), picked  # transformers believes fla is usable, as it decides it
+from dflash_dist.target.tiny_target import TEST_SETTINGS, build_tiny_target, load_tiny_target
+out = build_tiny_target(sys.argv[1], TEST_SETTINGS, log=lambda _: None)
+model, _ = load_tiny_target(out)
+with torch.no_grad():
+    logits = model(input_ids=torch.arange(40)[None] % TEST_SETTINGS.vocab_size).logits
+torch.save(logits, sys.argv[2])
+print("picked", picked)
+"""
+
+
+def _shim_env(tmp_path: Path) -> dict:
+    import os
+
+    calls = tmp_path / "fla_calls.txt"
+    env = dict(os.environ, PYTHONPATH=f"{SHIM}{os.pathsep}{REPO}", DFLASH_FLA_SHIM_CALLS=str(calls),
+               PYTHONUNBUFFERED="1")
+    return env
+
+
+def test_cpu_build_runs_torch_gdn_where_transformers_picked_fla(tmp_path: Path, built: Path) -> None:
+    """With fla.ops.gated_delta_rule importable (what transformers tests before sending GDN layers
+    to fla), an unrouted CPU forward hits fla and fails as fla's Triton kernels do on CPU tensors;
+    the tiny target's build and load still run, on the torch path, with the same logits as a
+    process where transformers picked torch."""
+    import subprocess
+    import sys
+
+    env = _shim_env(tmp_path)
+    unrouted = subprocess.run(
+        [sys.executable, "-c", "import torch; from transformers import Qwen3_5ForCausalLM as M; "
+         f"m = M.from_pretrained({str(built)!r}).eval(); m(input_ids=torch.arange(8)[None])"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert unrouted.returncode != 0 and "cannot be accessed from Triton (cpu tensor?)" in unrouted.stderr
+    assert (tmp_path / "fla_calls.txt").read_text().splitlines()[0] == "chunk_gated_delta_rule"
+    (tmp_path / "fla_calls.txt").unlink()
+
+    script = tmp_path / "build.py"
+    script.write_text(_PICKED_FLA_BUILD)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "tiny"), str(tmp_path / "logits.pt")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "picked fla.ops.gated_delta_rule" in proc.stdout
+    assert not (tmp_path / "fla_calls.txt").exists()  # no CPU call reached "fla"
+    assert read_stamp(tmp_path / "tiny")["settings_digest"] == TEST_SETTINGS.digest()
+    model, _ = load_tiny_target(built)  # this process: no fla, transformers' torch path
+    with torch.no_grad():
+        ref = model(input_ids=torch.arange(40)[None] % TEST_SETTINGS.vocab_size).logits
+    reloaded, _ = load_tiny_target(tmp_path / "tiny")
+    with torch.no_grad():
+        same_build = reloaded(input_ids=torch.arange(40)[None] % TEST_SETTINGS.vocab_size).logits
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), same_build, rtol=0, atol=0)
+    assert ref.shape == same_build.shape
+
+
+@pytest.mark.slow
+def test_readme_command_completes_where_transformers_picked_fla(tmp_path: Path) -> None:
+    """`dflash-dist run configs/tiny.yaml` (shortened) in processes that all see fla as usable
+    (the driver, the Ray target actor, trainers and the evaluator inherit the shim): the CPU target
+    is built (or reused from the shared cache), captured and evaluated on the torch path."""
+    import subprocess
+    import sys
+
+    from data_pipeline.shard_reader import read_manifest
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "launcher.cli", "run", "configs/tiny.yaml", "--out", str(out),
+           "data.max_train_samples=48", "train.epochs=1", "train.checkpoint_every=20", "eval.num_prompts=2",
+           "eval.max_new_tokens=16", "capture.max_new_tokens=16"]
+    proc = subprocess.run(cmd, cwd=REPO, env=_shim_env(tmp_path), capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert not (tmp_path / "fla_calls.txt").exists()  # nothing reached "fla"
+    records = read_manifest(out / "shards")
+    assert records and {r.provenance.kernel_path for r in records} == {"torch"}
+    assert (out / "eval").is_dir() and any((out / "eval").iterdir())

@@ -9,6 +9,7 @@ shard is opened only while the disk buffer has room (disk_budget.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,8 @@ from data_pipeline.records import Sample
 from data_pipeline.shard_reader import NONFINITE
 from data_pipeline.shard_writer import ShardWriter
 from dflash_dist.capture.data_prep import data_sources
+from dflash_dist.capture.fused_target import FUSED_KERNEL_PATH, fuse_target
+from dflash_dist.capture.host_sink import WriterPool
 from dflash_dist.config import Config
 from dflash_dist.logging_setup import progress
 from dflash_dist.model.capture import capture_features, check_kernel_path
@@ -79,6 +82,15 @@ class CaptureJob:
         self.provenance = provenance_for(
             ident, self.model, template_hash(self.tokenizer, cfg.data.enable_thinking)
         )
+        if cfg.capture.kernels == "fused":
+            if self.kernel_path != "fla":
+                raise ValueError(f"capture.kernels=fused needs fla's kernels on CUDA; this target runs "
+                                 f"{self.kernel_path!r} (set target.device=cuda with flash-linear-attention and "
+                                 "triton installed)")
+            fuse_target(self.model)
+            self.kernel_path = FUSED_KERNEL_PATH
+            self.provenance = dataclasses.replace(self.provenance, kernel_path=FUSED_KERNEL_PATH)
+        self.pool: WriterPool | None = None
         self.gate = BufferGate(self.shard_dir, BufferPolicy.from_config(cfg))
         self.counts = {"todo": 0, "resumed": 0, "samples": 0, "skipped": 0, "tokens": 0}
 
@@ -114,19 +126,88 @@ class CaptureJob:
         if counts["resumed"]:
             log.info("actor %d: %d of %d samples already captured (ledger of %s); capturing the other %d",
                      self.actor_index, counts["resumed"], len(ours), self.shard_dir, len(todo))
+        if cfg.capture.writers:
+            return self._run_with_writers(records, todo)
         writer = ShardWriter(self.shard_dir, self.provenance, max_shard_bytes=cfg.capture.shard_bytes,
                              prefix=self.prefix, before_open=self.gate)
         bar = progress(total=len(todo), desc=f"capture {self.prefix}", unit="sample")
         with writer, bar:
-            for start in range(0, len(todo), cfg.capture.sort_window):
-                window = todo[start : start + cfg.capture.sort_window]
-                seqs = self._sequences([records[i] for i in window])
-                for group in pack_by_tokens([len(ids) for ids, _ in seqs], cfg.capture.token_budget,
-                                            cfg.capture.batch_size):
-                    self._capture_and_write(writer, [(window[j], seqs[j], records[window[j]]) for j in group])
-                    bar.update(len(group))
+            for items in self._passes(records, todo):
+                self._capture_and_write(writer, items)
+                bar.update(len(items))
         return CaptureResult(self.actor_index, counts["samples"], counts["tokens"], len(writer.records),
                              self.kernel_path, counts["skipped"], counts["resumed"], self.gate.waited_s)
+
+    def _passes(self, records: list[ChatRecord], todo: list[int]):
+        """The capture passes over `todo`: [(record index, (ids, loss mask), record)] each."""
+        cfg = self.cfg
+        for start in range(0, len(todo), cfg.capture.sort_window):
+            window = todo[start : start + cfg.capture.sort_window]
+            seqs = self._sequences([records[i] for i in window])
+            for group in pack_by_tokens([len(ids) for ids, _ in seqs], cfg.capture.token_budget,
+                                        cfg.capture.batch_size):
+                yield [(window[j], seqs[j], records[window[j]]) for j in group]
+
+    @classmethod
+    def for_model(cls, cfg: Config, model, provenance, layer_ids, shard_dir: Path, actor_index: int = 0) -> CaptureJob:
+        """A job around an already built model and its provenance, for capture_passes alone
+        (bench/bench_capture.py measures this path on a random 27B-shaped target)."""
+        job = cls.__new__(cls)
+        job.cfg, job.model, job.provenance, job.shard_dir = cfg, model, provenance, Path(shard_dir)
+        job.ident = TargetIdentity("", provenance.target_id, provenance.target_hash, tuple(layer_ids),
+                                   provenance.hidden_size, provenance.dtype)
+        job.actor_index, job.num_actors, job.prefix = actor_index, 1, f"t{actor_index:03d}"
+        job.kernel_path, job.pool = provenance.kernel_path, None
+        job.gate = BufferGate(job.shard_dir, BufferPolicy.from_config(cfg))
+        job.counts = {"todo": 0, "resumed": 0, "samples": 0, "skipped": 0, "tokens": 0}
+        return job
+
+    def writer_pool(self) -> WriterPool:
+        """capture.writers writer processes (started, ready) for this job's shard directory."""
+        cfg = self.cfg
+        return WriterPool(cfg, self.shard_dir, self.provenance, self.prefix, self.actor_index, cfg.capture.writers,
+                          device=next(self.model.parameters()).device, tokens_hint=cfg.capture.token_budget or 0)
+
+    def capture_passes(self, passes, on_pass=None, pool: WriterPool | None = None):
+        """Capture each pass [(key, ids, loss mask, meta)] and hand it to the writer processes
+        (`pool`, else writer_pool()) through pinned host buffers (capture/host_sink.py) while the
+        GPU runs the next pass; returns the writers' SinkCounts once every shard is listed."""
+        self.pool = pool = pool or self.writer_pool()
+        try:
+            for items in passes:
+                cap, attn = self._capture_padded([(ids, mask) for _, ids, mask, _ in items])
+                pool.submit(cap.features, cap.target_argmax, attn, items)
+                self._sync_counts()
+                if on_pass is not None:
+                    on_pass(items)
+            done = pool.close()
+        except BaseException:
+            pool.abort()
+            raise
+        finally:
+            self.pool = None
+        self._sync_counts(done)
+        return done
+
+    def _run_with_writers(self, records: list[ChatRecord], todo: list[int]) -> CaptureResult:
+        """capture.writers > 0: capture_passes over this actor's passes."""
+        cfg, counts = self.cfg, self.counts
+        bar = progress(total=len(todo), desc=f"capture {self.prefix}", unit="sample")
+        passes = ([(self.keys[i], ids, mask, {"source": rec.where}) for i, (ids, mask), rec in items]
+                  for items in self._passes(records, todo))
+        with bar:
+            done = self.capture_passes(passes, on_pass=lambda items: bar.update(len(items)))
+        self.gate.waited_s = done.waited_disk_s
+        log.info("actor %d: %d samples in %d shards by %d writer processes (busy %.1f s; GPU thread waited %.1f s "
+                 "for a buffer)", self.actor_index, done.samples, done.shards, cfg.capture.writers, done.busy_s,
+                 done.gpu_waited_s)
+        return CaptureResult(self.actor_index, counts["samples"], counts["tokens"], done.shards, self.kernel_path,
+                             counts["skipped"], counts["resumed"], done.waited_disk_s)
+
+    def _sync_counts(self, c=None) -> None:
+        c = c or (self.pool.counts if self.pool is not None else None)
+        if c is not None:
+            self.counts.update(samples=c.samples, tokens=c.tokens, skipped=c.skipped)
 
     def _sequences(self, batch: list[ChatRecord]) -> list[tuple[list[int], list[int]]]:
         """(input ids, loss mask) per record: the recorded conversation, or its prompt plus the
@@ -164,7 +245,15 @@ class CaptureJob:
             self.counts["tokens"] += len(ids)
 
     def _capture(self, seqs: list[tuple[list[int], list[int]]]):
-        """Right-padded batch capture; causal layers make padding invisible to real positions."""
+        """Per-sequence features and argmax of one right-padded capture pass."""
+        cap, _ = self._capture_padded(seqs)
+        lengths = [len(s) for s, _ in seqs]
+        return ([cap.features[i, :n] for i, n in enumerate(lengths)],
+                [cap.target_argmax[i, :n] for i, n in enumerate(lengths)])
+
+    def _capture_padded(self, seqs: list[tuple[list[int], list[int]]]):
+        """(CaptureOutput [b, T_max], attention mask [b, T_max] on the device) of one right-padded
+        pass; causal layers make padding invisible to real positions."""
         dev = next(self.model.parameters()).device
         width = max(len(ids) for ids, _ in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -172,8 +261,8 @@ class CaptureJob:
         for i, (s, _) in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(s)
             attn[i, : len(s)] = 1
-        cap = capture_features(self.model, ids.to(dev), self.ident.layer_ids, attention_mask=attn.to(dev),
+        # Right padding by construction: no mask for the model (what capture_features does with one
+        # after checking it on the device, a sync per pass that would leave the GPU idle meanwhile).
+        cap = capture_features(self.model, ids.to(dev, non_blocking=True), self.ident.layer_ids, attention_mask=None,
                                allow_torch_gdn_on_cuda=self.cfg.target.allow_torch_gdn_on_cuda)
-        lengths = [len(s) for s, _ in seqs]
-        return ([cap.features[i, :n] for i, n in enumerate(lengths)],
-                [cap.target_argmax[i, :n] for i, n in enumerate(lengths)])
+        return cap, attn.to(dev, non_blocking=True)

@@ -15,6 +15,7 @@ from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance, hash_weig
 from dflash_dist.config import Config, ConfigError, load_config
 from dflash_dist.model.capture import check_capture_layer_ids, gdn_kernel_path
 from dflash_dist.model.config import DrafterConfig, build_target_layer_ids
+from dflash_dist.target.gdn_path import route_cpu_to_torch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -43,6 +44,7 @@ def load_target(cfg: Config, target_dir: Path, device: torch.device | None = Non
         target_dir, dtype=DTYPES[cfg.target.dtype], attn_implementation=cfg.target.attn_implementation
     )
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    route_cpu_to_torch()  # CPU tensors to torch GDN: fla (picked where Triton imports) cannot run them
     return model.to(device).eval(), tokenizer
 
 
@@ -166,6 +168,8 @@ def expected_kernel_path(cfg: Config, target_dir: Path) -> str:
     layers on CUDA, the torch reference otherwise (capture refuses torch on CUDA unless allowed)."""
     has_gdn = "linear_attention" in (target_config_dict(target_dir).get("layer_types") or [])
     on_cuda = target_device(cfg).type == "cuda"
+    if has_gdn and on_cuda and cfg.capture.kernels == "fused":
+        return "fla_fused"  # capture/fused_target.py: an evaluator on "fla" refuses these shards
     return "fla" if (has_gdn and on_cuda) else "torch"
 
 

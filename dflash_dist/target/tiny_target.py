@@ -31,6 +31,7 @@ import transformers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from data_pipeline.chat_data import ChatEncoder, template_hash
+from dflash_dist.target.gdn_path import route_cpu_to_torch
 from dflash_dist.target.stdlib_corpus import StdlibFile, code_chat_samples, corpus_hash, iter_sources, list_stdlib_files
 from dflash_dist.target.tiny_tokenizer import ENDOFTEXT, IM_END, train_tokenizer
 
@@ -159,6 +160,7 @@ def load_tiny_target(target_dir: str | os.PathLike) -> tuple[Qwen3_5ForCausalLM,
     """Model (eval mode, fp32, sdpa) and tokenizer of a built target."""
     target_dir = Path(target_dir)
     read_stamp(target_dir)
+    route_cpu_to_torch()  # fp32 CPU forwards: torch GDN even where fla + Triton are installed
     model = Qwen3_5ForCausalLM.from_pretrained(target_dir, dtype=torch.float32, attn_implementation="sdpa")
     return model.eval(), PreTrainedTokenizerFast.from_pretrained(target_dir)
 
@@ -320,6 +322,8 @@ def _train(
 def _build_into(out_dir: Path, settings: TinyTargetSettings, log: Callable[[str], None]) -> None:
     """Train tokenizer and model and write them plus the stamp (last) into ``out_dir``."""
     began = time.perf_counter()
+    # Built on CPU: where fla + Triton are installed transformers picked fla, which cannot run CPU tensors.
+    route_cpu_to_torch()
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, min(os.cpu_count() or 1, settings.max_threads)))
     try:

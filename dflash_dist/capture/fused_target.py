@@ -1,0 +1,93 @@
+"""The fused capture path (`capture.kernels: fused`, CUDA only): every RMSNorm (fp32), the gated
+RMSNorm and SwiGLU's silu * up of the target run as torch.compile'd kernels, and the Gated
+DeltaNet causal conv runs fla's Triton kernel on the [B, T, D] layout in place (no transposed
+copy, no cuDNN depthwise conv). GEMMs, attention and fla's GDN kernels are untouched; the math is
+the same in the same precision, the rounding is not bit-identical, so shards carry their own
+kernel path, "fla_fused": an evaluator or trainer on "fla" refuses them (provenance), and
+bench/bench_parity_probe.py reports fused against eager. At the Qwen3.5-27B shape it lifts
+capture from ~64% to ~73% of the bf16 bound (docs/BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FUSED_KERNEL_PATH = "fla_fused"
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3_5RMSNorm.forward, as one function of its inputs."""
+    out = x.float()
+    out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * (1.0 + weight.float())).type_as(x)
+
+
+def _gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3_5RMSNormGated.forward, as one function of its inputs."""
+    out = x.float()
+    out = weight * (out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (out * F.silu(gate.float())).to(x.dtype)
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def _mlp(m: nn.Module, silu_mul, x: torch.Tensor) -> torch.Tensor:
+    return m.down_proj(silu_mul(m.gate_proj(x), m.up_proj(x)))
+
+
+def _fla_conv1d(x: torch.Tensor, weight: torch.Tensor, bias=None, activation=None, **_) -> torch.Tensor:
+    """transformers' causal_conv1d_fn contract (x [B, D, T], a transposed [B, T, D] tensor) on fla's
+    Triton causal conv, which reads [B, T, D] in place."""
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    return causal_conv1d(x.transpose(1, 2), weight=weight, bias=bias, activation=activation)[0].transpose(1, 2)
+
+
+@functools.cache
+def _compiled():
+    import torch._inductor.config as inductor_config
+
+    inductor_config.emulate_precision_casts = True  # round where eager rounds (bf16 intermediates)
+    return tuple(torch.compile(f, dynamic=True) for f in (_rms_norm, _gated_rms_norm, _silu_mul))
+
+
+def fuse_target(model: nn.Module, conv: bool = True) -> int:
+    """Switch a Qwen3.5-family target on CUDA to the fused path (module docstring; conv=False
+    leaves the causal conv to transformers: a bench variant); returns the number of modules
+    changed. Weights are arguments, so one compiled graph serves every layer."""
+    if not any(p.is_cuda for p in model.parameters()):
+        raise ValueError("capture.kernels=fused needs the target on CUDA (target.device=cuda): its kernels are Triton")
+    rms, gated, silu_mul = _compiled()
+    n = 0
+    for m in model.modules():
+        kind = type(m).__name__
+        if kind.endswith("RMSNormGated"):
+            m.forward = functools.partial(gated, weight=m.weight, eps=m.variance_epsilon)
+        elif kind.endswith("RMSNorm"):
+            m.forward = functools.partial(rms, weight=m.weight, eps=m.eps)
+        elif kind.endswith("MLP") and hasattr(m, "gate_proj"):
+            m.forward = functools.partial(_mlp, m, silu_mul)
+        elif kind.endswith("GatedDeltaNet") and conv:
+            module = __import__(type(m).__module__, fromlist=["causal_conv1d_fn"])
+            if getattr(module, "causal_conv1d_fn", None) is not _fla_conv1d:
+                module.causal_conv1d_fn = _fla_conv1d
+        else:
+            continue
+        n += 1
+    model.dflash_fused = True
+    return n
+
+
+def unfuse_target(model: nn.Module, torch_conv) -> None:
+    """Back to the eager modules (bench/parity probes); `torch_conv` is the causal_conv1d_fn to restore."""
+    for m in model.modules():
+        if "forward" in m.__dict__:
+            del m.forward
+        if type(m).__name__.endswith("GatedDeltaNet"):
+            __import__(type(m).__module__, fromlist=["x"]).causal_conv1d_fn = torch_conv
+    model.dflash_fused = False

@@ -1,0 +1,301 @@
+"""Capture output off the GPU thread: each pass's features, argmax, ids, loss masks and
+finiteness flags are copied on a side CUDA stream into a host buffer (a /dev/shm file mapped here,
+page-locked, and mapped by the writer processes), and writer processes encode and write them as
+webdataset shards while the GPU runs the next passes (`capture.writers`).
+
+The GPU thread only queues copies and waits when every buffer is still being written. Each
+writer process owns a ShardWriter of its own prefix (`<actor prefix>-w<N>`, in the actor's shard
+directory; the actor's stale-tmp cleanup covers them) with the disk-buffer gate, records
+non-finite samples in the ledger, and answers each batch with its counts. Messages are JSON.
+Writer processes run one torch thread each: OpenMP pools of several processes spinning beside the
+GPU's launch thread cost the GPU time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from data_pipeline.records import Sample
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class HostBuffer:
+    """One pass's outputs in a shared file: features [tokens, width] of the feature dtype, then
+    argmax int32, ids int32, loss mask uint8 per token and a finiteness byte per sequence."""
+
+    def __init__(self, path: Path, tokens: int, rows: int, width: int, dtype: str, create: bool) -> None:
+        self.path, self.tokens, self.rows, self.width, self.dtype = Path(path), tokens, rows, width, dtype
+        esize = torch.empty((), dtype=DTYPES[dtype]).element_size()
+        fb = tokens * width * esize
+        self.nbytes = fb + tokens * 9 + rows
+        if create:
+            with open(self.path, "wb") as f:
+                f.truncate(self.nbytes)
+        raw = torch.from_file(str(self.path), shared=True, size=self.nbytes, dtype=torch.uint8)
+        self.raw = raw
+        self.features = raw[:fb].view(DTYPES[dtype]).view(tokens, width)
+        self.argmax = raw[fb : fb + 4 * tokens].view(torch.int32)
+        self.ids = raw[fb + 4 * tokens : fb + 8 * tokens].view(torch.int32)
+        self.mask = raw[fb + 8 * tokens : fb + 9 * tokens]
+        self.finite = raw[fb + 9 * tokens :]
+        self.pinned = False
+
+    def spec(self) -> list:
+        return [str(self.path), self.tokens, self.rows, self.width, self.dtype]
+
+    def pin(self) -> None:
+        """Page-lock it for the CUDA driver, so device-to-host copies are asynchronous DMA."""
+        err = torch.cuda.cudart().cudaHostRegister(self.raw.data_ptr(), self.nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {self.path} ({self.nbytes} bytes) failed ({err})")
+        self.pinned = True
+
+    def release(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.raw.data_ptr())
+            self.pinned = False
+        self.path.unlink(missing_ok=True)
+
+
+@dataclass
+class SinkCounts:
+    samples: int = 0
+    tokens: int = 0
+    skipped: int = 0
+    shards: int = 0
+    bytes: int = 0
+    busy_s: float = 0.0  # writer time summed over writers (encode + tar + fsync + rename)
+    waited_disk_s: float = 0.0  # writers paused for the disk buffer (disk_budget.py)
+    gpu_waited_s: float = 0.0  # the GPU thread waiting for a free host buffer (writers behind)
+    errors: list[str] = field(default_factory=list)
+
+
+def _writer_main(conn, spec: dict) -> None:
+    """A writer process: {buf: spec, items: [[key, n, meta], ...]} in, counts (or {error}) out."""
+    torch.set_num_threads(1)
+    from data_pipeline.disk_budget import BufferGate, BufferPolicy
+    from data_pipeline.ledger import record_skipped
+    from data_pipeline.provenance import Provenance
+    from data_pipeline.shard_reader import NONFINITE
+    from data_pipeline.shard_writer import ShardWriter
+    from dflash_dist.config import load_config_dict
+
+    writer = None
+    try:
+        cfg = load_config_dict(spec["cfg"])
+        gate = BufferGate(spec["shard_dir"], BufferPolicy.from_config(cfg))
+        writer = ShardWriter(spec["shard_dir"], Provenance.from_dict(spec["provenance"]), cfg.capture.shard_bytes,
+                             spec["prefix"], before_open=gate if spec["gate"] else None)
+        bufs: dict[str, HostBuffer] = {}
+        conn.send_bytes(b"{}")
+        while (msg := json.loads(conn.recv_bytes())) is not None:
+            t0, waited0, shards0 = time.perf_counter(), gate.waited_s, len(writer.records)
+            path = msg["buf"][0]
+            if path not in bufs or bufs[path].spec() != msg["buf"]:
+                bufs = {p: b for p, b in bufs.items() if Path(p).exists()}  # unmap buffers the GPU side re-made
+                bufs[path] = HostBuffer(Path(path), *msg["buf"][1:], create=False)
+            buf, off = bufs[path], 0
+            out = {"samples": 0, "tokens": 0, "skipped": 0}
+            for row, (key, n, meta) in enumerate(msg["items"]):
+                sl = slice(off, off + n)
+                off += n
+                if not buf.finite[row]:
+                    record_skipped(spec["shard_dir"], key, NONFINITE, spec["actor"])
+                    out["skipped"] += 1
+                    continue
+                writer.write(Sample(key=key, input_ids=buf.ids[sl], loss_mask=buf.mask[sl], features=buf.features[sl],
+                                    target_argmax=buf.argmax[sl], meta=meta))
+                out["samples"] += 1
+                out["tokens"] += n
+            done = writer.records[shards0:]
+            out.update(shards=len(done), bytes=sum(r.n_bytes for r in done), busy_s=time.perf_counter() - t0,
+                       waited_disk_s=gate.waited_s - waited0)
+            conn.send_bytes(json.dumps(out).encode())
+        t0 = time.perf_counter()
+        last = writer.close()
+        conn.send_bytes(json.dumps({"samples": 0, "tokens": 0, "skipped": 0, "shards": int(last is not None),
+                                    "bytes": last.n_bytes if last else 0, "busy_s": time.perf_counter() - t0,
+                                    "waited_disk_s": 0.0}).encode())
+    except BaseException as e:  # reported to the GPU process, which raises it
+        if writer is not None:
+            writer.abort()
+        with contextlib.suppress(Exception):
+            conn.send_bytes(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+
+
+class WriterPool:
+    """`writers` writer processes and `writers + spare` host buffers (sized on demand: a pass
+    larger than a buffer gets the buffer re-made at its size). `submit` is called on the GPU
+    thread right after a capture pass; `close` waits until every shard is renamed and listed."""
+
+    def __init__(self, cfg, shard_dir: Path, provenance, prefix: str, actor_index: int, writers: int,
+                 spare_buffers: int = 1, device: torch.device | str = "cpu", gate: bool = True,
+                 tokens_hint: int = 0) -> None:
+        self.counts, self.lock = SinkCounts(), threading.Lock()
+        self.tokens_hint = tokens_hint  # first size of each buffer (capture.token_budget)
+        self.device = torch.device(device)
+        self.dtype, self.width = provenance.dtype, provenance.feature_width
+        shm = Path("/dev/shm")
+        self.buf_dir = Path(tempfile.mkdtemp(prefix=f"dflash-capture-{prefix}-",
+                                             dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else shard_dir))
+        self.bufs: list[HostBuffer | None] = [None] * (writers + spare_buffers)
+        self._generation = 0
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.free: queue.Queue[int] = queue.Queue()
+        for i in range(len(self.bufs)):
+            self.free.put(i)
+        self.jobs: queue.Queue = queue.Queue()
+        ctx = mp.get_context("spawn")
+        spec = {"cfg": cfg.to_dict(), "shard_dir": str(shard_dir), "provenance": provenance.to_dict(),
+                "actor": actor_index, "gate": gate}
+        self.procs, self.threads = [], []
+        env_threads = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"  # the children's OpenMP pools: one thread (module docstring)
+        try:
+            for w in range(writers):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=_writer_main, args=(child, {**spec, "prefix": f"{prefix}-w{w}"}), daemon=True,
+                                name=f"dflash-writer-{prefix}-{w}")
+                p.start()
+                self.procs.append(p)
+                self._reply(parent)  # ready: imports done, writer open
+                self.threads.append(threading.Thread(target=self._drain, args=(parent,), daemon=True))
+        finally:
+            if env_threads is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = env_threads
+        for t in self.threads:
+            t.start()
+
+    def _buffer(self, i: int, tokens: int, rows: int) -> HostBuffer:
+        buf = self.bufs[i]
+        if buf is None or buf.tokens < tokens or buf.rows < rows:
+            if buf is not None:
+                buf.release()
+            self._generation += 1
+            tokens = max(tokens, buf.tokens if buf else self.tokens_hint)
+            buf = HostBuffer(self.buf_dir / f"buf{i}-{self._generation}", tokens, max(rows, 64), self.width,
+                             self.dtype, create=True)
+            if self.stream is not None:
+                buf.pin()
+            self.bufs[i] = buf
+        return buf
+
+    def submit(self, features: torch.Tensor, argmax: torch.Tensor, attention: torch.Tensor,
+               items: list[tuple[str, list[int], list[int], dict]]) -> None:
+        """Queue one pass: features [b, T, width] and argmax [b, T] on the device, attention [b, T]
+        (1 on real tokens), items per row (key, ids, loss mask, meta). Returns without waiting for
+        the copies unless every buffer is in flight."""
+        t0 = time.perf_counter()
+        i = self._take()
+        self.counts.gpu_waited_s += time.perf_counter() - t0
+        lengths = [len(ids) for _, ids, _, _ in items]
+        buf = self._buffer(i, sum(lengths), len(items))
+        off = 0
+        for (_, ids, mask, _), n in zip(items, lengths):
+            buf.ids[off : off + n] = torch.as_tensor(ids, dtype=torch.int32)
+            buf.mask[off : off + n] = torch.as_tensor(mask, dtype=torch.uint8)
+            off += n
+        finite = (torch.isfinite(features).all(-1) | (attention == 0)).all(-1).to(torch.uint8)  # [b], on the device
+        argmax = argmax.to(torch.int32)
+        event = None
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            off = 0
+            for r, n in enumerate(lengths):
+                buf.features[off : off + n].copy_(features[r, :n], non_blocking=True)
+                buf.argmax[off : off + n].copy_(argmax[r, :n], non_blocking=True)
+                off += n
+            buf.finite[: len(items)].copy_(finite, non_blocking=True)
+            if self.stream is not None:
+                event = torch.cuda.Event()
+                event.record(self.stream)
+                for t in (features, argmax, finite):
+                    t.record_stream(self.stream)  # the caching allocator keeps them until the copies ran
+        msg = {"buf": buf.spec(), "items": [[k, n, meta] for (k, _, _, meta), n in zip(items, lengths)]}
+        self.jobs.put((i, event, msg))
+
+    def _take(self) -> int:
+        while True:
+            if self.counts.errors:
+                raise RuntimeError(f"capture writer failed: {self.counts.errors[0]}")
+            with contextlib.suppress(queue.Empty):
+                return self.free.get(timeout=1.0)
+
+    def _drain(self, conn) -> None:
+        try:
+            while (job := self.jobs.get()) is not None:
+                i, event, msg = job
+                if event is not None:
+                    event.synchronize()
+                conn.send_bytes(json.dumps(msg).encode())
+                self._reply(conn)
+                self.free.put(i)
+            conn.send_bytes(b"null")
+            self._reply(conn)
+        except Exception as e:  # surfaced by submit/close on the GPU thread
+            self.counts.errors.append(f"{type(e).__name__}: {e}")
+
+    def _reply(self, conn) -> None:
+        msg = json.loads(conn.recv_bytes())
+        if "error" in msg:
+            raise RuntimeError(msg["error"])
+        with self.lock:
+            c = self.counts
+            for k in ("samples", "tokens", "skipped", "shards", "bytes"):
+                setattr(c, k, getattr(c, k) + int(msg.get(k, 0)))
+            c.busy_s += float(msg.get("busy_s", 0.0))
+            c.waited_disk_s += float(msg.get("waited_disk_s", 0.0))
+
+    def close(self) -> SinkCounts:
+        """Every queued pass written and every writer's last shard closed; then processes and
+        buffers released. Raises if a writer failed (its unfinished shard is deleted)."""
+        try:
+            for _ in self.threads:
+                self.jobs.put(None)
+            for t in self.threads:
+                t.join()
+        finally:
+            for p in self.procs:
+                p.join(timeout=120)
+                if p.is_alive():
+                    p.kill()
+            for b in self.bufs:
+                if b is not None:
+                    b.release()
+            with contextlib.suppress(OSError):
+                self.buf_dir.rmdir()
+        if self.counts.errors:
+            raise RuntimeError("capture writer failed: " + "; ".join(self.counts.errors))
+        return self.counts
+
+    def abort(self) -> None:
+        """After an error on the GPU thread: stop the writers (their unfinished shards are
+        deleted by the next attempt's stale-tmp cleanup) and release the buffers."""
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.join(timeout=30)
+        for b in self.bufs:
+            if b is not None:
+                with contextlib.suppress(Exception):
+                    b.release()
+        with contextlib.suppress(OSError):
+            self.buf_dir.rmdir()

@@ -129,8 +129,10 @@ def run_rank(cfg_dict: dict, job: TrainJob, env: dict[str, str], extensions_dir:
     deepspeed.init_distributed(
         dist_backend="nccl" if on_gpu else "gloo", auto_mpi_discovery=False, dist_init_required=True
     )
+    from dflash_dist.logging_setup import setup_logging
+
+    setup_logging("trainer", rank)  # the trainer's INFO lines (steps, epochs, resume, preemption) reach the driver
     cfg = load_config_dict(cfg_dict)
-    _show_progress(rank)
     try:
         with Heartbeat(cfg.out, "trainer", rank) as beat:
             trainer = Trainer(cfg, job)
@@ -141,15 +143,6 @@ def run_rank(cfg_dict: dict, job: TrainJob, env: dict[str, str], extensions_dir:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _show_progress(rank: int) -> None:
-    """The trainer's INFO lines (steps, epochs, resume, preemption) reach this process's output:
-    a handler on the root logger if the entry point set none, and dflash_dist at INFO."""
-    if not logging.getLogger().handlers:
-        fmt = f"%(asctime)s trainer[{rank}] %(levelname)s %(name)s: %(message)s"
-        logging.basicConfig(format=fmt, stream=sys.stdout)
-    logging.getLogger("dflash_dist").setLevel(logging.INFO)
 
 
 class TrainerGroupError(RuntimeError):

@@ -104,7 +104,7 @@ def live_decode(target: nn.Module, drafter: DFlashDrafter, prompt: list[int], ma
         raise ValueError(f"count must be one of {COUNTS}, got {count!r}")
     cache = TargetCache(target, tuple(drafter.config.target_layer_ids))
     dev = drafter.fc.weight.device
-    out = cache.step(list(prompt))
+    out = cache.step(list(prompt), last_logits_only=True)
     context = [drafter.fuse_context(out.features.to(dev))]
     anchor = int(out.logits[0, -1].argmax())
     tokens, taus = [anchor], []

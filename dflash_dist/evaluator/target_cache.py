@@ -69,8 +69,9 @@ class TargetCache:
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor | list[int], position_ids: torch.Tensor | None = None,
-             attention_mask: dict | torch.Tensor | None = None) -> StepOutput:
-        """Feed `ids` ([b, T] or one row as a list) at positions length.. (or `position_ids`)."""
+             attention_mask: dict | torch.Tensor | None = None, last_logits_only: bool = False) -> StepOutput:
+        """Feed `ids` ([b, T] or one row as a list) at positions length.. (or `position_ids`).
+        `last_logits_only`: logits of the last position alone (a long prefill's [T, V] is large)."""
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
         if ids.dim() == 1:
             ids = ids[None]
@@ -79,6 +80,8 @@ class TargetCache:
             position_ids = torch.arange(self.length, self.length + t, device=self.device)[None].expand(b, t)
         kwargs = {"input_ids": ids, "position_ids": position_ids, "attention_mask": attention_mask,
                   "use_cache": True, "cache": self.cache}
+        if last_logits_only:
+            kwargs["logits_to_keep"] = 1
         if self.layer_ids:
             with LayerTap(self.model, self.layer_ids) as tap:
                 out = self.model(**kwargs)

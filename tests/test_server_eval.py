@@ -177,3 +177,23 @@ def test_a_failing_server_is_an_error_naming_it(engine):
 def test_a_vllm_server_without_spec_metrics_is_refused_naming_the_flag(engine):
     with pytest.raises(ServerError, match="--per-request-spec-decode-metrics"):
         server_tau(engine.url, "vllm", PROMPTS[:2], MAX_NEW, model="served", max_retries=0, timeout_s=5)
+
+
+def test_eval_mode_settings_are_checked_at_load():
+    from dflash_dist.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="eval.server_url is required"):
+        load_config("configs/tiny.yaml", ["eval.mode=server"])
+    with pytest.raises(ConfigError, match="eval.server_url .* must start with http"):
+        load_config("configs/tiny.yaml", ["eval.mode=server", "eval.server_url=127.0.0.1:30000"])
+    with pytest.raises(ConfigError, match="eval.mode: 'fast' is not one of"):
+        load_config("configs/tiny.yaml", ["eval.mode=fast"])
+    with pytest.raises(ConfigError, match="eval.live_every must be >= 1"):
+        load_config("configs/tiny.yaml", ["eval.live_every=0"])
+    with pytest.raises(ConfigError, match="eval.count: 'all' is not one of"):
+        load_config("configs/tiny.yaml", ["eval.count=all"])
+    with pytest.raises(ConfigError, match="eval.reference_drafter: .*config.json not found"):
+        load_config("configs/tiny.yaml", ["eval.reference_drafter=/nonexistent"])
+    cfg = load_config("configs/tiny.yaml", ["eval.mode=server", "eval.server_url=http://127.0.0.1:8000",
+                                            "eval.server_engine=vllm"])
+    assert cfg.eval.mode == "server" and cfg.eval.count == "capped" and cfg.eval.live_every == 1

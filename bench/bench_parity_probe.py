@@ -2,7 +2,8 @@
 per captured layer, the relative L2 difference of the features and the argmax agreement
 
   1. fla vs torch reference: the same tokens through fla's Gated DeltaNet kernels and through
-     transformers' torch reference path (capture_features both times);
+     transformers' torch reference path (capture_features both times); on CUDA also the fused
+     capture path (capture.kernels=fused, kernel path fla_fused) against eager fla and torch;
   2. full vs chunked: one forward over all tokens vs a prefill of --prefill tokens followed by the
      rest fed with the model's cache in blocks of --block tokens and then --singles single tokens,
      as a live decoder (the evaluator's verify passes) sees them; for each kernel path.
@@ -134,6 +135,18 @@ def main(argv: list[str] | None = None) -> int:
     report["fast_vs_torch"] = per_layer(
         fast.features, ref.features, fast.target_argmax, ref.target_argmax, layer_ids, cfg.layer_types, h, everything
     )
+    if fast.kernel_path == "fla":  # capture.kernels=fused (kernel path fla_fused) against eager fla and torch
+        from dflash_dist.capture.fused_target import fuse_target, unfuse_target
+
+        torch_conv = modeling_qwen3_5.causal_conv1d_fn
+        fuse_target(model)
+        try:
+            fused = capture_features(model, ids, layer_ids)
+        finally:
+            unfuse_target(model, torch_conv)
+        for name, other in (("fla_fused_vs_fla", fast), ("fla_fused_vs_torch", ref)):
+            report[name] = per_layer(fused.features, other.features, fused.target_argmax, other.target_argmax,
+                                     layer_ids, cfg.layer_types, h, everything)
     chunked = {"torch": ref_chunked}
     if fast.kernel_path != "torch":
         chunked[fast.kernel_path] = chunked_capture(model, ids, layer_ids, a.prefill, a.block, a.singles)

@@ -155,3 +155,16 @@ def test_auto_kernels_resolve_to_torch_on_cpu():
     assert fused.resolve_kernels("compile", on_gpu=False) == "compile"
     with pytest.raises(ValueError, match="kernels="):
         fused.resolve_kernels("cuda", on_gpu=True)
+
+
+def test_liger_without_liger_kernel_fails_at_construction():
+    """On a machine without liger-kernel (the CPU test machine) the choice fails when made, naming
+    the package and the alternatives, instead of at the first forward."""
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("liger-kernel is installed here")
+    with pytest.raises(ImportError, match="liger-kernel"):
+        small_drafter().set_kernels("liger")

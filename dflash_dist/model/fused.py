@@ -154,7 +154,10 @@ def _liger_ce_chunk(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool)
 
 
 def rms_norm_fn(kernels: str) -> Callable | None:
-    """(x, weight, eps) -> normed x; None = the module's own torch code."""
+    """(x, weight, eps) -> normed x; None = the module's own torch code. Raises at once (not at
+    the first forward) when kernels="liger" and liger-kernel does not import."""
+    if check_kernels(kernels) == "liger":
+        _liger()
     return {"torch": None, "compile": _compiled(rms_norm_ref), "liger": _liger_rms_norm}[check_kernels(kernels)]
 
 

@@ -16,6 +16,7 @@ of the closure, as transformers' own wrapper has it).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 from collections.abc import Callable
@@ -46,10 +47,15 @@ def _routed(selected: Callable, reference: Callable, implementation: Callable) -
     """`selected` (transformers' wrapper around `implementation`) for accelerator tensors,
     `reference` (its torch code) for CPU tensors."""
 
+    params = inspect.signature(reference).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
     def routed(*args, **kwargs):
         _ = implementation  # a free name of this closure: gdn_kernel_path reads the picked kernel from it
         t = _first_tensor(args, kwargs)
         if t is not None and t.device.type == "cpu":
+            if not takes_any:  # as transformers' wrapper does: only the arguments the function takes
+                kwargs = {k: v for k, v in kwargs.items() if k in params}
             return reference(*args, **kwargs)
         return selected(*args, **kwargs)
 

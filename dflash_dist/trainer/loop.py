@@ -1,5 +1,4 @@
-"""The DeepSpeed drafter trainer: a plain-Python loop (no Ray here; actors/trainer_group.py runs
-one per rank after the process group exists).
+"""The DeepSpeed drafter trainer, plain Python (actors/trainer_group.py runs one per rank).
 
 `Trainer.run()` repeats step -> log -> checkpoint -> export until the last step, and
 `Trainer.train_step()` does exactly one optimizer step, top to bottom: gather its micro-batches
@@ -7,10 +6,8 @@ one per rank after the process group exists).
 in lock-step; a preemption notice (SIGTERM/SIGUSR1) is acted on at a step boundary: a step
 either runs whole or not at all, and the last complete step is saved.
 
-Everything that survives a restart is `TrainState` (state.py); DeepSpeed specifics are in
-engine.py; the step logs and log windows in step_log.py. Checkpoints are DeepSpeed's,
-published by checkpoint.py only once every rank's files are on disk.
-"""
+What survives a restart is `TrainState` (state.py); DeepSpeed specifics: engine.py; step logs
+and log windows: step_log.py; checkpoints are published by checkpoint.py."""
 
 from __future__ import annotations
 

@@ -14,6 +14,28 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
+# The slow tier: modules that start Ray clusters, DeepSpeed process groups, Slurm daemons or
+# whole pipeline runs (`pytest -m slow`); the fast tier is everything else (`pytest -m "not slow"`,
+# pure logic and tiny in-process models). A plain `pytest` runs both, as CI does.
+SLOW_MODULES = {
+    "test_capture_faults", "test_elastic", "test_faults", "test_launch_ray", "test_loss_curve", "test_multinode",
+    "test_pipeline", "test_resume", "test_slurm", "test_trainer",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the slow tier; run `gpu` tests only when the marker expression names them (`-m gpu`),
+    so `pytest`, `pytest -m slow` and `pytest -m "not slow"` never pick them on a CPU machine."""
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES or "ray_cluster" in item.fixturenames:
+            item.add_marker(pytest.mark.slow)
+    if "gpu" not in (config.option.markexpr or ""):
+        gpu = [item for item in items if item.get_closest_marker("gpu")]
+        if gpu:
+            config.hook.pytest_deselected(items=gpu)
+            items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+
+
 GOLDEN_SETS = ("golden", "golden_swa")  # tests/<name> copies ../shared/<name>
 
 

@@ -115,8 +115,9 @@ def _respond(model, tokenizer, prompts: list[list[int]], max_new: int, batch: in
 def prepare_data(args, cfg, data_path: Path) -> dict:
     """Train and held-out sequences with their features, cached in <out>/data.safetensors."""
     meta_path = data_path.with_suffix(".json")
-    want = {"test_target": args.test_target, "train": args.train_samples, "eval": args.eval_prompts,
-            "seed": args.data_seed, "train_new": cfg.capture.max_new_tokens, "eval_new": args.eval_new_tokens}
+    want = {"responses": args.responses, "test_target": args.test_target, "train": args.train_samples,
+            "eval": args.eval_prompts, "seed": args.data_seed, "train_new": cfg.capture.max_new_tokens,
+            "eval_new": args.eval_new_tokens}
     if data_path.exists() and meta_path.exists() and json.loads(meta_path.read_text()).get("want") == want:
         log.info("reusing captured data in %s", data_path)
         return json.loads(meta_path.read_text())
@@ -134,20 +135,24 @@ def prepare_data(args, cfg, data_path: Path) -> dict:
               "eval": ("heldout", args.eval_prompts, args.eval_new_tokens, args.data_seed + 1)}
     for name, (split, n, max_new, seed) in splits.items():
         records = code_chat_samples(split, n, seed)
-        prompts = [enc.prompt_ids(r["messages"]).tolist() for r in records]
-        responses = _respond(model, tok, prompts, max_new, args.gen_batch)
-        lens, starts, ids, feats = [], [], [], []
-        for p, y in zip(prompts, responses):
-            if not y:
-                continue
-            seq = p + y
-            cap = capture_features(model, torch.tensor([seq]), dcfg.target_layer_ids, with_argmax=False)
+        if name == "train" and args.responses == "data":  # the corpus' own responses, loss mask from the template
+            encoded = [enc.encode(r["messages"]) for r in records]
+            seqs = [(e.input_ids.tolist(), e.loss_mask.tolist()) for e in encoded]
+        else:  # the target's greedy responses (the pipeline's capture.regenerate)
+            prompts = [enc.prompt_ids(r["messages"]).tolist() for r in records]
+            responses = _respond(model, tok, prompts, max_new, args.gen_batch)
+            seqs = [(p + y, [0] * len(p) + [1] * len(y)) for p, y in zip(prompts, responses) if y]
+        lens, starts, ids, masks, feats, argmax = [], [], [], [], [], []
+        for seq, mask in seqs:
+            cap = capture_features(model, torch.tensor([seq]), dcfg.target_layer_ids, with_argmax=True)
             ids.append(torch.tensor(seq, dtype=torch.int32))
+            masks.append(torch.tensor(mask, dtype=torch.uint8))
             feats.append(cap.features[0].float())
+            argmax.append(cap.target_argmax[0].to(torch.int32))
             lens.append(len(seq))
-            starts.append(len(p))
-        tensors[f"{name}.ids"] = torch.cat(ids)
-        tensors[f"{name}.features"] = torch.cat(feats)
+            starts.append(mask.index(1))
+        tensors[f"{name}.ids"], tensors[f"{name}.mask"] = torch.cat(ids), torch.cat(masks)
+        tensors[f"{name}.features"], tensors[f"{name}.argmax"] = torch.cat(feats), torch.cat(argmax)
         meta[f"{name}.lengths"], meta[f"{name}.starts"] = lens, starts
         log.info("%s: %d sequences, %d tokens (%.0f s so far)", name, len(lens), sum(lens), time.time() - t0)
     save_file(tensors, str(data_path))
@@ -155,11 +160,13 @@ def prepare_data(args, cfg, data_path: Path) -> dict:
     return meta
 
 
-def _split(tensors: dict, meta: dict, name: str) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+def _split(tensors: dict, meta: dict, name: str) -> list[tuple[torch.Tensor, ...]]:
+    """(ids, features, start, loss_mask, target_argmax) per sequence."""
     ids, feats = tensors[f"{name}.ids"], tensors[f"{name}.features"]
+    mask, argmax = tensors[f"{name}.mask"], tensors[f"{name}.argmax"]
     out, lo = [], 0
     for n, start in zip(meta[f"{name}.lengths"], meta[f"{name}.starts"]):
-        out.append((ids[lo : lo + n], feats[lo : lo + n], start))
+        out.append((ids[lo : lo + n], feats[lo : lo + n], start, mask[lo : lo + n], argmax[lo : lo + n]))
         lo += n
     return out
 
@@ -170,6 +177,7 @@ _DATA: dict = {}
 
 
 def _init_worker(data_path: str, threads: int) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(processName)s %(message)s", stream=sys.stdout)
     torch.set_num_threads(threads)
     meta = json.loads(Path(data_path).with_suffix(".json").read_text())
     tensors = load_file(data_path)
@@ -203,7 +211,7 @@ def _tau(drafter: DFlashDrafter, v: Variant, budget: int) -> tuple[float, float]
     drafter.eval()
     chain, tree = [], []
     h = drafter.config.hidden_size
-    for ids, feats, start in _DATA["eval"]:
+    for ids, feats, start, _, _ in _DATA["eval"]:
         c, t = replay_sequence(drafter, ids.tolist(), _features(feats, v, h), start, (budget,))
         chain.append(sum(c) / len(c))
         tree.append(sum(t[budget]) / len(t[budget]))
@@ -219,15 +227,14 @@ def run_variant(v: Variant, config_path: str, args: dict) -> dict:
     blk, gamma, h = drafter.config.block_size, drafter.config.loss_decay_gamma, drafter.config.hidden_size
     opt = build_optimizer(cfg, drafter)
     mb, accum = cfg.train.micro_batch_size, args["accum"]
-    train = _DATA["train"]
+    train = _DATA["train"][: args["train_limit"]]
     per_step = mb * accum
     steps_per_epoch = len(train) // per_step
     total = args["epochs"] * steps_per_epoch
     sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(total, math.ceil(cfg.train.warmup_frac * total)))
     samples = [
-        Sample(f"s{i}", ids, torch.tensor([0] * start + [1] * (len(ids) - start), dtype=torch.uint8),
-               _features(feats, v, h), torch.zeros_like(ids))
-        for i, (ids, feats, start) in enumerate(train)
+        Sample(f"s{i}", ids, mask, _features(feats, v, h), argmax)
+        for i, (ids, feats, _, mask, argmax) in enumerate(train)
     ]
     points, losses, step = [], [], 0
     for epoch in range(args["epochs"]):
@@ -247,6 +254,7 @@ def run_variant(v: Variant, config_path: str, args: dict) -> dict:
             step_loss = 0.0
             for b in batches:
                 out = dflash_loss(drafter, b.input_ids, b.features, b.loss_mask, b.anchors, gamma=gamma,
+                                  target_argmax=b.target_argmax, label_source=args["labels"],
                                   position_weighting=v.position_weighting, loss_denominator=denom)
                 loss = out.loss if denom is not None else out.loss / accum
                 loss.backward()
@@ -343,7 +351,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-samples", type=int, default=400)
     ap.add_argument("--eval-prompts", type=int, default=12)
     ap.add_argument("--eval-new-tokens", type=int, default=48)
+    ap.add_argument("--responses", choices=("target", "data"), default="target",
+                    help="train responses: the target's greedy ones (capture.regenerate) or the corpus' own")
+    ap.add_argument("--labels", choices=("data", "target"), default="data", help="train.label_source")
+    ap.add_argument("--train-limit", type=int, default=None, help="train on the first N captured samples only")
     ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--report", default=None, help="only render the table and plot of a results.json")
     ap.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step (the tiny run's ranks)")
     ap.add_argument("--eval-every", type=int, default=25, help="optimizer steps between tau measurements")
     ap.add_argument("--budget", type=int, default=8, help="DDTree node budget")
@@ -365,7 +378,16 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown --variants {unknown}; choose from {VARIANTS}")
     seeds = [int(s) for s in args.seeds.split(",")]
-    variants = [make_variant(n, s, args.window) for n in names for s in (seeds if n in SEEDED else seeds[:1])]
+    # first seed of every variant, then the further seeds of the all-layers / drop-top pair: a run
+    # cut short still has every comparison
+    variants = [make_variant(n, seeds[0], args.window) for n in names]
+    variants += [make_variant(n, s, args.window) for s in seeds[1:] for n in names if n in SEEDED]
+    if args.report:
+        results = json.loads(Path(args.report).read_text())["results"]
+        md = table(results, args.budget)
+        plot(results, Path(args.png), args.budget)
+        print(md)
+        return 0
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -376,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     prepare_data(args, cfg, data_path)
     log.info("data ready in %.0f s; %d runs on %d workers (%s)", time.time() - t0, len(variants), args.workers,
              args.device)
-    worker_args = {"device": args.device, "accum": args.accum, "epochs": args.epochs,
+    worker_args = {"labels": args.labels, "device": args.device, "accum": args.accum, "epochs": args.epochs,
+                   "train_limit": args.train_limit,
                    "eval_every": args.eval_every, "budget": args.budget}
     results: list[dict] = []
     with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn"), initializer=_init_worker,

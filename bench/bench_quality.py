@@ -1,7 +1,9 @@
 """Recipe quality on the tiny target: greedy-replay tau (chain and DDTree-8) per checkpoint against
 training samples seen, one line per recipe variant, same data, budget and seeds.
 
-    python bench/bench_quality.py                      # the full set (~25 min of CPU on 2 idle cores)
+    python bench/bench_quality.py                      # the full set, regenerated responses, 4 epochs
+    python bench/bench_quality.py --responses data --labels target --epochs 2 --eval-every 20
+                                                       # docs/BENCHMARKS.md's run (fits a loaded 2-core machine)
     python bench/bench_quality.py --quick              # a smoke run of the same code (~3 min)
     python bench/bench_quality.py --variants all_layers,drop_top --seeds 0,1,2
 

@@ -12,6 +12,9 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+# A loaded 2-core machine can take longer than Ray's default to start a raylet; the tests' Ray
+# heads (in-process and in the CLIs they start) wait up to 3 minutes instead of failing.
+os.environ.setdefault("RAY_raylet_start_wait_time_s", "180")
 
 
 # The slow tier: modules that start Ray clusters, DeepSpeed process groups, Slurm daemons or

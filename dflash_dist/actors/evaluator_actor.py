@@ -40,7 +40,8 @@ def evaluator_actor_options(cfg: Config) -> dict:
 class EvaluatorActor:
     def __init__(self, cfg_dict: dict, out_dir: str, target_dir: str, eval_prompts: list[list[int]],
                  expected_json: str | None = None, shard_dir: str | None = None, poll_s: float = 5.0,
-                 max_backlog: int = 4, stride: int = 2) -> None:
+                 max_backlog: int = 4, stride: int = 2, identity=None) -> None:
+        """identity: the run plan's TargetIdentity (a frozen record; the weights are not hashed again)."""
         from dflash_dist.config import load_config_dict
         from dflash_dist.logging_setup import setup_logging
 
@@ -49,6 +50,7 @@ class EvaluatorActor:
         if self.cfg.eval.num_gpus == 0:
             torch.set_num_threads(max(1, int(self.cfg.eval.num_cpus)))  # no more threads than reserved CPUs
         self._args = (out_dir, target_dir, eval_prompts, expected_json, shard_dir)
+        self._identity = identity
         self._loop = {"poll_s": poll_s, "max_backlog": max_backlog, "stride": stride}
         self._lock = threading.Lock()
         self._finished: bool = False
@@ -125,7 +127,8 @@ class EvaluatorActor:
         try:
             with Heartbeat(out_dir, "evaluator", 0, info=self._progress):
                 expected = Provenance.from_json(expected_json, "expected provenance") if expected_json else None
-                self._evaluator = Evaluator(self.cfg, out_dir, target_dir, eval_prompts, expected, shard_dir=shard_dir)
+                self._evaluator = Evaluator(self.cfg, out_dir, target_dir, eval_prompts, expected, shard_dir=shard_dir,
+                                            identity=self._identity)
                 self._evaluator.run_until(self._stop, **self._loop)
         except BaseException as e:  # kept for wait(); the thread itself has no caller to raise to
             self._error, self._error_text = e, "".join(traceback.format_exception_only(type(e), e)).strip()

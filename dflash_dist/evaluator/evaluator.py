@@ -48,7 +48,7 @@ from dflash_dist.model.capture import capture_features, check_kernel_path
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.export import load_drafter
 from dflash_dist.target.generation import generate_responses, pad_token_id, stop_token_ids
-from dflash_dist.target.loading import load_target, provenance_for, target_identity
+from dflash_dist.target.loading import TargetIdentity, load_target, provenance_for, target_identity
 from dflash_dist.trainer.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,8 @@ class Evaluator:
 
     def __init__(self, cfg: Config, out_dir: str | os.PathLike[str], target_dir: str | os.PathLike[str],
                  eval_prompts: list[list[int]], expected: Provenance | None,
-                 shard_dir: str | os.PathLike[str] | None = None) -> None:
+                 shard_dir: str | os.PathLike[str] | None = None, identity: TargetIdentity | None = None) -> None:
+        """identity: the run plan's (weights hashed once per run); None: computed here."""
         prompts = [[int(t) for t in p] for p in eval_prompts[: cfg.eval.num_prompts]]
         if not prompts or not all(prompts):
             raise ValueError("Evaluator needs at least one non-empty eval prompt (data.eval_path, eval.num_prompts)")
@@ -102,7 +103,7 @@ class Evaluator:
         self.budgets = tuple(int(b) for b in cfg.eval.budgets)
 
         target_dir = Path(target_dir)
-        self.identity = target_identity(cfg, target_dir)
+        self.identity = identity if identity is not None else target_identity(cfg, target_dir)
         self.model, self.tokenizer = load_target(cfg, target_dir)
         check_kernel_path(self.model, cfg.target.allow_torch_gdn_on_cuda)
         self.provenance = provenance_for(

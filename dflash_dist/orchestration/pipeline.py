@@ -277,7 +277,7 @@ def _start_evaluator(cfg: Config, plan: RunPlan, prompts: list[list[int]], shard
 
     actor = EvaluatorActor.options(**evaluator_actor_options(cfg), **where).remote(
         cfg.to_dict(), str(cfg.out), plan.target_dir, prompts, plan.expected.to_json(), str(shard_dir),
-        cfg.eval.poll_s, cfg.eval.max_backlog, cfg.eval.backlog_stride)
+        cfg.eval.poll_s, cfg.eval.max_backlog, cfg.eval.backlog_stride, identity=plan.identity)
     actor.start.remote()
     return actor
 

@@ -138,14 +138,20 @@ def _to_sample(d: dict[str, Any], where: str) -> Sample:
     )
 
 
+def _raw_samples(stream, path: str) -> Iterator[dict[str, Any]]:
+    """One shard's samples as raw tar members (webdataset's expander and grouping), in storage order."""
+    return group_by_keys(tar_file_expander([{"url": path, "stream": stream}]))
+
+
 def iter_shard_samples(path: str | os.PathLike[str], skip: int = 0) -> Iterator[Sample]:
-    """Decode one complete shard bit-exactly, in storage order; the first `skip` are not decoded."""
+    """Decode one complete shard bit-exactly, in storage order; the first `skip` are not decoded.
+    The same raw reading and decoding as the training stream (`_raw_samples`, `_to_sample`), without
+    its order, ownership and skip accounting: for tools and tests that inspect a shard."""
     path = os.fspath(path)
     if os.path.basename(path).startswith(TMP_PREFIX):
         raise ValueError(f"{path} is a shard still being written (or abandoned); never read it")
     with open(path, "rb") as stream:
-        files = tar_file_expander([{"url": path, "stream": stream}])
-        for i, raw in enumerate(group_by_keys(files)):
+        for i, raw in enumerate(_raw_samples(stream, path)):
             if i >= skip:
                 yield _to_sample(_DECODER(raw), path)
 
@@ -359,7 +365,7 @@ class ShardStream:
     def _raw_in_order(self, path: Path, record: ShardRecord, start: int) -> Iterator[tuple[int, dict[str, Any]]]:
         """(storage index, raw tar members) of one shard in this epoch's order from `start` on."""
         with open(path, "rb") as f:
-            raws = group_by_keys(tar_file_expander([{"url": str(path), "stream": f}]))
+            raws = _raw_samples(f, str(path))
             if not self.shuffle:
                 for i, raw in enumerate(raws):
                     if i >= start:

@@ -256,7 +256,7 @@ def test_tiny_run_survives_a_killed_target_actor_trainer_rank_and_evaluator(tmp_
     assert proc.returncode == 0, printed[-6000:]
     assert killed == {"target", "trainer", "evaluator"}, f"the run ended before every kill: {killed}"
     assert json.loads((beats / "target-0.json").read_text())["pid"] != target_pid  # Ray restarted it
-    assert "[train] rank 1 was lost" in printed and "evaluator restarted" in printed, printed[-6000:]
+    assert "train: rank 1 was lost" in printed and "evaluator restarted" in printed, printed[-6000:]
     steps = [r["step"] for r in read_jsonl(out / TRAIN_LOG)]
     assert steps == list(range(1, 9))
     keys = Counter(k for r in read_manifest(out / "shards") for k in r.keys)

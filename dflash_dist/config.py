@@ -184,8 +184,10 @@ class EvalSection(_Section):
     # cache (exact GDN rollback); server: also the serving engine's own count from eval.server_url
     mode: Literal["replay", "live", "server"] = "replay"
     live_every: PosInt = 1  # live/server: at every N-th evaluated checkpoint (and the first); replay runs at every one
-    count: Literal["capped", "uncapped"] = "capped"  # capped: a round stops at the continuation's end; uncapped: the authors' count
-    reference_drafter: str | None = None  # a z-lab-format drafter directory, measured once beside the run's checkpoints
+    # capped: a round stops at the continuation's end; uncapped: the authors' count
+    count: Literal["capped", "uncapped"] = "capped"
+    # a z-lab-format drafter directory, measured once beside the run's checkpoints
+    reference_drafter: str | None = None
     server_url: str | None = None  # server: the engine's base URL, e.g. http://127.0.0.1:30000 (SGLang), :8000 (vLLM)
     server_engine: Literal["sglang", "vllm"] = "sglang"  # server: which engine's accept-length fields to read
     server_model: str | None = None  # server: the served model name (vLLM needs it; SGLang ignores it)

@@ -129,7 +129,7 @@ def test_a_resume_over_other_data_is_refused_naming_the_change(saved, tmp_path):
 
 
 def test_plan_stages_resumes_an_unfinished_capture_and_refuses_a_cap_without_trainer(saved, tmp_path):
-    from dflash_dist.orchestration.pipeline import PipelineError, plan_stages
+    from dflash_dist.orchestration.run_plan import PipelineError, plan_stages
 
     cfg = capture_config(tmp_path / "run", saved["dir"], saved["jsonl"])
     cfg.data.max_train_samples = 4

@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dflash_dist.config import Config
-from dflash_dist.orchestration.pipeline import PipelineError, plan_stages
+from dflash_dist.orchestration.run_plan import PipelineError, plan_stages
 from dflash_dist.trainer import checkpoint
 from dflash_dist.trainer.checkpoint import ResumeError
 from dflash_dist.trainer.loop import SAMPLE_LOG, TRAIN_LOG

@@ -24,14 +24,7 @@ from data_pipeline.durable_files import write_text_atomic
 from dflash_dist.actors.heartbeat import Heartbeat, clear_heartbeats
 from dflash_dist.config import Config
 from dflash_dist.orchestration import placement
-from dflash_dist.orchestration.run_plan import (  # noqa: F401 (plan_stages: re-exported for callers)
-    PLAN_NAME,
-    PipelineError,
-    RunPlan,
-    make_plan,
-    plan_stages,
-    write_plan,
-)
+from dflash_dist.orchestration.run_plan import PLAN_NAME, PipelineError, RunPlan, make_plan, write_plan
 
 log = logging.getLogger(__name__)
 

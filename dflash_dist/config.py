@@ -120,10 +120,13 @@ class TrainSection(_Section):
     # None: micro_batch_size samples each. DeepSpeed's train_micro_batch_size_per_gpu stays
     # micro_batch_size either way (it only does bookkeeping: throughput, train_batch_size)
     micro_batch_tokens: PosInt | None = None
-    # concatenate a micro-batch's samples into one row of micro_batch_tokens (needs it), documents
-    # kept apart by the block mask (trainer/batching.py); 1.19x samples/s over padding on a chat-like
-    # length mix at the 27B shape (docs/BENCHMARKS.md). Off: right-padded rows, as before
-    packing: bool = False
+    # concatenate a micro-batch's samples into one row of micro_batch_tokens (default: micro_batch_size
+    # x data.max_length), documents kept apart by the block mask (trainer/batching.py); 1.19x samples/s
+    # over padding on a chat-like length mix at the 27B shape (docs/BENCHMARKS.md). "auto": on for
+    # GPU ranks (gpus_per_rank > 0), off on CPU. Off: right-padded rows. With token-budget micro-batches
+    # (packing or micro_batch_tokens) a step holds a varying number of samples, so the LR schedule
+    # follows samples trained instead of steps (unless train.max_steps fixes its length in steps)
+    packing: bool | Literal["auto"] = "auto"
     # samples within a shard in a permutation seeded by (run.seed, epoch, shard); the shard order
     # of epochs after the first is permuted by (run.seed, epoch) either way
     shuffle: bool = True
@@ -249,6 +252,22 @@ class Config(_Section):
     def out(self) -> Path:
         return Path(self.run.out_dir)
 
+    def pack_tokens(self) -> int | None:
+        """The packed row's length when the trainer packs (train.packing, "auto": on GPU ranks),
+        else None."""
+        t = self.train
+        on = t.gpus_per_rank > 0 if t.packing == "auto" else t.packing
+        if not on:
+            return None
+        return t.micro_batch_tokens if t.micro_batch_tokens is not None else t.micro_batch_size * self.data.max_length
+
+    def schedule_unit(self) -> Literal["step", "sample"]:
+        """What the LR schedule counts: optimizer steps, or samples trained when micro-batches are
+        token-budgeted (a step then holds a varying number of samples) and train.max_steps does not
+        fix the length in steps."""
+        budgeted = self.pack_tokens() is not None or self.train.micro_batch_tokens is not None
+        return "sample" if budgeted and self.train.max_steps is None else "step"
+
     def to_dict(self) -> dict:
         return self.model_dump()
 
@@ -365,8 +384,11 @@ def _validate(cfg: Config, path, check_files: bool = True) -> None:
     if d.num_heads % d.num_kv_heads:
         raise ConfigError(f"{where}: drafter.num_heads={d.num_heads} is not a multiple of drafter.num_kv_heads="
                           f"{d.num_kv_heads} (grouped-query attention shares each KV head among equal groups)")
-    if cfg.train.packing and cfg.train.micro_batch_tokens is None:
-        raise ConfigError(f"{where}: train.packing needs train.micro_batch_tokens (the packed row's length)")
+    t = cfg.train
+    if t.micro_batch_tokens is not None and t.micro_batch_tokens < cfg.data.max_length and cfg.pack_tokens():
+        raise ConfigError(f"{where}: train.micro_batch_tokens={t.micro_batch_tokens} is shorter than data.max_length="
+                          f"{cfg.data.max_length}: a packed row must hold the longest sample (raise it, or unset it "
+                          "for micro_batch_size x max_length)")
     _validate_capture(cfg, where)
     _validate_regen(cfg.regen, where)
     _validate_eval(cfg.eval, where)

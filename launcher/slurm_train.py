@@ -99,8 +99,9 @@ def run_slurm_trainer(cfg: Config, resume: str) -> int:
     job = train_job(cfg, plan.target_dir, cfg.out / "shards", plan.expected, plan.drafter, resume=plan.train_resume,
                     announce=rank == 0)
     if rank == 0:
-        log.info("Slurm job %s (restart %s): %d rank(s), master %s:%s, ZeRO-%d, %d scheduled steps", job_id, restart,
-                 world, env["MASTER_ADDR"], env["MASTER_PORT"], cfg.train.zero_stage, job.total_steps)
+        log.info("Slurm job %s (restart %s): %d rank(s), master %s:%s, ZeRO-%d, LR schedule over %d %ss", job_id,
+                 restart, world, env["MASTER_ADDR"], env["MASTER_PORT"], cfg.train.zero_stage, job.total_steps,
+                 job.schedule_unit)
     result = run_rank(cfg.to_dict(), job, env, default_extensions_dir(), rank=rank)
     if rank == 0:
         how = f"stopped by {result.preempted} after saving" if result.preempted else "finished"

@@ -4,6 +4,7 @@ document; the flex mask equals the dense one."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dflash_dist.model.attention import block_mask_dense, block_mask_flex
@@ -118,12 +119,73 @@ def test_trainer_packing_row_trains_each_sample_as_alone():
     assert not BatchLimit(size=1, tokens=32).fits([9, 12], 7)  # padded: longest x count
 
 
-def test_packing_needs_a_token_budget():
-    import pytest
-
+def test_packing_is_the_gpu_default_and_its_row_length():
+    """train.packing "auto" packs on GPU ranks only (the CPU default and the pinned loss curve
+    keep right-padding); the row is micro_batch_tokens, else micro_batch_size x data.max_length;
+    token-budget micro-batches put the LR schedule on samples unless max_steps fixes it."""
     from dflash_dist.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match="train.packing needs train.micro_batch_tokens"):
-        load_config(None, ["target.kind=tiny_stdlib", "train.packing=true"])
-    cfg = load_config(None, ["target.kind=tiny_stdlib", "train.packing=true", "train.micro_batch_tokens=4096"])
-    assert cfg.train.packing and cfg.train.kernels == "auto"
+    base = ["target.kind=tiny_stdlib", "data.max_length=3072"]
+    cpu = load_config(None, base)
+    assert cpu.train.packing == "auto" and cpu.pack_tokens() is None and cpu.schedule_unit() == "step"
+    gpu = load_config(None, [*base, "train.gpus_per_rank=1", "train.micro_batch_size=2"])
+    assert gpu.pack_tokens() == 2 * 3072 and gpu.schedule_unit() == "sample"
+    assert load_config(None, [*base, "train.gpus_per_rank=1", "train.max_steps=100"]).schedule_unit() == "step"
+    assert load_config(None, [*base, "train.gpus_per_rank=1", "train.packing=false"]).pack_tokens() is None
+    padded_budget = load_config(None, [*base, "train.micro_batch_tokens=8192"])  # CPU: padded, token budget
+    assert padded_budget.pack_tokens() is None and padded_budget.schedule_unit() == "sample"
+    cfg = load_config(None, [*base, "train.packing=true", "train.micro_batch_tokens=4096"])
+    assert cfg.pack_tokens() == 4096 and cfg.train.kernels == "auto"
+    with pytest.raises(ConfigError, match="micro_batch_tokens=1024 is shorter than data.max_length=3072"):
+        load_config(None, [*base, "train.packing=true", "train.micro_batch_tokens=1024"])
+
+
+@pytest.mark.gpu
+def test_cuda_packed_row_through_flex_trains_each_sample_as_alone():
+    """The GPU default path: a packed row of three samples through flex_attention (one block mask
+    per layer type, sliding + full layers) with the GPU kernel set, bf16, gives the slot-weighted
+    mean of the three samples' own losses, and its gradient matches theirs."""
+    from data_pipeline.records import Sample
+    from dflash_dist.model.attention import FULL, SLIDING
+    from dflash_dist.model.config import DrafterConfig
+    from dflash_dist.model.drafter import DFlashDrafter
+    from dflash_dist.model.fused import resolve_kernels
+    from dflash_dist.trainer.batching import make_micro_batch
+
+    if not torch.cuda.is_available():
+        pytest.fail("pytest -m gpu needs a CUDA GPU")
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=1024, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+                        head_dim=128, intermediate_size=2816, vocab_size=4096, target_layer_ids=(1, 5, 9),
+                        num_target_layers=12, block_size=16, mask_token_id=4095,
+                        layer_types=(SLIDING, SLIDING, FULL), sliding_window=128)  # fmt: skip
+    d = DFlashDrafter(cfg, kernels=resolve_kernels("auto", True))
+    d.set_target_weights(torch.randn(4096, 1024) * 0.02, torch.randn(4096, 1024) * 0.02)
+    d = d.to("cuda", torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    samples = []
+    for i, n in enumerate((300, 520, 180)):
+        lm = torch.ones(n, dtype=torch.uint8)
+        lm[: n // 4] = 0
+        samples.append(Sample(key=f"s{i}", input_ids=torch.randint(0, 4000, (n,), generator=g, dtype=torch.int32),
+                              loss_mask=lm, features=torch.randn(n, 3 * 1024, generator=g).bfloat16(),
+                              target_argmax=torch.randint(0, 4000, (n,), generator=g, dtype=torch.int32)))  # fmt: skip
+    kw = dict(dtype=torch.bfloat16, num_anchors=64, seed=0, epoch=0)
+
+    def run(batch):
+        b = batch.to("cuda")
+        d.zero_grad(set_to_none=True)
+        out = dflash_loss(d, b.input_ids, b.features, b.loss_mask, b.anchors, attention="flex",
+                          loss_denominator=torch.ones((), device="cuda"))  # fmt: skip
+        out.loss.backward()  # sum(w * CE) with a denominator of 1
+        return float(out.loss.detach()), float(out.weight_sum), d.fc.weight.grad.float().clone()
+
+    packed = make_micro_batch(samples, {}, pack_tokens=1024, **kw)
+    assert packed.input_ids.shape == (1, 1024) and packed.anchors.starts is not None
+    p_wce, p_w, p_grad = run(packed)
+    alone = [run(make_micro_batch([s], {}, **kw)) for s in samples]
+    a_wce, a_w = sum(x[0] for x in alone), sum(x[1] for x in alone)
+    a_grad = sum(x[2] for x in alone)
+    assert p_w == pytest.approx(a_w, rel=1e-6)  # the same supervised slots and weights
+    assert p_wce == pytest.approx(a_wce, rel=2e-2)  # bf16 noise
+    assert ((p_grad - a_grad).norm() / a_grad.norm()).item() < 5e-2

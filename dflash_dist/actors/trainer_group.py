@@ -22,7 +22,7 @@ from dflash_dist.actors.ports import free_ports
 from dflash_dist.config import Config, load_config_dict
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.trainer.checkpoint import check_resumable, plan_resume, read_marker
-from dflash_dist.trainer.ds_config import total_train_steps
+from dflash_dist.trainer.ds_config import schedule_span
 from dflash_dist.trainer.loop import TrainJob, TrainResult
 
 log = logging.getLogger(__name__)
@@ -234,14 +234,16 @@ def train_job(
     resume: str = "auto",
     announce: bool = True,
 ) -> TrainJob:
-    """The TrainJob every rank gets: the LR schedule spans `total_steps`, or else the steps
-    train.max_steps / `num_samples` (default data.max_train_samples) give; `resume` (auto, never
+    """The TrainJob every rank gets: the LR schedule spans `total_steps` optimizer steps, or else
+    what train.max_steps / `num_samples` (default data.max_train_samples) give in steps or, for
+    token-budget micro-batches, in samples (ds_config.schedule_span); `resume` (auto, never
     or a checkpoint tag directory, checkpoint.plan_resume) is checked here, before any rank
     starts (world size, training config, shards), and raises checkpoint.ResumeError."""
     world = cfg.train.world_size
+    unit = "step"  # an explicit total_steps counts optimizer steps
     if total_steps is None:
         samples = num_samples if num_samples is not None else cfg.data.max_train_samples
-        total_steps = total_train_steps(cfg, world, samples)
+        total_steps, unit = schedule_span(cfg, world, samples)
     resume_from = plan_resume(resume, cfg.out / "checkpoints")
     if resume_from is not None:
         harmless = check_resumable(read_marker(resume_from), cfg.to_dict(), world, shard_dir, str(resume_from))
@@ -249,7 +251,8 @@ def train_job(
         if announce:
             log.info("resuming from %s%s", resume_from, note)
     return TrainJob(
-        str(target_dir), str(shard_dir), expected, drafter_cfg, total_steps, str(resume_from) if resume_from else None
+        str(target_dir), str(shard_dir), expected, drafter_cfg, total_steps, str(resume_from) if resume_from else None,
+        schedule_unit=unit,
     )
 
 
@@ -292,5 +295,6 @@ def start_trainer_group(
         for w in workers:
             ray.kill(w, no_restart=True)
         raise
-    log.info("%d DeepSpeed rank(s), ZeRO-%d, %d scheduled steps", world, cfg.train.zero_stage, job.total_steps)
+    log.info("%d DeepSpeed rank(s), ZeRO-%d, LR schedule over %d %ss", world, cfg.train.zero_stage, job.total_steps,
+             job.schedule_unit)
     return TrainerGroup(workers, refs, infos, job.resume_from)

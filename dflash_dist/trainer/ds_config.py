@@ -90,30 +90,53 @@ def build_optimizer(cfg: Config, model: nn.Module, fused: bool = False) -> torch
 class WarmupCosine:
     """LR multiplier: linear warmup over `warmup_steps`, then cosine to 0 at `total_steps`.
 
-    A callable object (not a lambda) so LambdaLR.state_dict() stores its fields and a resumed
-    run can check them."""
+    `unit` "step": the position is the optimizer step LambdaLR passes. "sample": the position is
+    `done`, the samples trained so far on all ranks, which the trainer advances before each step
+    (token-budget micro-batches hold varying sample counts: Config.schedule_unit); the two lengths
+    then count samples. A callable object (not a lambda) so LambdaLR.state_dict() stores its
+    fields (`done` included: a resumed run continues the schedule) and a resumed run can check them."""
 
-    def __init__(self, total_steps: int, warmup_steps: int) -> None:
+    def __init__(self, total_steps: int, warmup_steps: int, unit: str = "step") -> None:
         if total_steps < 1:
             raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+        if unit not in ("step", "sample"):
+            raise ValueError(f"unit must be 'step' or 'sample', got {unit!r}")
         self.total_steps = total_steps
         self.warmup_steps = max(0, min(warmup_steps, total_steps))
+        self.unit = unit
+        self.done = 0  # samples trained so far (unit "sample")
 
     def __call__(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
+        at = step if self.unit == "step" else self.done
+        if at < self.warmup_steps:
+            return (at + 1) / self.warmup_steps
         decay_steps = max(1, self.total_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
+        progress = min(1.0, (at - self.warmup_steps) / decay_steps)
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def build_lr_schedule(
-    cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int
+    cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int, unit: str = "step"
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """Warmup (cfg.train.warmup_frac of the optimizer steps) then cosine; stepped by DeepSpeed
-    once per optimizer step and saved in its checkpoints."""
+    """Warmup (cfg.train.warmup_frac of the schedule) then cosine over `total_steps` optimizer
+    steps (unit "step") or samples (unit "sample"); stepped by DeepSpeed once per optimizer step
+    and saved in its checkpoints."""
     warmup = math.ceil(cfg.train.warmup_frac * total_steps)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(total_steps, warmup))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(total_steps, warmup, unit))
+
+
+def schedule_span(cfg: Config, world_size: int, num_samples: int | None) -> tuple[int, str]:
+    """The LR schedule's (length, unit): optimizer steps (total_train_steps), or with
+    token-budget micro-batches and no train.max_steps, the samples `epochs` passes over
+    `num_samples` train (Config.schedule_unit)."""
+    if cfg.schedule_unit() == "step":
+        return total_train_steps(cfg, world_size, num_samples), "step"
+    if num_samples is None or num_samples < 1:
+        raise ValueError(
+            "the LR schedule of token-budget micro-batches (train.packing / train.micro_batch_tokens) counts "
+            "samples: set data.max_train_samples, pass the number of captured samples, or set train.max_steps"
+        )
+    return cfg.train.epochs * num_samples, "sample"
 
 
 def total_train_steps(cfg: Config, world_size: int, num_samples: int | None) -> int:

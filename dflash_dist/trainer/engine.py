@@ -70,10 +70,12 @@ def build_engine(
     world_size: int,
     on_gpu: bool,
     load_universal: bool = False,
+    schedule_unit: str = "step",
 ):
     """The DeepSpeed engine over a fresh drafter sharing the target's frozen embedding/lm_head.
     Every rank seeds identically, so ZeRO-3 partitions come from one initialisation.
-    `load_universal`: it will load a universal checkpoint (an elastic resume)."""
+    `load_universal`: it will load a universal checkpoint (an elastic resume). The LR schedule
+    spans `total_steps` optimizer steps, or samples with `schedule_unit` "sample"."""
     import deepspeed  # imported late: the actor sets DS_ACCELERATOR / CUDA_VISIBLE_DEVICES first
 
     torch.manual_seed(cfg.run.seed)
@@ -85,7 +87,7 @@ def build_engine(
     engine, *_ = deepspeed.initialize(
         model=module,
         optimizer=optimizer,
-        lr_scheduler=build_lr_schedule(cfg, optimizer, total_steps),
+        lr_scheduler=build_lr_schedule(cfg, optimizer, total_steps, schedule_unit),
         config=deepspeed_config(
             cfg, world_size, on_gpu, hidden_size=drafter_config.hidden_size, load_universal=load_universal
         ),
@@ -161,6 +163,7 @@ def load_checkpoint(engine, path: Path, elastic: bool, group: Any = None) -> dic
     return client
 
 
-def schedule_length(engine) -> int:
-    """The optimizer steps the engine's LR schedule spans (ds_config.WarmupCosine)."""
-    return engine.lr_scheduler.lr_lambdas[0].total_steps
+def schedule_length(engine) -> tuple[int, str]:
+    """The engine's LR schedule length and unit (ds_config.WarmupCosine): steps or samples."""
+    fn = engine.lr_scheduler.lr_lambdas[0]
+    return fn.total_steps, getattr(fn, "unit", "step")

@@ -45,6 +45,7 @@ class EpochData:
         self.cfg, self.shard_dir, self.provenance = cfg, shard_dir, provenance
         self.rank, self.world, self.dtype, self.group = rank, world, dtype, group
         self._feeder: MicroBatchFeeder | None = None
+        self.pack_tokens = cfg.pack_tokens()  # train.packing: one row of this many tokens per micro-batch
 
     def _open(self, state: TrainState) -> MicroBatchFeeder:
         stop = threading.Event()
@@ -68,15 +69,15 @@ class EpochData:
             seed=self.cfg.run.seed,
             epoch=state.epoch,
             anchor_rule=self.cfg.train.anchor_rule,
-            pack_tokens=self.cfg.train.micro_batch_tokens if self.cfg.train.packing else None,
+            pack_tokens=self.pack_tokens,
         )
         return MicroBatchFeeder(
             with_positions(stream),
             self.cfg.train.micro_batch_size,
             build,
             stop=stop,
-            micro_batch_tokens=self.cfg.train.micro_batch_tokens,
-            packed=self.cfg.train.packing,
+            micro_batch_tokens=self.pack_tokens or self.cfg.train.micro_batch_tokens,
+            packed=self.pack_tokens is not None,
         )
 
     def next(self, state: TrainState, signum: int) -> MicroBatch | int | None:

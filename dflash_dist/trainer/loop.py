@@ -54,8 +54,9 @@ class TrainJob:
     shard_dir: str
     provenance: Provenance  # shards of any other origin are refused
     drafter: DrafterConfig
-    total_steps: int  # the LR schedule's length (ds_config.total_train_steps)
+    total_steps: int  # the LR schedule's length in schedule_unit (ds_config.schedule_span)
     resume_from: str | None = None  # a complete checkpoint tag directory (checkpoint.plan_resume)
+    schedule_unit: str = "step"  # "step", or "sample": token-budget micro-batches (Config.schedule_unit)
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,8 @@ class Trainer:
         saved = checkpoint.read_marker(Path(job.resume_from)) if job.resume_from is not None else None
         elastic = saved is not None and saved.get("world_size") != self.world  # loads a universal checkpoint
         self.engine = engine.build_engine(
-            cfg, job.drafter, job.target_dir, job.total_steps, self.world, self.on_gpu, load_universal=elastic
+            cfg, job.drafter, job.target_dir, job.total_steps, self.world, self.on_gpu, load_universal=elastic,
+            schedule_unit=job.schedule_unit,
         )
         self.device = self.engine.device
         self.block_size = job.drafter.block_size
@@ -182,6 +184,8 @@ class Trainer:
             )
             self.engine.backward(loss)  # backward (DeepSpeed divides by grad_accum, averages over ranks)
             last = i == len(batches) - 1
+            if last and self.job.schedule_unit == "sample":
+                self._advance_schedule(batches)
             assert self.engine.is_gradient_accumulation_boundary() == last, "DeepSpeed's accumulation count drifted"
             if last and (self.state.step + 1) % self.cfg.train.histogram_every == 0:
                 self._grad_norms = engine.param_grad_norms(self.engine)  # before the step clears them
@@ -197,6 +201,13 @@ class Trainer:
         self.logs.add(StepRecord(self.state.step, self.state.epoch, lr, step_loss, len(batches), samples, keys))
         self.window.add_time(wait_s, time.perf_counter() - t0)
         return True
+
+    def _advance_schedule(self, batches: list[MicroBatch]) -> None:
+        """LR schedule by samples: before the step's scheduler update, add this step's samples on
+        all ranks (one small all-reduce), so the next step's LR is that of the samples trained."""
+        n = torch.tensor([sum(len(b.keys) for b in batches)], dtype=torch.int64)
+        dist.all_reduce(n, group=self._ctrl)
+        self.engine.lr_scheduler.lr_lambdas[0].done += int(n)
 
     def _gather_micro_batches(self) -> list[tuple[int, MicroBatch]] | None:
         """This step's (epoch, micro-batch) pairs, on the host; an epoch that ends on the way is
@@ -374,9 +385,11 @@ class Trainer:
             raise checkpoint.ResumeError(f"{path} is not a complete checkpoint (no valid {checkpoint.MARKER})")
         checkpoint.check_resumable(meta, self.cfg.to_dict(), self.world, self.job.shard_dir, str(path))
         saved = engine.load_checkpoint(self.engine, path, elastic, group=self._ctrl)["dflash"]
-        if (span := engine.schedule_length(self.engine)) != self.job.total_steps:
+        span = engine.schedule_length(self.engine)
+        if span != (self.job.total_steps, self.job.schedule_unit):
             raise checkpoint.ResumeError(
-                f"{path}: its LR schedule spans {span} steps, this run's {self.job.total_steps}: resume with the "
+                f"{path}: its LR schedule spans {span[0]} {span[1]}s, this run's {self.job.total_steps} "
+                f"{self.job.schedule_unit}s: resume with the "
                 f"same train.max_steps / data size (at another world size, set train.max_steps={span}), or use a "
                 "fresh run.out_dir"
             )

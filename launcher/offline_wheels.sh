@@ -16,12 +16,13 @@ get() { python3 -m pip download -q --no-deps --only-binary=:all: --python-versio
 # the project's own pins (setup.py) that the image lacks or holds at another version
 get transformers==5.24.0 flash-linear-attention==0.6.0 fla-core==0.6.0 webdataset==1.0.2 \
     liger-kernel==0.8.5 openai==3.57.0
-# their needs, at the versions a CPU install of this project resolves (pip freeze)
+# their needs, at the versions a CPU install of this project resolves (pip freeze); tokenizers and
+# huggingface-hub come from the image (0.23.2 / 1.33 satisfy transformers 5.24)
 get braceexpand==0.1.7 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
     typing-inspection==0.4.5 jsonschema==4.26.0 referencing==0.37.0 \
     jsonschema-specifications==2025.9.1 rpds-py==2026.9.1 jiter==0.19.0 sniffio==1.3.1 \
-    anyio==4.16.0 httpx2==2.16.2 httpcore2==2.16.2 truststore huggingface-hub==2.4.0 \
-    tokenizers==0.23.3 hjson==3.1.0
+    anyio==4.16.0 httpx2==2.16.2 httpcore2==2.16.2 truststore \
+    hjson==3.1.0
 # deepspeed is a source package: a wheel without its compiled ops (JIT where needed)
 if ! ls "$out"/deepspeed-0.19.8-*.whl >/dev/null 2>&1; then
     DS_BUILD_OPS=0 python3 -m pip wheel -q --no-deps --no-build-isolation -w "$out" deepspeed==0.19.8

@@ -420,11 +420,12 @@ def measure_end_to_end(model, v: Variant, a, layer_ids, params, kernel_path: str
             per_token = c.bytes / max(1, c.tokens)
             f.update(gpu_loop=loop, shards=c.shards, shard_gb=round(c.bytes / 1e9, 2), samples=c.samples,
                      writer_busy_s=round(c.busy_s, 2), gpu_waited_s=round(c.gpu_waited_s, 2), writers=a.writers,
-                     bytes_per_token=round(per_token))
+                     writer_jobs=c.jobs, bytes_per_token=round(per_token))
             if "disk_write_gb_s" in out:
                 f["disk_bound_tokens_per_s"] = round(out["disk_write_gb_s"] * 1e9 / per_token)
             out[sink] = f
             print(line(f"end to end, capture_job {v.mode}", f) + f"  {c.shards} shards, {f['shard_gb']} GB, "
+                  f"{c.jobs} writer jobs (row groups) from {len(batches)} passes, "
                   f"writers busy {f['writer_busy_s']} s, GPU thread waited {f['gpu_waited_s']} s for a buffer; "
                   f"GPU loop alone {loop['tokens_per_s']:.0f} tok/s ({100 * loop['bound_share']:.1f}%); the disk "
                   f"allows {f.get('disk_bound_tokens_per_s', 0)} tok/s at {per_token / 1e3:.1f} kB/token", flush=True)

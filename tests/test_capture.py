@@ -286,3 +286,126 @@ def test_writer_processes_write_what_the_gpu_thread_writes(saved_target, tmp_pat
     again = run_capture(pooled)
     assert (again.samples, again.resumed) == (0, r1.samples + r1.skipped)
     assert not list(Path("/dev/shm").glob("dflash-capture-t000-*"))  # host buffers released
+
+
+# ---------------------------------------------------------------------------- WriterPool: a pass split over writers
+def test_split_rows_cuts_contiguous_groups_with_the_least_largest_group():
+    from dflash_dist.capture.host_sink import split_rows
+
+    lengths = [3000, 4000, 2500, 3500, 4096, 2048, 3000, 2900, 4000, 3100]
+    groups = split_rows(lengths, 4, 656)
+    assert groups == [(0, 3), (3, 5), (5, 8), (8, 10)]  # 9500, 7596, 7948, 7100 tokens
+    assert max(sum(lengths[a:b]) for a, b in groups) == 9500  # no 4 contiguous groups do better
+    assert split_rows([300, 300, 300], 4, 656) == [(0, 3)]  # a small pass stays one job
+    assert split_rows([700, 700, 700], 4, 656) == [(0, 1), (1, 2), (2, 3)]  # no more groups than rows
+    assert split_rows([], 4, 1) == [(0, 0)]
+
+
+def pool_pass(rng: torch.Generator, keys: list[str], lengths: list[int], width: int):
+    """One pass as capture hands it to WriterPool.submit: padded features/argmax, attention, items."""
+    b, t = len(lengths), max(lengths)
+    features = torch.randn(b, t, width, generator=rng).to(torch.bfloat16)
+    argmax = torch.randint(0, 500, (b, t), generator=rng)  # int64, as the capture returns it
+    attention = torch.zeros(b, t, dtype=torch.long)
+    items = []
+    for r, (key, n) in enumerate(zip(keys, lengths)):
+        attention[r, :n] = 1
+        ids = torch.randint(0, 500, (n,), generator=rng).tolist()
+        mask = torch.randint(0, 2, (n,), generator=rng).tolist()
+        items.append((key, ids, mask, {"row": r}))
+    return features, argmax, attention, items
+
+
+def writer_pool(shard_dir, writers: int, min_group_tokens: int, shard_bytes: int):
+    from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance
+    from dflash_dist.capture.host_sink import WriterPool
+    from dflash_dist.config import Config
+
+    cfg = Config()
+    cfg.capture.shard_bytes = shard_bytes
+    prov = Provenance(schema_version=SHARD_SCHEMA_VERSION, target_id="test:pool", target_hash="h", layer_ids=(1, 2),
+                      hidden_size=16, dtype="bfloat16", kernel_path="torch", template_hash="none")
+    return WriterPool(cfg, shard_dir, prov, "t000", 0, writers, min_group_tokens=min_group_tokens)
+
+
+def test_writer_pool_splits_each_pass_over_the_writers_and_writes_every_sample_once(tmp_path):
+    """Three writers: a pass of 9 rows goes out as row groups to several writers (a small pass
+    as one job); the shards hold every written key once with its ids, mask, features and argmax
+    bytes; a row non-finite on a real token is skipped and in the ledger, one non-finite only in
+    its padding is written; the counts add up; no tmp shard or host buffer is left."""
+    from collections import Counter
+
+    from data_pipeline.ledger import read_skipped
+    from data_pipeline.shard_reader import iter_shard_samples, read_manifest
+    from dflash_dist.capture.host_sink import split_rows
+
+    rng = torch.Generator().manual_seed(0)
+    shard_dir = tmp_path / "shards"
+    shapes = [[23, 41, 17, 35, 29, 50, 12, 44, 31], [5, 6, 4], [30, 28, 33, 26, 39, 21]]  # the 2nd: 15 tokens
+    passes, want = [], {}
+    for p, lengths in enumerate(shapes):
+        keys = [f"p{p}r{r}" for r in range(len(lengths))]
+        features, argmax, attention, items = pool_pass(rng, keys, lengths, 32)
+        passes.append((features, argmax, attention, items))
+        for r, (key, ids, mask, meta) in enumerate(items):
+            n = lengths[r]
+            want[key] = (torch.tensor(ids, dtype=torch.int32), torch.tensor(mask, dtype=torch.uint8),
+                         features[r, :n].clone(), argmax[r, :n].to(torch.int32), meta)
+    passes[0][0][4, 3, 7] = float("nan")  # p0r4: a real token -> skipped
+    passes[0][0][6, 20, 0] = float("inf")  # p0r6 is 12 tokens long: padding only -> written
+    del want["p0r4"]
+    pool = writer_pool(shard_dir, writers=3, min_group_tokens=16, shard_bytes=6_000)
+    try:
+        for features, argmax, attention, items in passes:
+            pool.submit(features, argmax, attention, items)
+        counts = pool.close()
+    except BaseException:
+        pool.abort()
+        raise
+    records = read_manifest(shard_dir)
+    owner = {k: r.name.rsplit("-", 1)[0] for r in records for k in r.keys}
+    assert Counter(k for r in records for k in r.keys) == dict.fromkeys(want, 1)  # each written key once, in one shard
+    for p, lengths in enumerate(shapes):
+        groups = split_rows(lengths, 3, 16)
+        assert len(groups) == (1 if p == 1 else 3)
+        by_group = [{owner[f"p{p}r{r}"] for r in range(a, b) if f"p{p}r{r}" in owner} for a, b in groups]
+        assert all(len(w) == 1 for w in by_group), by_group  # a group is one writer's job
+    assert len(set().union(*[{owner[f"p0r{r}"]} for r in range(9) if r != 4])) >= 2  # one pass, several writers
+    seen = set()
+    for r in records:
+        for s in iter_shard_samples(shard_dir / r.name):
+            ids, mask, features, argmax, meta = want[s.key]
+            assert torch.equal(s.input_ids, ids) and torch.equal(s.loss_mask, mask), s.key
+            assert torch.equal(s.features, features) and torch.equal(s.target_argmax, argmax), s.key
+            assert s.meta == meta
+            seen.add(s.key)
+    assert seen == set(want)
+    assert read_skipped(shard_dir) == [{"key": "p0r4", "reason": "nonfinite_features", "actor": 0}]
+    assert (counts.samples, counts.skipped, counts.tokens) == (len(want), 1, sum(len(w[0]) for w in want.values()))
+    assert (counts.shards, counts.bytes) == (len(records), sum(r.n_bytes for r in records)) and counts.shards > 3
+    assert counts.jobs == 3 + 1 + 3
+    assert not list(shard_dir.glob(".tmp*")) and not pool.buf_dir.exists()
+
+
+def test_writer_pool_raises_on_close_when_one_group_of_a_pass_fails(tmp_path):
+    """A pass split over two writers, its last row unwritable (an empty key): close() raises the
+    writer's error; the other group's samples are in a listed shard, the failed writer's
+    unfinished shard is deleted, the host buffers are released."""
+    from data_pipeline.shard_reader import read_manifest
+    from dflash_dist.capture.host_sink import split_rows
+
+    lengths = [20, 22, 18, 25, 21, 19]
+    keys = [f"k{r}" for r in range(5)] + [""]
+    groups = split_rows(lengths, 2, 8)
+    assert groups == [(0, 3), (3, 6)]
+    shard_dir = tmp_path / "shards"
+    pool = writer_pool(shard_dir, writers=2, min_group_tokens=8, shard_bytes=1 << 20)
+    try:
+        pool.submit(*pool_pass(torch.Generator().manual_seed(1), keys, lengths, 32))
+        with pytest.raises(RuntimeError, match=r"capture writer failed: .*Sample\.key must be a non-empty string"):
+            pool.close()
+    except BaseException:
+        pool.abort()
+        raise
+    assert [k for r in read_manifest(shard_dir) for k in r.keys] == ["k0", "k1", "k2"]
+    assert not list(shard_dir.glob(".tmp*")) and not pool.buf_dir.exists()

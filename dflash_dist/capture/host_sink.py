@@ -3,6 +3,10 @@ finiteness flags are copied on a side CUDA stream into a host buffer (a /dev/shm
 page-locked, and mapped by the writer processes), and writer processes encode and write them as
 webdataset shards while the GPU runs the next passes (`capture.writers`).
 
+A pass's rows are split into contiguous groups balanced by tokens, one job per group, so every
+writer works on one pass at once and the drain after the last pass is a group's write, not the
+whole buffer's by one writer (a pass is not cut into groups of fewer than `min_group_tokens`,
+about 32 MiB of output). A buffer returns to the free list when every group of it is written.
 The GPU thread only queues copies and waits when every buffer is still being written. Each
 writer process owns a ShardWriter of its own prefix (`<actor prefix>-w<N>`, in the actor's shard
 directory; the actor's stale-tmp cleanup covers them) with the disk-buffer gate, records
@@ -32,6 +36,34 @@ from data_pipeline.records import Sample
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+MIN_GROUP_BYTES = 32 << 20  # a pass is split into groups of at least this much output
+
+
+def split_rows(lengths: list[int], groups: int, min_tokens: int) -> list[tuple[int, int]]:
+    """[row start, row end) of at most `groups` contiguous non-empty row groups covering a pass
+    with these row lengths, with the fewest tokens possible in the largest group (the one the
+    drain after the last pass waits for); fewer groups where a group would hold under
+    `min_tokens` tokens on average (one for a small pass)."""
+    rows, total = len(lengths), sum(lengths)
+    g = max(1, min(groups, rows, total // max(1, min_tokens)))
+    if g == 1:
+        return [(0, rows)]
+
+    def fill(cap: int) -> list[int]:  # group starts, each group filled up to cap tokens
+        starts, held = [0], 0
+        for r, n in enumerate(lengths):
+            if held + n > cap:
+                starts.append(r)
+                held = 0
+            held += n
+        return starts
+
+    lo, hi = max(lengths), total  # the least cap that needs at most g groups: binary search
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if len(fill(mid)) <= g else (mid + 1, hi)
+    starts = fill(lo)
+    return list(zip(starts, starts[1:] + [rows]))
 
 
 class HostBuffer:
@@ -82,11 +114,13 @@ class SinkCounts:
     busy_s: float = 0.0  # writer time summed over writers (encode + tar + fsync + rename)
     waited_disk_s: float = 0.0  # writers paused for the disk buffer (disk_budget.py)
     gpu_waited_s: float = 0.0  # the GPU thread waiting for a free host buffer (writers behind)
+    jobs: int = 0  # row groups sent to the writers (a pass is one or several: split_rows)
     errors: list[str] = field(default_factory=list)
 
 
 def _writer_main(conn, spec: dict) -> None:
-    """A writer process: {buf: spec, items: [[key, n, meta], ...]} in, counts (or {error}) out."""
+    """A writer process: {buf: spec, row0, tok0, items: [[key, n, meta], ...]} in (a row group of
+    a buffer: its first row and token there), counts (or {error}) out."""
     torch.set_num_threads(1)
     from data_pipeline.disk_budget import BufferGate, BufferPolicy
     from data_pipeline.ledger import record_skipped
@@ -109,9 +143,9 @@ def _writer_main(conn, spec: dict) -> None:
             if path not in bufs or bufs[path].spec() != msg["buf"]:
                 bufs = {p: b for p, b in bufs.items() if Path(p).exists()}  # unmap buffers the GPU side re-made
                 bufs[path] = HostBuffer(Path(path), *msg["buf"][1:], create=False)
-            buf, off = bufs[path], 0
+            buf, off = bufs[path], msg["tok0"]
             out = {"samples": 0, "tokens": 0, "skipped": 0}
-            for row, (key, n, meta) in enumerate(msg["items"]):
+            for row, (key, n, meta) in enumerate(msg["items"], msg["row0"]):
                 sl = slice(off, off + n)
                 off += n
                 if not buf.finite[row]:
@@ -141,19 +175,23 @@ def _writer_main(conn, spec: dict) -> None:
 class WriterPool:
     """`writers` writer processes and `writers + spare` host buffers (sized on demand: a pass
     larger than a buffer gets the buffer re-made at its size). `submit` is called on the GPU
-    thread right after a capture pass; `close` waits until every shard is renamed and listed."""
+    thread right after a capture pass and queues its row groups (split_rows) as jobs that the
+    writers take as they come free; `close` waits until every shard is renamed and listed."""
 
     def __init__(self, cfg, shard_dir: Path, provenance, prefix: str, actor_index: int, writers: int,
                  spare_buffers: int = 1, device: torch.device | str = "cpu", gate: bool = True,
-                 tokens_hint: int = 0) -> None:
+                 tokens_hint: int = 0, min_group_tokens: int | None = None) -> None:
         self.counts, self.lock = SinkCounts(), threading.Lock()
         self.tokens_hint = tokens_hint  # first size of each buffer (capture.token_budget)
         self.device = torch.device(device)
         self.dtype, self.width = provenance.dtype, provenance.feature_width
+        token_bytes = self.width * torch.empty((), dtype=DTYPES[self.dtype]).element_size() + 9
+        self.min_group_tokens = min_group_tokens or -(-MIN_GROUP_BYTES // token_bytes)
         shm = Path("/dev/shm")
         self.buf_dir = Path(tempfile.mkdtemp(prefix=f"dflash-capture-{prefix}-",
                                              dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else shard_dir))
         self.bufs: list[HostBuffer | None] = [None] * (writers + spare_buffers)
+        self.pending = [0] * len(self.bufs)  # row groups of each buffer not written yet
         self._generation = 0
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.free: queue.Queue[int] = queue.Queue()
@@ -166,6 +204,7 @@ class WriterPool:
         self.procs, self.threads = [], []
         env_threads = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"  # the children's OpenMP pools: one thread (module docstring)
+        conns = []
         try:
             for w in range(writers):
                 parent, child = ctx.Pipe()
@@ -173,13 +212,19 @@ class WriterPool:
                                 name=f"dflash-writer-{prefix}-{w}")
                 p.start()
                 self.procs.append(p)
-                self._reply(parent)  # ready: imports done, writer open
-                self.threads.append(threading.Thread(target=self._drain, args=(parent,), daemon=True))
+                conns.append(parent)
         finally:
             if env_threads is None:
                 os.environ.pop("OMP_NUM_THREADS", None)
             else:
                 os.environ["OMP_NUM_THREADS"] = env_threads
+        try:
+            for conn in conns:  # the writers start up side by side
+                self._reply(conn)  # ready: imports done, writer open
+                self.threads.append(threading.Thread(target=self._drain, args=(conn,), daemon=True))
+        except BaseException:  # a writer could not start: stop the others
+            self.abort()
+            raise
         for t in self.threads:
             t.start()
 
@@ -229,8 +274,13 @@ class WriterPool:
                 event.record(self.stream)
                 for t in (features, argmax, finite):
                     t.record_stream(self.stream)  # the caching allocator keeps them until the copies ran
-        msg = {"buf": buf.spec(), "items": [[k, n, meta] for (k, _, _, meta), n in zip(items, lengths)]}
-        self.jobs.put((i, event, msg))
+        rows = [[k, n, meta] for (k, _, _, meta), n in zip(items, lengths)]
+        groups = split_rows(lengths, len(self.procs), self.min_group_tokens)
+        self.pending[i] = len(groups)  # the buffer is free, so no writer touches this count now
+        with self.lock:
+            self.counts.jobs += len(groups)
+        for r0, r1 in groups:
+            self.jobs.put((i, event, {"buf": buf.spec(), "row0": r0, "tok0": sum(lengths[:r0]), "items": rows[r0:r1]}))
 
     def _take(self) -> int:
         while True:
@@ -247,7 +297,10 @@ class WriterPool:
                     event.synchronize()
                 conn.send_bytes(json.dumps(msg).encode())
                 self._reply(conn)
-                self.free.put(i)
+                with self.lock:
+                    self.pending[i] -= 1
+                    if self.pending[i] == 0:  # the buffer's last group: it can take the next pass
+                        self.free.put(i)
             conn.send_bytes(b"null")
             self._reply(conn)
         except Exception as e:  # surfaced by submit/close on the GPU thread

@@ -61,7 +61,10 @@ def main() -> int:
                          "leaves the greedy continuation")
     args = ap.parse_args()
     if args.gdn == "torch":
+        import dflash_dist.model.capture as capture
+
         print("GDN on transformers' torch reference:", ", ".join(torch_gdn_everywhere()))
+        capture.check_kernel_path = lambda model, allow=False: "torch"  # accept torch GDN on CUDA (a diagnostic)
     settings = {"test (4 layers, 6 prompts x 24 tokens)": DEMO}
     if not args.small:
         settings["demo (8 layers, 24 prompts x 48 tokens, 300 steps)"] = DemoConfig()
@@ -78,6 +81,12 @@ def main() -> int:
               f"{trees}  rounds equal {r['rounds_equal']}/{r['rounds']}  continuations equal "
               f"{r['continuations_equal']}/{r['prompts']}  train {t1 - t0:.0f}s, measure {time.time() - t1:.1f}s",
               flush=True)
+        own = r["own"]
+        print(f"  replay over live's own sequences: chain {own.tau_chain:.3f}  "
+              + "  ".join(f"DDTree-{b} {own.tau_ddtree(b):.3f}" for b in BUDGETS)
+              + f"; live leaves generate's greedy at {len(r['divergences'])} places, top-2 margin there max "
+              f"{max((d[2] for d in r['divergences']), default=0):.2e}, live token's max "
+              f"{max((d[3] for d in r['divergences']), default=0):.2e}", flush=True)
         if args.diagnose:
             diagnose(target, drafter, prompts, cfg)
     return 0

@@ -31,7 +31,7 @@ fi
 if [ ! -f "$out/ray-2.60.0-cp312-slim.tar.xz" ]; then
     tmp=$(mktemp -d)
     get -d "$tmp" ray==2.60.0
-    (cd "$tmp" && python3 -m zipfile -e ray-2.60.0-*.whl site \
+    (cd "$tmp" && unzip -q ray-2.60.0-*.whl -d site \
         && rm -rf site/ray/jars site/ray/rllib site/ray/serve site/ray/data site/ray/llm \
         && find site -name '*.js.map' -delete \
         && tar -C site -cf - . | xz -6 -T2 > ray-2.60.0-cp312-slim.tar.xz)

@@ -213,20 +213,30 @@ def test_tree_mask_is_exact_on_a_pure_attention_target():
 @pytest.mark.gpu
 def test_live_matches_replay_on_cuda_with_fla():
     """On the GPU, fla's kernels: live decoding through the cache vs greedy replay (one forward
-    over prompt + continuation) on the tiny target; prints the figure for docs/BENCHMARKS.md."""
+    over prompt + continuation) on the tiny target; prints the figure for docs/BENCHMARKS.md.
+    Cached (chunked) and full forwards round differently on the GPU, so live decoding may leave
+    `generate`'s greedy continuation, but only where the target's top two logits nearly tie (a
+    rollback error would move logits by O(1) and show anywhere); over the sequences it produced
+    itself, replay counts the same tau."""
     from dflash_dist.model.capture import gdn_kernel_path
 
     target, drafter, prompts, _, kernel_path = trained_on_device("cuda", DEMO)
     assert gdn_kernel_path(target) == "fla" and kernel_path == "fla"
     r = live_vs_replay(target, drafter, prompts, DEMO.new_tokens, BUDGETS)
     replay, live = r["replay"], r["live"]
+    own = r["own"]
     print(f"fla tiny target: replay tau {replay.tau_chain:.4f} live tau {live.tau_chain:.4f} "
           + " ".join(f"DDTree-{b} {replay.tau_ddtree(b):.4f}/{live.tau_ddtree(b):.4f}" for b in BUDGETS)
           + f" rounds equal {r['rounds_equal']}/{r['rounds']} continuations equal "
-          f"{r['continuations_equal']}/{r['prompts']}")
-    assert live.tau_chain == pytest.approx(replay.tau_chain, rel=0.02)
+          f"{r['continuations_equal']}/{r['prompts']}; replay over live's own sequences: chain {own.tau_chain:.4f} "
+          + " ".join(f"DDTree-{b} {own.tau_ddtree(b):.4f}" for b in BUDGETS)
+          + f"; divergences (prompt, position, top-2 margin, live token's margin) {r['divergences']}")
+    for _, _, top2, gap in r["divergences"]:
+        assert top2 < 2e-2 and gap < 2e-2  # a near-tie (logit std ~0.8): numerics, not the decoding loop
+    assert r["continuations_equal"] >= len(prompts) // 2
+    assert live.tau_chain == pytest.approx(own.tau_chain, rel=0.02)
     for b in BUDGETS:
-        assert live.tau_ddtree(b) == pytest.approx(replay.tau_ddtree(b), rel=0.02)
+        assert live.tau_ddtree(b) == pytest.approx(own.tau_ddtree(b), rel=0.02)
 
 
 def test_replay_tau_is_finite_with_a_one_token_continuation(trained):

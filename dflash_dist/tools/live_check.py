@@ -29,21 +29,48 @@ def trained_on_device(device: str, cfg: DemoConfig):
     return target, drafter.to(device), prompts, responses, cap.kernel_path
 
 
+@torch.no_grad()
 def live_vs_replay(target, drafter, prompts, new_tokens: int, budgets: tuple[int, ...] = (4, 8)) -> dict:
-    """tau of replay and live decoding over `prompts`, and how many rounds/continuations agree."""
+    """tau of replay and live decoding over `prompts`, and how many rounds/continuations agree.
+
+    "replay": over the target's greedy continuation from `generate` (token by token through its
+    cache). "own": replay over the sequence each live run produced itself, so the two see the same
+    tokens; on a GPU the cached (chunked) and full forwards round differently, and where the
+    target's top two logits nearly tie, live decoding can take the other token and go on from
+    there. "divergences": (prompt, position, top-2 margin of a full forward there, live's token's
+    distance to the top) wherever a live run leaves the `generate` continuation."""
     dev = next(target.parameters()).device
+    blk = drafter.config.block_size
     chains, lives, same, total, equal = [], [], 0, 0, 0
     trees, live_trees = {b: [] for b in budgets}, {b: [] for b in budgets}
-    for prompt in prompts:
+    own_chains, own_trees, divergences = [], {b: [] for b in budgets}, []
+
+    def features(seq):
+        return capture_features(target, torch.tensor([seq], device=dev), drafter.config.target_layer_ids,
+                                with_argmax=False).features[0]
+
+    def diverged(i, prompt, y, tokens):
+        first = next((j for j, (a, b) in enumerate(zip(y, tokens)) if a != b), None)
+        if first is not None:
+            logits = target(torch.tensor([prompt + y[:first]], device=dev)).logits[0, -1].float()
+            top = logits.topk(2).values
+            divergences.append((i, first, float(top[0] - top[1]), float(logits.max() - logits[tokens[first]])))
+
+    for i, prompt in enumerate(prompts):
         y = greedy_continuation(target, prompt, new_tokens)
         seq = prompt + y
-        cap = capture_features(target, torch.tensor([seq], device=dev), drafter.config.target_layer_ids,
-                               with_argmax=False)
-        chain, replay_trees = replay_sequence(drafter, seq, cap.features[0], len(prompt), budgets)
+        chain, replay_trees = replay_sequence(drafter, seq, features(seq), len(prompt), budgets)
         run = live_decode(target, drafter, prompt, new_tokens)
+        diverged(i, prompt, y, list(run.tokens))
+        own = prompt + list(run.tokens)
+        own_chain, _ = replay_sequence(drafter, own, features(own), len(prompt))
+        own_chains.append(own_chain)
         pairs = [(chain, list(run.taus))]
         for b in budgets:
             tree_run = live_decode(target, drafter, prompt, new_tokens, budget=b)
+            diverged(i, prompt, y, list(tree_run.tokens))
+            own = prompt + list(tree_run.tokens)
+            own_trees[b].append(replay_sequence(drafter, own, features(own), len(prompt), (b,))[1][b])
             trees[b].append(replay_trees[b])
             live_trees[b].append(list(tree_run.taus))
             pairs.append((replay_trees[b], list(tree_run.taus)))
@@ -53,6 +80,6 @@ def live_vs_replay(target, drafter, prompts, new_tokens: int, budgets: tuple[int
         for a, b in pairs:
             same += sum(x == z for x, z in zip(a, b))
             total += max(len(a), len(b))
-    blk = drafter.config.block_size
     return {"replay": aggregate_rounds(blk, chains, trees), "live": aggregate_rounds(blk, lives, live_trees),
+            "own": aggregate_rounds(blk, own_chains, own_trees), "divergences": divergences,
             "rounds_equal": same, "rounds": total, "continuations_equal": equal, "prompts": len(prompts)}

@@ -112,3 +112,16 @@ def ray_cluster():
     )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def readme_run(tmp_path_factory):
+    """The README's main command (`ray job submit ... -- dflash-dist run configs/tiny.yaml`, the
+    whole tiny config, every process seeing fla as usable), run once for the tests that check it
+    (tests/readme_run.py). It fails here, with the job's output, if the job failed."""
+    from tests.readme_run import submit_readme_run
+
+    run = submit_readme_run(tmp_path_factory.mktemp("readme"))
+    if run.proc.returncode != 0:
+        pytest.fail(f"ray job submit failed ({run.proc.returncode}) after {run.took_s:.0f}s:\n{run.logs}")
+    return run

@@ -1,193 +1,31 @@
 """Launching on a Ray cluster: `ray job submit` of the tiny config to a real local head (started
-and stopped by this test, bound to 127.0.0.1), the cluster launcher YAMLs through Ray's own
-config validation, and the `ray submit` entry script."""
+and stopped by tests/readme_run.py, bound to 127.0.0.1; the session's one run of the README's
+command), the cluster launcher YAMLs through Ray's own config validation, and the `ray submit`
+entry script."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import secrets
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from dflash_dist.actors.ports import free_ports
 from tests.conftest import REPO
 
 VENV_BIN = Path(sys.executable).parent
-# the tiny config, shortened: one epoch of 48 samples (a few optimizer steps), an export every 2
-SHORT = [
-    "data.max_train_samples=48",
-    "train.epochs=1",
-    "train.checkpoint_every=2",
-    "eval.num_prompts=2",
-    "eval.max_new_tokens=16",
-]
-
-
-def _session_pids(sid: int, marker: str) -> list[int]:
-    """Processes of the head's own session, or naming its private temp dir on their command
-    line (whatever Ray spawned in a session of its own): only what this test started."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            stat = (proc / "stat").read_text()
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[3]) == sid or marker in cmdline:
-            pids.append(int(proc.name))
-    return pids
-
-
-class LocalHead:
-    """`ray start --head` on 127.0.0.1 in its own session and temp dir, with the venv on PATH."""
-
-    def __init__(self) -> None:
-        self.temp_dir = tempfile.mkdtemp(prefix="dfray-", dir="/tmp")  # short: Ray's socket paths
-        # every port of its own: Ray's fixed defaults (agent 52365, client 10001, ...) may be
-        # held by another Ray on this machine, and a head whose job agent cannot bind takes no jobs
-        self.port, self.dash_port, *self.other_ports = free_ports(7, "127.0.0.1")
-        # Ray 2.60 turns token auth on for a new head: a token of this head's own (not the user's
-        # ~/.ray/auth_token), given to the head, its job drivers and the job CLI alike
-        self.env = dict(
-            os.environ,
-            RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
-            PYTHONUNBUFFERED="1",
-            RAY_AUTH_MODE="token",
-            RAY_AUTH_TOKEN=secrets.token_hex(32),
-            PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-        )
-        for key in ("RAY_ADDRESS", "RAY_JOB_ID", "RAY_AUTH_TOKEN_PATH"):
-            self.env.pop(key, None)
-        self.sid: int | None = None
-
-    @property
-    def dashboard(self) -> str:
-        return f"http://127.0.0.1:{self.dash_port}"
-
-    def start(self) -> None:
-        proc = subprocess.Popen(
-            [
-                str(VENV_BIN / "ray"),
-                "start",
-                "--head",
-                "--node-ip-address",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--dashboard-host",
-                "127.0.0.1",
-                "--dashboard-port",
-                str(self.dash_port),
-                "--num-cpus",
-                "2",
-                "--temp-dir",
-                self.temp_dir,
-                "--disable-usage-stats",
-                "--include-dashboard",
-                "true",
-                *(
-                    a
-                    for flag, p in zip(
-                        (
-                            "--dashboard-agent-listen-port",
-                            "--dashboard-agent-grpc-port",
-                            "--runtime-env-agent-port",
-                            "--metrics-export-port",
-                            "--ray-client-server-port",
-                        ),
-                        self.other_ports,
-                    )
-                    for a in (flag, str(p))
-                ),
-            ],
-            env=self.env,
-            start_new_session=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.sid = proc.pid
-        out, _ = proc.communicate(timeout=120)
-        if proc.returncode != 0:
-            self.stop()
-            pytest.fail(f"ray start failed ({proc.returncode}):\n{out[-4000:]}")
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL, every process of this head (never `ray stop`: it stops every
-        Ray cluster of the user, the ray_cluster fixture's and other people's too)."""
-        if self.sid is not None:
-            for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-                for pid in _session_pids(self.sid, self.temp_dir):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, sig)
-                deadline = time.monotonic() + wait_s
-                while _session_pids(self.sid, self.temp_dir) and time.monotonic() < deadline:
-                    time.sleep(0.2)
-            left = _session_pids(self.sid, self.temp_dir)
-            assert not left, f"processes of the test's Ray head still running: {left}"
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
-
-
-@pytest.fixture
-def local_head():
-    head = LocalHead()
-    head.start()
-    try:
-        yield head
-    finally:
-        head.stop()
 
 
 @pytest.mark.slow
-def test_ray_job_submit_runs_the_tiny_config(local_head, tmp_path):
-    out = tmp_path / "run"
-    t0 = time.monotonic()
-    for attempt in range(20):  # the head's job agent comes up a few seconds after `ray start` returns
-        job_id = f"dflash-test-{os.getpid()}-{attempt}"
-        cmd = [
-            str(VENV_BIN / "ray"),
-            "job",
-            "submit",
-            "--address",
-            local_head.dashboard,
-            "--working-dir",
-            ".",
-            "--submission-id",
-            job_id,
-            "--",
-            "dflash-dist",
-            "run",
-            "configs/tiny.yaml",
-            "--out",
-            str(out),
-            *SHORT,
-        ]
-        proc = subprocess.run(cmd, cwd=REPO, env=local_head.env, capture_output=True, text=True, timeout=1200)
-        if "No available agent to submit job" not in proc.stderr + proc.stdout:
-            break
-        time.sleep(2)
-    took = time.monotonic() - t0
-    logs = f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
-    assert proc.returncode == 0, f"ray job submit failed ({proc.returncode}) after {took:.0f}s:\n{logs}"
-    status = subprocess.run(
-        [str(VENV_BIN / "ray"), "job", "status", "--address", local_head.dashboard, job_id],
-        env=local_head.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+def test_ray_job_submit_runs_the_tiny_config(readme_run):
+    """`ray job submit --working-dir . -- dflash-dist run configs/tiny.yaml` to a local head
+    (the session's one run of the README's command: tests/readme_run.py)."""
+    out, proc, job_id, status = readme_run.out, readme_run.proc, readme_run.job_id, readme_run.status
+    logs = readme_run.logs
+    assert proc.returncode == 0, f"ray job submit failed ({proc.returncode}) after {readme_run.took_s:.0f}s:\n{logs}"
     assert f"Job '{job_id}' succeeded" in status.stdout, status.stdout + status.stderr
 
     # the job joined the head (not a cluster of its own) and placed every role in one group
@@ -201,8 +39,9 @@ def test_ray_job_submit_runs_the_tiny_config(local_head, tmp_path):
     assert final >= 4 and beats[("trainer", 1)]["info"]["step"] == final
     latest = (out / "checkpoints" / "latest").read_text().strip()
     assert latest == f"step_{final}" and (out / "checkpoints" / latest).is_dir()
+    every = _tiny().train.checkpoint_every  # the run's own: the tiny config unchanged
     exports = sorted(int(p.name.split("_")[1]) for p in (out / "export").glob("step_*"))
-    assert exports == sorted({*range(2, final + 1, 2), final})
+    assert exports == sorted({*range(every, final + 1, every), final})
     evals = {json.loads(p.read_text())["step"]: json.loads(p.read_text()) for p in (out / "eval").glob("step_*.json")}
     assert sorted(evals) == exports
     assert all(r["tau_chain"] >= 1.0 and set(r["tau_ddtree"]) == {"4", "8"} for r in evals.values())

@@ -1,12 +1,12 @@
-"""The whole pipeline on real components: the README's main command on the tiny config (local
-Ray, 1 target actor, 2 DeepSpeed CPU ranks over gloo, the evaluator), then its outputs checked."""
+"""The whole pipeline on real components: the README's main command on the tiny config (a local
+Ray head, 1 target actor, 2 DeepSpeed CPU ranks over gloo, the evaluator), then its outputs checked.
+The run is the session's one `readme_run` (tests/conftest.py, tests/readme_run.py)."""
 
 from __future__ import annotations
 
 import json
-import os
+import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +17,6 @@ from data_pipeline.ingest import sample_keys
 from data_pipeline.records import DONE_NAME, MANIFEST_NAME, TMP_PREFIX
 from data_pipeline.shard_reader import iter_shard_samples, read_manifest
 from dflash_dist.model.export import load_drafter
-from tests.conftest import REPO
 
 
 def _scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -31,14 +30,10 @@ def _scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    out = tmp_path_factory.mktemp("tiny") / "run"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "run", "configs/tiny.yaml", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=1500, env=env)
-    if proc.returncode != 0:
-        pytest.fail(f"tiny run failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-    return out, proc
+def tiny_run(readme_run) -> tuple[Path, subprocess.CompletedProcess]:
+    """The README's main command on the tiny config, run once for the session (tests/readme_run.py:
+    through `ray job submit`, whose output is the job's own, stdout and stderr together)."""
+    return readme_run.out, readme_run.proc
 
 
 @pytest.mark.slow
@@ -90,6 +85,9 @@ def test_checkpoints_exports_and_tensorboard(tiny_run):
     loss = [v for _, v in scalars["train/loss"]]
     assert sum(loss[-3:]) / 3 < sum(loss[:3]) / 3
     assert "tau chain" in proc.stdout and "tensorboard --logdir" in proc.stdout
+    # the printed summary itself (a log record would carry its `[role rank]` prefix)
+    assert re.search(r"^  step +\d+: tau chain \d", proc.stdout, re.M), proc.stdout[-3000:]
+    assert re.search(r"^TensorBoard: tensorboard --logdir ", proc.stdout, re.M), proc.stdout[-3000:]
 
 
 def test_run_plan_is_computed_once_and_read_back_by_the_other_tasks(tmp_path):

@@ -32,6 +32,7 @@ from dflash_dist.target.tiny_target import (
 )
 from dflash_dist.target.tiny_tokenizer import ENDOFTEXT, IM_END, IM_START, MASK, SPECIAL_TOKENS, train_tokenizer
 from tests.conftest import REPO
+from tests.readme_run import shim_env
 
 
 @pytest.fixture(scope="module")
@@ -184,8 +185,6 @@ def test_default_build_is_meaningfully_trained() -> None:
 
 # ---- a machine with fla + Triton: transformers picks fla for every forward, CPU ones too ----
 
-SHIM = Path(__file__).resolve().parent / "fla_cpu_shim"  # sitecustomize: fla.ops.gated_delta_rule imports
-
 _PICKED_FLA_BUILD = r"""
 import sys, torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as m
@@ -203,12 +202,7 @@ print("picked", picked)
 
 
 def _shim_env(tmp_path: Path) -> dict:
-    import os
-
-    calls = tmp_path / "fla_calls.txt"
-    env = dict(os.environ, PYTHONPATH=f"{SHIM}{os.pathsep}{REPO}", DFLASH_FLA_SHIM_CALLS=str(calls),
-               PYTHONUNBUFFERED="1")
-    return env
+    return shim_env(tmp_path / "fla_calls.txt")
 
 
 def test_cpu_build_runs_torch_gdn_where_transformers_picked_fla(tmp_path: Path, built: Path) -> None:
@@ -247,22 +241,19 @@ def test_cpu_build_runs_torch_gdn_where_transformers_picked_fla(tmp_path: Path, 
 
 
 @pytest.mark.slow
-def test_readme_command_completes_where_transformers_picked_fla(tmp_path: Path) -> None:
-    """`dflash-dist run configs/tiny.yaml` (shortened) in processes that all see fla as usable
-    (the driver, the Ray target actor, trainers and the evaluator inherit the shim): the CPU target
-    is built (or reused from the shared cache), captured and evaluated on the torch path."""
-    import subprocess
-    import sys
-
+def test_readme_command_completes_where_transformers_picked_fla(readme_run) -> None:
+    """`dflash-dist run configs/tiny.yaml` in processes that all see fla as usable (the Ray head,
+    the job's driver, the target actor, trainers and the evaluator inherit the shim: the session's
+    one run of the README's command, tests/readme_run.py): the CPU target is built (or reused from
+    the shared cache), captured and evaluated on the torch path."""
     from data_pipeline.shard_reader import read_manifest
 
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "launcher.cli", "run", "configs/tiny.yaml", "--out", str(out),
-           "data.max_train_samples=48", "train.epochs=1", "train.checkpoint_every=20", "eval.num_prompts=2",
-           "eval.max_new_tokens=16", "capture.max_new_tokens=16"]
-    proc = subprocess.run(cmd, cwd=REPO, env=_shim_env(tmp_path), capture_output=True, text=True, timeout=1800)
+    out, proc = readme_run.out, readme_run.proc
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    assert not (tmp_path / "fla_calls.txt").exists()  # nothing reached "fla"
+    # transformers picked fla in the target actor and the evaluator (their CPU calls were routed)
+    routed = [line for line in proc.stdout.splitlines() if "go to transformers' torch reference" in line]
+    assert any("[target 0]" in line for line in routed) and any("[evaluator 0]" in line for line in routed), routed
+    assert not readme_run.calls.exists()  # nothing reached "fla"
     records = read_manifest(out / "shards")
     assert records and {r.provenance.kernel_path for r in records} == {"torch"}
     assert (out / "eval").is_dir() and any((out / "eval").iterdir())

@@ -68,12 +68,19 @@ def test_parity_passes_on_golden_swa(golden_swa_dir):
 def test_parity_judges_each_set_by_its_own_tolerances(golden_dir, tmp_path):
     bad = tmp_path / "golden"
     shutil.copytree(golden_dir, bad)
+    # the stored hidden states moved by 1e-4: within the set's 2e-4 (some CPUs reproduce them
+    # bit for bit, others to ~3e-6), not within a tolerance of 1e-5 written into this set's file
+    feats = load_file(str(bad / "target_features.safetensors"))
+    feats["hidden_states_all"] = feats["hidden_states_all"] + 1e-4
+    save_file(feats, str(bad / "target_features.safetensors"))
     tol = json.loads((bad / "tolerances.json").read_text())
-    tol["target_hidden_states"] = 1e-12  # the torch reference matches to ~3e-6, not this
+    assert tol["target_hidden_states"] >= 2e-4
+    assert _run(bad).returncode == 0
+    tol["target_hidden_states"] = 1e-5
     (bad / "tolerances.json").write_text(json.dumps(tol))
     proc = _run(bad)
     assert proc.returncode == 1
-    assert "FAIL target/hidden_states_all" in proc.stdout and "tol=1e-12" in proc.stdout
+    assert "FAIL target/hidden_states_all" in proc.stdout and "tol=1e-05" in proc.stdout
     assert "ok   target/logits" in proc.stdout
     del tol["loss"]
     (bad / "tolerances.json").write_text(json.dumps(tol))

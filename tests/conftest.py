@@ -91,6 +91,26 @@ def reset_deepspeed_groups() -> None:
             setattr(groups, name, {} if isinstance(value, dict) else None)
 
 
+@pytest.fixture
+def single_rank_gloo(monkeypatch):
+    """A one-rank gloo process group (DeepSpeed's init) for an in-process Trainer; after the test
+    it is destroyed and DeepSpeed's cached groups are forgotten. The env is undone by monkeypatch,
+    so later subprocesses do not inherit a stale port."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from dflash_dist.actors.ports import free_ports
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_ports(1, "127.0.0.1")[0]))
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    yield
+    dist.destroy_process_group()
+    reset_deepspeed_groups()
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A real local Ray cluster for one test module, started and stopped by the test (never `ray stop`)."""

@@ -34,8 +34,8 @@ from dflash_dist.trainer import checkpoint
 from dflash_dist.trainer.checkpoint import ResumeError
 from dflash_dist.trainer.loop import SAMPLE_LOG, TRAIN_LOG
 from tests import test_trainer
-from tests.conftest import REPO, reset_deepspeed_groups
-from tests.test_trainer import free_port, make_cfg, write_shards
+from tests.conftest import REPO
+from tests.test_trainer import make_cfg, write_shards
 
 tiny = test_trainer.tiny  # the module fixture: a saved tiny target, its captured samples, provenance
 
@@ -324,10 +324,7 @@ def test_preemption_signal_saves_a_checkpoint_and_resume_matches(tiny, shards, u
 
 
 # ---------------------------------------------------------------------------- a crash inside a save
-def test_crash_during_save_keeps_previous_latest_and_it_loads(tiny, shards, tmp_path, monkeypatch):
-    import deepspeed
-    import torch.distributed as dist
-
+def test_crash_during_save_keeps_previous_latest_and_it_loads(tiny, shards, tmp_path, single_rank_gloo):
     from dflash_dist.trainer.loop import Trainer, TrainJob
 
     def cfg_for(out: Path) -> Config:
@@ -338,40 +335,31 @@ def test_crash_during_save_keeps_previous_latest_and_it_loads(tiny, shards, tmp_
             str(tiny["target_dir"]), str(shards), tiny["prov"], tiny["drafter"], total_steps=4, resume_from=resume_from
         )
 
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
-        monkeypatch.setenv(k, v)
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
-    try:
-        reference = tmp_path / "reference"
-        Trainer(cfg_for(reference), job()).run()
+    reference = tmp_path / "reference"
+    Trainer(cfg_for(reference), job()).run()
 
-        out = tmp_path / "run"
-        trainer = Trainer(cfg_for(out), job())
-        real_save = trainer.engine.save_checkpoint
+    out = tmp_path / "run"
+    trainer = Trainer(cfg_for(out), job())
+    real_save = trainer.engine.save_checkpoint
 
-        def save_then_die(save_dir, tag, **kw):  # step_4's files partly written, then the process "dies"
-            real_save(save_dir, tag=tag, **kw)
-            if tag == "step_4":
-                (optim,) = Path(save_dir, tag).glob("*optim_states.pt")
-                optim.write_bytes(optim.read_bytes()[: optim.stat().st_size // 2])
-                raise RuntimeError("simulated crash during checkpoint save")
+    def save_then_die(save_dir, tag, **kw):  # step_4's files partly written, then the process "dies"
+        real_save(save_dir, tag=tag, **kw)
+        if tag == "step_4":
+            (optim,) = Path(save_dir, tag).glob("*optim_states.pt")
+            optim.write_bytes(optim.read_bytes()[: optim.stat().st_size // 2])
+            raise RuntimeError("simulated crash during checkpoint save")
 
-        trainer.engine.save_checkpoint = save_then_die
-        with pytest.raises(RuntimeError, match="simulated crash"):
-            trainer.run()
-        ckpt = out / "checkpoints"
-        assert checkpoint.read_latest(ckpt) == "step_2"
-        assert (ckpt / "step_4").is_dir() and checkpoint.read_marker(ckpt / "step_4") is None
-        resume_from = checkpoint.plan_resume("auto", ckpt)
-        assert resume_from == ckpt / "step_2"
+    trainer.engine.save_checkpoint = save_then_die
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        trainer.run()
+    ckpt = out / "checkpoints"
+    assert checkpoint.read_latest(ckpt) == "step_2"
+    assert (ckpt / "step_4").is_dir() and checkpoint.read_marker(ckpt / "step_4") is None
+    resume_from = checkpoint.plan_resume("auto", ckpt)
+    assert resume_from == ckpt / "step_2"
 
-        result = Trainer(cfg_for(out), job(str(resume_from))).run()
-        assert result.resumed_from == str(ckpt / "step_2") and result.steps == 4
-        assert checkpoint.read_latest(ckpt) == "step_4" and checkpoint.read_marker(ckpt / "step_4") is not None
-        assert read_jsonl(out / TRAIN_LOG) == read_jsonl(reference / TRAIN_LOG)
-        assert [r["step"] for r in read_jsonl(out / TRAIN_LOG)] == [1, 2, 3, 4]
-    finally:
-        dist.destroy_process_group()
-        reset_deepspeed_groups()
+    result = Trainer(cfg_for(out), job(str(resume_from))).run()
+    assert result.resumed_from == str(ckpt / "step_2") and result.steps == 4
+    assert checkpoint.read_latest(ckpt) == "step_4" and checkpoint.read_marker(ckpt / "step_4") is not None
+    assert read_jsonl(out / TRAIN_LOG) == read_jsonl(reference / TRAIN_LOG)
+    assert [r["step"] for r in read_jsonl(out / TRAIN_LOG)] == [1, 2, 3, 4]

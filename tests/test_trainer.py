@@ -266,14 +266,11 @@ def test_total_train_steps_needs_a_length(tiny, tmp_path):
         total_train_steps(cfg, 2, None)
 
 
-def test_packed_run_follows_an_lr_schedule_over_samples_and_resumes_it(tiny, tmp_path, monkeypatch):
+def test_packed_run_follows_an_lr_schedule_over_samples_and_resumes_it(tiny, tmp_path, single_rank_gloo):
     """train.packing: a step holds a varying number of samples, so the schedule counts samples:
     every step's LR is the warmup-cosine value at the samples trained before it (on all ranks),
     the LR is near 0 at the end of the data (a schedule over the 54 steps of unpacked micro-batches
     would still be at ~0.5 after the ~27 packed steps), and a resume continues it bit for bit."""
-    import deepspeed
-    import torch.distributed as dist
-
     from dflash_dist.actors.trainer_group import train_job
     from dflash_dist.trainer import checkpoint
     from dflash_dist.trainer.loop import TRAIN_LOG, Trainer
@@ -289,35 +286,26 @@ def test_packed_run_follows_an_lr_schedule_over_samples_and_resumes_it(tiny, tmp
                     resume="never")  # fmt: skip
     assert (job.total_steps, job.schedule_unit) == (3 * NUM_SAMPLES, "sample")
 
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
-        monkeypatch.setenv(k, v)
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
-    try:
-        result = Trainer(cfg, job).run()
-        rows = [json.loads(line) for line in (out / TRAIN_LOG).read_text().splitlines()]
-        assert result.steps == len(rows) and len(rows) < 2 * NUM_SAMPLES  # ~2 samples per packed row
-        assert rows[-1]["samples"] == 3 * NUM_SAMPLES  # one rank: nothing dropped
-        sched = WarmupCosine(3 * NUM_SAMPLES, math.ceil(0.1 * 3 * NUM_SAMPLES), unit="sample")
-        before = [0] + [r["samples"] for r in rows[:-1]]
-        expected = []
-        for done in before:
-            sched.done = done
-            expected.append(5e-3 * sched(0))
-        assert [r["lr"] for r in rows] == pytest.approx(expected, rel=1e-9)
-        assert rows[-1]["lr"] < 0.05 * 5e-3
-        assert WarmupCosine(3 * NUM_SAMPLES, 6)(len(rows)) > 0.3  # a schedule over the 54 unpacked steps
+    result = Trainer(cfg, job).run()
+    rows = [json.loads(line) for line in (out / TRAIN_LOG).read_text().splitlines()]
+    assert result.steps == len(rows) and len(rows) < 2 * NUM_SAMPLES  # ~2 samples per packed row
+    assert rows[-1]["samples"] == 3 * NUM_SAMPLES  # one rank: nothing dropped
+    sched = WarmupCosine(3 * NUM_SAMPLES, math.ceil(0.1 * 3 * NUM_SAMPLES), unit="sample")
+    before = [0] + [r["samples"] for r in rows[:-1]]
+    expected = []
+    for done in before:
+        sched.done = done
+        expected.append(5e-3 * sched(0))
+    assert [r["lr"] for r in rows] == pytest.approx(expected, rel=1e-9)
+    assert rows[-1]["lr"] < 0.05 * 5e-3
+    assert WarmupCosine(3 * NUM_SAMPLES, 6)(len(rows)) > 0.3  # a schedule over the 54 unpacked steps
 
-        reference = (out / TRAIN_LOG).read_text()
-        resume_from = out / "checkpoints" / "step_8"
-        assert checkpoint.read_marker(resume_from) is not None
-        again = Trainer(cfg, dataclasses.replace(job, resume_from=str(resume_from))).run()
-        assert again.resumed_from == str(resume_from) and again.steps == result.steps
-        assert (out / TRAIN_LOG).read_text() == reference
-    finally:
-        dist.destroy_process_group()
-        reset_deepspeed_groups()
+    reference = (out / TRAIN_LOG).read_text()
+    resume_from = out / "checkpoints" / "step_8"
+    assert checkpoint.read_marker(resume_from) is not None
+    again = Trainer(cfg, dataclasses.replace(job, resume_from=str(resume_from))).run()
+    assert again.resumed_from == str(resume_from) and again.steps == result.steps
+    assert (out / TRAIN_LOG).read_text() == reference
 
 
 # ---------------------------------------------------------------------------- (b) ZeRO-2 while streaming

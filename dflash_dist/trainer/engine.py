@@ -166,4 +166,4 @@ def load_checkpoint(engine, path: Path, elastic: bool, group: Any = None) -> dic
 def schedule_length(engine) -> tuple[int, str]:
     """The engine's LR schedule length and unit (ds_config.WarmupCosine): steps or samples."""
     fn = engine.lr_scheduler.lr_lambdas[0]
-    return fn.total_steps, getattr(fn, "unit", "step")
+    return fn.total_steps, fn.unit

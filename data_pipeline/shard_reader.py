@@ -265,6 +265,7 @@ class ShardStream:
         self.poll_s = poll_s
         self.stop_when = stop_when
         self.skipped: dict[str, int] = {}
+        self.problems: list[str] = []  # "path (reason): why" per shard or sample skipped, for error messages
         self._consumed: set[str] = set()
         self._consumed_order: list[str] = []  # the same names, in the order they were finished
         self._consumed_view: tuple[str, ...] | None = ()  # cached for state_dict (once per shard)
@@ -348,6 +349,7 @@ class ShardStream:
                 self._advance(record.name, position, n)
                 if not bool(torch.isfinite(sample.features).all()):
                     self._count(NONFINITE, 1)
+                    self.problems = [*self.problems, f"{path} sample {sample.key!r} ({NONFINITE})"]
                     if not warned:
                         log.warning(
                             "skipping sample %r of %s: its features hold NaN or Inf (later ones of this shard "
@@ -405,6 +407,7 @@ class ShardStream:
     def _skip_rest(self, record: ShardRecord, position: int, reason: str, why: str) -> None:
         remaining = record.n_samples - position
         self._count(reason, remaining)
+        self.problems = [*self.problems, f"{self.shard_dir / record.name} ({reason}, {remaining} samples): {why}"]
         self._finish(record.name)
         log.warning(
             "skipping shard %s (%s): %s; its %d remaining of %d samples are counted as skipped",

@@ -33,7 +33,7 @@ from dflash_dist.trainer import checkpoint, universal
 from dflash_dist.trainer.checkpoint import ResumeError
 from dflash_dist.trainer.ds_config import WarmupCosine
 from dflash_dist.trainer.loop import SAMPLE_LOG, TRAIN_LOG, TrainJob
-from dflash_dist.trainer.state import reader_state_for
+from dflash_dist.trainer.step_source import StepSource
 from tests import test_trainer
 from tests.conftest import REPO, reset_deepspeed_groups
 from tests.test_trainer import free_port, make_cfg, write_shards
@@ -71,27 +71,34 @@ def test_world_size_change_allowed_for_zero_1_2_3_refused_for_zero_0(tmp_path):
         checkpoint.check_resumable(saved, new.to_dict(), 1, shard_dir, "ckpt")
 
 
-def test_reader_state_for_another_world_size(tiny, shards):
+def test_source_state_for_another_world_size(tiny, shards):
     """2 ranks stop mid-epoch (rank 0 inside a shard); 1 rank, or 3, take over from the merged
-    position: every sample of the epoch exactly once, over the old and the new ranks."""
+    position: every sample of the epoch exactly once, over the old and the new ranks, and the
+    samples trained so far in the epoch are carried as one count."""
     from data_pipeline.shard_reader import ShardStream
 
     def stream(rank, world):
         return ShardStream(shards, tiny["prov"], rank, world, epoch=1, seed=0, shuffle=True)
+
+    def source_state(reader, trained):
+        return {"version": 1, "epoch": 1, "reader": reader, "trained": trained, "carried": 0, "lost_before": 0}
 
     saved, before = [], []
     for rank, n in ((0, 3), (1, 2)):  # rank 0 stops inside its second shard (2 samples each)
         s = stream(rank, 2)
         it = iter(s)
         before += [next(it).key for _ in range(n)]
-        saved.append(s.state_dict())
-    assert reader_state_for(saved, 1, 2) is saved[1]  # the same world size: the rank's own
-    assert reader_state_for([None, None], 0, 1) is None  # the epoch had not begun
+        saved.append(source_state(s.state_dict(), n))
+    assert StepSource.for_world(saved, 1, 2) == saved[1]  # the same world size: the rank's own
+    fresh = [source_state(None, 0), source_state(None, 0)]
+    assert StepSource.for_world(fresh, 0, 1)["reader"] is None  # the epoch had not begun
     for world in (1, 3):
         after = []
         for rank in range(world):
+            state = StepSource.for_world(saved, rank, world)
+            assert (state["epoch"], state["trained"], state["carried"]) == (1, 0, 5)
             s = stream(rank, world)
-            s.load_state_dict(reader_state_for(saved, rank, world))
+            s.load_state_dict(state["reader"])
             after += [x.key for x in s]
         assert Counter(before + after) == Counter(x.key for x in tiny["samples"][:NUM]), world
 

@@ -437,29 +437,35 @@ def test_zero3_group_exports_the_gathered_drafter_and_resumes(tiny, ray_cluster,
 
 
 # ---------------------------------------------------------------------------- (d) a corrupt shard
-def test_corrupt_shard_is_skipped_counted_and_accounted(tiny, ray_cluster, tmp_path):
-    """A truncated shard stops neither rank: its samples are logged as data/skipped (every epoch
-    it is read), and trained + skipped + dropped is every sample of every epoch."""
+def test_unreadable_shard_fails_the_run_or_is_accounted_within_the_allowed_fraction(tiny, ray_cluster, tmp_path):
+    """A truncated shard: by default (data.max_lost_fraction 0) every rank stops at the same slot
+    with DataLost naming the shard; allowed a fraction, its samples are counted as lost (every
+    epoch it is read) and trained + lost + dropped is every sample of every epoch."""
     from data_pipeline.shard_reader import read_manifest
-    from dflash_dist.actors.trainer_group import start_trainer_group
+    from dflash_dist.actors.trainer_group import TrainerGroupError, start_trainer_group
 
     out, shards = tmp_path / "run", tmp_path / "shards"
     write_shards(shards, tiny["prov"], tiny["samples"], done=True)
     bad = shards / read_manifest(shards)[0].name  # epoch 0: rank 0's first shard
     bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
     cfg = make_cfg(out, tiny["target_dir"], zero_stage=2, epochs=2, checkpoint_every=100, log_every=2)
-    group = start_trainer_group(
-        cfg, tiny["target_dir"], shards, tiny["prov"], tiny["drafter"], num_samples=NUM_SAMPLES - PER_SHARD
-    )
-    results = group.wait(timeout_s=300)
+    group = start_trainer_group(cfg, tiny["target_dir"], shards, tiny["prov"], tiny["drafter"], num_samples=NUM_SAMPLES)
+    with pytest.raises(TrainerGroupError, match=rf"DataLost: 2 sample\(s\) could not be read.*{bad.name}.*truncated"):
+        group.wait(timeout_s=300)
+    assert not (out / "checkpoints" / "latest").exists()  # failed before its first checkpoint
 
+    out = tmp_path / "run2"
+    cfg = make_cfg(out, tiny["target_dir"], zero_stage=2, epochs=2, checkpoint_every=100, log_every=2)
+    cfg.data.max_lost_fraction = 0.25  # 4 of 36 planned samples are lost
+    group = start_trainer_group(cfg, tiny["target_dir"], shards, tiny["prov"], tiny["drafter"], num_samples=NUM_SAMPLES)
+    results = group.wait(timeout_s=300)
     assert all(r.epochs_completed == 2 for r in results)
     assert [r.samples_consumed for r in results][:1] * 2 == [r.samples_consumed for r in results]  # lock-step
     trained = sum(r.samples_consumed for r in results)
     dropped = sum(r.samples_dropped for r in results)
     assert trained + dropped + 2 * PER_SHARD == 2 * NUM_SAMPLES
     s = scalars(out / "tb" / "train")
-    assert s["data/skipped"][-1][1] == 2 * PER_SHARD  # one shard of 2 samples, in each of 2 epochs
+    assert s["data/lost_samples"][-1][1] == 2 * PER_SHARD  # one shard of 2 samples, in each of 2 epochs
     assert sum(v for _, v in s["data/dropped_samples"]) == dropped
     assert all(math.isfinite(v) for _, v in s["train/loss"])
 

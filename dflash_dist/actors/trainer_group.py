@@ -136,9 +136,9 @@ def run_rank(cfg_dict: dict, job: TrainJob, env: dict[str, str], extensions_dir:
     try:
         with Heartbeat(cfg.out, "trainer", rank) as beat:
             trainer = Trainer(cfg, job)
-            beat.info = lambda: {"step": trainer.state.step, "epoch": trainer.state.epoch,
+            beat.info = lambda: {"step": trainer.state.step, "epoch": trainer.source.epoch,
                                  "samples": trainer.samples_consumed,
-                                 "shards_consumed": len((trainer.state.reader or {}).get("consumed", ()))}
+                                 "shards_consumed": len((trainer.source.reader or {}).get("consumed", ()))}
             return trainer.run()
     finally:
         if dist.is_initialized():
@@ -241,8 +241,8 @@ def train_job(
     starts (world size, training config, shards), and raises checkpoint.ResumeError."""
     world = cfg.train.world_size
     unit = "step"  # an explicit total_steps counts optimizer steps
+    samples = num_samples if num_samples is not None else cfg.data.max_train_samples
     if total_steps is None:
-        samples = num_samples if num_samples is not None else cfg.data.max_train_samples
         total_steps, unit = schedule_span(cfg, world, samples)
     resume_from = plan_resume(resume, cfg.out / "checkpoints")
     if resume_from is not None:
@@ -252,7 +252,7 @@ def train_job(
             log.info("resuming from %s%s", resume_from, note)
     return TrainJob(
         str(target_dir), str(shard_dir), expected, drafter_cfg, total_steps, str(resume_from) if resume_from else None,
-        schedule_unit=unit,
+        schedule_unit=unit, num_samples=samples,
     )
 
 

@@ -218,12 +218,12 @@ class BatchLimit:
 
 
 def group_micro_batches(
-    pairs: Iterable[tuple[Sample, dict[str, Any]]], limit: BatchLimit
+    pairs: Iterable[tuple[Sample, dict[str, Any]]], limit: BatchLimit, keep_short: bool = False
 ) -> Iterator[tuple[list[Sample], dict[str, Any], bool]]:
     """(samples, position after the last of them, complete) per micro-batch. A batch is emitted
     as soon as it is full or the next sample does not fit; at the end of the stream the rest is
-    emitted with complete=False when counting samples (the caller drops it: it would be a short
-    batch), complete=True with a token budget (it fits the budget: a batch like any other)."""
+    emitted with complete=False when counting samples (a short batch: the caller drops it unless
+    `keep_short`), complete=True with a token budget (it fits the budget: a batch like any other)."""
     pending: list[Sample] = []
     lengths: list[int] = []
     last: dict[str, Any] = {}
@@ -238,7 +238,7 @@ def group_micro_batches(
             yield pending, last, True
             pending, lengths = [], []
     if pending:
-        yield pending, last, limit.tokens is not None
+        yield pending, last, limit.tokens is not None or keep_short
 
 
 class MicroBatchFeeder:
@@ -261,8 +261,10 @@ class MicroBatchFeeder:
         stop: threading.Event | None = None,
         micro_batch_tokens: int | None = None,
         packed: bool = False,
+        keep_short: bool = False,
     ) -> None:
         self._samples = samples
+        self._keep_short = keep_short  # the stream's last micro-batch is handed out even when short
         self._limit = BatchLimit(micro_batch_size, micro_batch_tokens, packed)
         self._build = build
         self._queue: queue.Queue[MicroBatch] = queue.Queue(maxsize=depth)
@@ -270,13 +272,14 @@ class MicroBatchFeeder:
         self._dry = threading.Event()
         self._error: BaseException | None = None
         self.leftover = 0
+        self.end_state: dict[str, Any] | None = None  # the stream's position once it ended (DRY)
         self._thread = threading.Thread(target=self._fill, name="micro-batch-feeder", daemon=True)
         self._thread.start()
 
     def _fill(self) -> None:
         try:
             pairs = itertools.takewhile(lambda _: not self._stop.is_set(), self._samples)  # close() stops reading
-            for samples, state, complete in group_micro_batches(pairs, self._limit):
+            for samples, state, complete in group_micro_batches(pairs, self._limit, self._keep_short):
                 if not complete:
                     self.leftover = len(samples)
                     break
@@ -289,6 +292,8 @@ class MicroBatchFeeder:
                         continue
                 if self._stop.is_set():
                     return
+            if not self._stop.is_set() and hasattr(self._samples, "state"):
+                self.end_state = self._samples.state()  # the stream's end: trailing skips included
         except BaseException as e:  # handed to the training thread by status()
             self._error = e
         finally:
@@ -306,6 +311,16 @@ class MicroBatchFeeder:
 
     def take(self) -> MicroBatch:
         return self._queue.get_nowait()
+
+    def peek(self) -> MicroBatch:
+        """The batch `take` returns next (call only when status() is READY; one consumer)."""
+        with self._queue.mutex:
+            return self._queue.queue[0]
+
+    @property
+    def problems(self) -> list[str]:
+        """What the stream could not read, one line per shard (for error messages)."""
+        return list(getattr(self._samples, "problems", []))
 
     @property
     def skipped(self) -> dict[str, int]:
@@ -332,3 +347,11 @@ class with_positions:  # noqa: N801 (used like a function)
     @property
     def skipped(self) -> dict[str, int]:
         return self.stream.skipped
+
+    @property
+    def problems(self) -> list[str]:
+        return list(getattr(self.stream, "problems", []))
+
+    def state(self) -> dict[str, Any]:
+        """The stream's position now (after its end: every sample processed, skips included)."""
+        return self.stream.state_dict()

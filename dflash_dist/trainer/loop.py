@@ -1,10 +1,11 @@
 """The DeepSpeed drafter trainer, plain Python (actors/trainer_group.py runs one per rank).
 
 `Trainer.run()` repeats step -> log -> checkpoint -> export until the last step, and
-`Trainer.train_step()` does exactly one optimizer step, top to bottom: gather its micro-batches
-(every rank as many, epoch_data.py), forward, backward, clip + AdamW + LR schedule. Ranks stay
-in lock-step; a preemption notice (SIGTERM/SIGUSR1) is acted on at a step boundary: a step
-either runs whole or not at all, and the last complete step is saved.
+`Trainer.train_step()` does exactly one optimizer step, top to bottom: take a whole step from
+the data source (step_source.py: agreed by every rank, epochs crossed inside it), forward,
+backward, clip + AdamW + LR schedule. A preemption notice (SIGTERM/SIGUSR1) is acted on at a step
+boundary: the source halts every rank at the same slot without handing out the open step, and
+the last complete step is saved.
 
 What survives a restart is `TrainState` (state.py); DeepSpeed specifics: engine.py; step logs
 and log windows: step_log.py; checkpoints are published by checkpoint.py."""
@@ -30,13 +31,13 @@ from data_pipeline.provenance import Provenance
 from dflash_dist.config import Config
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.export import export_drafter
-from dflash_dist.model.loss import loss_weights
+from dflash_dist.model.loss import Anchors, loss_weights
 from dflash_dist.trainer import checkpoint, engine
 from dflash_dist.trainer.batching import MicroBatch
-from dflash_dist.trainer.epoch_data import EpochData
 from dflash_dist.trainer.metrics import Metrics
 from dflash_dist.trainer.state import TrainState
 from dflash_dist.trainer.step_log import SAMPLE_LOG, TRAIN_LOG, StepLogs, StepRecord, Window
+from dflash_dist.trainer.step_source import EpochEnd, Halt, StepSource
 
 __all__ = ["SAMPLE_LOG", "TRAIN_LOG", "TrainJob", "TrainResult", "Trainer"]
 
@@ -57,6 +58,7 @@ class TrainJob:
     total_steps: int  # the LR schedule's length in schedule_unit (ds_config.schedule_span)
     resume_from: str | None = None  # a complete checkpoint tag directory (checkpoint.plan_resume)
     schedule_unit: str = "step"  # "step", or "sample": token-budget micro-batches (Config.schedule_unit)
+    num_samples: int | None = None  # samples per epoch the run planned for (data.max_lost_fraction's base)
 
 
 @dataclass(frozen=True)
@@ -102,9 +104,10 @@ class Trainer:
         self.block_size = job.drafter.block_size
         self.gamma = job.drafter.loss_decay_gamma if cfg.train.gamma is None else cfg.train.gamma
         self.state = TrainState()  # everything a restart carries over
-        self.data = EpochData(cfg, job.shard_dir, job.provenance, self.rank, self.world, dtype, self._ctrl)
+        self.source = StepSource(cfg, job.shard_dir, job.provenance, self.rank, self.world, dtype, self._ctrl,
+                                 planned_samples=job.num_samples)  # fmt: skip
         # this run only
-        self.samples_consumed = self.samples_dropped = 0
+        self.samples_consumed = 0
         self.checkpoints: list[str] = []
         self.exports: list[str] = []
         self.final_loss: float | None = None
@@ -113,6 +116,7 @@ class Trainer:
         self._signal = 0  # set by the preemption handler (any rank); acted on once all ranks agree
         self._grad_norms: torch.Tensor | None = None  # per-parameter, at the last histogram step
         self._last_lr = float("nan")
+        self._pad: MicroBatch | None = None  # the zero-weight batch of empty slots (_pad_batch)
         self.metrics = Metrics(cfg.out / "tb" / "train", enabled=self.rank == 0)
         if job.resume_from is not None:
             self._resume(Path(job.resume_from), elastic)
@@ -140,37 +144,49 @@ class Trainer:
                 log.warning("%s: saved %s and stopped; continue with --resume auto", self.preempted,
                             checkpoint.tag_name(self.state.step))  # fmt: skip
         finally:
-            self.data.close()
+            self.source.close()
             self.metrics.close()
         return TrainResult(
             rank=self.rank,
             steps=self.state.step,
-            epochs_completed=self.state.epoch,
+            epochs_completed=self.source.epoch,
             final_loss=self.final_loss,
             checkpoints=tuple(self.checkpoints),
             exports=tuple(self.exports),
             samples_consumed=self.samples_consumed,
-            samples_dropped=self.samples_dropped,
+            samples_dropped=self.source.dropped,
             resumed_from=self.resumed_from,
             preempted=self.preempted,
         )
 
     def train_step(self) -> bool:
-        """One optimizer step: its train.grad_accum micro-batches, forward, backward, then clip,
-        AdamW and the LR schedule. False when no step was made: the epochs ran out, or a
-        preemption notice came, while its micro-batches were gathered (the state is then that
-        of the last complete step)."""
+        """One optimizer step: its train.grad_accum micro-batch slots, forward, backward, then clip,
+        AdamW and the LR schedule. False when no step was made: the epochs ran out, or a preemption
+        notice came while its micro-batches were gathered (the state is then that of the last
+        complete step). A slot this rank has no micro-batch for (its share of the epoch is read,
+        or the epoch ended inside the step) runs a zero-weight batch, so every rank makes the same
+        DeepSpeed calls; each real micro-batch's loss is scaled so the gradient is the mean over
+        the step's real micro-batches (train.loss_norm "step_slots" needs no scale: its
+        denominators are the step's summed slot weights)."""
         t0 = time.perf_counter()
-        gathered = self._gather_micro_batches()
-        if gathered is None:
+        got = self.source.next_step(self._signal)
+        for end in got.epoch_ends:
+            self._log_epoch(end)
+        if isinstance(got, Halt):
+            if got.notice is not None:
+                self.preempted = got.notice
             return False
-        batches = [b for _, b in gathered]
+        batches = list(got.batches)
         wait_s = time.perf_counter() - t0
         denominators = self._loss_denominators(batches)
+        slots = self.cfg.train.grad_accum
+        full = got.real_all == slots * self.world
+        scale = None if full or self.cfg.train.loss_norm == "step_slots" else slots * self.world / got.real_all
         lr = self.engine.get_lr()[0]  # the LR this optimizer step uses
         step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, (batch, denominator) in enumerate(zip(batches, denominators)):
-            batch = batch.to(self.device)
+        for i in range(slots):
+            real = i < len(batches)
+            batch = (batches[i] if real else self._pad_batch()).to(self.device)
             loss, out = self.engine(  # forward
                 batch.input_ids,
                 batch.features,
@@ -178,60 +194,61 @@ class Trainer:
                 batch.target_argmax,
                 batch.anchors.positions,
                 batch.anchors.keep,
-                denominator,
+                denominators[0],
                 batch.anchors.starts,  # None unless train.packing
                 batch.anchors.ends,
             )
+            if not real:
+                loss = loss * 0.0  # an empty slot: no gradient, but the same collectives as its peers
+            elif scale is not None:
+                loss = loss * scale
             self.engine.backward(loss)  # backward (DeepSpeed divides by grad_accum, averages over ranks)
-            last = i == len(batches) - 1
+            last = i == slots - 1
             if last and self.job.schedule_unit == "sample":
-                self._advance_schedule(batches)
+                # before the step's scheduler update: the next step's LR is that of the samples trained
+                self.engine.lr_scheduler.lr_lambdas[0].done += got.samples_all
             assert self.engine.is_gradient_accumulation_boundary() == last, "DeepSpeed's accumulation count drifted"
             if last and (self.state.step + 1) % self.cfg.train.histogram_every == 0:
                 self._grad_norms = engine.param_grad_norms(self.engine)  # before the step clears them
             # clip + step: at the accumulation boundary DeepSpeed clips to gradient_clipping
             # (ds_config), steps AdamW and the LR schedule; before it, it only accumulates
             self.engine.step()
-            step_loss += out.loss.detach().to(torch.float64)
-            self.window.add(batch, out)
+            if real:
+                step_loss += out.loss.detach().to(torch.float64)
+                self.window.add(batch, out)
         self.state.step += 1
         self._last_lr = lr
-        keys = tuple((e, b.keys) for e, b in gathered) if self.cfg.train.log_sample_keys else ()
+        keys = tuple((got.epoch, b.keys) for b in batches) if self.cfg.train.log_sample_keys else ()
         samples = sum(len(b.keys) for b in batches)
-        self.logs.add(StepRecord(self.state.step, self.state.epoch, lr, step_loss, len(batches), samples, keys))
+        self.samples_consumed += samples
+        self.logs.add(StepRecord(self.state.step, got.epoch, lr, step_loss, len(batches), samples, keys))
         self.window.add_time(wait_s, time.perf_counter() - t0)
         return True
 
-    def _advance_schedule(self, batches: list[MicroBatch]) -> None:
-        """LR schedule by samples: before the step's scheduler update, add this step's samples on
-        all ranks (one small all-reduce), so the next step's LR is that of the samples trained."""
-        n = torch.tensor([sum(len(b.keys) for b in batches)], dtype=torch.int64)
-        dist.all_reduce(n, group=self._ctrl)
-        self.engine.lr_scheduler.lr_lambdas[0].done += int(n)
-
-    def _gather_micro_batches(self) -> list[tuple[int, MicroBatch]] | None:
-        """This step's (epoch, micro-batch) pairs, on the host; an epoch that ends on the way is
-        closed and the next one opened (a step may span two epochs). None: the epochs ran out, or a
-        preemption notice was agreed, first; a partly gathered step is then undone."""
-        boundary, consumed = self.state.copy(), self.samples_consumed
-        batches: list[tuple[int, MicroBatch]] = []
-        while len(batches) < self.cfg.train.grad_accum:
-            if self._finished():
-                return None
-            got = self.data.next(self.state, self._signal)
-            if isinstance(got, int):
-                self.preempted = signal.Signals(got).name
-                if batches:
-                    self._rewind(boundary, consumed)
-                return None
-            if got is None:
-                self._end_epoch()
-                continue
-            batches.append((self.state.epoch, got))
-            self.state.reader = got.reader_state
-            self.state.epoch_samples += len(got.keys)
-            self.samples_consumed += len(got.keys)
-        return batches
+    def _pad_batch(self) -> MicroBatch:
+        """A zero-weight micro-batch for an empty slot: one anchor on zeros, in the shapes real
+        batches take (a packed row of train.micro_batch_tokens; else one block's length)."""
+        if self._pad is None:
+            d = self.job.drafter
+            width = d.num_target_layers * d.hidden_size
+            length = self.source.pack_tokens or d.block_size + 1
+            n = self.cfg.train.num_anchors if self.source.pack_tokens else 1
+            keep = torch.zeros(1, n, dtype=torch.bool)
+            keep[0, 0] = True
+            packed = self.source.pack_tokens is not None
+            self._pad = MicroBatch(
+                keys=(),
+                input_ids=torch.zeros(1, length, dtype=torch.int64),
+                features=torch.zeros(1, length, width, dtype=self.source.dtype),
+                loss_mask=torch.ones(1, length, dtype=torch.float32),
+                target_argmax=torch.zeros(1, length, dtype=torch.int64),
+                anchors=Anchors(torch.zeros(1, n, dtype=torch.long), keep,
+                                torch.zeros(1, n, dtype=torch.long) if packed else None,
+                                torch.full((1, n), length, dtype=torch.long) if packed else None),
+                num_tokens=0,
+                reader_state={},
+            )  # fmt: skip
+        return self._pad
 
     def _loss_denominators(self, batches: list[MicroBatch]) -> list[torch.Tensor | None]:
         """train.loss_norm "micro_batch": None (each micro-batch's loss is its own weighted mean).
@@ -240,7 +257,7 @@ class Trainer:
         averages over ranks, so the gradient is that of the slot-weighted mean over the whole
         step (every supervised slot counts the same)."""
         if self.cfg.train.loss_norm == "micro_batch":
-            return [None] * len(batches)
+            return [None]
         weighting = self.cfg.train.position_weighting
         total = torch.zeros(1, dtype=torch.float64)
         for b in batches:  # on the host, before any forward: one all-reduce for the whole step
@@ -248,34 +265,28 @@ class Trainer:
         dist.all_reduce(total, group=self._ctrl)
         scale = self.cfg.train.grad_accum * self.world
         denominator = torch.tensor(max(float(total), 1e-6) / scale, dtype=torch.float32, device=self.device)
-        return [denominator] * len(batches)
+        return [denominator]
 
     def _finished(self) -> bool:
         max_steps = self.cfg.train.max_steps
-        return self.state.epoch >= self.cfg.train.epochs or (max_steps is not None and self.state.step >= max_steps)
+        return self.source.finished or (max_steps is not None and self.state.step >= max_steps)
 
-    def _end_epoch(self) -> None:
-        end = self.data.end_epoch(self.state)
-        self.samples_dropped += end.dropped
-        s = self.state
-        s.skipped_total += end.skipped_all
-        scalars = {"data/dropped_samples": end.dropped_all, "data/skipped": s.skipped_total, "data/epoch": s.epoch + 1}
-        self.metrics.log(s.step, scalars)
+    def _log_epoch(self, end: EpochEnd) -> None:
+        scalars = {"data/lost_samples": self.source.lost_before, "data/epoch": end.epoch + 1}
+        if self.source.remainder == "drop":
+            scalars["data/dropped_samples"] = end.total - end.trained - end.lost
+        self.metrics.log(self.state.step, scalars)
         if self.rank == 0:
             log.info(
-                "epoch %d done at step %d: %d samples trained, %d skipped as unreadable, %d dropped to keep ranks in "
-                "lock-step", s.epoch, s.step, end.trained_all, end.skipped_all, end.dropped_all,
+                "epoch %d done at step %d: %d of %d samples trained, %d could not be read", end.epoch,
+                self.state.step, end.trained, end.total, end.lost,
             )  # fmt: skip
-        s.epoch += 1
-        s.epoch_samples = s.epoch_carried = 0
-        s.epoch_exhausted = False
-        s.reader = None
 
     # ------------------------------------------------------------------ preemption
     @contextlib.contextmanager
     def _preemption_notice(self):
         """SIGTERM/SIGUSR1 only set a flag here; the ranks agree on it with the data-readiness
-        all-reduce (epoch_data.py), so all of them stop at the same micro-batch. Handlers need
+        all-reduce (step_source.py), so all of them stop at the same micro-batch slot. Handlers need
         the main thread (a Ray actor's task runs there); elsewhere the default handling stays
         and a warning says so."""
         if threading.current_thread() is not threading.main_thread():
@@ -293,23 +304,12 @@ class Trainer:
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
-    def _rewind(self, boundary: TrainState, consumed: int) -> None:
-        """A notice while a step was being gathered: its micro-batches are trained after the
-        resume, so the state goes back to the last complete step's. If that step's epoch has
-        ended since (the open step spans two epochs), the rewound epoch is marked exhausted: the
-        resumed run ends it at once, as the uninterrupted run did, instead of training the
-        samples that epoch's lock-step end dropped."""
-        crossed = boundary.epoch != self.state.epoch
-        self.state, self.samples_consumed = boundary, consumed
-        if crossed:
-            self.state.epoch_exhausted = True
-        self.data.close()  # its stream is past the rewound position
-
     # ------------------------------------------------------------------ metrics
     def _log(self) -> None:
         self.state.samples_seen = self.logs.flush(self.state.samples_seen)
         grad_norm = self.engine.get_global_grad_norm()
-        scalars, per_sample = self.window.reduce(self.world, self.data.skipped(), self.state.skipped_total, self._ctrl)
+        scalars, per_sample = self.window.reduce(self.world, self.source.skipped(), self.source.lost_before,
+                                                 self._ctrl)  # fmt: skip
         self.final_loss = scalars["train/loss"]
         if not math.isfinite(self.final_loss):  # the loss's finite check, read here: no host sync per micro-batch
             raise FloatingPointError(f"non-finite DFlash loss {self.final_loss} in the steps up to {self.state.step}")
@@ -324,7 +324,7 @@ class Trainer:
         self.metrics.histograms(self.state.step, hists)
         if self.rank == 0:
             log.info(
-                "step %d epoch %d loss %.4f acc1 %.3f lr %.2e wait %.2f", self.state.step, self.state.epoch,
+                "step %d epoch %d loss %.4f acc1 %.3f lr %.2e wait %.2f", self.state.step, self.source.epoch,
                 self.final_loss, scalars["train/acc_slot_1"], self._last_lr, scalars["data/wait_frac"],
             )  # fmt: skip
         self.window = Window(self.block_size, self.device)
@@ -338,11 +338,12 @@ class Trainer:
         tag = checkpoint.tag_name(step)
         # the logs reach this step before it can be resumed from
         self.state.samples_seen = self.logs.flush(self.state.samples_seen, durable=True)
+        self.state.source = self.source.state_dict()
         ranks: list[Any] = [None] * self.world  # client_state is written by rank 0 only
         dist.all_gather_object(ranks, self.state.state_dict(self.on_gpu), group=self._ctrl)
         meta = {
             "step": step,
-            "epoch": self.state.epoch,
+            "epoch": self.source.epoch,
             "world_size": self.world,
             "config": self.cfg.to_dict(),
             "config_hash": checkpoint.config_hash(self.cfg.to_dict()),
@@ -357,8 +358,8 @@ class Trainer:
         dist.barrier(group=self._ctrl)  # every rank's files are durable
         if self.rank == 0:
             checkpoint.commit(self.ckpt_dir, tag, meta, self.cfg.train.keep_checkpoints)
-            release_consumed(self.job.shard_dir, BufferPolicy.from_config(self.cfg), [s["reader"] for s in ranks],
-                             self.state.epoch)  # shards this checkpoint no longer needs (disk_budget.py)  # fmt: skip
+            release_consumed(self.job.shard_dir, BufferPolicy.from_config(self.cfg),
+                             [s["source"]["reader"] for s in ranks], self.source.epoch)  # fmt: skip
         self.checkpoints.append(tag)
         self._last_saved = step
         self._export(tag)  # ends in a barrier: no rank runs ahead of the commit
@@ -397,13 +398,14 @@ class Trainer:
         own = TrainState.for_world(states, self.rank, self.world, self.cfg.run.seed, self.on_gpu) if elastic else (
             states[self.rank])  # fmt: skip
         self.state.load_state_dict(own)
+        self.source.load_state_dict(self.state.source)
         self.resumed_from = str(path)
         self.metrics.close()  # reopen so the killed attempt's points after this step are purged
         self.metrics = Metrics(self.cfg.out / "tb" / "train", enabled=self.rank == 0, purge_step=self.state.step + 1)
         if self.rank == 0:
             checkpoint.rewind(self.ckpt_dir, path)
             how = f" (saved by {meta['world_size']} ranks, loaded as a universal checkpoint)" if elastic else ""
-            log.info("resumed from %s%s: step %d, epoch %d", path, how, self.state.step, self.state.epoch)
+            log.info("resumed from %s%s: step %d, epoch %d", path, how, self.state.step, self.source.epoch)
         # `latest` moves before the export is written: a crash in between leaves it missing
         missing = torch.tensor([int(self.rank == 0 and not (self.export_dir / path.name).is_dir())])
         dist.broadcast(missing, src=0, group=self._ctrl)

@@ -145,7 +145,7 @@ class Window:
     ) -> tuple[dict[str, float], torch.Tensor]:
         """(scalars, per-sample rows [n, 4] of every rank) of the window, summed over the ranks:
         train/loss (mean micro-batch loss), tokens_per_s, acc_slot_j, acc_len_*, data/wait_frac,
-        data/skipped (`skipped_before`: finished epochs, plus every rank's `skipped` of this one)."""
+        data/lost_samples (`skipped_before`: finished epochs, plus every rank's `skipped` of this one)."""
         host = torch.tensor([self.micro, self.tokens, self.wait_s, self.wall_s, skipped], dtype=torch.float64)
         vec = torch.cat([host, self.sums.cpu()])
         dist.all_reduce(vec, group=group)
@@ -156,7 +156,7 @@ class Window:
             "train/loss": loss_sum / max(micro, 1.0),
             "train/tokens_per_s": tokens / max(wall_s / world, 1e-9),  # wall_s: summed over ranks
             "data/wait_frac": wait_s / max(wall_s, 1e-9),
-            "data/skipped": skipped_before + skipped_all,
+            "data/lost_samples": skipped_before + skipped_all,
         }
         for j in range(1, b):
             scalars[f"train/acc_slot_{j}"] = float(correct[j] / count[j].clamp(min=1))

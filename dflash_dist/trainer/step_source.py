@@ -1,0 +1,327 @@
+"""One rank's training data as whole optimizer steps (STYLE 7: the source owns its epochs).
+
+`StepSource.next_step()` hands out one optimizer step of `train.grad_accum` micro-batch slots that
+every rank agreed on, or a `Halt` (the epochs ran out, or a preemption notice). The trainer loop
+never meets an epoch edge: the source crosses epochs itself and reports each epoch's end as an
+`EpochEnd` record riding on the next step (or halt).
+
+Lock-step: before each slot the ranks all-reduce (SUM) one small vector: how many have a
+micro-batch ready, are waiting for the capture, or are dry (their share of the epoch is read),
+the preemption notices, the samples each rank could not read so far, and the ready batch's
+samples. Nobody waits inside a collective for data (a gloo/NCCL collective would time out while
+a slow capture writes the next shard): while a rank waits, all poll again after POLL_S.
+- a notice on any rank: every rank halts at the same slot; nothing of the open step counts, and
+  the position stays that of the last handed-out step (it is committed only with a whole step,
+  so a preemption needs no rewind: the resumed run reads the open step's samples again);
+- every rank dry: the epoch ends. A step already begun is handed out short (its remaining slots
+  empty on every rank), so a step never spans two epochs and the epoch's last samples are
+  trained; the epoch is closed when the next step is asked for;
+- some ranks dry, others ready: the dry ranks fill the slot with an empty micro-batch (`Step.pads`)
+  and the others train theirs, so a rank whose shards held more samples trains its remainder
+  instead of dropping it. The trainer scales each real micro-batch's loss so the step's gradient
+  is the mean over the step's real micro-batches (`Step.real_all`).
+
+Every sample of an epoch's shards is thus trained once or counted as lost (a missing, truncated
+or corrupt shard, a sample whose features are not finite); `EpochEnd` says both, and more lost
+samples than `data.max_lost_fraction` of the run's planned samples raise `DataLost` on every rank
+at the same slot, naming what this rank could not read.
+
+Epoch 0 follows the manifest while capture still writes it; later epochs re-read the finished
+manifest in a shard order seeded by (run.seed, epoch) (shard_reader.ShardStream).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from data_pipeline.shard_reader import ShardStream, assigned_shards, merge_reader_states, read_manifest
+from dflash_dist.config import Config
+from dflash_dist.trainer.batching import (
+    DRY,
+    READY,
+    WAITING,
+    MicroBatch,
+    MicroBatchFeeder,
+    make_micro_batch,
+    with_positions,
+)
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.02  # how often waiting ranks re-check each other's data readiness
+STATE_VERSION = 1
+# the per-slot all-reduce vector: [ready, waiting, dry, SIGTERM, SIGUSR1, lost so far, batch samples]
+_NOTICES = ("SIGTERM", "SIGUSR1")
+
+
+class DataLost(RuntimeError):
+    """More samples could not be read than data.max_lost_fraction allows."""
+
+
+@dataclass(frozen=True)
+class EpochEnd:
+    """An epoch's accounting over all ranks: every sample of its shards was trained or lost."""
+
+    epoch: int
+    trained: int  # samples trained in the epoch
+    lost: int  # samples that could not be read (missing/corrupt shard, non-finite features)
+    total: int  # samples the epoch's shards hold
+
+
+@dataclass(frozen=True)
+class Step:
+    """One optimizer step of this rank. `batches` are its real micro-batches; `pads` empty slots
+    (this rank had run dry, or the epoch ended mid-step) are filled with a zero-weight batch."""
+
+    epoch: int
+    batches: tuple[MicroBatch, ...]
+    pads: int
+    real_all: int  # real micro-batches of the step over all ranks
+    samples_all: int  # samples of the step over all ranks
+    epoch_ends: tuple[EpochEnd, ...] = ()  # epochs closed before this step began
+
+
+@dataclass(frozen=True)
+class Halt:
+    """No step: `notice` names the agreed preemption signal, or None when the epochs ran out."""
+
+    notice: str | None
+    epoch_ends: tuple[EpochEnd, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Slot:
+    ready: int
+    waiting: int
+    dry: int
+    notice: str | None
+    lost: int  # samples of the open epoch no rank could read, so far
+    samples: int  # samples of the micro-batches the ready ranks take in this slot
+
+
+class StepSource:
+    """The shard stream of the current epoch on one rank, the lock-step protocol around it, and
+    its position (state_dict / load_state_dict / for_world)."""
+
+    def __init__(
+        self, cfg: Config, shard_dir: str, provenance: Any, rank: int, world: int, dtype: torch.dtype,
+        group: Any = None, planned_samples: int | None = None, remainder: str = "drop",
+    ) -> None:  # fmt: skip
+        self.cfg, self.shard_dir, self.provenance = cfg, shard_dir, provenance
+        self.rank, self.world, self.dtype, self.group = rank, world, dtype, group
+        self.grad_accum = cfg.train.grad_accum
+        self.pack_tokens = cfg.pack_tokens()  # train.packing: one row of this many tokens per micro-batch
+        self.planned = planned_samples  # samples per epoch the LR schedule was planned over
+        self.remainder = remainder
+        self.dropped = 0  # this rank's samples left when a peer ran dry (remainder "drop"; this run)
+        # the position, committed with every step handed out
+        self.epoch = 0
+        self.reader: dict[str, Any] | None = None  # this rank's stream position (None: epoch start)
+        self.trained = 0  # this rank's samples trained in the epoch
+        self.carried = 0  # samples all ranks trained in the epoch before an elastic resume
+        self.lost_before = 0  # samples lost in finished epochs (all ranks)
+        self._feeder: MicroBatchFeeder | None = None
+
+    # ------------------------------------------------------------------ steps
+    @property
+    def finished(self) -> bool:
+        return self.epoch >= self.cfg.train.epochs
+
+    def next_step(self, signum: int = 0) -> Step | Halt:
+        """The next whole step once every rank agreed on each of its slots. `signum`: this rank's
+        pending preemption notice (0: none)."""
+        ends: list[EpochEnd] = []
+        batches: list[MicroBatch] = []
+        pads = real_all = samples_all = 0
+        while len(batches) + pads < self.grad_accum:
+            if self.finished:
+                return Halt(None, tuple(ends))
+            feeder = self._open()
+            slot = self._agree(feeder, signum)
+            if slot.notice is not None:
+                return Halt(slot.notice, tuple(ends))
+            if slot.dry == self.world or (self.remainder == "drop" and slot.dry):
+                if batches or pads:  # the epoch ended inside this step: it is handed out short
+                    pads = self.grad_accum - len(batches)
+                    break
+                ends.append(self._close_epoch(feeder))
+                continue
+            if feeder.status() == READY:
+                batches.append(feeder.take())
+            else:
+                pads += 1
+            real_all += slot.ready
+            samples_all += slot.samples
+        self._commit(batches)
+        return Step(self.epoch, tuple(batches), pads, real_all, samples_all, tuple(ends))
+
+    def _open(self) -> MicroBatchFeeder:
+        if self._feeder is not None:
+            return self._feeder
+        stop = threading.Event()
+        stream = ShardStream(
+            self.shard_dir, self.provenance, self.rank, self.world, poll_s=0.5, stop_when=stop.is_set,
+            epoch=self.epoch, seed=self.cfg.run.seed, shuffle=self.cfg.train.shuffle,
+        )  # fmt: skip
+        if self.reader is not None:  # resuming inside this epoch
+            stream.load_state_dict(self.reader)
+        build = functools.partial(
+            make_micro_batch, dtype=self.dtype, num_anchors=self.cfg.train.num_anchors, seed=self.cfg.run.seed,
+            epoch=self.epoch, anchor_rule=self.cfg.train.anchor_rule, pack_tokens=self.pack_tokens,
+        )  # fmt: skip
+        self._feeder = MicroBatchFeeder(
+            with_positions(stream), self.cfg.train.micro_batch_size, build, stop=stop,
+            micro_batch_tokens=self.pack_tokens or self.cfg.train.micro_batch_tokens,
+            packed=self.pack_tokens is not None,
+        )  # fmt: skip
+        return self._feeder
+
+    def _agree(self, feeder: MicroBatchFeeder, signum: int) -> _Slot:
+        """Poll until no rank waits for data (or a notice came), agreeing on the slot's outcome."""
+        while True:
+            status = feeder.status()  # raises the reader thread's own error
+            vec = torch.zeros(7, dtype=torch.int64)
+            vec[status_index(status)] = 1
+            if signum:
+                name = _signal_name(signum)
+                vec[3 + _NOTICES.index(name)] = 1
+            vec[5] = sum(feeder.skipped.values())
+            vec[6] = len(feeder.peek().keys) if status == READY else 0
+            dist.all_reduce(vec, group=self.group)
+            ready, waiting, dry, term, usr1, lost, samples = (int(x) for x in vec)
+            notice = _NOTICES[0] if term else _NOTICES[1] if usr1 else None
+            self._check_lost(lost, feeder)
+            if notice is not None or waiting == 0:
+                return _Slot(ready, waiting, dry, notice, lost, samples)
+            time.sleep(POLL_S)
+
+    def _check_lost(self, lost_epoch: int, feeder: MicroBatchFeeder) -> None:
+        """Every rank sees the same totals, so every rank raises at the same slot."""
+        lost = self.lost_before + lost_epoch
+        if lost == 0:
+            return
+        fraction = self.cfg.data.max_lost_fraction
+        planned = (self.planned or 0) * self.cfg.train.epochs
+        allowed = math.floor(fraction * planned) if planned else 0
+        if lost <= allowed:
+            return
+        own = feeder.problems
+        mine = "; ".join(own[:5]) + (f" (+{len(own) - 5} more)" if len(own) > 5 else "") if own else "none here"
+        raise DataLost(
+            f"{lost} sample(s) could not be read, more than data.max_lost_fraction={fraction} of the "
+            f"{planned} planned ({allowed} allowed). Rank {self.rank} could not read: {mine}. Restore or re-extract "
+            f"the shards under {self.shard_dir} (and --resume auto), or raise data.max_lost_fraction"
+        )
+
+    def _commit(self, batches: list[MicroBatch]) -> None:
+        """The position after the step just handed out. A rank that ran dry takes its stream's
+        end (trailing unreadable samples included), so a resume does not count them twice."""
+        if batches:
+            self.reader = batches[-1].reader_state
+            self.trained += sum(len(b.keys) for b in batches)
+        elif self._feeder is not None and self._feeder.end_state is not None:
+            self.reader = self._feeder.end_state
+
+    def _close_epoch(self, feeder: MicroBatchFeeder) -> EpochEnd:
+        """All ranks: the epoch's totals; the next epoch starts at its beginning."""
+        own = torch.tensor([self.trained, sum(feeder.skipped.values())], dtype=torch.int64)
+        self.close()
+        counts = own.clone()
+        dist.all_reduce(counts, group=self.group)
+        trained, lost = int(counts[0]) + self.carried, int(counts[1])
+        manifest = read_manifest(self.shard_dir)  # final: every stream saw DONE
+        total = sum(r.n_samples for r in manifest)
+        end = EpochEnd(self.epoch, trained, lost, total)
+        if self.remainder == "drop":
+            if self.carried == 0:
+                mine = assigned_shards(manifest, self.epoch, self.cfg.run.seed, self.rank, self.world)
+                self.dropped += sum(r.n_samples for r in mine) - int(own[0]) - int(own[1])
+            elif self.rank == 0:
+                self.dropped += total - trained - lost
+        elif trained + lost != total:
+            raise RuntimeError(f"epoch {self.epoch}: {trained} trained + {lost} lost != {total} samples in "
+                               f"{self.shard_dir}/manifest.jsonl: a sample was trained twice or never")  # fmt: skip
+        self.epoch += 1
+        self.reader, self.trained, self.carried = None, 0, 0
+        self.lost_before += lost
+        return end
+
+    def close(self) -> None:
+        """Stop the reader thread (at an epoch end, and when training stops)."""
+        if self._feeder is not None:
+            self._feeder.close()
+            self._feeder = None
+
+    def skipped(self) -> int:
+        """This rank's unreadable samples in the open epoch so far (for the log window)."""
+        return sum(self._feeder.skipped.values()) if self._feeder is not None else 0
+
+    # ------------------------------------------------------------------ position
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "reader": self.reader,
+            "trained": self.trained,
+            "carried": self.carried,
+            "lost_before": self.lost_before,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"step source state version {state.get('version') if isinstance(state, dict) else state!r}"
+                             f" != {STATE_VERSION}: saved by another code version; resume with it or start fresh")
+        self.close()
+        self.epoch, self.reader = int(state["epoch"]), state["reader"]
+        self.trained, self.carried = int(state["trained"]), int(state["carried"])
+        self.lost_before = int(state["lost_before"])
+
+    @staticmethod
+    def for_world(saved: list[dict[str, Any]], rank: int, world: int) -> dict[str, Any]:
+        """`rank`'s state at `world` ranks from every rank's state of a checkpoint saved at another
+        world size: the epoch and lost count (equal on every rank), the samples trained so far in
+        the epoch carried as one count, and the stream position merged from every saved rank's
+        (shard_reader.merge_reader_states), which any rank of any world size loads."""
+        first = saved[0]
+        for key in ("epoch", "lost_before", "carried"):
+            values = {int(s[key]) for s in saved}
+            assert len(values) == 1, (key, values)
+        readers = [s["reader"] for s in saved]
+        if len(saved) == world:
+            reader = readers[rank]
+        elif all(r is None for r in readers):
+            reader = None
+        else:
+            assert all(r is not None for r in readers), "after a step every rank has a position"
+            reader = merge_reader_states(readers)
+        return {
+            "version": STATE_VERSION,
+            "epoch": int(first["epoch"]),
+            "reader": reader,
+            "trained": 0 if len(saved) != world else int(saved[rank]["trained"]),
+            "carried": int(first["carried"]) + (sum(int(s["trained"]) for s in saved) if len(saved) != world else 0),
+            "lost_before": int(first["lost_before"]),
+        }
+
+
+def status_index(status: int) -> int:
+    """The all-reduce vector's index of a feeder status."""
+    return {READY: 0, WAITING: 1, DRY: 2}[status]
+
+
+def _signal_name(signum: int) -> str:
+    import signal
+
+    name = signal.Signals(signum).name
+    if name not in _NOTICES:
+        raise ValueError(f"not a preemption notice: {name}")
+    return name

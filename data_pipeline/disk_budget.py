@@ -110,7 +110,7 @@ def consumed_shards(
     reader_states: Iterable[dict[str, Any] | None], epoch: int, records: Iterable[ShardRecord]
 ) -> set[str]:
     """Shards a checkpoint at `epoch` no longer needs: after the first epoch every shard (the
-    first epoch read or dropped them all); inside it, those any rank's reader finished."""
+    first epoch read them all); inside it, those any rank's reader finished."""
     if epoch >= 1:
         return {r.name for r in records}
     names: set[str] = set()

@@ -265,11 +265,11 @@ class Config(_Section):
         return t.micro_batch_tokens if t.micro_batch_tokens is not None else t.micro_batch_size * self.data.max_length
 
     def schedule_unit(self) -> Literal["step", "sample"]:
-        """What the LR schedule counts: optimizer steps, or samples trained when micro-batches are
-        token-budgeted (a step then holds a varying number of samples) and train.max_steps does not
-        fix the length in steps."""
-        budgeted = self.pack_tokens() is not None or self.train.micro_batch_tokens is not None
-        return "sample" if budgeted and self.train.max_steps is None else "step"
+        """What the LR schedule counts: samples trained, unless train.max_steps fixes its length
+        in optimizer steps. Steps per epoch are not known ahead: token-budgeted micro-batches hold
+        varying sample counts, and an epoch's last steps train whatever remainder its shards leave
+        each rank (trainer/step_source.py), while the samples of an epoch are known."""
+        return "step" if self.train.max_steps is not None else "sample"
 
     def to_dict(self) -> dict:
         return self.model_dump()

@@ -83,8 +83,13 @@ def main(argv: list[str] | None = None) -> int:
 
     if getattr(args, "launcher", "ray") == "slurm" or getattr(args, "slice", None):
         return _slurm(cmd, args, cfg)
+    from dflash_dist.orchestration.pipeline import Preempted
+
     try:
         run_pipeline(cfg, STAGES[cmd], resume=getattr(args, "resume", "never"))
+    except Preempted as e:  # saved and stopped at a notice: a requeue continues it (slurm/*.sbatch)
+        print(f"dflash-dist {cmd}: {e}", file=sys.stderr)
+        return Preempted.exit_code
     except (PipelineError, ConfigError) as e:
         print(f"dflash-dist {cmd}: error: {e}", file=sys.stderr)
         return 1

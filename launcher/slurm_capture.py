@@ -43,6 +43,21 @@ def capture_slice(cfg: Config, index: int, count: int) -> dict:
     """Capture slice `index` of `count`; mark the shards DONE if it completes the set. The run plan
     (target, weight hash, ingested data) is computed by the first slice of the array and read by
     the others (run_plan.share_plan)."""
+    from dflash_dist.orchestration.run_plan import PipelineError
+
+    if cfg.capture.num_actors != 1:
+        raise ConfigError(f"capture.num_actors={cfg.capture.num_actors} with --slice: the slices are the actors "
+                          "(--slice I/N runs one); leave capture.num_actors at 1")
+    from dflash_dist.orchestration.run_lock import SHARED, RunLock, RunLocked
+
+    try:  # slices of an array share --out through the ledger; a run or train there is refused
+        with RunLock(cfg.out, f"extract slice {index}/{count}", SHARED):
+            return _capture_slice(cfg, index, count)
+    except RunLocked as e:
+        raise PipelineError(str(e)) from None
+
+
+def _capture_slice(cfg: Config, index: int, count: int) -> dict:
     from data_pipeline.durable_files import write_text_atomic
     from data_pipeline.ledger import duplicate_keys
     from data_pipeline.records import DONE_NAME
@@ -51,9 +66,6 @@ def capture_slice(cfg: Config, index: int, count: int) -> dict:
     from dflash_dist.capture.capture_job import CaptureJob
     from dflash_dist.orchestration.run_plan import PipelineError, share_plan
 
-    if cfg.capture.num_actors != 1:
-        raise ConfigError(f"capture.num_actors={cfg.capture.num_actors} with --slice: the slices are the actors "
-                          "(--slice I/N runs one); leave capture.num_actors at 1")
     shards = cfg.out / "shards"
     if (shards / DONE_NAME).exists():  # the whole capture is complete
         log.info("%s is complete (%s): nothing to capture", shards, DONE_NAME)

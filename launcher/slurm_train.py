@@ -5,7 +5,8 @@ Rank, world size and local rank come from SLURM_PROCID / SLURM_NTASKS / SLURM_LO
 master is 127.0.0.1 when the step has one node, else its first host (`scontrol show
 hostnames`); the port derives from the job id (MASTER_PORT overrides). A preemption notice
 (SIGTERM, SIGUSR1) makes every rank save at the next step boundary and return: the process exits
-0 so slurm/train.sbatch can requeue the job, whose `--resume auto` continues from that checkpoint.
+75 (not finished) so slurm/train.sbatch requeues the job, whose `--resume auto` continues from that
+checkpoint. Rank 0 holds the output directory's run lock (orchestration/run_lock.py).
 """
 
 from __future__ import annotations
@@ -72,11 +73,11 @@ def tasks_per_node(env: Mapping[str, str]) -> list[int]:
 
 
 def run_slurm_trainer(cfg: Config, resume: str) -> int:
-    """This task's rank of the DeepSpeed group; 0 when it finished or saved after a notice. Rank 0
+    """This task's rank of the DeepSpeed group; 0 when it finished, 75 when it saved after a notice. Rank 0
     computes the run plan (the resume decision, the target's weight hash, provenance, drafter
     shape) for this job attempt and writes it; the other ranks read it (run_plan.share_plan)."""
-    from dflash_dist.actors.trainer_group import default_extensions_dir, run_rank, train_job
-    from dflash_dist.orchestration.run_plan import share_plan
+    from dflash_dist.orchestration.run_lock import RunLock, RunLocked
+    from dflash_dist.orchestration.run_plan import PipelineError, fail_plan
 
     env = slurm_rank_environment(os.environ, step_hostnames(os.environ), on_gpu=cfg.train.gpus_per_rank > 0)
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
@@ -87,7 +88,30 @@ def run_slurm_trainer(cfg: Config, resume: str) -> int:
             f"or allocate {cfg.train.world_size} tasks (slurm/train.sbatch passes train.world_size=$SLURM_NTASKS)"
         )
     job_id, restart = os.environ["SLURM_JOB_ID"], os.environ.get("SLURM_RESTART_COUNT", "0")
-    plan = share_plan(cfg, ("train",), resume, key=f"train-{job_id}-restart-{restart}", leader=rank == 0)
+    step_id = os.environ.get("SLURM_STEP_ID", "0")  # another srun in the allocation: its own plan (and refused)
+    key = f"train-{job_id}-step-{step_id}-restart-{restart}"
+    lock = None
+    if rank == 0:  # rank 0 holds --out for the job step (run_lock.py): a second run there is refused
+        lock = RunLock(cfg.out, "train")
+        try:
+            lock.acquire()
+        except RunLocked as e:
+            fail_plan(cfg.out, key, str(e))
+            raise PipelineError(str(e)) from None
+    try:
+        return _train(cfg, resume, env, rank, world, key, job_id, restart)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: Config, resume: str, env: dict[str, str], rank: int, world: int, key: str, job_id: str,
+           restart: str) -> int:  # fmt: skip
+    from dflash_dist.actors.trainer_group import default_extensions_dir, run_rank, train_job
+    from dflash_dist.orchestration.pipeline import EXIT_PREEMPTED
+    from dflash_dist.orchestration.run_plan import share_plan
+
+    plan = share_plan(cfg, ("train",), resume, key=key, leader=rank == 0)
     for sub in ("tb", "checkpoints", "export"):
         (cfg.out / sub).mkdir(parents=True, exist_ok=True)
     if rank == 0:
@@ -96,9 +120,12 @@ def run_slurm_trainer(cfg: Config, resume: str) -> int:
         from data_pipeline.durable_files import write_text_atomic
 
         write_text_atomic(cfg.out / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    job = train_job(cfg, plan.target_dir, cfg.out / "shards", plan.expected, plan.drafter, resume=plan.train_resume,
-                    announce=rank == 0)
+    job = train_job(cfg, plan.target_dir, cfg.out / "shards", plan.expected, plan.drafter, resume=plan.resume_from,
+                    num_samples=plan.num_samples)  # the plan's decision, made once for the job attempt
     if rank == 0:
+        if plan.resume_from is not None:
+            changes = f" (changed since: {'; '.join(plan.resume_from.changes)})" if plan.resume_from.changes else ""
+            log.info("resuming from %s%s", plan.resume_from.tag, changes)
         log.info("Slurm job %s (restart %s): %d rank(s), master %s:%s, ZeRO-%d, LR schedule over %d %ss", job_id,
                  restart, world, env["MASTER_ADDR"], env["MASTER_PORT"], cfg.train.zero_stage, job.total_steps,
                  job.schedule_unit)
@@ -106,4 +133,4 @@ def run_slurm_trainer(cfg: Config, resume: str) -> int:
     if rank == 0:
         how = f"stopped by {result.preempted} after saving" if result.preempted else "finished"
         log.info("training %s at step %d", how, result.steps)
-    return 0
+    return EXIT_PREEMPTED if result.preempted else 0  # 75: not finished, a requeue continues it

@@ -300,14 +300,14 @@ def test_shard_directory_stays_under_the_cap_while_the_trainer_consumes(saved, r
         watcher.join()
     records = read_manifest(shards)
     produced = sum(r.n_bytes for r in records)
-    waited = summary["capture"][0]["waited_s"]
+    waited = summary.capture[0].waited_s
     print(f"\ndisk cap: peak {peak[0]} bytes (cap {cap} + shard {shard_bytes}) of {produced} produced, "
           f"{samples[0]} samples, capture waited {waited:.1f}s, {time.monotonic() - t0:.0f}s")
     assert produced > 2 * cap  # the cap was far below the data: it had to bind
-    assert summary["capture"][0]["waited_s"] > 0  # the capture paused for the trainer
+    assert summary.capture[0].waited_s > 0  # the capture paused for the trainer
     assert 0 < peak[0] <= cap + shard_bytes
     assert sorted(listed_keys(shards)) == sorted(saved["keys"][:n]) and (shards / DONE_NAME).exists()
-    assert summary["train"][0]["samples_consumed"] == n
+    assert summary.train[0].samples_consumed == n and summary.samples_lost == 0
     # one epoch under a cap: every shard was released and deleted once a checkpoint covered it
     assert not list(shards.glob("*.tar"))
     buffer = json.loads((shards / BUFFER_NAME).read_text())

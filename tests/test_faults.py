@@ -10,6 +10,7 @@ Real DeepSpeed over gloo on the tiny targets of tests/test_trainer.py and tests/
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -28,6 +29,7 @@ from dflash_dist.actors.faults import DIED, ERROR, Decision, Failure, RestartPol
 from dflash_dist.config import ConfigError, load_config, load_config_dict
 from dflash_dist.orchestration.pipeline import PipelineError, supervise_training, wait_evaluator
 from dflash_dist.trainer import checkpoint
+from dflash_dist.trainer.checkpoint import ResumeError
 from dflash_dist.trainer.loop import TRAIN_LOG
 from tests import test_evaluator, test_trainer
 from tests.conftest import REPO
@@ -60,16 +62,28 @@ def test_restarts_with_backoff_until_the_budget_is_spent():
 
 def test_the_same_error_twice_from_the_same_checkpoint_stops():
     policy = RestartPolicy(max_restarts=5)
-    boom = Failure(ERROR, 0, "ValueError: bad sample", "ckpt/step_4")
+    boom = Failure(ERROR, 0, "OSError: disk full", "ckpt/step_4", ("OSError", "Exception"))
     assert decide_restart(policy, [boom]).restart  # could be transient (a full disk, say)
     stop = decide_restart(policy, [boom, boom])
     assert not stop.restart and "twice from ckpt/step_4 with the same error" in stop.message
-    assert "ValueError: bad sample" in stop.message
+    assert "OSError: disk full" in stop.message
     # progress between them (another checkpoint), another error, or a lost process in between: retried
-    assert decide_restart(policy, [boom, Failure(ERROR, 0, "ValueError: bad sample", "ckpt/step_6")]).restart
-    assert decide_restart(policy, [boom, Failure(ERROR, 1, "OSError: disk full", "ckpt/step_4")]).restart
+    assert decide_restart(policy, [boom, Failure(ERROR, 0, "OSError: disk full", "ckpt/step_6")]).restart
+    assert decide_restart(policy, [boom, Failure(ERROR, 1, "RuntimeError: gloo timeout", "ckpt/step_4")]).restart
     assert decide_restart(policy, [boom, Failure(DIED, 1, "lost", "ckpt/step_4"), boom]).restart
     assert "step 0" in decide_restart(policy, [Failure(ERROR, 0, "x", None)] * 2).message
+
+
+def test_an_error_replaying_cannot_change_stops_at_once():
+    """A refused resume, a bad sample, a non-finite loss or unreadable data fail again from the same
+    checkpoint: no restart is spent on them (subclasses by their MRO names)."""
+    policy = RestartPolicy(max_restarts=5)
+    for types in (("ValueError", "Exception"), ("ResumeError", "ValueError", "Exception"),
+                  ("DataLost", "RuntimeError", "Exception"), ("FloatingPointError", "ArithmeticError")):
+        stop = decide_restart(policy, [Failure(ERROR, 1, f"{types[0]}: x", "ckpt/step_4", types)])
+        assert not stop.restart and "would fail the same way" in stop.message and "rank 1 failed" in stop.message
+    assert decide_restart(policy, [Failure(ERROR, 0, "RuntimeError: NCCL", None, ("RuntimeError",))]).restart
+    assert decide_restart(policy, [Failure(DIED, 0, "ValueError in a dead process", None, ("ValueError",))]).restart
 
 
 def test_restart_resume_and_config_fields():
@@ -140,13 +154,20 @@ def test_killed_trainer_rank_group_restarts_from_checkpoint_each_sample_once(tin
     assert sorted(per) == list(range(EPOCHS)) and all(per[e] == keys for e in per), per
     assert checkpoint.read_latest(out / "checkpoints") == f"step_{STEPS}"
 
-    # an error the trainer code raises is reported as such (here every rank refuses a schedule of
-    # another length than the checkpoint's); with no restarts left the run stops saying why
+    # a checkpoint this run cannot continue (another LR schedule length) is refused once, by the
+    # driver's decision, before any rank starts
+    with pytest.raises(ResumeError, match=rf"spans {STEPS} steps, this run's {STEPS + 1} steps"):
+        start("auto", STEPS + 1)
+    # an error the trainer code raises is reported as such; one that replaying the same checkpoint
+    # and data raises again (here every rank refuses shards of another target) spends no restart
     resumes.clear()
-    cfg.train.max_restarts = 0
-    with pytest.raises(PipelineError, match=rf"(?s)max_restarts=0; last: rank \d failed: ResumeError: .*spans {STEPS}"):
-        supervise_training(cfg, start("auto", STEPS + 1), lambda r: start(r, STEPS + 1), "auto")
-    assert resumes == ["auto"]
+    other = dataclasses.replace(tiny["prov"], target_hash="0" * 64)
+    cfg.out.joinpath("checkpoints").rename(tmp_path / "kept")  # a fresh run: nothing to resume
+    group = start_trainer_group(cfg, tiny["target_dir"], shards, other, tiny["drafter"], num_samples=NUM,
+                                resume="never")  # fmt: skip
+    with pytest.raises(PipelineError, match=r"(?s)failed: ProvenanceMismatch: .*target_hash.*fail the same way"):
+        supervise_training(cfg, group, start, "never")
+    assert resumes == []  # max_restarts=2 left, none spent
 
 
 # ---------------------------------------------------------------------------- evaluator: killed

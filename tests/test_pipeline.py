@@ -105,7 +105,7 @@ def test_run_plan_is_computed_once_and_read_back_by_the_other_tasks(tmp_path):
     cfg.eval.enabled = False
     weights_hash = hash_weight_files(target)
     lead = share_plan(cfg, ("extract", "train"), "auto", key="job-1", leader=True)
-    assert lead.stages == ("extract", "train") and lead.resume_from is None and lead.train_resume == "never"
+    assert lead.stages == ("extract", "train") and lead.resume_from is None and lead.num_samples == 6
     assert lead.identity.target_hash == lead.expected.target_hash == weights_hash
     assert lead.drafter.target_layer_ids == (1, 2) and lead.expected.layer_ids == (1, 2)
     records = read_chat_jsonl(lead.data.train_jsonl)

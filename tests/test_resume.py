@@ -29,10 +29,13 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dflash_dist.config import Config
-from dflash_dist.orchestration.run_plan import PipelineError, plan_stages
-from dflash_dist.trainer import checkpoint
+from dflash_dist.orchestration.run_plan import PipelineError, decide_training, plan_stages
+from dflash_dist.trainer import checkpoint, resume
 from dflash_dist.trainer.checkpoint import ResumeError
+from dflash_dist.trainer.ds_config import planned_schedule
 from dflash_dist.trainer.loop import SAMPLE_LOG, TRAIN_LOG
+from dflash_dist.trainer.resume import check_resumable, decide, training_config_hash
+from dflash_dist.trainer.state import STATE_VERSION
 from tests import test_trainer
 from tests.conftest import REPO
 from tests.test_trainer import make_cfg, write_shards
@@ -55,7 +58,9 @@ def fake_tag(ckpt_dir: Path, step: int, cfg: Config, world: int = 2, complete: b
     (tag / "mp_rank_00_model_states.pt").write_bytes(b"x" * 100)
     if complete:
         data = checkpoint.data_fingerprint(cfg.out / "shards")
-        checkpoint.write_marker(tag, {"step": step, "world_size": world, "config": cfg.to_dict(), "data": data})
+        meta = {"step": step, "world_size": world, "config": cfg.to_dict(), "data": data,
+                "schedule": list(planned_schedule(cfg, NUM)), "state_version": STATE_VERSION}  # fmt: skip
+        checkpoint.write_marker(tag, meta)
     return tag
 
 
@@ -133,17 +138,37 @@ def test_config_changes_refused_by_field_harmless_ones_reported(tmp_path):
     new = Config()
     new.run.out_dir = str(tmp_path)
     new.train.log_every, new.train.max_steps, new.eval.num_prompts = 1, 99, 3
-    harmless = checkpoint.check_resumable(saved, new.to_dict(), 2, shard_dir, "ckpt")
+    harmless = check_resumable(saved, new.to_dict(), 2, shard_dir, "ckpt")
     assert harmless == ["eval.num_prompts: 16 -> 3", "train.log_every: 10 -> 1", "train.max_steps: None -> 99"]
-    assert checkpoint.training_config_hash(new.to_dict()) == checkpoint.training_config_hash(cfg.to_dict())
+    assert training_config_hash(new.to_dict()) == training_config_hash(cfg.to_dict())
     new.train.lr, new.drafter.block_size = 1e-3, 8
     with pytest.raises(ResumeError, match=r"drafter.block_size: 16 -> 8; train.lr: 0.0006 -> 0.001"):
-        checkpoint.check_resumable(saved, new.to_dict(), 2, shard_dir, "ckpt")
+        check_resumable(saved, new.to_dict(), 2, shard_dir, "ckpt")
+    # the captured layers change fc's input: never resume-safe (a late size mismatch otherwise)
+    new = Config()
+    new.run.out_dir = str(tmp_path)
+    new.capture.num_layers, new.capture.layer_ids = 3, [1, 2, 3]
+    with pytest.raises(ResumeError, match=r"capture.layer_ids: None -> \[1, 2, 3\]; capture.num_layers: 5 -> 3"):
+        check_resumable(saved, new.to_dict(), 2, shard_dir, "ckpt")
     # another world size is an elastic resume under ZeRO-1/2/3 (tests/test_elastic.py has its refusals)
-    assert checkpoint.check_resumable(saved, cfg.to_dict(), 4, shard_dir, "ckpt") == []
+    assert check_resumable(saved, cfg.to_dict(), 4, shard_dir, "ckpt") == []
     saved["data"] = {"shards": 1, "hash": "x"}
     with pytest.raises(ResumeError, match="trained on 1 shard"):
-        checkpoint.check_resumable(saved, cfg.to_dict(), 2, shard_dir, "ckpt")
+        check_resumable(saved, cfg.to_dict(), 2, shard_dir, "ckpt")
+
+
+def test_every_field_that_may_change_across_a_resume_exists_and_says_why():
+    """MAY_CHANGE names real config fields only (a renamed field must not stay resume-safe by its
+    old name), each with a reason; the rest of the config must match."""
+    from dflash_dist.trainer.resume import MAY_CHANGE, _flatten
+
+    fields = set(_flatten(Config().to_dict()))
+    assert set(MAY_CHANGE) <= fields, sorted(set(MAY_CHANGE) - fields)
+    assert all(isinstance(why, str) and len(why) > 8 for why in MAY_CHANGE.values())
+    must_match = fields - set(MAY_CHANGE)
+    for key in ("run.seed", "capture.num_layers", "capture.layer_ids", "train.lr", "train.gpus_per_rank",
+                "train.kernels", "drafter.block_size", "train.anchor_rule"):
+        assert key in must_match, key
 
 
 def test_step_log_truncation_drops_later_and_torn_lines(tmp_path):
@@ -179,9 +204,21 @@ def test_plan_stages_reuses_done_shards_and_checks_the_checkpoint(tmp_path, tiny
     assert plan_stages(cfg, ("train",), "auto") == ("train",)
     with pytest.raises(PipelineError, match="already has checkpoints"):
         plan_stages(cfg, ("train",), "never")
+    decision = decide_training(cfg, ("train",), "auto", NUM)  # the one decision, which the ranks verify
+    assert (decision.step, decision.saved_world, decision.world, decision.elastic) == (4, 2, 2, False)
+    assert decision.tag == str(cfg.out / "checkpoints" / "step_4")
+    assert resume.verify(decision)["step"] == 4
+    cfg.train.epochs += 1  # another LR schedule length: refused before anything starts
+    with pytest.raises(PipelineError, match=r"LR schedule spans 48 samples, this run's 64 samples"):
+        decide_training(cfg, ("train",), "auto", NUM)
+    cfg.train.epochs -= 1
     cfg.train.lr = 1.0
     with pytest.raises(PipelineError, match="train.lr: 0.005 -> 1.0"):
-        plan_stages(cfg, ("train",), "auto")
+        decide_training(cfg, ("train",), "auto", NUM)
+    marker = cfg.out / "checkpoints" / "step_4" / checkpoint.MARKER
+    marker.write_text(marker.read_text().replace('"step": 4', '"step": 4 '))  # changed after the decision
+    with pytest.raises(ResumeError, match="changed after the resume was decided"):
+        resume.verify(decision)
 
 
 def test_cli_never_refuses_a_directory_holding_a_run(tmp_path):
@@ -239,7 +276,7 @@ def consumed_per_epoch(out: Path) -> dict[int, Counter]:
 def uninterrupted(tiny, shards, ray_cluster, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("uninterrupted") / "run"
     results = start(resume_cfg(out, tiny), tiny, shards, "never").wait(timeout_s=300)
-    assert [r.steps for r in results] == [STEPS, STEPS] and [r.samples_dropped for r in results] == [0, 0]
+    assert [r.steps for r in results] == [STEPS, STEPS] and [r.samples_lost for r in results] == [0, 0]
     return out
 
 
@@ -331,9 +368,10 @@ def test_crash_during_save_keeps_previous_latest_and_it_loads(tiny, shards, tmp_
         return make_cfg(out, tiny["target_dir"], world_size=1, max_steps=4, checkpoint_every=2)
 
     def job(resume_from=None):
-        return TrainJob(
-            str(tiny["target_dir"]), str(shards), tiny["prov"], tiny["drafter"], total_steps=4, resume_from=resume_from
-        )
+        decision = None if resume_from is None else decide(resume_from, cfg_for(out), shards, (4, "step"),
+                                                           STATE_VERSION)  # fmt: skip
+        return TrainJob(str(tiny["target_dir"]), str(shards), tiny["prov"], tiny["drafter"], total_steps=4,
+                        resume=decision)  # fmt: skip
 
     reference = tmp_path / "reference"
     Trainer(cfg_for(reference), job()).run()

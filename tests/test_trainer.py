@@ -38,7 +38,7 @@ from tests.conftest import reset_deepspeed_groups
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())  # the shm op compiles once
 
-NUM_SAMPLES = 18  # 9 shards of 2: rank 0 gets 5 shards, rank 1 gets 4 -> 2 samples dropped per epoch
+NUM_SAMPLES = 18  # 9 shards of 2: rank 0 gets 5 shards, rank 1 gets 4 -> rank 0 trains its last 2 alone
 PER_SHARD = 2
 DEMO = DemoConfig(num_prompts=NUM_SAMPLES, prompt_len=12, new_tokens=20, k=3)
 
@@ -274,6 +274,8 @@ def test_packed_run_follows_an_lr_schedule_over_samples_and_resumes_it(tiny, tmp
     from dflash_dist.actors.trainer_group import train_job
     from dflash_dist.trainer import checkpoint
     from dflash_dist.trainer.loop import TRAIN_LOG, Trainer
+    from dflash_dist.trainer.resume import decide
+    from dflash_dist.trainer.state import STATE_VERSION
 
     shards = tmp_path / "shards"
     write_shards(shards, tiny["prov"], tiny["samples"], done=True)
@@ -282,8 +284,7 @@ def test_packed_run_follows_an_lr_schedule_over_samples_and_resumes_it(tiny, tmp
                    epochs=3, checkpoint_every=8, keep_checkpoints=10, lr=5e-3, warmup_frac=0.1)  # fmt: skip
     cfg.data.max_length = 32
     assert cfg.pack_tokens() == 64 and cfg.schedule_unit() == "sample"
-    job = train_job(cfg, tiny["target_dir"], shards, tiny["prov"], tiny["drafter"], num_samples=NUM_SAMPLES,
-                    resume="never")  # fmt: skip
+    job = train_job(cfg, tiny["target_dir"], shards, tiny["prov"], tiny["drafter"], num_samples=NUM_SAMPLES)
     assert (job.total_steps, job.schedule_unit) == (3 * NUM_SAMPLES, "sample")
 
     result = Trainer(cfg, job).run()
@@ -303,7 +304,8 @@ def test_packed_run_follows_an_lr_schedule_over_samples_and_resumes_it(tiny, tmp
     reference = (out / TRAIN_LOG).read_text()
     resume_from = out / "checkpoints" / "step_8"
     assert checkpoint.read_marker(resume_from) is not None
-    again = Trainer(cfg, dataclasses.replace(job, resume_from=str(resume_from))).run()
+    decision = decide(str(resume_from), cfg, shards, (job.total_steps, job.schedule_unit), STATE_VERSION)
+    again = Trainer(cfg, dataclasses.replace(job, resume=decision)).run()
     assert again.resumed_from == str(resume_from) and again.steps == result.steps
     assert (out / TRAIN_LOG).read_text() == reference
 
@@ -332,17 +334,19 @@ def test_zero2_group_streams_trains_checkpoints_exports(tiny, ray_cluster, tmp_p
     mark_done(shards)
     results = group.wait(timeout_s=300)
 
+    # 5 steps an epoch: the 5th trains rank 0's odd shard while rank 1 fills its slot with an empty batch
     assert [r.rank for r in results] == [0, 1]
-    assert all(r.steps == 12 and r.epochs_completed == 3 for r in results)
-    assert [r.samples_consumed for r in results] == [24, 24]
-    assert [r.samples_dropped for r in results] == [6, 0]  # rank 0's odd shard, every epoch
-    assert results[0].checkpoints == ("step_4", "step_8", "step_12")
+    assert all(r.steps == 15 and r.epochs_completed == 3 for r in results)
+    assert [r.samples_consumed for r in results] == [30, 24]  # every sample once per epoch: nothing dropped
+    assert [r.samples_lost for r in results] == [0, 0]
+    assert results[0].checkpoints == ("step_4", "step_8", "step_12", "step_15")
     ckpt = out / "checkpoints"
-    assert (ckpt / "latest").read_text().strip() == "step_12"
-    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step_12", "step_8"]  # keep_checkpoints=2
+    assert (ckpt / "latest").read_text().strip() == "step_15"
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step_12", "step_15"]  # keep_checkpoints=2
     # exports: one loadable directory per checkpoint, nothing else
-    assert results[0].exports == tuple(str(out / "export" / t) for t in ("step_4", "step_8", "step_12"))
-    assert sorted(p.name for p in (out / "export").iterdir()) == ["step_12", "step_4", "step_8"]
+    tags = ("step_4", "step_8", "step_12", "step_15")
+    assert results[0].exports == tuple(str(out / "export" / t) for t in tags)
+    assert sorted(p.name for p in (out / "export").iterdir()) == sorted(tags)
     embed, head = load_embeddings(tiny["target_dir"])
     for path in results[0].exports:
         drafter = load_drafter(path, embed, head)
@@ -357,21 +361,23 @@ def test_zero2_group_streams_trains_checkpoints_exports(tiny, ray_cluster, tmp_p
         "train/lr",
         "train/tokens_per_s",
         "data/wait_frac",
-        "data/dropped_samples",
+        "data/lost_samples",
+        "data/epoch",
     ):
         assert tag in s, f"{tag} missing from {sorted(s)}"
     loss = [v for _, v in s["train/loss"]]
-    assert [st for st, _ in s["train/loss"]] == list(range(1, 13))
+    assert [st for st, _ in s["train/loss"]] == list(range(1, 16))
     assert sum(loss[-3:]) / 3 < loss[0] - 0.3, loss
     assert all(0 <= v <= 1 for _, v in s["data/wait_frac"]) and max(v for _, v in s["data/wait_frac"]) > 0
     assert all(v > 0 for _, v in s["train/tokens_per_s"])
-    assert [v for _, v in s["data/dropped_samples"]] == [2, 2, 2]
+    assert [(st, v) for st, v in s["data/epoch"]] == [(5, 1), (10, 2), (15, 3)]
     # diagnostics: accuracy by length bucket (samples here are 32 tokens), histograms of the
     # per-sample loss (every log: 2 ranks x 2 samples) and of per-parameter gradient norms
-    assert [st for st, _ in s["train/acc_len_0_256"]] == list(range(1, 13))
+    assert [st for st, _ in s["train/acc_len_0_256"]] == list(range(1, 16))
     assert not any(t.startswith("train/acc_len_256") for t in s)
     h = histograms(out / "tb" / "train")
-    assert [(st, n) for st, n, *_ in h["train/loss_per_sample"]] == [(st, 4) for st in range(1, 13)]
+    per_log = [(st, 2 if st % 5 == 0 else 4) for st in range(1, 16)]  # 2 ranks x 2 samples; rank 0 alone at 5
+    assert [(st, n) for st, n, *_ in h["train/loss_per_sample"]] == per_log
     grads = h["train/grad_norm_per_param"]
     assert [(st, n) for st, n, *_ in grads] == [(st, trainable_count(tiny["drafter"])) for st in (4, 8, 12)]
     assert all(lo > 0 and math.isfinite(hi) for _, _, lo, hi in grads)  # every parameter got a gradient
@@ -414,18 +420,17 @@ def test_zero3_group_exports_the_gathered_drafter_and_resumes(tiny, ray_cluster,
             b = engine_drafter.draft_block(s.features.float(), int(s.input_ids[start]), start)
             assert torch.equal(a, b)
 
-    # resume: step 4 finishes epoch 0 from the saved reader positions (so the epoch ends right
-    # there with rank 0's 2 left-over samples dropped), step 5 is epoch 1; the LR continues
+    # resume: steps 4 and 5 finish epoch 0 from the saved reader positions (step 5: rank 0's odd
+    # shard, rank 1 an empty slot; the epoch is closed when the next step is asked for); the LR continues
     cfg2 = make_cfg(
         out, tiny["target_dir"], zero_stage=3, max_steps=5, epochs=2, checkpoint_every=100, histogram_every=2
     )
     results = start_trainer_group(cfg2, *args, total_steps=total).wait(timeout_s=300)
     assert results[0].resumed_from.endswith("step_3")
-    assert [(r.steps, r.epochs_completed, r.samples_consumed) for r in results] == [(5, 1, 4), (5, 1, 4)]
-    assert [r.samples_dropped for r in results] == [2, 0]
+    assert [(r.steps, r.epochs_completed, r.samples_consumed) for r in results] == [(5, 0, 4), (5, 0, 2)]
+    assert [r.samples_lost for r in results] == [0, 0]
     tb = scalars(out / "tb" / "train")
     assert [st for st, _ in tb["train/loss"]] == [1, 2, 3, 4, 5]
-    assert tb["data/dropped_samples"] == [(4, 2.0)]
     lr = dict(tb["train/lr"])
     sched = WarmupCosine(total, 1)
     assert [lr[st] for st in (1, 2, 3, 4, 5)] == pytest.approx([cfg.train.lr * sched(i) for i in range(5)])

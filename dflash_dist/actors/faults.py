@@ -14,6 +14,15 @@ from dataclasses import dataclass
 DIED = "died"  # a rank's process (or its node) was lost: Ray's actor/worker/node errors
 ERROR = "error"  # the trainer code itself raised in a rank
 KINDS = (DIED, ERROR)
+# errors that replaying the same checkpoint and data raises again (bad input, a refused resume, a
+# non-finite loss, unreadable data, a bug): the run stops at once instead of spending a restart.
+# Matched against every class name of the error's MRO, so subclasses (ResumeError, DataLost,
+# ProvenanceMismatch, ConfigError) count too. Anything else (a collective's RuntimeError, OSError,
+# a timeout) may be transient and is retried.
+DETERMINISTIC = frozenset({
+    "ValueError", "TypeError", "KeyError", "IndexError", "AttributeError", "AssertionError", "FloatingPointError",
+    "NotImplementedError", "ZeroDivisionError", "ImportError", "DataLost",
+})  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -24,6 +33,11 @@ class Failure:
     rank: int  # the rank whose failure ended the group (-1: unknown)
     message: str
     resumed_from: str | None  # the checkpoint this group started from (None: step 0)
+    error_types: tuple[str, ...] = ()  # ERROR: the class names of the error's MRO
+
+    @property
+    def deterministic(self) -> bool:
+        return self.kind == ERROR and any(t in DETERMINISTIC for t in self.error_types)
 
     def __post_init__(self) -> None:
         assert self.kind in KINDS, self.kind
@@ -49,8 +63,9 @@ class Decision:
 def decide_restart(policy: RestartPolicy, failures: Sequence[Failure]) -> Decision:
     """Restart after the latest of `failures` (oldest first), or give up saying why.
 
-    Gives up once the restarts are spent, and when the trainer code raised the same error twice
-    in a row from the same checkpoint: replaying that cannot end differently (a lost process can).
+    Gives up once the restarts are spent, at once on an error replaying cannot change
+    (DETERMINISTIC), and when the trainer code raised the same error twice in a row from the same
+    checkpoint: replaying that cannot end differently (a lost process can).
     """
     assert failures, "decide_restart needs at least one failure"
     last, n = failures[-1], len(failures)
@@ -60,6 +75,10 @@ def decide_restart(policy: RestartPolicy, failures: Sequence[Failure]) -> Decisi
         return Decision(False, 0.0, (
             f"trainer group failed {n} time(s), more than train.max_restarts={policy.max_restarts}; last: {what}. "
             "Fix the cause, then continue from the latest checkpoint with --resume auto"))
+    if last.deterministic:
+        return Decision(False, 0.0, (
+            f"{what}. Restarting from the same checkpoint and data would fail the same way: fix the cause, then "
+            "continue with --resume auto"))
     if n >= 2 and all(f.kind == ERROR for f in failures[-2:]) and failures[-2].message == last.message \
             and failures[-2].resumed_from == last.resumed_from:
         start = last.resumed_from or "step 0"

@@ -8,6 +8,7 @@ the workers and the shards.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -21,9 +22,10 @@ from dflash_dist.actors.faults import DIED, ERROR
 from dflash_dist.actors.ports import free_ports
 from dflash_dist.config import Config, load_config_dict
 from dflash_dist.model.config import DrafterConfig
-from dflash_dist.trainer.checkpoint import check_resumable, plan_resume, read_marker
-from dflash_dist.trainer.ds_config import schedule_span
+from dflash_dist.trainer.ds_config import planned_schedule
 from dflash_dist.trainer.loop import TrainJob, TrainResult
+from dflash_dist.trainer.resume import ResumeDecision, decide
+from dflash_dist.trainer.state import STATE_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -149,9 +151,9 @@ class TrainerGroupError(RuntimeError):
     """The group ended because a rank failed: `kind` is faults.DIED (its process or node was
     lost) or faults.ERROR (the trainer code raised), `rank` the rank that did."""
 
-    def __init__(self, kind: str, rank: int, message: str) -> None:
+    def __init__(self, kind: str, rank: int, message: str, error_types: tuple[str, ...] = ()) -> None:
         super().__init__(f"trainer rank {rank} {'was lost' if kind == DIED else 'failed'}: {message}")
-        self.kind, self.rank, self.message = kind, rank, message
+        self.kind, self.rank, self.message, self.error_types = kind, rank, message, error_types
 
 
 # Ray's errors for a process, worker or node that is gone (not an exception of our code)
@@ -203,7 +205,8 @@ class TrainerGroup:
         message = f"{type(cause).__name__}: {cause}".strip()
         if kind == DIED:  # Ray's text runs over many lines of context; its first names what died
             message = message.splitlines()[0]
-        return TrainerGroupError(kind, self.refs.index(ref), message)
+        types = tuple(c.__name__ for c in type(cause).__mro__) if kind == ERROR else ()
+        return TrainerGroupError(kind, self.refs.index(ref), message, types)
 
     def shutdown(self) -> None:
         for w in self.workers:
@@ -231,29 +234,15 @@ def train_job(
     *,
     num_samples: int | None = None,
     total_steps: int | None = None,
-    resume: str = "auto",
-    announce: bool = True,
+    resume: ResumeDecision | None = None,
 ) -> TrainJob:
     """The TrainJob every rank gets: the LR schedule spans `total_steps` optimizer steps, or else
-    what train.max_steps / `num_samples` (default data.max_train_samples) give in steps or, for
-    token-budget micro-batches, in samples (ds_config.schedule_span); `resume` (auto, never
-    or a checkpoint tag directory, checkpoint.plan_resume) is checked here, before any rank
-    starts (world size, training config, shards), and raises checkpoint.ResumeError."""
-    world = cfg.train.world_size
-    unit = "step"  # an explicit total_steps counts optimizer steps
+    what train.max_steps / `num_samples` per epoch (default data.max_train_samples) give
+    (ds_config.planned_schedule); `resume` is the decision made before (resume.decide)."""
     samples = num_samples if num_samples is not None else cfg.data.max_train_samples
-    if total_steps is None:
-        total_steps, unit = schedule_span(cfg, world, samples)
-    resume_from = plan_resume(resume, cfg.out / "checkpoints")
-    if resume_from is not None:
-        harmless = check_resumable(read_marker(resume_from), cfg.to_dict(), world, shard_dir, str(resume_from))
-        note = f" (changed since: {'; '.join(harmless)})" if harmless else ""
-        if announce:
-            log.info("resuming from %s%s", resume_from, note)
-    return TrainJob(
-        str(target_dir), str(shard_dir), expected, drafter_cfg, total_steps, str(resume_from) if resume_from else None,
-        schedule_unit=unit, num_samples=samples,
-    )
+    total, unit = planned_schedule(cfg, samples, total_steps)
+    return TrainJob(str(target_dir), str(shard_dir), expected, drafter_cfg, total, resume=resume, schedule_unit=unit,
+                    num_samples=samples)  # fmt: skip
 
 
 def start_trainer_group(
@@ -265,21 +254,27 @@ def start_trainer_group(
     *,
     num_samples: int | None = None,
     total_steps: int | None = None,
-    resume: str = "auto",
+    resume: str | ResumeDecision | None = "auto",
     placement: list[dict] | None = None,
 ) -> TrainerGroup:
     """Start cfg.train.world_size TrainerWorker actors forming one DeepSpeed group and run the
     trainer on each (Ray must be initialised by the caller).
 
-    The LR schedule spans `total_steps`, or else the steps train.max_steps / `num_samples`
-    (default data.max_train_samples) give (ds_config.total_train_steps). `resume` is auto, never
-    or a checkpoint tag directory (checkpoint.plan_resume); it is checked here, before any actor
-    starts (world size, training config, shards), and raises checkpoint.ResumeError.
+    The LR schedule spans `total_steps`, or else what train.max_steps / `num_samples` give
+    (train_job). `resume` is a decision made before (the run plan's), or a mode (auto, never or a
+    checkpoint tag directory) decided here, once, before any actor starts (resume.decide: world
+    size, training config, shards, schedule), raising checkpoint.ResumeError.
     `placement`: each rank's extra Ray options (placement.actor_placement).
     """
     world = cfg.train.world_size
     job = train_job(cfg, target_dir, shard_dir, expected, drafter_cfg, num_samples=num_samples,
-                    total_steps=total_steps, resume=resume)
+                    total_steps=total_steps)
+    if isinstance(resume, str):
+        resume = decide(resume, cfg, shard_dir, (job.total_steps, job.schedule_unit), STATE_VERSION)
+    job = dataclasses.replace(job, resume=resume)
+    if resume is not None:
+        note = f" (changed since: {'; '.join(resume.changes)})" if resume.changes else ""
+        log.info("resuming from %s%s", resume.tag, note)
     placement = placement or [{}] * world
     workers = [TrainerWorker.options(**trainer_actor_options(cfg), **placement[rank]).remote(rank, world)
                for rank in range(world)]
@@ -297,4 +292,4 @@ def start_trainer_group(
         raise
     log.info("%d DeepSpeed rank(s), ZeRO-%d, LR schedule over %d %ss", world, cfg.train.zero_stage, job.total_steps,
              job.schedule_unit)
-    return TrainerGroup(workers, refs, infos, job.resume_from)
+    return TrainerGroup(workers, refs, infos, job.resume.tag if job.resume is not None else None)

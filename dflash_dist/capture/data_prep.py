@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 from dflash_dist.config import Config, ConfigError
 
@@ -30,10 +31,17 @@ def ingested_paths(cfg: Config, split: str) -> tuple[Path, Path]:
 
 
 def prepare_data(cfg: Config, tokenizer=None) -> tuple[Path, Path | None]:
-    """(normalized train JSONL, normalized eval JSONL or None). Both splits are read and checked
-    before either is written. `tokenizer`: the target's (loaded from the target when None)."""
+    """(normalized train JSONL, normalized eval JSONL or None): `ingest_data`, then `write_data`."""
+    return write_data(cfg, ingest_data(cfg, tokenizer))
+
+
+def ingest_data(cfg: Config, tokenizer=None) -> dict[str, tuple[list, Any]]:
+    """Both splits read and checked, nothing written yet: split -> (records, IngestReport), so a
+    caller can refuse the run (another dataset than the shards', a checkpoint it cannot resume)
+    before the ingested files of an earlier run are replaced. `tokenizer`: the target's (loaded
+    from the target when None)."""
     from data_pipeline.chat_data import ChatEncoder
-    from data_pipeline.ingest import DataError, IngestPolicy, ingest, write_ingested
+    from data_pipeline.ingest import DataError, IngestPolicy, ingest
 
     train, heldout = data_sources(cfg)
     if cfg.target.kind == "tiny_stdlib":
@@ -64,6 +72,13 @@ def prepare_data(cfg: Config, tokenizer=None) -> tuple[Path, Path | None]:
             splits["eval"] = ingest(heldout, eval_policy)
     except DataError as e:
         raise ConfigError(f"data: {e}") from None
+    return splits
+
+
+def write_data(cfg: Config, splits: dict[str, tuple[list, Any]]) -> tuple[Path, Path | None]:
+    """Write what `ingest_data` read under <out>/data/ (each file atomically)."""
+    from data_pipeline.ingest import write_ingested
+
     outputs: dict[str, Path] = {}
     for split, (records, report) in splits.items():
         jsonl_path, report_path = ingested_paths(cfg, split)

@@ -6,15 +6,16 @@ tensors travel only inside shards."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,33 @@ from data_pipeline.durable_files import write_text_atomic
 from dflash_dist.actors.heartbeat import Heartbeat, clear_heartbeats
 from dflash_dist.config import Config
 from dflash_dist.orchestration import placement
+from dflash_dist.orchestration.run_lock import RunLock, RunLocked
 from dflash_dist.orchestration.run_plan import PLAN_NAME, PipelineError, RunPlan, make_plan, write_plan
 
 log = logging.getLogger(__name__)
 
 EVALUATOR_RESTART_TIMEOUT_S = 600.0  # a restarting evaluator unavailable for longer: the run fails
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: the trainers saved after a preemption notice; continue with --resume auto
+
+
+class Preempted(PipelineError):
+    """The trainers stopped at a notice (SIGTERM/SIGUSR1) after saving: the run is not done."""
+
+    exit_code = EXIT_PREEMPTED
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    """What a run did (run_pipeline's result)."""
+
+    out: str
+    stages: tuple[str, ...]
+    capture: tuple[Any, ...]  # CaptureResult per target actor (its last attempt)
+    train: tuple[Any, ...]  # TrainResult per rank
+    eval: tuple[Any, ...]  # the evaluator's results, one per evaluated checkpoint
+    samples_lost: int  # samples no trainer could read plus samples the capture refused (non-finite)
+    preempted: str | None  # the notice that stopped the trainers, None when the run finished
+    seconds: float
 
 
 @contextmanager
@@ -67,9 +90,23 @@ def _save_config(cfg: Config) -> None:
     write_text_atomic(cfg.out / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
-def run_pipeline(cfg: Config, stages: tuple[str, ...], resume: str = "never") -> dict:
-    """Run the given stages ("extract", "train", "eval") under cfg.out; returns a summary dict.
-    `resume`: see run_plan.decide_stages. Everything the roles share comes from one RunPlan."""
+def run_pipeline(cfg: Config, stages: tuple[str, ...], resume: str = "never") -> PipelineResult:
+    """Run the given stages ("extract", "train", "eval") under cfg.out, holding the directory's
+    run lock throughout (run_lock.py: one run per --out). `resume`: see run_plan.plan_stages.
+    Everything the roles share comes from one RunPlan. Raises Preempted when the trainers stopped
+    at a notice, PipelineError when more samples were lost than data.max_lost_fraction allows."""
+    try:
+        lock = RunLock(cfg.out, "+".join(stages))
+        lock.acquire()
+    except RunLocked as e:
+        raise PipelineError(str(e)) from None
+    try:
+        return _run(cfg, stages, resume)
+    finally:
+        lock.release()
+
+
+def _run(cfg: Config, stages: tuple[str, ...], resume: str) -> PipelineResult:
     from transformers import AutoTokenizer
 
     from dflash_dist.capture.data_prep import eval_prompt_ids
@@ -82,7 +119,7 @@ def run_pipeline(cfg: Config, stages: tuple[str, ...], resume: str = "never") ->
     _save_config(cfg)
     write_plan(cfg.out / PLAN_NAME, plan)
     clear_heartbeats(cfg.out)
-    summary: dict = {"out": str(cfg.out)}
+    capture, results, evals = (), (), ()
     with (
         Heartbeat(cfg.out, "driver", info=lambda: {"stages": list(stages)}),
         ray_session(cfg) as ray,
@@ -95,10 +132,10 @@ def run_pipeline(cfg: Config, stages: tuple[str, ...], resume: str = "never") ->
         if "extract" in stages:
             capture_refs = _start_capture(cfg, plan, paths, where)
         if "train" in stages:
-            group = _start_trainers(cfg, plan, paths, plan.train_resume, where)
+            group = _start_trainers(cfg, plan, paths, plan.resume_from, where)
             # supervised in a thread of its own: a lost rank is replaced while capture still runs
             restart = functools.partial(_start_trainers, cfg, plan, paths, where=where)
-            training = _InThread(supervise_training, cfg, group, restart, plan.train_resume)
+            training = _InThread(supervise_training, cfg, group, restart, plan.resume)
         evaluator = None
         if "eval" in stages and cfg.eval.enabled:
             tokenizer = AutoTokenizer.from_pretrained(plan.target_dir)
@@ -106,20 +143,32 @@ def run_pipeline(cfg: Config, stages: tuple[str, ...], resume: str = "never") ->
                                       cfg.data.enable_thinking)
             evaluator = _start_evaluator(cfg, plan, prompts, paths["shards"], where("evaluator", 0))
         if capture_refs:
-            summary["capture"] = _finish_capture(ray, capture_refs, paths["shards"])
+            capture = tuple(_finish_capture(ray, capture_refs, paths["shards"], cfg.data.max_lost_fraction))
         final_step = None
         if group is not None:
-            results = training.result()
-            summary["train"] = [dataclasses.asdict(r) for r in results]
+            results = tuple(training.result())
             final_step = max(r.steps for r in results)
-            log.info("training finished at step %d", final_step)
+            log.info("training %s at step %d", f"stopped by {results[0].preempted}" if results[0].preempted
+                     else "finished", final_step)  # fmt: skip
         if evaluator is not None:
             if final_step is None:  # eval alone: everything exported so far (None: nothing to wait for)
                 final_step = max(_export_steps(paths["export"]), default=None)
-            summary["eval"] = wait_evaluator(ray, evaluator, final_step, cfg.eval.max_restarts)
-    summary["seconds"] = time.time() - t0
-    _print_summary(cfg, paths, summary)
-    return summary
+            evals = tuple(wait_evaluator(ray, evaluator, final_step, cfg.eval.max_restarts))
+    lost = _capture_lost(paths["shards"]) + (results[0].samples_lost if results else 0)
+    result = PipelineResult(str(cfg.out), tuple(stages), capture, results, evals, lost,
+                            results[0].preempted if results else None, time.time() - t0)  # fmt: skip
+    _print_summary(cfg, paths, result)
+    if result.preempted is not None:
+        saved = results[0].checkpoints[-1] if results[0].checkpoints else "no new checkpoint"
+        raise Preempted(f"the trainers stopped at {result.preempted} after saving {saved} (step {final_step}): the "
+                        "run is not finished; continue it with --resume auto")  # fmt: skip
+    return result
+
+
+def _capture_lost(shard_dir: Path) -> int:
+    from data_pipeline.ledger import read_skipped
+
+    return len(read_skipped(shard_dir)) if shard_dir.is_dir() else 0
 
 
 def supervise_training(cfg: Config, group, start_group: Callable[[str], Any], resume: str) -> list:
@@ -138,7 +187,7 @@ def supervise_training(cfg: Config, group, start_group: Callable[[str], Any], re
         try:
             return group.wait()
         except TrainerGroupError as e:
-            failures.append(Failure(e.kind, e.rank, e.message, group.resumed_from))
+            failures.append(Failure(e.kind, e.rank, e.message, group.resumed_from, e.error_types))
             decision = decide_restart(policy, failures)
             if not decision.restart:
                 raise PipelineError(decision.message) from e
@@ -230,7 +279,7 @@ def _start_capture(cfg: Config, plan: RunPlan, paths: dict[str, Path], where) ->
     return refs
 
 
-def _finish_capture(ray, refs, shard_dir: Path) -> list[dict]:
+def _finish_capture(ray, refs, shard_dir: Path, max_lost_fraction: float = 0.0) -> list:
     """Wait for every actor, check the ledger (no key twice), mark the directory DONE. Totals
     come from the manifest: a restarted actor's result covers only its last attempt."""
     from data_pipeline.ledger import duplicate_keys, read_skipped
@@ -247,19 +296,27 @@ def _finish_capture(ray, refs, shard_dir: Path) -> list[dict]:
                             "re-extract into another --out")
     mark_done(shard_dir)
     records, skipped = read_manifest(shard_dir), read_skipped(shard_dir)
+    captured = sum(r.n_samples for r in records)
     log.info("capture: %d samples, %d tokens in %d shards, %d skipped as non-finite (kernel path %s)",
-             sum(r.n_samples for r in records), sum(r.n_tokens for r in records), len(records), len(skipped),
-             results[0].kernel_path)
-    return [dataclasses.asdict(r) for r in results]
+             captured, sum(r.n_tokens for r in records), len(records), len(skipped), results[0].kernel_path)
+    allowed = math.floor(max_lost_fraction * (captured + len(skipped)))
+    if len(skipped) > allowed:
+        keys = ", ".join(str(r.get("key")) for r in skipped[:5])
+        raise PipelineError(f"capture: {len(skipped)} sample(s) had non-finite features and were not written "
+                            f"(first: {keys}; see {shard_dir}/skipped.jsonl), more than data.max_lost_fraction="
+                            f"{max_lost_fraction} allows: check the target's dtype and kernels, or raise "
+                            "data.max_lost_fraction")  # fmt: skip
+    return list(results)
 
 
-def _start_trainers(cfg: Config, plan: RunPlan, paths: dict[str, Path], resume: str, where):
+def _start_trainers(cfg: Config, plan: RunPlan, paths: dict[str, Path], resume, where):
+    """The trainer group, from the plan's resume decision, or (a restart) from a mode decided there."""
     from dflash_dist.actors.trainer_group import start_trainer_group
     from dflash_dist.trainer.checkpoint import ResumeError
 
     try:
         return start_trainer_group(cfg, target_dir=plan.target_dir, shard_dir=paths["shards"], expected=plan.expected,
-                                   drafter_cfg=plan.drafter, resume=resume,
+                                   drafter_cfg=plan.drafter, resume=resume, num_samples=plan.num_samples,
                                    placement=[where("trainer", r) for r in range(cfg.train.world_size)])
     except ResumeError as e:
         raise PipelineError(str(e)) from None
@@ -279,7 +336,7 @@ def _export_steps(export_dir: Path) -> list[int]:
     return sorted(int(p.name.split("_")[1]) for p in export_dir.glob("step_*") if p.name.split("_")[1].isdigit())
 
 
-def _print_summary(cfg: Config, paths: dict[str, Path], summary: dict) -> None:
+def _print_summary(cfg: Config, paths: dict[str, Path], result: PipelineResult) -> None:
     rows = []
     for f in sorted(paths["eval"].glob("step_*.json"), key=lambda p: int(p.stem.split("_")[1])):
         r = json.loads(f.read_text())
@@ -288,5 +345,10 @@ def _print_summary(cfg: Config, paths: dict[str, Path], summary: dict) -> None:
     if rows:
         print("[eval] greedy-replay tau per checkpoint (held-out prompts):")
         print("\n".join(rows))
-    print(f"done in {summary['seconds']:.0f}s; outputs under {cfg.out}")
+    if result.train:
+        t = result.train[0]
+        print(f"[train] {t.steps} steps, {t.epochs_completed} epoch(s) completed, {result.samples_lost} sample(s) "
+              f"lost (data.max_lost_fraction={cfg.data.max_lost_fraction})")  # fmt: skip
+    state = f"stopped by {result.preempted} (not finished: --resume auto continues)" if result.preempted else "done"
+    print(f"{state} in {result.seconds:.0f}s; outputs under {cfg.out}")
     print(f"TensorBoard: tensorboard --logdir {paths['tb']} --host 127.0.0.1")

@@ -1,10 +1,13 @@
 """The run plan: what every role of one run must agree on, computed once before anything starts.
 
-`make_plan` checks what an earlier run left under the output directory (`plan_stages`), makes the
-resume decision, resolves the target, hashes its weights (the only place a run does: 1-2 min at
-27B), derives the provenance trainers demand and the drafter shape, and ingests the data (with the
-content hash the capture ledger records). The result is a frozen `RunPlan`: the Ray pipeline uses
-it directly; under Slurm one task computes it and writes it atomically as JSON
+`make_plan` checks what an earlier run left under the output directory (`plan_stages`), resolves
+the target, ingests the data (with the content hash the capture ledger records), plans the LR
+schedule over the samples the run will train, makes the resume decision (trainer/resume.py: the
+one place it is made; ranks only verify it), and only then writes the ingested data, so a refused
+run leaves an earlier run's files as they were. It hashes the target's weights (the only place a
+run does: 1-2 min at 27B) and derives the provenance trainers demand and the drafter shape. The
+result is a frozen `RunPlan`: the Ray pipeline uses it directly; under Slurm one task computes it
+and writes it atomically as JSON
 (`<out>/plans/<key>.json`, `share_plan`), and the other tasks of the job read it instead of
 repeating the work (a rank or capture slice never re-hashes the target).
 """
@@ -25,10 +28,11 @@ from data_pipeline.provenance import Provenance
 from dflash_dist.config import Config
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.target.loading import TargetIdentity
+from dflash_dist.trainer.resume import ResumeDecision
 
 log = logging.getLogger(__name__)
 
-PLAN_SCHEMA = 1
+PLAN_SCHEMA = 2
 PLANS_DIR = "plans"
 PLAN_NAME = "run_plan.json"  # the plan of the latest Ray run, for the record (<out>/run_plan.json)
 PLAN_WAIT_S = 1800.0  # a task waiting for another's plan gives up after this (that task failed)
@@ -51,18 +55,14 @@ class DataPlan:
 class RunPlan:
     stages: tuple[str, ...]  # what runs, after what an earlier run left (a complete capture is not redone)
     resume: str  # as asked: auto, never or a checkpoint tag directory
-    resume_from: str | None  # the decision: the checkpoint tag training continues from, None: fresh
+    resume_from: ResumeDecision | None  # the decision: the checkpoint training continues from, None: step 0
     target_dir: str
     identity: TargetIdentity  # with the weight hash
     expected: Provenance  # what trainers and the evaluator demand of every shard
     drafter: DrafterConfig
     data: DataPlan | None  # None when no stage reads the conversations (training alone)
+    num_samples: int | None  # samples per epoch the run trains (its LR schedule's and lost fraction's base)
     made_by: str  # who computed it (for a person reading the file)
-
-    @property
-    def train_resume(self) -> str:
-        """The decision as trainer_group.train_job's `resume`: the tag, or never (nothing to resume)."""
-        return self.resume_from or "never"
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -76,7 +76,9 @@ class RunPlan:
             if d.pop("schema") != PLAN_SCHEMA:
                 raise ValueError(f"schema is not {PLAN_SCHEMA}")
             data = d.pop("data")
+            decision = d.pop("resume_from")
             return cls(
+                resume_from=None if decision is None else ResumeDecision.from_dict(decision),
                 stages=tuple(d.pop("stages")),
                 identity=TargetIdentity(**_tuples(d.pop("identity"))),
                 expected=Provenance.from_dict(d.pop("expected"), where),
@@ -95,23 +97,20 @@ def _tuples(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def plan_stages(cfg: Config, stages: tuple[str, ...], resume: str) -> tuple[str, ...]:
-    """The stages to run (decide_stages without the resume decision)."""
-    return decide_stages(cfg, stages, resume)[0]
-
-
-def decide_stages(cfg: Config, stages: tuple[str, ...], resume: str) -> tuple[tuple[str, ...], str | None]:
-    """(the stages to run, the checkpoint training resumes from) given what an earlier run left
-    under cfg.out, checked before anything is written or started. `resume` (auto, never or a
-    checkpoint tag directory) applies to training; unless it is never, complete (DONE) shards are
-    reused instead of re-extracted and an unfinished capture is resumed: its complete shards are
-    kept and only the samples missing from them are captured (data_pipeline/ledger.py)."""
+    """The stages to run given what an earlier run left under cfg.out, checked before anything is
+    written or started. `resume` (auto, never or a checkpoint tag directory) applies to training
+    (checkpoint.plan_resume refuses never over a directory holding a run); unless it is never,
+    complete (DONE) shards are reused instead of re-extracted and an unfinished capture is resumed:
+    its complete shards are kept and only the samples missing from them are captured
+    (data_pipeline/ledger.py)."""
     from data_pipeline.ledger import captured_keys
     from data_pipeline.records import DONE_NAME, MANIFEST_NAME
-    from dflash_dist.trainer.checkpoint import ResumeError, check_resumable, plan_resume, read_marker
+    from dflash_dist.trainer.checkpoint import ResumeError, plan_resume
 
     shards = cfg.out / "shards"
     try:
-        resume_from = plan_resume(resume, cfg.out / "checkpoints") if "train" in stages else None
+        if "train" in stages:
+            plan_resume(resume, cfg.out / "checkpoints")
     except ResumeError as e:
         raise PipelineError(str(e)) from None
     if "extract" in stages and (shards / MANIFEST_NAME).exists():
@@ -133,18 +132,46 @@ def decide_stages(cfg: Config, stages: tuple[str, ...], resume: str) -> tuple[tu
         )
     if "train" in stages and "extract" not in stages and not (shards / MANIFEST_NAME).exists():
         raise PipelineError(f"no shards under {shards}: run `dflash-dist extract` with the same --out first")
-    if resume_from is not None:
-        try:
-            check_resumable(read_marker(resume_from), cfg.to_dict(), cfg.train.world_size, shards, str(resume_from))
-        except ResumeError as e:
-            raise PipelineError(str(e)) from None
-    return stages, (str(resume_from) if resume_from is not None else None)
+    return stages
+
+
+def decide_training(cfg: Config, stages: tuple[str, ...], resume: str,
+                    num_samples: int | None) -> ResumeDecision | None:  # fmt: skip
+    """The resume decision of the run's trainer group (trainer/resume.py), made here once, or
+    None (no training, or from step 0); a checkpoint the run cannot continue is a PipelineError."""
+    from dflash_dist.trainer.checkpoint import ResumeError
+    from dflash_dist.trainer.ds_config import planned_schedule
+    from dflash_dist.trainer.resume import decide
+    from dflash_dist.trainer.state import STATE_VERSION
+
+    if "train" not in stages:
+        return None
+    try:
+        schedule = planned_schedule(cfg, num_samples)
+        return decide(resume, cfg, cfg.out / "shards", schedule, STATE_VERSION)
+    except (ResumeError, ValueError) as e:
+        raise PipelineError(str(e)) from None
+
+
+def planned_samples(cfg: Config, data: DataPlan | None) -> int | None:
+    """Samples per epoch: the ingested conversations when this run reads them, else those of a
+    complete capture's manifest, else data.max_train_samples."""
+    from data_pipeline.records import DONE_NAME
+    from data_pipeline.shard_reader import read_manifest
+
+    if data is not None:
+        return data.capture.records
+    shards = cfg.out / "shards"
+    if (shards / DONE_NAME).exists():
+        return sum(r.n_samples for r in read_manifest(shards))
+    return cfg.data.max_train_samples
 
 
 def make_plan(cfg: Config, stages: tuple[str, ...], resume: str, made_by: str = "") -> RunPlan:
     """Everything the run's roles share, computed here once (see the module docstring)."""
     from transformers import AutoTokenizer
 
+    from dflash_dist.capture.data_prep import write_data
     from dflash_dist.target.loading import (
         drafter_config_for,
         expected_provenance,
@@ -153,30 +180,34 @@ def make_plan(cfg: Config, stages: tuple[str, ...], resume: str, made_by: str = 
         tokenizer_mask_id,
     )
 
-    stages, resume_from = decide_stages(cfg, stages, resume)
+    stages = plan_stages(cfg, stages, resume)
     target_dir = resolve_target_dir(cfg)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    data = _plan_data(cfg, tokenizer) if ("extract" in stages or "eval" in stages) else None
+    splits, data = _plan_data(cfg, tokenizer) if ("extract" in stages or "eval" in stages) else (None, None)
+    num_samples = planned_samples(cfg, data)
+    resume_from = decide_training(cfg, stages, resume, num_samples)
+    if splits is not None:  # every check passed: now the ingested files may be replaced
+        write_data(cfg, splits)
     t0 = time.monotonic()
     ident = target_identity(cfg, target_dir)
     log.info("target %s: weights hashed once for the run in %.1fs (%s...)", ident.target_id, time.monotonic() - t0,
              ident.target_hash[:12])
     expected = expected_provenance(cfg, target_dir, ident, tokenizer)
     drafter = drafter_config_for(cfg, target_dir, tokenizer_mask_id(tokenizer))
-    return RunPlan(tuple(stages), resume, resume_from, str(target_dir), ident, expected, drafter, data,
+    return RunPlan(tuple(stages), resume, resume_from, str(target_dir), ident, expected, drafter, data, num_samples,
                    made_by or f"pid {os.getpid()} on {os.uname().nodename}")
 
 
-def _plan_data(cfg: Config, tokenizer) -> DataPlan:
-    """Ingest the data (capture/data_prep.py) and, when shards from an earlier capture are there,
-    refuse to go on over other conversations than theirs (the ledger's capture_data.json)."""
-    from data_pipeline.chat_data import read_chat_jsonl
+def _plan_data(cfg: Config, tokenizer) -> tuple[dict, DataPlan]:
+    """Ingest the data (capture/data_prep.py, nothing written yet) and, when shards from an
+    earlier capture are there, refuse to go on over other conversations than theirs (the
+    ledger's capture_data.json). Returns the ingested splits (for write_data) and the plan."""
     from data_pipeline.ingest import content_hash, sample_keys
     from data_pipeline.ledger import DATA_NAME, DataChanged, check_capture_data
-    from dflash_dist.capture.data_prep import data_sources, prepare_data
+    from dflash_dist.capture.data_prep import data_sources, ingest_data, ingested_paths
 
-    train_jsonl, eval_jsonl = prepare_data(cfg, tokenizer)
-    records = read_chat_jsonl(train_jsonl)
+    splits = ingest_data(cfg, tokenizer)
+    records = splits["train"][0]
     if cfg.data.max_train_samples is not None:
         records = records[: cfg.data.max_train_samples]
     source, _ = data_sources(cfg)
@@ -188,7 +219,9 @@ def _plan_data(cfg: Config, tokenizer) -> DataPlan:
             check_capture_data(shards, capture)
         except DataChanged as e:
             raise PipelineError(str(e)) from None
-    return DataPlan(str(train_jsonl), str(eval_jsonl) if eval_jsonl else None, capture)
+    train_jsonl = ingested_paths(cfg, "train")[0]
+    eval_jsonl = ingested_paths(cfg, "eval")[0] if "eval" in splits else None
+    return splits, DataPlan(str(train_jsonl), str(eval_jsonl) if eval_jsonl else None, capture)
 
 
 def plan_path(out: Path, key: str) -> Path:
@@ -204,14 +237,23 @@ def read_plan(path: Path) -> RunPlan:
     return RunPlan.from_json(path.read_text(), str(path))
 
 
+def fail_plan(out: Path, key: str, message: str) -> None:
+    """The leader of job `key` could not make the plan: the waiting tasks stop with `message`
+    instead of waiting PLAN_WAIT_S for a plan that will not come."""
+    path = plan_path(out, key).with_suffix(".failed")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, message + "\n")
+
+
 def share_plan(cfg: Config, stages: tuple[str, ...], resume: str, key: str, leader: bool | None = None,
                wait_s: float = PLAN_WAIT_S) -> RunPlan:
-    """The plan of the job `key` (e.g. a Slurm job id and restart count): the leader computes and
-    writes it; every other task waits for that file and reads it. `leader=None`: whoever first
-    creates `<key>.lock` leads (the tasks of a job array, which have no rank); a leader that fails
-    removes its lock, so a waiting task takes over."""
+    """The plan of the job `key` (a Slurm job id, step id and restart count: another srun in the
+    same allocation gets its own plan): the leader computes and writes it; every other task waits
+    for that file and reads it, or stops with the leader's error (`fail_plan`). `leader=None`:
+    whoever first creates `<key>.lock` leads (the tasks of a job array, which have no rank); a
+    leader that fails removes its lock, so a waiting task takes over."""
     path = plan_path(cfg.out, key)
-    lock = path.with_suffix(".lock")
+    lock, failed = path.with_suffix(".lock"), path.with_suffix(".failed")
     deadline = time.monotonic() + wait_s
     waited = False
     while not path.exists():
@@ -229,9 +271,15 @@ def share_plan(cfg: Config, stages: tuple[str, ...], resume: str, key: str, lead
                 finally:
                     lock.unlink(missing_ok=True)
         elif leader:
-            plan = make_plan(cfg, stages, resume, made_by=key)
+            try:
+                plan = make_plan(cfg, stages, resume, made_by=key)
+            except Exception as e:
+                fail_plan(cfg.out, key, f"{type(e).__name__}: {e}")
+                raise
             write_plan(path, plan)
             return plan
+        elif failed.exists():
+            raise PipelineError(f"the task computing the run plan {path} failed: {failed.read_text().strip()}")
         if time.monotonic() > deadline:
             raise PipelineError(f"{path} did not appear within {wait_s:.0f}s: the task computing the run plan failed "
                                 "(see its log); resubmit the job")

@@ -182,6 +182,29 @@ def make_micro_batch(
     )
 
 
+def empty_batch(width: int, dtype: torch.dtype, block_size: int, num_anchors: int,
+                pack_tokens: int | None) -> MicroBatch:  # fmt: skip
+    """A zero-weight micro-batch for a slot a rank has no data for (step_source.py): one anchor on
+    zeros, in the shapes real batches take (a packed row of `pack_tokens`, else one block), so the
+    rank makes the same forward, backward and collectives as its peers; the trainer multiplies
+    its loss by 0."""
+    length = pack_tokens or block_size + 1
+    n = num_anchors if pack_tokens else 1
+    keep = torch.zeros(1, n, dtype=torch.bool)
+    keep[0, 0] = True
+    bounds = (torch.zeros(1, n, dtype=torch.long), torch.full((1, n), length, dtype=torch.long))
+    return MicroBatch(
+        keys=(),
+        input_ids=torch.zeros(1, length, dtype=torch.int64),
+        features=torch.zeros(1, length, width, dtype=dtype),
+        loss_mask=torch.ones(1, length, dtype=torch.float32),
+        target_argmax=torch.zeros(1, length, dtype=torch.int64),
+        anchors=Anchors(torch.zeros(1, n, dtype=torch.long), keep, *(bounds if pack_tokens else (None, None))),
+        num_tokens=0,
+        reader_state={},
+    )
+
+
 @dataclass(frozen=True)
 class BatchLimit:
     """Where a micro-batch ends: after `size` samples, or with a token budget, before the sample

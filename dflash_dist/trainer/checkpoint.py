@@ -1,24 +1,17 @@
 """Checkpoint bookkeeping around DeepSpeed's own save/load: which tags are complete, `latest`
-published only after every rank's files exist, pruning, the resume decision, what may change
-across a resume, RNG state, and the run's step logs (truncated to the resumed step).
+published only after every rank's files exist, pruning, the choice of tag to resume from
+(`plan_resume`; the checks around it are resume.py's), the data fingerprint, RNG state, and the
+run's step logs (truncated to the resumed step).
 
 Why not DeepSpeed's `latest`: in 0.19.8, save_checkpoint(save_latest=True) has rank 0 open and
 write `latest` (in place, not atomic) right after its *own* files and before the closing
 barrier, so `latest` can name a tag another rank is still writing, or died writing. The
 trainer saves with save_latest=False and then calls `commit`: every rank has fsynced the tag
 directory and passed a barrier; rank 0 writes the completion marker `dflash_checkpoint.json`
-(with the step, world size, config and data fingerprint, every file and its size), then
-replaces `latest` (temp file + rename), and only then prunes old tags. A crash anywhere before
-the rename leaves the previous tag as `latest`, and a tag without a valid marker is never
-resumed from.
-
-What may change across a resume (`RESUME_SAFE`): fields that do not change the training
-trajectory (logging, checkpoint cadence, resources, how far to train) and fields that act only
-through the shards (target, data, capture), which are checked through the shards instead:
-their provenance against the target (the reader refuses others) and the data fingerprint (the
-manifest the checkpoint saw must be a prefix of today's). Every other field (run.seed,
-drafter.*, the optimizer, batch and loss settings) is training-relevant: a change is refused
-naming the field. A new config field is training-relevant unless added here.
+(with the step, world size, config, LR schedule, state version and data fingerprint, every file
+and its size), then replaces `latest` (temp file + rename), and only then prunes old tags. A
+crash anywhere before the rename leaves the previous tag as `latest`, and a tag without a valid
+marker is never resumed from.
 """
 
 from __future__ import annotations
@@ -45,26 +38,6 @@ MARKER_VERSION = 1
 TAG_RE = re.compile(r"step_(\d+)")
 RESUME_MODES = ("auto", "never")  # or a checkpoint tag directory
 ELASTIC_STAGES = (1, 2, 3)  # ZeRO stages resumable at another world size (universal.py)
-
-RESUME_SAFE = (
-    "run.name",
-    "run.out_dir",
-    "target.",
-    "data.",
-    "capture.",
-    "eval.",
-    "ray.",
-    "train.epochs",
-    "train.max_steps",  # the LR schedule's length is checked on its own (Trainer._resume)
-    "train.checkpoint_every",
-    "train.keep_checkpoints",
-    "train.log_every",
-    "train.log_sample_keys",
-    "train.histogram_every",
-    "train.cpus_per_rank",
-    "train.max_restarts",  # how often a lost group is replaced (faults.py), not what it trains
-)
-
 
 class ResumeError(ValueError):
     """A run cannot start or resume as asked; the message says why and what to do."""
@@ -228,40 +201,9 @@ def plan_resume(mode: str, ckpt_dir: Path) -> Path | None:
     return path
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            flat.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            flat[f"{prefix}{k}"] = v
-    return flat
-
-
-def _safe(key: str) -> bool:
-    return any(key == s or (s.endswith(".") and key.startswith(s)) for s in RESUME_SAFE)
-
-
 def config_hash(cfg_dict: dict) -> str:
     """Hash of the whole config (the marker's config_hash)."""
     return hashlib.sha256(json.dumps(cfg_dict, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def training_config_hash(cfg_dict: dict) -> str:
-    """Hash of the training-relevant fields (everything outside RESUME_SAFE)."""
-    relevant = {k: v for k, v in _flatten(cfg_dict).items() if not _safe(k)}
-    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
-    """(training-relevant changes, harmless changes), each as 'path: old -> new'."""
-    old, new = _flatten(saved), _flatten(current)
-    strict, harmless = [], []
-    for key in sorted(set(old) | set(new)):
-        if old.get(key, "<unset>") != new.get(key, "<unset>"):
-            line = f"{key}: {old.get(key, '<unset>')!r} -> {new.get(key, '<unset>')!r}"
-            (harmless if _safe(key) else strict).append(line)
-    return strict, harmless
 
 
 def data_fingerprint(shard_dir: str | Path) -> dict[str, Any]:
@@ -277,40 +219,10 @@ def _records_hash(records) -> str:
     return h.hexdigest()[:16]
 
 
-def check_resumable(
-    saved: dict[str, Any], cfg_dict: dict, world_size: int, shard_dir: str | Path, where: str
-) -> list[str]:
-    """Refuse resuming a checkpoint (its marker or client state: config, world_size, data) under
-    a changed training config or other shards, or at another world size unless its ZeRO stage
-    is in ELASTIC_STAGES (an elastic resume through a universal checkpoint: universal.py);
-    returns the harmless changes (a world-size change among them) for the caller to print."""
-    strict, harmless = config_changes(saved["config"], cfg_dict)
-    saved_world = saved.get("world_size")
-    if saved_world != world_size:
-        stage = saved["config"]["train"]["zero_stage"]
-        if stage not in ELASTIC_STAGES:
-            stages = ", ".join(str(s) for s in ELASTIC_STAGES)
-            raise ResumeError(
-                f"{where} was saved by {saved_world} ranks, this group has {world_size}: resuming at another world "
-                f"size works for ZeRO stages {stages} (through DeepSpeed's universal checkpoint), this run uses "
-                f"ZeRO-{stage}: resume with train.world_size={saved_world} or use another --out"
-            )
-        moved = [line for line in strict if line.startswith("train.world_size:")]
-        strict = [line for line in strict if line not in moved]
-        harmless = sorted(harmless + moved)
-    if strict:
-        raise ResumeError(
-            f"{where}: training-relevant config changed since that checkpoint: {'; '.join(strict)}. Resume with "
-            "the checkpoint's values (see its dflash_checkpoint.json) or start a fresh run in another --out"
-        )
-    data = saved["data"]
+def data_fingerprint_matches(saved: dict[str, Any], shard_dir: str | Path) -> bool:
+    """Whether the manifest under `shard_dir` starts with the shards a checkpoint trained on."""
     records = read_manifest(shard_dir)
-    if len(records) < data["shards"] or _records_hash(records[: data["shards"]]) != data["hash"]:
-        raise ResumeError(
-            f"{where} trained on {data['shards']} shard(s) that {shard_dir}/manifest.jsonl does not start with "
-            f"(it lists {len(records)}): resume on the same shards or start a fresh run"
-        )
-    return harmless
+    return len(records) >= saved["shards"] and _records_hash(records[: saved["shards"]]) == saved["hash"]
 
 
 # ---------------------------------------------------------------------------- RNG

@@ -126,17 +126,26 @@ def build_lr_schedule(
 
 
 def schedule_span(cfg: Config, world_size: int, num_samples: int | None) -> tuple[int, str]:
-    """The LR schedule's (length, unit): optimizer steps (total_train_steps), or with
-    token-budget micro-batches and no train.max_steps, the samples `epochs` passes over
-    `num_samples` train (Config.schedule_unit)."""
+    """The LR schedule's (length, unit): with train.max_steps, optimizer steps
+    (total_train_steps); else the samples `epochs` passes over `num_samples` train
+    (Config.schedule_unit)."""
     if cfg.schedule_unit() == "step":
         return total_train_steps(cfg, world_size, num_samples), "step"
     if num_samples is None or num_samples < 1:
         raise ValueError(
-            "the LR schedule of token-budget micro-batches (train.packing / train.micro_batch_tokens) counts "
-            "samples: set data.max_train_samples, pass the number of captured samples, or set train.max_steps"
+            "the LR schedule counts samples trained: set data.max_train_samples, pass the number of captured "
+            "samples, or set train.max_steps"
         )
     return cfg.train.epochs * num_samples, "sample"
+
+
+def planned_schedule(cfg: Config, num_samples: int | None, total_steps: int | None = None) -> tuple[int, str]:
+    """The LR schedule (length, unit) a run plans: `total_steps` optimizer steps when given, else
+    schedule_span over `num_samples` per epoch (default data.max_train_samples)."""
+    if total_steps is not None:
+        return total_steps, "step"
+    samples = num_samples if num_samples is not None else cfg.data.max_train_samples
+    return schedule_span(cfg, cfg.train.world_size, samples)
 
 
 def total_train_steps(cfg: Config, world_size: int, num_samples: int | None) -> int:

@@ -31,11 +31,12 @@ from data_pipeline.provenance import Provenance
 from dflash_dist.config import Config
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.export import export_drafter
-from dflash_dist.model.loss import Anchors, loss_weights
-from dflash_dist.trainer import checkpoint, engine
-from dflash_dist.trainer.batching import MicroBatch
+from dflash_dist.model.loss import loss_weights
+from dflash_dist.trainer import checkpoint, engine, resume
+from dflash_dist.trainer.batching import MicroBatch, empty_batch
 from dflash_dist.trainer.metrics import Metrics
-from dflash_dist.trainer.state import TrainState
+from dflash_dist.trainer.resume import ResumeDecision
+from dflash_dist.trainer.state import STATE_VERSION, TrainState
 from dflash_dist.trainer.step_log import SAMPLE_LOG, TRAIN_LOG, StepLogs, StepRecord, Window
 from dflash_dist.trainer.step_source import EpochEnd, Halt, StepSource
 
@@ -56,7 +57,7 @@ class TrainJob:
     provenance: Provenance  # shards of any other origin are refused
     drafter: DrafterConfig
     total_steps: int  # the LR schedule's length in schedule_unit (ds_config.schedule_span)
-    resume_from: str | None = None  # a complete checkpoint tag directory (checkpoint.plan_resume)
+    resume: ResumeDecision | None = None  # where to start, decided once (resume.decide); None: step 0
     schedule_unit: str = "step"  # "step", or "sample": token-budget micro-batches (Config.schedule_unit)
     num_samples: int | None = None  # samples per epoch the run planned for (data.max_lost_fraction's base)
 
@@ -72,7 +73,7 @@ class TrainResult:
     checkpoints: tuple[str, ...]  # tags saved by this run, e.g. ("step_50", "step_100")
     exports: tuple[str, ...]  # export directories written by this run
     samples_consumed: int  # samples this rank trained on (this run)
-    samples_dropped: int  # this rank's epoch remainders (this run)
+    samples_lost: int  # samples no rank could read, since step 0 (all ranks; data.max_lost_fraction)
     resumed_from: str | None = None
     preempted: str | None = None  # the signal's name when a preemption notice ended the run
 
@@ -94,8 +95,10 @@ class Trainer:
             raise ValueError("train.gpus_per_rank > 0 but CUDA is not available in this trainer process")
         dtype = torch.bfloat16 if self.on_gpu else torch.float32
         self.ckpt_dir, self.export_dir = cfg.out / "checkpoints", cfg.out / "export"
-        saved = checkpoint.read_marker(Path(job.resume_from)) if job.resume_from is not None else None
-        elastic = saved is not None and saved.get("world_size") != self.world  # loads a universal checkpoint
+        if job.resume is not None and job.resume.world != self.world:
+            raise checkpoint.ResumeError(f"the resume from {job.resume.tag} was decided for {job.resume.world} ranks, "
+                                         f"this group has {self.world}")  # fmt: skip
+        elastic = job.resume is not None and job.resume.elastic  # loads a universal checkpoint
         self.engine = engine.build_engine(
             cfg, job.drafter, job.target_dir, job.total_steps, self.world, self.on_gpu, load_universal=elastic,
             schedule_unit=job.schedule_unit,
@@ -118,11 +121,11 @@ class Trainer:
         self._last_lr = float("nan")
         self._pad: MicroBatch | None = None  # the zero-weight batch of empty slots (_pad_batch)
         self.metrics = Metrics(cfg.out / "tb" / "train", enabled=self.rank == 0)
-        if job.resume_from is not None:
-            self._resume(Path(job.resume_from), elastic)
+        if job.resume is not None:
+            self._resume(job.resume)
         self._last_saved = self._last_logged = self.state.step
         self.window = Window(self.block_size, self.device)
-        self.logs = StepLogs(cfg.out, self.rank, cfg.train.log_sample_keys, self.state.step, self._ctrl)
+        self.logs = StepLogs(cfg.out, self.rank, cfg.train.log_sample_keys, self.state.step, self._ctrl, self.world)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> TrainResult:
@@ -154,7 +157,7 @@ class Trainer:
             checkpoints=tuple(self.checkpoints),
             exports=tuple(self.exports),
             samples_consumed=self.samples_consumed,
-            samples_dropped=self.source.dropped,
+            samples_lost=self.source.lost_before + self.source.lost_epoch,
             resumed_from=self.resumed_from,
             preempted=self.preempted,
         )
@@ -226,28 +229,10 @@ class Trainer:
         return True
 
     def _pad_batch(self) -> MicroBatch:
-        """A zero-weight micro-batch for an empty slot: one anchor on zeros, in the shapes real
-        batches take (a packed row of train.micro_batch_tokens; else one block's length)."""
         if self._pad is None:
             d = self.job.drafter
-            width = d.num_target_layers * d.hidden_size
-            length = self.source.pack_tokens or d.block_size + 1
-            n = self.cfg.train.num_anchors if self.source.pack_tokens else 1
-            keep = torch.zeros(1, n, dtype=torch.bool)
-            keep[0, 0] = True
-            packed = self.source.pack_tokens is not None
-            self._pad = MicroBatch(
-                keys=(),
-                input_ids=torch.zeros(1, length, dtype=torch.int64),
-                features=torch.zeros(1, length, width, dtype=self.source.dtype),
-                loss_mask=torch.ones(1, length, dtype=torch.float32),
-                target_argmax=torch.zeros(1, length, dtype=torch.int64),
-                anchors=Anchors(torch.zeros(1, n, dtype=torch.long), keep,
-                                torch.zeros(1, n, dtype=torch.long) if packed else None,
-                                torch.full((1, n), length, dtype=torch.long) if packed else None),
-                num_tokens=0,
-                reader_state={},
-            )  # fmt: skip
+            self._pad = empty_batch(len(d.target_layer_ids) * d.hidden_size, self.source.dtype, d.block_size,
+                                    self.cfg.train.num_anchors, self.source.pack_tokens)  # fmt: skip
         return self._pad
 
     def _loss_denominators(self, batches: list[MicroBatch]) -> list[torch.Tensor | None]:
@@ -272,10 +257,7 @@ class Trainer:
         return self.source.finished or (max_steps is not None and self.state.step >= max_steps)
 
     def _log_epoch(self, end: EpochEnd) -> None:
-        scalars = {"data/lost_samples": self.source.lost_before, "data/epoch": end.epoch + 1}
-        if self.source.remainder == "drop":
-            scalars["data/dropped_samples"] = end.total - end.trained - end.lost
-        self.metrics.log(self.state.step, scalars)
+        self.metrics.log(self.state.step, {"data/lost_samples": self.source.lost_before, "data/epoch": end.epoch + 1})
         if self.rank == 0:
             log.info(
                 "epoch %d done at step %d: %d of %d samples trained, %d could not be read", end.epoch,
@@ -347,8 +329,10 @@ class Trainer:
             "world_size": self.world,
             "config": self.cfg.to_dict(),
             "config_hash": checkpoint.config_hash(self.cfg.to_dict()),
-            "train_config_hash": checkpoint.training_config_hash(self.cfg.to_dict()),
+            "train_config_hash": resume.training_config_hash(self.cfg.to_dict()),
             "data": checkpoint.data_fingerprint(self.job.shard_dir) if self.rank == 0 else None,
+            "schedule": list(engine.schedule_length(self.engine)),  # checked by resume.decide
+            "state_version": STATE_VERSION,
         }
         if self.rank == 0:
             shutil.rmtree(self.ckpt_dir / tag, ignore_errors=True)  # left by a save that crashed
@@ -372,28 +356,19 @@ class Trainer:
                 self.exports.append(str(export_drafter(drafter, self.export_dir / tag)))
         dist.barrier()
 
-    def _resume(self, path: Path, elastic: bool) -> None:
-        """Load a complete checkpoint (checkpoint.plan_resume chose it): every rank's engine,
-        LR schedule and TrainState (counters, reader position, RNG); refuse a changed training
-        config, other shards, or another world size under a ZeRO stage that cannot change it
-        (from the marker, before DeepSpeed's obscure errors).
+    def _resume(self, decision: ResumeDecision) -> None:
+        """Load the checkpoint decided on (resume.decide checked it against this run once; this
+        rank verifies the marker is still that one): every rank's engine, LR schedule and
+        TrainState (step, samples, the source's position, RNG).
 
         Same world size: exact (bit-identical continuation). Another world size (elastic): the
         engine loads the universal conversion (engine.load_checkpoint) and each rank's state
         comes from TrainState.for_world."""
-        meta = checkpoint.read_marker(path)
-        if meta is None:
-            raise checkpoint.ResumeError(f"{path} is not a complete checkpoint (no valid {checkpoint.MARKER})")
-        checkpoint.check_resumable(meta, self.cfg.to_dict(), self.world, self.job.shard_dir, str(path))
+        path, elastic = Path(decision.tag), decision.elastic
+        meta = resume.verify(decision)
         saved = engine.load_checkpoint(self.engine, path, elastic, group=self._ctrl)["dflash"]
         span = engine.schedule_length(self.engine)
-        if span != (self.job.total_steps, self.job.schedule_unit):
-            raise checkpoint.ResumeError(
-                f"{path}: its LR schedule spans {span[0]} {span[1]}s, this run's {self.job.total_steps} "
-                f"{self.job.schedule_unit}s: resume with the "
-                f"same train.max_steps / data size (at another world size, set train.max_steps={span}), or use a "
-                "fresh run.out_dir"
-            )
+        assert span == (self.job.total_steps, self.job.schedule_unit), (span, self.job)  # resume.decide checked
         states = saved["trainer"]
         own = TrainState.for_world(states, self.rank, self.world, self.cfg.run.seed, self.on_gpu) if elastic else (
             states[self.rank])  # fmt: skip

@@ -59,9 +59,11 @@ class StepRecord:
 
 class StepLogs:
     """The step logs of one rank (rank 0 writes train_log.jsonl). Construct after the resume:
-    both files are cut to `start_step`."""
+    both files are cut to `start_step`, and rank 0 also cuts the sample logs of ranks >= `world`
+    (left by a run at more ranks, whose steps after `start_step` were discarded)."""
 
-    def __init__(self, out: Path, rank: int, log_sample_keys: bool, start_step: int, group: Any = None) -> None:
+    def __init__(self, out: Path, rank: int, log_sample_keys: bool, start_step: int, group: Any = None,
+                 world: int | None = None) -> None:  # fmt: skip
         out.mkdir(parents=True, exist_ok=True)
         self._group = group
         self._train_log = out / TRAIN_LOG if rank == 0 else None
@@ -71,6 +73,10 @@ class StepLogs:
         for path in (self._train_log, self._sample_log):
             if path is not None:
                 checkpoint.truncate_step_log(path, start_step)
+        if rank == 0 and world is not None:  # a resume at fewer ranks: the others' logs lose their future too
+            for path in sorted((out / SAMPLE_LOG).glob("rank_*.jsonl")):
+                if path.stem.removeprefix("rank_").isdigit() and int(path.stem.removeprefix("rank_")) >= world:
+                    checkpoint.truncate_step_log(path, start_step)
         self._pending: list[StepRecord] = []
 
     def add(self, record: StepRecord) -> None:

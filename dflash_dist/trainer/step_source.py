@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from data_pipeline.shard_reader import ShardStream, assigned_shards, merge_reader_states, read_manifest
+from data_pipeline.shard_reader import ShardStream, merge_reader_states, read_manifest
 from dflash_dist.config import Config
 from dflash_dist.trainer.batching import (
     DRY,
@@ -114,21 +114,20 @@ class StepSource:
 
     def __init__(
         self, cfg: Config, shard_dir: str, provenance: Any, rank: int, world: int, dtype: torch.dtype,
-        group: Any = None, planned_samples: int | None = None, remainder: str = "drop",
+        group: Any = None, planned_samples: int | None = None,
     ) -> None:  # fmt: skip
         self.cfg, self.shard_dir, self.provenance = cfg, shard_dir, provenance
         self.rank, self.world, self.dtype, self.group = rank, world, dtype, group
         self.grad_accum = cfg.train.grad_accum
         self.pack_tokens = cfg.pack_tokens()  # train.packing: one row of this many tokens per micro-batch
         self.planned = planned_samples  # samples per epoch the LR schedule was planned over
-        self.remainder = remainder
-        self.dropped = 0  # this rank's samples left when a peer ran dry (remainder "drop"; this run)
         # the position, committed with every step handed out
         self.epoch = 0
         self.reader: dict[str, Any] | None = None  # this rank's stream position (None: epoch start)
         self.trained = 0  # this rank's samples trained in the epoch
         self.carried = 0  # samples all ranks trained in the epoch before an elastic resume
         self.lost_before = 0  # samples lost in finished epochs (all ranks)
+        self.lost_epoch = 0  # samples lost in the open epoch so far (all ranks, as of the last slot)
         self._feeder: MicroBatchFeeder | None = None
 
     # ------------------------------------------------------------------ steps
@@ -149,7 +148,7 @@ class StepSource:
             slot = self._agree(feeder, signum)
             if slot.notice is not None:
                 return Halt(slot.notice, tuple(ends))
-            if slot.dry == self.world or (self.remainder == "drop" and slot.dry):
+            if slot.dry == self.world:
                 if batches or pads:  # the epoch ended inside this step: it is handed out short
                     pads = self.grad_accum - len(batches)
                     break
@@ -181,7 +180,7 @@ class StepSource:
         self._feeder = MicroBatchFeeder(
             with_positions(stream), self.cfg.train.micro_batch_size, build, stop=stop,
             micro_batch_tokens=self.pack_tokens or self.cfg.train.micro_batch_tokens,
-            packed=self.pack_tokens is not None,
+            packed=self.pack_tokens is not None, keep_short=True,
         )  # fmt: skip
         return self._feeder
 
@@ -199,6 +198,7 @@ class StepSource:
             dist.all_reduce(vec, group=self.group)
             ready, waiting, dry, term, usr1, lost, samples = (int(x) for x in vec)
             notice = _NOTICES[0] if term else _NOTICES[1] if usr1 else None
+            self.lost_epoch = lost
             self._check_lost(lost, feeder)
             if notice is not None or waiting == 0:
                 return _Slot(ready, waiting, dry, notice, lost, samples)
@@ -241,18 +241,13 @@ class StepSource:
         manifest = read_manifest(self.shard_dir)  # final: every stream saw DONE
         total = sum(r.n_samples for r in manifest)
         end = EpochEnd(self.epoch, trained, lost, total)
-        if self.remainder == "drop":
-            if self.carried == 0:
-                mine = assigned_shards(manifest, self.epoch, self.cfg.run.seed, self.rank, self.world)
-                self.dropped += sum(r.n_samples for r in mine) - int(own[0]) - int(own[1])
-            elif self.rank == 0:
-                self.dropped += total - trained - lost
-        elif trained + lost != total:
+        if trained + lost != total:
             raise RuntimeError(f"epoch {self.epoch}: {trained} trained + {lost} lost != {total} samples in "
                                f"{self.shard_dir}/manifest.jsonl: a sample was trained twice or never")  # fmt: skip
         self.epoch += 1
         self.reader, self.trained, self.carried = None, 0, 0
         self.lost_before += lost
+        self.lost_epoch = 0
         return end
 
     def close(self) -> None:

@@ -1,0 +1,177 @@
+"""The trainer's step-level data source (trainer/step_source.py) over real shards and a real gloo
+group of 2 processes: whole steps agreed by both ranks, an epoch ending inside a step, the final
+partial step, a preemption notice while a step is gathered, and a resume at another world size.
+
+Samples are small synthetic tensors (the source never looks inside them); each rank process
+writes what it got as JSON, and the test checks that every sample is trained exactly once per
+epoch however the epochs, steps, notices and world sizes fall."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance
+from data_pipeline.records import Sample
+from data_pipeline.shard_writer import ShardWriter, mark_done
+from tests.conftest import REPO
+
+H, K = 8, 2
+PROV = Provenance(SHARD_SCHEMA_VERSION, "synthetic", "0" * 64, (1, 2), H, "float32", "torch", "t")
+
+
+def write_samples(shard_dir: Path, per_shard: list[int]) -> list[str]:
+    """Shards of the given sizes (one sample each by default), DONE; returns every key."""
+    keys = []
+    g = torch.Generator().manual_seed(0)
+    with ShardWriter(shard_dir, PROV, prefix="cap") as w:
+        for s, n in enumerate(per_shard):
+            for i in range(n):
+                key = f"k{s:02d}-{i}"
+                t = 12
+                w.write(Sample(key, torch.randint(0, 50, (t,), generator=g, dtype=torch.int32),
+                               torch.ones(t, dtype=torch.uint8), torch.randn(t, K * H, generator=g),
+                               torch.zeros(t, dtype=torch.int32)))  # fmt: skip
+                keys.append(key)
+            w.flush()
+    mark_done(shard_dir)
+    return keys
+
+
+def source_cfg(out: Path, epochs: int, grad_accum: int):
+    from dflash_dist.config import Config
+
+    cfg = Config()
+    cfg.run.out_dir, cfg.run.seed = str(out), 0
+    cfg.train.epochs, cfg.train.grad_accum, cfg.train.micro_batch_size, cfg.train.num_anchors = epochs, grad_accum, 1, 4
+    cfg.train.packing = False
+    return cfg
+
+
+def rank_main(spec_path: str) -> None:
+    """One rank: init gloo from the file store, drive a StepSource as the spec says, dump its steps."""
+    import torch.distributed as dist
+
+    from dflash_dist.config import load_config_dict
+    from dflash_dist.trainer.step_source import Halt, StepSource
+
+    spec = json.loads(Path(spec_path).read_text())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"file://{spec['store']}", rank=rank, world_size=world)
+    try:
+        cfg = load_config_dict(spec["cfg"])
+        source = StepSource(cfg, spec["shards"], PROV, rank, world, torch.float32, planned_samples=spec["planned"])
+        if spec.get("state") is not None:
+            source.load_state_dict(spec["state"][rank])
+        steps, halt, states = [], None, []
+        while halt is None:
+            notice = signal.SIGTERM if rank == spec.get("notice_rank") and len(steps) == spec.get("notice_at") else 0
+            got = source.next_step(notice)
+            ends = [e.__dict__ for e in got.epoch_ends]
+            if isinstance(got, Halt):
+                halt = {"notice": got.notice, "ends": ends}
+                break
+            steps.append({"epoch": got.epoch, "keys": [list(b.keys) for b in got.batches], "pads": got.pads,
+                          "real_all": got.real_all, "samples_all": got.samples_all, "ends": ends})  # fmt: skip
+            states.append(source.state_dict())
+        source.close()
+        out = {"steps": steps, "halt": halt, "states": states, "final": source.state_dict()}
+        Path(spec["dump"] + f".{rank}.json").write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(tmp: Path, name: str, world: int, cfg, shards: Path, planned: int, **extra) -> list[dict]:
+    import subprocess
+
+    store = tmp / f"{name}.store"
+    spec = {"cfg": cfg.to_dict(), "shards": str(shards), "planned": planned, "store": str(store),
+            "dump": str(tmp / name), **extra}  # fmt: skip
+    spec_path = tmp / f"{name}.spec.json"
+    spec_path.write_text(json.dumps(spec))
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_step_source", str(spec_path)], cwd=REPO,
+                              env=os.environ | {"RANK": str(r), "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]  # fmt: skip
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * world, "\n".join(o[-3000:] for o in outs)
+    return [json.loads((tmp / f"{name}.{r}.json").read_text()) for r in range(world)]
+
+
+def per_epoch(dumps: list[dict]) -> dict[int, Counter]:
+    seen: dict[int, Counter] = {}
+    for d in dumps:
+        for step in d["steps"]:
+            for keys in step["keys"]:
+                seen.setdefault(step["epoch"], Counter()).update(keys)
+    return seen
+
+
+def test_epochs_end_inside_steps_and_the_remainder_is_trained(tmp_path):
+    """5 one-sample shards over 2 ranks (3 and 2) with 2 micro-batches a step: step 1 is whole;
+    in step 2 rank 1 fills its first slot with an empty batch while rank 0 trains its third sample,
+    then the epoch ends inside the step, which is handed out short (the final partial step of the
+    epoch, trained); the next step begins the next epoch; the last halt reports the last epoch."""
+    shards = tmp_path / "shards"
+    keys = write_samples(shards, [1] * 5)
+    dumps = run_ranks(tmp_path, "a", 2, source_cfg(tmp_path / "out", epochs=2, grad_accum=2), shards, planned=5)
+    for d in dumps:
+        assert [s["epoch"] for s in d["steps"]] == [0, 0, 1, 1]
+        assert [s["real_all"] for s in d["steps"]] == [4, 1, 4, 1]
+        assert [s["samples_all"] for s in d["steps"]] == [4, 1, 4, 1]
+        assert [len(s["ends"]) for s in d["steps"]] == [0, 0, 1, 0]  # epoch 0 is closed as step 3 begins
+        assert d["halt"] == {"notice": None, "ends": [{"epoch": 1, "trained": 5, "lost": 0, "total": 5}]}
+        assert d["steps"][2]["ends"] == [{"epoch": 0, "trained": 5, "lost": 0, "total": 5}]
+    r0, r1 = dumps
+    assert [len(s["keys"]) + s["pads"] for s in r0["steps"] + r1["steps"]] == [2] * 8  # every slot filled
+    assert [s["pads"] for s in r0["steps"]] == [0, 1, 0, 1] and [s["pads"] for s in r1["steps"]] == [0, 2, 0, 2]
+    seen = per_epoch(dumps)
+    assert seen == {0: Counter(keys), 1: Counter(keys)}  # every sample exactly once per epoch, none dropped
+    assert r0["final"]["epoch"] == 2
+
+
+def test_a_notice_while_gathering_halts_every_rank_at_the_last_whole_step(tmp_path):
+    """Rank 1 gets SIGTERM while the second step is gathered: both ranks halt without handing it
+    out, their position is the first step's, and a source loaded from it trains exactly the rest."""
+    shards = tmp_path / "shards"
+    keys = write_samples(shards, [2] * 4)
+    cfg = source_cfg(tmp_path / "out", epochs=1, grad_accum=2)
+    first = run_ranks(tmp_path, "a", 2, cfg, shards, planned=8, notice_rank=1, notice_at=1)
+    for d in first:
+        assert len(d["steps"]) == 1 and d["halt"] == {"notice": "SIGTERM", "ends": []}
+        assert d["final"] == d["states"][0]  # committed with the last whole step only
+    rest = run_ranks(tmp_path, "b", 2, cfg, shards, planned=8, state=[d["final"] for d in first])
+    assert per_epoch(first)[0] + per_epoch(rest)[0] == Counter(keys)
+
+
+def test_a_resume_at_another_world_size_goes_through_the_source(tmp_path):
+    """2 ranks stop after a step; 1 rank continues from StepSource.for_world of both states, and
+    then 3 ranks from a 1-rank state: every sample once per epoch, the counts carried."""
+    from dflash_dist.trainer.step_source import StepSource
+
+    shards = tmp_path / "shards"
+    keys = write_samples(shards, [3, 1, 2, 2, 1])
+    cfg = source_cfg(tmp_path / "out", epochs=2, grad_accum=1)
+    first = run_ranks(tmp_path, "a", 2, cfg, shards, planned=9, notice_rank=0, notice_at=2)
+    saved = [d["final"] for d in first]
+    one = StepSource.for_world(saved, 0, 1)
+    assert one["carried"] == 4 and one["trained"] == 0 and one["epoch"] == 0
+    second = run_ranks(tmp_path, "b", 1, cfg, shards, planned=9, state=[one], notice_rank=0, notice_at=4)
+    three = [StepSource.for_world([second[0]["final"]], r, 3) for r in range(3)]
+    third = run_ranks(tmp_path, "c", 3, cfg, shards, planned=9, state=three)
+    seen = per_epoch(first + second + third)
+    assert seen == {0: Counter(keys), 1: Counter(keys)}
+    assert third[0]["halt"]["ends"][-1] == {"epoch": 1, "trained": 9, "lost": 0, "total": 9}
+    ends = [e for d in second + third[:1] for s in d["steps"] for e in s["ends"]]
+    assert {"epoch": 0, "trained": 9, "lost": 0, "total": 9} in ends  # the carried count closes epoch 0 right
+
+
+if __name__ == "__main__":
+    rank_main(sys.argv[1])

@@ -393,3 +393,44 @@ def test_server_mode_logs_the_engines_tau(tiny, tmp_path):
     assert PROMPTS  # the fake engine's accept length depends only on each prompt
     assert result.server["engine"] == "sglang" and result.server["requests"] == 3 and srv.requests == 4
     assert read_scalars(out / "tb" / "eval")["eval/tau_server"] == pytest.approx({5: result.server["tau"]})
+
+
+@pytest.mark.parametrize("answer", ["down", "NaN"])
+def test_a_failed_server_keeps_the_replay_tau_and_records_the_failure(tiny, tmp_path, answer):
+    """The server down (nothing listens) or answering NaN: the checkpoint's replay tau is still
+    written (eval/step_N.json, TensorBoard) and the server's failure is recorded beside it."""
+    import socket
+    import threading
+
+    from tests.test_server_eval import FakeEngine
+
+    srv = None
+    if answer == "down":
+        with socket.socket() as s:  # a port nothing listens on once closed
+            s.bind(("127.0.0.1", 0))
+            url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    else:
+        srv = FakeEngine("sglang", raw=b'{"meta_info": {"spec_accept_length": NaN}}')
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        url = srv.url
+    try:
+        out = tmp_path / "run"
+        (out / "export").mkdir(parents=True)
+        publish(tiny, out, "trained", 5)
+        cfg = _cfg(tiny, mode="server", server_url=url, server_max_retries=0, server_timeout_s=5)
+        ev = Evaluator(cfg, out, tiny["target_dir"], tiny["prompts"], expected=None)
+        (result,) = ev.run_until(lambda: (True, 5), poll_s=0.05)
+        ev.close()
+    finally:
+        if srv is not None:
+            srv.shutdown()
+            srv.server_close()
+    assert 1.0 <= result.tau_chain <= DEMO.block_size
+    assert result.server["url"] == url and url in result.server_error
+    assert ("NaN" in result.server_error) if answer == "NaN" else ("attempts" in result.server_error)
+    saved = json.loads((out / "eval" / "step_5.json").read_text())
+    assert EvalResult.from_json(saved) == result and saved["tau_chain"] == result.tau_chain
+    tb = read_scalars(out / "tb" / "eval")
+    assert tb["eval/tau_chain"] == pytest.approx({5: result.tau_chain})
+    assert tb["eval/server_failed"] == {5: 1.0} and "eval/tau_server" not in tb
+    assert "server FAILED" in result.table_row() and f"tau chain {result.tau_chain:.2f}" in result.table_row()

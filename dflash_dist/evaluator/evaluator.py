@@ -42,7 +42,7 @@ from data_pipeline.shard_reader import read_manifest
 from dflash_dist.config import Config
 from dflash_dist.evaluator.measure import HeldOut, measure_live, measure_replay, rounds_agreement
 from dflash_dist.evaluator.policy import EvalRequest, EvalResult, pending_steps, should_stop, tau_record_from_json
-from dflash_dist.evaluator.server import server_tau
+from dflash_dist.evaluator.server import ServerError, server_tau
 from dflash_dist.evaluator.tb_log import log_result
 from dflash_dist.model.capture import capture_features, check_kernel_path
 from dflash_dist.model.config import DrafterConfig
@@ -227,6 +227,18 @@ class Evaluator:
         return measure_live(self.model, drafter, refs, self.budgets, e.count, self.stop_ids, e.max_new_tokens,
                             self.provenance.kernel_path)
 
+    def _measure_server(self, step: int, refs: list[HeldOut], block_size: int) -> dict:
+        """The engine's tau as ServerResult JSON; a failed server is recorded as {"engine", "url",
+        "error"} instead, so the checkpoint's replay tau is still written and logged."""
+        e = self.cfg.eval
+        try:
+            return server_tau(e.server_url, e.server_engine, [r.prompt for r in refs], e.max_new_tokens, block_size,
+                              e.server_model, e.server_concurrency, e.server_max_retries, e.server_timeout_s).to_json()
+        except ServerError as err:
+            log.warning("evaluator: step %d: no server tau (%s); the replay tau is recorded with the failure", step,
+                        err)
+            return {"engine": e.server_engine, "url": e.server_url, "error": str(err)}
+
     def reference_tau(self) -> dict | None:
         """The reference drafter's tau on the same prompts and modes (replay; live in live mode),
         measured once: kept in eval/reference.json, re-measured only if its settings changed."""
@@ -279,9 +291,7 @@ class Evaluator:
                     "continuations_equal": measured.tokens_equal, "prompts": len(refs)}
             rounds["live"] = measured.rounds_json()
         elif self._live_now() and e.mode == "server":
-            server = server_tau(e.server_url, e.server_engine, [r.prompt for r in refs], e.max_new_tokens,
-                                e.server_model, e.server_concurrency, e.server_max_retries, e.server_timeout_s)
-            server = server.to_json()
+            server = self._measure_server(step, refs, drafter.config.block_size)
         del drafter
         res = replay.result
         result = EvalResult(
@@ -301,7 +311,8 @@ class Evaluator:
         self.done = self.done | {step}
         trees = " ".join(f"ddtree{b}={t:.3f}" for b, t in result.tau_ddtree.items())
         extra = f" live chain={live['tau_chain']:.3f}" if live else ""
-        extra += f" server={server['tau']:.3f}" if server else ""
+        extra += f" server={server['tau']:.3f}" if server and "error" not in server else ""
+        extra += " server=FAILED" if server and "error" in server else ""
         extra += f" vs reference x{result.tau_chain_vs_reference:.3f}" if result.reference else ""
         log.info("evaluator: step %d tau chain=%.3f %s%s (%d prompts, %.1fs)", step, result.tau_chain, trees, extra,
                  result.prompts, result.seconds)

@@ -74,7 +74,8 @@ class EvalResult:
     continuation's end was counted ("capped" | "uncapped"). `live` (eval.mode=live, at the
     checkpoints it ran) holds live speculative decoding's tau_chain, tau_ddtree, accept_hist,
     slot_acceptance, rounds and how many rounds and continuations equal replay's; `server` the
-    engine's ServerResult JSON; `reference` the reference drafter's tau_chain and tau_ddtree
+    engine's ServerResult JSON, or {"engine", "url", "error"} when the server failed (the replay
+    tau is recorded all the same); `reference` the reference drafter's tau_chain and tau_ddtree
     (replay, and live when measured) on the same prompts, for the ratio.
     """
 
@@ -92,6 +93,23 @@ class EvalResult:
     live: dict[str, Any] | None = None
     server: dict[str, Any] | None = None
     reference: dict[str, Any] | None = None
+
+    @property
+    def server_error(self) -> str | None:
+        """Why the server tau of this checkpoint is missing (None: measured, or not asked)."""
+        return (self.server or {}).get("error")
+
+    def table_row(self) -> str:
+        """One line of the end-of-run table: replay tau, and live/server beside it where measured."""
+        trees = "  ".join(f"DDTree-{b} {t:.2f}" for b, t in sorted(self.tau_ddtree.items()))
+        row = f"step {self.step:>6}: tau chain {self.tau_chain:.2f}  {trees}"
+        if self.live:
+            row += f"  | live chain {self.live['tau_chain']:.2f}"
+        if self.server_error is not None:
+            row += f"  | server FAILED: {self.server_error}"
+        elif self.server:
+            row += f"  | server {self.server['tau']:.2f}"
+        return row
 
     @property
     def tau_chain_vs_reference(self) -> float | None:

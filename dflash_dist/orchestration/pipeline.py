@@ -280,13 +280,13 @@ def _export_steps(export_dir: Path) -> list[int]:
 
 
 def _print_summary(cfg: Config, paths: dict[str, Path], summary: dict) -> None:
+    from dflash_dist.evaluator.policy import EvalResult
+
     rows = []
     for f in sorted(paths["eval"].glob("step_*.json"), key=lambda p: int(p.stem.split("_")[1])):
-        r = json.loads(f.read_text())
-        trees = "  ".join(f"DDTree-{b} {v:.2f}" for b, v in sorted(r["tau_ddtree"].items(), key=lambda x: int(x[0])))
-        rows.append(f"  step {r['step']:>6}: tau chain {r['tau_chain']:.2f}  {trees}")
+        rows.append("  " + EvalResult.from_json(json.loads(f.read_text()), str(f)).table_row())
     if rows:
-        print("[eval] greedy-replay tau per checkpoint (held-out prompts):")
+        print("[eval] tau per checkpoint (held-out prompts; greedy replay, then live/server where measured):")
         print("\n".join(rows))
     print(f"done in {summary['seconds']:.0f}s; outputs under {cfg.out}")
     print(f"TensorBoard: tensorboard --logdir {paths['tb']} --host 127.0.0.1")

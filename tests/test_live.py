@@ -18,7 +18,8 @@ from dflash_dist.evaluator.live import (
 from dflash_dist.evaluator.target_cache import TargetCache
 from dflash_dist.model.capture import capture_features
 from dflash_dist.model.ddtree import build_ddtree, follow_verified_tree
-from dflash_dist.model.replay import aggregate_rounds, greedy_continuation, replay_sequence
+from dflash_dist.model.replay import aggregate_rounds, replay_sequence
+from dflash_dist.target.generation import greedy_continuation
 from dflash_dist.tools.demo import DemoConfig, drafter_for, make_data, tiny_qwen35_target, train
 from dflash_dist.tools.live_check import live_vs_replay, trained_on_device
 
@@ -246,9 +247,52 @@ def test_replay_tau_is_finite_with_a_one_token_continuation(trained):
 
     target, drafter, prompts, responses = trained
     continuations = [responses[0][:1], *responses[1:3]]  # the first has no drafting round
-    res = replay_tau(target, drafter, prompts[:3], DEMO.new_tokens, (4,), continuations=continuations)
+    res = replay_tau(target, drafter, prompts[:3], continuations, (4,))
     assert math.isfinite(res.tau_chain) and math.isfinite(res.tau_ddtree(4))
-    rest = replay_tau(target, drafter, prompts[1:3], DEMO.new_tokens, (4,), continuations=responses[1:3])
+    rest = replay_tau(target, drafter, prompts[1:3], responses[1:3], (4,))
     assert res.tau_chain == rest.tau_chain and res.tau_ddtree(4) == rest.tau_ddtree(4)
     assert len(res.tau_chain_per_prompt) == 2 and sum(res.accept_hist) == res.rounds
     assert aggregate_rounds(8, [[], [3, 1]], {4: [[], [2, 2]]}).tau_ddtree(4) == 2.0
+
+
+# hostile sampling/penalty fields a checkpoint's generation_config.json may carry (as in test_regenerate)
+HOSTILE = {"repetition_penalty": 2.0, "no_repeat_ngram_size": 2, "temperature": 0.3, "top_k": 3, "do_sample": True,
+           "min_new_tokens": 20, "suppress_tokens": [5, 6]}
+
+
+def test_greedy_continuation_ignores_a_hostile_generation_config(tmp_path):
+    """greedy_continuation (replay_tau's, the demo's, live_check's and bench_live's continuations)
+    is plain argmax decoding whatever the checkpoint's generation_config.json says: equal on a
+    clean and a hostile copy of the same weights, and equal to an argmax loop written here."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    cfg = replace(DemoConfig(), target_layers=4, prompt_len=10)
+    tiny_qwen35_target(cfg).save_pretrained(tmp_path / "clean")
+    gen = json.loads((tmp_path / "clean" / "generation_config.json").read_text())
+    (tmp_path / "hostile").mkdir()
+    for f in (tmp_path / "clean").iterdir():
+        (tmp_path / "hostile" / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "hostile" / "generation_config.json").write_text(json.dumps({**gen, **HOSTILE}))
+    clean, hostile = (AutoModelForCausalLM.from_pretrained(tmp_path / d, dtype=torch.float32).eval()
+                      for d in ("clean", "hostile"))
+    assert hostile.generation_config.repetition_penalty == 2.0
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, cfg.vocab_size - 1, (cfg.prompt_len,), generator=g).tolist() for _ in range(4)]
+    n = 16
+    with torch.no_grad():  # the config bites: a plain greedy generate on the hostile copy answers otherwise
+        plain = [[m.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False)[0, len(p):].tolist() for p in prompts]
+                 for m in (clean, hostile)]
+    assert plain[0] != plain[1]
+    for p in prompts:
+        seq = list(p)
+        with torch.no_grad():
+            for _ in range(n):  # the reference: argmax of a full forward, token by token
+                seq.append(int(clean(torch.tensor([seq])).logits[0, -1].argmax()))
+        expected = seq[len(p):]
+        assert greedy_continuation(clean, p, n) == expected
+        assert greedy_continuation(hostile, p, n) == expected
+        stop = expected[5]  # a stop token ends it there, kept; min_new_tokens does not delay it
+        assert greedy_continuation(hostile, p, n, (stop,)) == expected[: expected.index(stop) + 1]

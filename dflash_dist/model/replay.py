@@ -81,20 +81,6 @@ def aggregate_rounds(block_size: int, chain: list[list[int]], trees: dict[int, l
 
 
 @torch.no_grad()
-def greedy_continuation(target: nn.Module, prompt: list[int], max_new_tokens: int,
-                        eos_token_id: int | None = None) -> list[int]:
-    """The target's greedy continuation of `prompt` (stops after eos, which is kept)."""
-    dev = next(target.parameters()).device
-    ids = torch.tensor([prompt], device=dev)
-    out = target.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-        eos_token_id=eos_token_id, pad_token_id=eos_token_id if eos_token_id is not None else 0,
-        temperature=None, top_p=None, top_k=None,
-    )
-    return out[0, len(prompt):].tolist()
-
-
-@torch.no_grad()
 def replay_sequence(drafter: DFlashDrafter, sequence: list[int], features: torch.Tensor, start: int,
                     budgets: tuple[int, ...] = (), end: int | None = None,
                     count: str = "capped") -> tuple[list[int], dict[int, list[int]]]:
@@ -139,21 +125,21 @@ def replay_tau(
     target: nn.Module,
     drafter: DFlashDrafter,
     prompts: list[list[int]],
-    max_new_tokens: int,
+    continuations: list[list[int]],
     budgets: tuple[int, ...] = (),
-    eos_token_id: int | None = None,
-    continuations: list[list[int]] | None = None,
     allow_torch_gdn_on_cuda: bool = False,
 ) -> ReplayResult:
-    """Greedy-replay tau of `drafter` against `target` on `prompts` (token id lists)."""
+    """Greedy-replay tau of `drafter` against `target` on `prompts` (token id lists), given the
+    target's greedy `continuations` of them (target/generation.greedy_continuation: the one
+    generation path, which no checkpoint generation_config can reshape)."""
+    if len(continuations) != len(prompts):
+        raise ValueError(f"replay_tau: {len(prompts)} prompts but {len(continuations)} continuations")
     layer_ids = drafter.config.target_layer_ids
     dev = next(target.parameters()).device
     chains: list[list[int]] = []
     tree_rounds: dict[int, list[list[int]]] = {b: [] for b in budgets}
     kernel_path = ""
-    for i, prompt in enumerate(prompts):
-        y = continuations[i] if continuations is not None else greedy_continuation(
-            target, prompt, max_new_tokens, eos_token_id)
+    for prompt, y in zip(prompts, continuations):
         if len(y) < 2:  # the first token comes from the prompt itself: no drafting round
             continue
         seq = list(prompt) + list(y)

@@ -371,6 +371,31 @@ def test_uncapped_count_is_recorded_and_counts_at_least_as_much(tiny, tmp_path):
     assert all(u.tau_ddtree[b] >= c.tau_ddtree[b] for b in BUDGETS)
 
 
+def test_uncapped_rounds_of_the_evaluator_equal_the_authors_loop(tiny, tmp_path):
+    """The evaluator's uncapped rounds (replay, and live in live mode) are the authors' loop's
+    (tests/test_live.authors_loop), the round at the last position included."""
+    from tests.test_live import authors_loop
+
+    edge = 0
+    for max_new in (5, 7):
+        out = tmp_path / f"new{max_new}"
+        (out / "export").mkdir(parents=True)
+        publish(tiny, out, "trained", 5)
+        cfg = _cfg(tiny, count="uncapped", mode="live", max_new_tokens=max_new)
+        ev = Evaluator(cfg, out, tiny["target_dir"], tiny["prompts"], expected=None)
+        ev.run_until(lambda: (True, 5), poll_s=0.05)
+        rounds = json.loads((out / "eval" / "rounds" / "step_5.json").read_text())
+        drafter = ev._load_drafter(out / "export" / "step_5")
+        for i, prompt in enumerate(tiny["prompts"]):
+            for budget, replayed, live in ((None, rounds["replay"]["chain"], rounds["live"]["chain"]),
+                                           (4, rounds["replay"]["ddtree"]["4"], rounds["live"]["ddtree"]["4"])):
+                want, _ = authors_loop(ev.model, drafter, prompt, max_new, ev.stop_ids, budget)
+                assert replayed[i] == want and live[i] == want, (max_new, budget, i, replayed[i], live[i], want)
+                edge += sum(want[:-1]) == max_new - 1
+        ev.close()
+    assert edge >= 1
+
+
 def test_server_mode_logs_the_engines_tau(tiny, tmp_path):
     import threading
 

@@ -177,28 +177,36 @@ class Evaluator:
                 (gen,) = generate_responses(self.model, [prompt], self.cfg.eval.max_new_tokens, self.stop_ids,
                                             self.pad_id)
                 y = list(gen.tokens)
-                if len(y) < 2:  # the first token comes from the prompt itself: no drafting round
-                    continue
                 seq = prompt + y
                 ids = torch.tensor([seq], device=self.device)
                 cap = capture_features(self.model, ids, self.identity.layer_ids, with_argmax=False,
                                        allow_torch_gdn_on_cuda=self.cfg.target.allow_torch_gdn_on_cuda)
                 assert cap.kernel_path == self.provenance.kernel_path, (cap.kernel_path, self.provenance)
                 refs.append(HeldOut(len(prompt), len(seq), tuple(seq), cap.features[0]))
-            if not refs:
-                raise ValueError(
-                    f"none of the {len(self.eval_prompts)} eval prompts got a greedy continuation of 2+ tokens "
-                    f"(a stop token {list(self.stop_ids)} right away?): check the eval prompts and eval.max_new_tokens"
-                )
             log.info("evaluator: %d reference continuations (%d tokens) in %.1fs", len(refs),
                      sum(len(r.sequence) - r.prompt_len for r in refs), time.time() - t0)
             self._refs = refs
         return self._refs
 
+    def _usable(self, refs: list[HeldOut]) -> list[HeldOut]:
+        """The references that have a round under eval.count: capped, a continuation of 2+ tokens
+        (the first comes from the prompt itself); uncapped, every one (the authors' loop runs a
+        round at a one-token continuation too)."""
+        if self.cfg.eval.count == "uncapped":
+            return refs
+        usable = [r for r in refs if r.end - r.prompt_len >= 2]
+        if not usable:
+            raise ValueError(
+                f"none of the {len(self.eval_prompts)} eval prompts got a greedy continuation of 2+ tokens "
+                f"(a stop token {list(self.stop_ids)} right away?): check the eval prompts and eval.max_new_tokens"
+            )
+        return usable
+
     def _counted(self, refs: list[HeldOut], block_size: int) -> list[HeldOut]:
-        """The references as eval.count needs them: uncapped rounds look past the continuation's
-        end, so each gets the target's greedy tokens beyond it (stop tokens ignored, as a
-        decoding loop that counts every accepted draft sees them)."""
+        """The references as eval.count needs them (`_usable`): uncapped rounds look past the
+        continuation's end, so each gets the target's greedy tokens beyond it (stop tokens
+        ignored, as a decoding loop that counts every accepted draft sees them)."""
+        refs = self._usable(refs)
         if self.cfg.eval.count == "capped":
             return refs
         need = block_size - 1
@@ -248,7 +256,7 @@ class Evaluator:
         if self._reference is None:
             path = self.eval_dir / "reference.json"
             key = {"version": REFERENCE_VERSION, "dir": str(Path(e.reference_drafter).resolve()), "count": e.count,
-                   "live": e.mode == "live", "prompts": [list(r.sequence[: r.prompt_len]) for r in self.references()],
+                   "live": e.mode == "live", "prompts": [r.prompt for r in self._usable(self.references())],
                    "budgets": list(self.budgets)}
             if path.is_file():
                 saved = json.loads(path.read_text())
@@ -258,7 +266,7 @@ class Evaluator:
             t0 = time.time()
             drafter = self._load_drafter(Path(e.reference_drafter))
             refs = self._counted(self.references(), drafter.config.block_size)
-            replay = measure_replay(drafter, refs, self.budgets, e.count, self.provenance.kernel_path)
+            replay = measure_replay(drafter, refs, self.budgets, e.count, self.provenance.kernel_path, self.stop_ids)
             ref = {"dir": key["dir"], "tau_chain": replay.result.tau_chain,
                    "tau_ddtree": {b: replay.result.tau_ddtree(b) for b in self.budgets}}
             if e.mode == "live":
@@ -281,7 +289,7 @@ class Evaluator:
         drafter = self._load_drafter(export_dir)
         refs = self._counted(self.references(), drafter.config.block_size)
         kernel_path = self.provenance.kernel_path
-        replay = measure_replay(drafter, refs, self.budgets, e.count, kernel_path)
+        replay = measure_replay(drafter, refs, self.budgets, e.count, kernel_path, self.stop_ids)
         rounds: dict = {"step": step, "count": e.count, "replay": replay.rounds_json()}
         live = server = None
         if self._live_now() and e.mode == "live":

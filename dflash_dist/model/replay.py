@@ -82,22 +82,29 @@ def aggregate_rounds(block_size: int, chain: list[list[int]], trees: dict[int, l
 
 @torch.no_grad()
 def replay_sequence(drafter: DFlashDrafter, sequence: list[int], features: torch.Tensor, start: int,
-                    budgets: tuple[int, ...] = (), end: int | None = None,
-                    count: str = "capped") -> tuple[list[int], dict[int, list[int]]]:
+                    budgets: tuple[int, ...] = (), end: int | None = None, count: str = "capped",
+                    stop_ids: tuple[int, ...] = ()) -> tuple[list[int], dict[int, list[int]]]:
     """Rounds over one sequence (prompt + greedy continuation) starting at anchor position `start`.
 
-    features [T, k*H] are the target's features of the sequence (at least up to `end`). Rounds
-    run while the anchor is before the continuation's last token, `end` - 1 (default: the whole
-    sequence). count "capped": a round is matched only against tokens before `end` (the last
-    round stops at the continuation's end); "uncapped": against whatever `sequence` holds beyond
-    it (the target's greedy tokens past the end, as the authors' loop counts). Returns the chain's
-    tau_round list and, per budget, the DDTree's.
+    features [T, k*H] are the target's features of the sequence (at least up to `end`). Returns the
+    chain's tau_round list and, per budget, the DDTree's. The continuation ends at `end` (default:
+    the whole sequence), at a stop token (`stop_ids`) or at max_new_tokens.
+
+    count "capped": rounds run while the anchor is before the continuation's last token, and a
+    round is matched only against tokens before `end` (the last round stops at the end).
+    "uncapped": the authors' loop (z-lab's `while start < max_length`, DDTree's the same): a round
+    runs at every anchor before `end`, the last token included when the continuation was cut by
+    length (a bonus token landing on the last position still gets its round), and decoding stops
+    after the round that produced a stop token (a stop from the prefill itself still gets its one
+    round, as the authors check after the round); a round is matched against whatever `sequence`
+    holds past `end` (the target's greedy tokens there, stop tokens ignored).
     """
     if count not in COUNTS:
         raise ValueError(f"count must be one of {COUNTS}, got {count!r}")
     end = len(sequence) if end is None else end
     limit = len(sequence) if count == "uncapped" else end
     blk = drafter.config.block_size
+    stops = set(stop_ids)
     context = drafter.fuse_context(features[None].to(drafter.fc.weight.device))
     cache: dict[int, torch.Tensor] = {}
 
@@ -106,9 +113,14 @@ def replay_sequence(drafter: DFlashDrafter, sequence: list[int], features: torch
             cache[p] = drafter.draft_block(None, sequence[p], p, context=context[:, :p])
         return cache[p]
 
+    def round_at(p: int) -> bool:
+        if p < end - 1:
+            return True
+        return count == "uncapped" and p == end - 1 and (p == start or sequence[p] not in stops)
+
     def walk(accept_fn) -> list[int]:
         taus, p = [], start
-        while p < end - 1:
+        while round_at(p):
             ref = sequence[p + 1 : min(p + blk, limit)]
             acc = accept_fn(logits_at(p), ref)
             taus.append(acc + 1)

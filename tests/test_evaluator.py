@@ -227,20 +227,23 @@ def test_evaluator_actor_follows_exports_as_they_appear(tiny, tmp_path, monkeypa
     import ray
     from transformers import AutoTokenizer
 
-    from dflash_dist.actors.evaluator_actor import EvaluatorActor, evaluator_actor_options
+    from dflash_dist.actors.evaluator_actor import EvaluatorActor, EvaluatorTask, evaluator_actor_options
     from dflash_dist.target.loading import expected_provenance, target_identity
 
-    cfg, target_dir = tiny["cfg"], tiny["target_dir"]
+    target_dir = tiny["target_dir"]
+    out = tmp_path / "run"
+    cfg = _cfg(tiny, poll_s=0.1)
+    cfg.run.out_dir = str(out)
     # what the pipeline demands of shards, computed without loading the model
     expected = expected_provenance(cfg, target_dir, target_identity(cfg, target_dir),
                                    AutoTokenizer.from_pretrained(target_dir))
-    out = tmp_path / "run"
+    prompts = tuple(tuple(p) for p in tiny["prompts"])
     (out / "export").mkdir(parents=True)
     assert not ray.is_initialized()
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
-        actor = EvaluatorActor.options(**evaluator_actor_options(cfg)).remote(
-            cfg.to_dict(), str(out), str(target_dir), tiny["prompts"], expected.to_json(), poll_s=0.1)
+        task = EvaluatorTask(cfg.to_dict(), str(target_dir), prompts, expected=expected)
+        actor = EvaluatorActor.options(**evaluator_actor_options(cfg)).remote(task)
         ray.get(actor.start.remote())
         publish(tiny, out, "random", 10)
         deadline = time.time() + 90
@@ -250,8 +253,10 @@ def test_evaluator_actor_follows_exports_as_they_appear(tiny, tmp_path, monkeypa
         assert not status["trainer_finished"]
         publish(tiny, out, "trained", 20)
         ray.get(actor.trainer_finished.remote(20))
-        results = [EvalResult.from_json(d) for d in ray.get(actor.wait.remote(timeout_s=90))]
-        assert [r.step for r in results] == [10, 20]
+        results = ray.get(actor.wait.remote(timeout_s=90))
+        assert all(type(r) is EvalResult for r in results) and [r.step for r in results] == [10, 20]
+        assert results == [EvalResult.from_json(json.loads((out / "eval" / f"step_{s}.json").read_text()))
+                           for s in (10, 20)]
         assert results[1].tau_chain > results[0].tau_chain + 0.5
         status = ray.get(actor.status.remote())
         assert not status["alive"] and status["evaluated"] == [10, 20] and status["last_step"] == 20
@@ -260,9 +265,9 @@ def test_evaluator_actor_follows_exports_as_they_appear(tiny, tmp_path, monkeypa
         ray.kill(actor)
 
         # a refusal inside the actor reaches the caller of wait() with its type name and message
+        cfg.run.out_dir = str(tmp_path / "run2")
         refusing = EvaluatorActor.options(**evaluator_actor_options(cfg)).remote(
-            cfg.to_dict(), str(tmp_path / "run2"), str(target_dir), tiny["prompts"],
-            replace(expected, target_hash="0" * 64).to_json(), poll_s=0.1)
+            EvaluatorTask(cfg.to_dict(), str(target_dir), prompts, expected=replace(expected, target_hash="0" * 64)))
         ray.get(refusing.start.remote())
         with pytest.raises(Exception, match=r"(?s)ProvenanceMismatch.*target_hash: expected '0+', found"):
             ray.get(refusing.wait.remote(timeout_s=90))

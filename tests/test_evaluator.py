@@ -401,6 +401,75 @@ def test_uncapped_rounds_of_the_evaluator_equal_the_authors_loop(tiny, tmp_path)
     assert edge >= 1
 
 
+def test_asking_for_another_mode_measures_it_for_every_evaluated_export(tiny, tmp_path):
+    """`dflash-dist eval ... eval.mode=live` on a run evaluated by replay: each export gets its
+    live tau, its replay tau and other modes are kept, each TensorBoard point is written once; a
+    later replay-mode evaluation has nothing to do; a server measurement adds to live; a failed
+    one is tried again; another eval.count is refused saying how to proceed."""
+    import threading
+
+    from dflash_dist.evaluator.policy import lacks_mode
+    from tests.test_server_eval import FakeEngine
+
+    out = tmp_path / "run"
+    (out / "export").mkdir(parents=True)
+    for step, which in ((5, "random"), (10, "trained")):
+        publish(tiny, out, which, step)
+
+    def evaluate(cfg) -> tuple[Evaluator, list[EvalResult]]:
+        ev = Evaluator(cfg, out, tiny["target_dir"], tiny["prompts"], expected=None)
+        got = ev.run_until(lambda: (True, 10), poll_s=0.05)
+        ev.close()
+        return ev, got
+
+    _, replayed = evaluate(tiny["cfg"])
+    assert [r.live for r in replayed] == [None, None]
+    ev, lived = evaluate(_cfg(tiny, mode="live"))
+    assert [r.step for r in lived] == [5, 10]
+    for before, after in zip(replayed, lived):
+        assert after.mode == "live" and after.live["tau_chain"] == pytest.approx(after.tau_chain, rel=0.05)
+        assert (after.tau_chain, after.tau_ddtree, after.accept_hist) == (before.tau_chain, before.tau_ddtree,
+                                                                         before.accept_hist)
+        assert EvalResult.from_json(json.loads((out / "eval" / f"step_{after.step}.json").read_text())) == after
+        rounds = json.loads((out / "eval" / "rounds" / f"step_{after.step}.json").read_text())
+        assert set(rounds) >= {"replay", "live"}
+    assert "live chain" in lived[1].table_row()
+    tb_dir = out / "tb" / "eval"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("eval/tau_chain")] == [5, 10]  # each point once
+    assert [e.step for e in acc.Scalars("eval/tau_live_chain")] == [5, 10]
+    assert [e.step for e in acc.Images("eval/accept_hist")] == [5, 10]
+
+    # replay asked again: every result holds it, nothing is measured
+    again, nothing = evaluate(tiny["cfg"])
+    assert nothing == [] and again.done == {5, 10} and again.results == {r.step: r for r in lived}
+
+    # server: added beside live; a failed measurement is tried again on the next call
+    srv = FakeEngine("sglang")
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        server_cfg = _cfg(tiny, mode="server", server_url=srv.url, server_max_retries=0, server_timeout_s=5)
+        srv.raw = b'{"meta_info": {"spec_accept_length": -5}}'
+        _, failed = evaluate(server_cfg)
+        assert all(r.server_error and r.live for r in failed) and all(lacks_mode(r, "server") for r in failed)
+        srv.raw = None
+        _, served = evaluate(server_cfg)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert [r.step for r in served] == [5, 10]
+    for lived_r, served_r in zip(lived, served):
+        assert served_r.server_error is None and served_r.server["tau"] >= 1 and served_r.live == lived_r.live
+        assert served_r.tau_chain == lived_r.tau_chain
+
+    with pytest.raises(ValueError, match=r"step_5\.json \(and 1 more\) counts tau with eval\.count=capped, this run "
+                                         r"asks eval\.count=uncapped: pass eval\.count=capped .* move .*eval and"):
+        Evaluator(_cfg(tiny, count="uncapped"), out, tiny["target_dir"], tiny["prompts"], expected=None)
+
+
 def test_server_mode_logs_the_engines_tau(tiny, tmp_path):
     import threading
 

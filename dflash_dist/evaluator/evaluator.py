@@ -20,7 +20,10 @@ Files under the run directory `<out>`:
   eval/reference.json                              the reference drafter's tau (measured once)
   tb/eval/                                         scalars and images at global step N (tb_log.py)
 The eval/step_N.json files are the evaluator's progress: a restarted evaluator reads them and
-continues after the last checkpoint it finished.
+continues after the last checkpoint it finished. A checkpoint whose result lacks what eval.mode
+asks (live or server tau; `dflash-dist eval ... eval.mode=live` on a run evaluated by replay) is
+measured again for that mode, keeping the result's replay tau and its other modes; results of
+another eval.count are refused (one count per run directory).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import os
 import re
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -41,9 +45,16 @@ from data_pipeline.provenance import Provenance, check_compatible
 from data_pipeline.shard_reader import read_manifest
 from dflash_dist.config import Config
 from dflash_dist.evaluator.measure import HeldOut, measure_live, measure_replay, rounds_agreement
-from dflash_dist.evaluator.policy import EvalRequest, EvalResult, pending_steps, should_stop, tau_record_from_json
+from dflash_dist.evaluator.policy import (
+    EvalRequest,
+    EvalResult,
+    lacks_mode,
+    pending_steps,
+    should_stop,
+    tau_record_from_json,
+)
 from dflash_dist.evaluator.server import ServerError, server_tau
-from dflash_dist.evaluator.tb_log import log_result
+from dflash_dist.evaluator.tb_log import log_result, logged_tags
 from dflash_dist.model.capture import capture_features, check_kernel_path
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.export import load_drafter
@@ -120,7 +131,13 @@ class Evaluator:
         self._metrics: Metrics | None = None  # opened on the first result
         # Replaced, never mutated, so another thread (the actor's status()) reads a consistent copy.
         self.results: dict[int, EvalResult] = self._read_results()
-        self.done: frozenset[int] = frozenset(self.results)
+        self._check_count()
+        # done: holds what eval.mode asks; the others are measured again for the missing mode
+        self.done: frozenset[int] = frozenset(s for s, r in self.results.items() if not lacks_mode(r, cfg.eval.mode))
+        missing = sorted(set(self.results) - self.done)
+        if missing:
+            log.info("evaluator: steps %s have no %s tau yet: measuring it (their replay tau and other modes are "
+                     "kept)", missing, cfg.eval.mode)
 
     # ---- progress -------------------------------------------------------------------------
 
@@ -146,6 +163,19 @@ class Evaluator:
         return dict(sorted(results.items()))
 
     # ---- checks ---------------------------------------------------------------------------
+
+    def _check_count(self) -> None:
+        """One eval.count per run directory: a result file holds one count, and a curve mixing
+        two would not compare."""
+        want = self.cfg.eval.count
+        other = sorted(s for s, r in self.results.items() if r.count != want)
+        if other:
+            got = self.results[other[0]].count
+            raise ValueError(
+                f"{self.eval_dir}/step_{other[0]}.json (and {len(other) - 1} more) counts tau with eval.count={got}, "
+                f"this run asks eval.count={want}: pass eval.count={got} to add modes to those results, or move "
+                f"{self.eval_dir} and {self.tb_dir} aside to measure every export again with eval.count={want}"
+            )
 
     def check_shards(self, shard_dir: str | os.PathLike[str]) -> int:
         """Refuse shards captured differently from this evaluator's target: ProvenanceMismatch
@@ -302,6 +332,7 @@ class Evaluator:
             server = self._measure_server(step, refs, drafter.config.block_size)
         del drafter
         res = replay.result
+        earlier = self.results.get(step)  # lacks the asked mode: its replay tau and other modes are kept
         result = EvalResult(
             step=step, tau_chain=res.tau_chain, tau_ddtree={b: res.tau_ddtree(b) for b in self.budgets},
             accept_hist=tuple(res.accept_hist), slot_acceptance=tuple(res.slot_acceptance),
@@ -309,11 +340,18 @@ class Evaluator:
             seconds=time.time() - t0, mode=e.mode, count=e.count, live=live, server=server,
             reference=self.reference_tau(),
         )
+        rounds_path = self.eval_dir / "rounds" / f"step_{step}.json"
+        if earlier is not None:
+            result = replace(earlier, mode=e.mode, live=live if live is not None else earlier.live,
+                             server=server if server is not None else earlier.server, reference=result.reference,
+                             seconds=earlier.seconds + result.seconds)
+            if rounds_path.is_file():  # the earlier replay rounds stay, the new mode's are added
+                rounds = {**json.loads(rounds_path.read_text()), **{k: v for k, v in rounds.items() if k != "replay"}}
         # TensorBoard and the rounds first, then the result file that marks the step done: a crash in
         # between re-evaluates the step after a restart (a repeated point) instead of losing the point.
-        self._log_scalars(result)
-        (self.eval_dir / "rounds").mkdir(parents=True, exist_ok=True)
-        write_text_atomic(self.eval_dir / "rounds" / f"step_{step}.json", json.dumps(rounds) + "\n")
+        self._log_scalars(result, earlier)
+        rounds_path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(rounds_path, json.dumps(rounds) + "\n")
         self._write_result(result)
         self.results = {**self.results, step: result}
         self.done = self.done | {step}
@@ -330,10 +368,12 @@ class Evaluator:
         self.eval_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(self.eval_dir / f"step_{result.step}.json", json.dumps(result.to_json(), indent=2) + "\n")
 
-    def _log_scalars(self, result: EvalResult) -> None:
+    def _log_scalars(self, result: EvalResult, earlier: EvalResult | None = None) -> None:
+        """`earlier`: the step's result logged before; only what it lacked is logged now (each point once)."""
         if self._metrics is None:
             self._metrics = Metrics(self.tb_dir)
-        log_result(self._metrics, result, [*self.results.values(), result])
+        history = [*(r for r in self.results.values() if r.step != result.step), result]
+        log_result(self._metrics, result, history, skip=logged_tags(earlier) if earlier is not None else frozenset())
 
     def close(self) -> None:
         if self._metrics is not None:

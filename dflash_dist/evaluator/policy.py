@@ -45,6 +45,18 @@ def should_stop(trainer_finished: bool, final_step: int | None, done: set[int]) 
     return final_step is None or any(s >= final_step for s in done)
 
 
+def lacks_mode(result: EvalResult, mode: str) -> bool:
+    """True when `result` does not hold what eval.mode=`mode` measures, so the export is measured
+    again for it (keeping the modes it holds). Replay is in every result. A live/server result
+    of a checkpoint that eval.live_every skipped holds none and is complete; a failed server
+    measurement is tried again."""
+    if mode == "live":
+        return result.live is None and result.mode != "live"
+    if mode == "server":
+        return result.server_error is not None or (result.server is None and result.mode != "server")
+    return False
+
+
 @dataclass(frozen=True)
 class EvalRequest:
     """One export to evaluate: `<out>/export/step_<step>/` (config.json + model.safetensors)."""

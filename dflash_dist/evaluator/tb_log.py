@@ -68,8 +68,16 @@ def images_of(result: EvalResult, history: Iterable[EvalResult]) -> dict:
     return images
 
 
-def log_result(metrics: Metrics, result: EvalResult, history: Iterable[EvalResult]) -> None:
-    """`history`: every result so far (this one included) for the tau-vs-step image."""
-    metrics.log(result.step, scalars_of(result))
-    metrics.images(result.step, images_of(result, history))
+def logged_tags(result: EvalResult) -> frozenset[str]:
+    """The scalar and image tags `result` put in TensorBoard at its step."""
+    return frozenset(scalars_of(result)) | {"eval/tau_vs_step", "eval/accept_hist"} | (
+        {"eval/accept_hist_live"} if result.live else set())
+
+
+def log_result(metrics: Metrics, result: EvalResult, history: Iterable[EvalResult],
+               skip: frozenset[str] = frozenset()) -> None:
+    """`history`: every result so far (this one included) for the tau-vs-step image. `skip`:
+    tags already logged at this step (a mode added to an earlier result): not logged twice."""
+    metrics.log(result.step, {k: v for k, v in scalars_of(result).items() if k not in skip})
+    metrics.images(result.step, {k: v for k, v in images_of(result, history).items() if k not in skip})
     metrics.flush()

@@ -97,7 +97,7 @@ def diagnose(target, drafter, prompts, cfg) -> None:
     """Separate a rollback error from kernel numerics (chunked vs full forward)."""
     from dflash_dist.evaluator.live import live_decode
     from dflash_dist.evaluator.target_cache import TargetCache
-    from dflash_dist.model.replay import greedy_continuation
+    from dflash_dist.target.generation import greedy_continuation
 
     dev = next(target.parameters()).device
     g = torch.Generator().manual_seed(3)

@@ -15,8 +15,10 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
+log = logging.getLogger(__name__)
 STAGES = {"run": ("extract", "train", "eval"), "extract": ("extract",), "train": ("train",), "eval": ("eval",)}
 
 
@@ -93,7 +95,21 @@ def main(argv: list[str] | None = None) -> int:
     except (PipelineError, ConfigError) as e:
         print(f"dflash-dist {cmd}: error: {e}", file=sys.stderr)
         return 1
+    except Exception as e:  # any other failure of a role: one clear line, not a traceback
+        log.debug("dflash-dist %s failed", cmd, exc_info=True)
+        print(f"dflash-dist {cmd}: error: {failure_text(e)} (DFLASH_LOG_LEVEL=DEBUG shows the traceback)",
+              file=sys.stderr)
+        return 1
     return 0
+
+
+def failure_text(error: BaseException) -> str:
+    """`Type: message` of the error a role raised; a Ray task error is unwrapped to its cause
+    (its own text is the remote traceback)."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, BaseException):
+        error = cause
+    return f"{type(error).__name__}: {str(error).strip() or '(no message)'}"
 
 
 def _role(cmd: str, args: argparse.Namespace) -> str:

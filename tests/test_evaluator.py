@@ -227,20 +227,23 @@ def test_evaluator_actor_follows_exports_as_they_appear(tiny, tmp_path, monkeypa
     import ray
     from transformers import AutoTokenizer
 
-    from dflash_dist.actors.evaluator_actor import EvaluatorActor, evaluator_actor_options
+    from dflash_dist.actors.evaluator_actor import EvaluatorActor, EvaluatorTask, evaluator_actor_options
     from dflash_dist.target.loading import expected_provenance, target_identity
 
-    cfg, target_dir = tiny["cfg"], tiny["target_dir"]
+    target_dir = tiny["target_dir"]
+    out = tmp_path / "run"
+    cfg = _cfg(tiny, poll_s=0.1)
+    cfg.run.out_dir = str(out)
     # what the pipeline demands of shards, computed without loading the model
     expected = expected_provenance(cfg, target_dir, target_identity(cfg, target_dir),
                                    AutoTokenizer.from_pretrained(target_dir))
-    out = tmp_path / "run"
+    prompts = tuple(tuple(p) for p in tiny["prompts"])
     (out / "export").mkdir(parents=True)
     assert not ray.is_initialized()
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
-        actor = EvaluatorActor.options(**evaluator_actor_options(cfg)).remote(
-            cfg.to_dict(), str(out), str(target_dir), tiny["prompts"], expected.to_json(), poll_s=0.1)
+        task = EvaluatorTask(cfg.to_dict(), str(target_dir), prompts, expected=expected)
+        actor = EvaluatorActor.options(**evaluator_actor_options(cfg)).remote(task)
         ray.get(actor.start.remote())
         publish(tiny, out, "random", 10)
         deadline = time.time() + 90
@@ -250,8 +253,10 @@ def test_evaluator_actor_follows_exports_as_they_appear(tiny, tmp_path, monkeypa
         assert not status["trainer_finished"]
         publish(tiny, out, "trained", 20)
         ray.get(actor.trainer_finished.remote(20))
-        results = [EvalResult.from_json(d) for d in ray.get(actor.wait.remote(timeout_s=90))]
-        assert [r.step for r in results] == [10, 20]
+        results = ray.get(actor.wait.remote(timeout_s=90))
+        assert all(type(r) is EvalResult for r in results) and [r.step for r in results] == [10, 20]
+        assert results == [EvalResult.from_json(json.loads((out / "eval" / f"step_{s}.json").read_text()))
+                           for s in (10, 20)]
         assert results[1].tau_chain > results[0].tau_chain + 0.5
         status = ray.get(actor.status.remote())
         assert not status["alive"] and status["evaluated"] == [10, 20] and status["last_step"] == 20
@@ -260,9 +265,9 @@ def test_evaluator_actor_follows_exports_as_they_appear(tiny, tmp_path, monkeypa
         ray.kill(actor)
 
         # a refusal inside the actor reaches the caller of wait() with its type name and message
+        cfg.run.out_dir = str(tmp_path / "run2")
         refusing = EvaluatorActor.options(**evaluator_actor_options(cfg)).remote(
-            cfg.to_dict(), str(tmp_path / "run2"), str(target_dir), tiny["prompts"],
-            replace(expected, target_hash="0" * 64).to_json(), poll_s=0.1)
+            EvaluatorTask(cfg.to_dict(), str(target_dir), prompts, expected=replace(expected, target_hash="0" * 64)))
         ray.get(refusing.start.remote())
         with pytest.raises(Exception, match=r"(?s)ProvenanceMismatch.*target_hash: expected '0+', found"):
             ray.get(refusing.wait.remote(timeout_s=90))
@@ -371,6 +376,100 @@ def test_uncapped_count_is_recorded_and_counts_at_least_as_much(tiny, tmp_path):
     assert all(u.tau_ddtree[b] >= c.tau_ddtree[b] for b in BUDGETS)
 
 
+def test_uncapped_rounds_of_the_evaluator_equal_the_authors_loop(tiny, tmp_path):
+    """The evaluator's uncapped rounds (replay, and live in live mode) are the authors' loop's
+    (tests/test_live.authors_loop), the round at the last position included."""
+    from tests.test_live import authors_loop
+
+    edge = 0
+    for max_new in (5, 7):
+        out = tmp_path / f"new{max_new}"
+        (out / "export").mkdir(parents=True)
+        publish(tiny, out, "trained", 5)
+        cfg = _cfg(tiny, count="uncapped", mode="live", max_new_tokens=max_new)
+        ev = Evaluator(cfg, out, tiny["target_dir"], tiny["prompts"], expected=None)
+        ev.run_until(lambda: (True, 5), poll_s=0.05)
+        rounds = json.loads((out / "eval" / "rounds" / "step_5.json").read_text())
+        drafter = ev._load_drafter(out / "export" / "step_5")
+        for i, prompt in enumerate(tiny["prompts"]):
+            for budget, replayed, live in ((None, rounds["replay"]["chain"], rounds["live"]["chain"]),
+                                           (4, rounds["replay"]["ddtree"]["4"], rounds["live"]["ddtree"]["4"])):
+                want, _ = authors_loop(ev.model, drafter, prompt, max_new, ev.stop_ids, budget)
+                assert replayed[i] == want and live[i] == want, (max_new, budget, i, replayed[i], live[i], want)
+                edge += sum(want[:-1]) == max_new - 1
+        ev.close()
+    assert edge >= 1
+
+
+def test_asking_for_another_mode_measures_it_for_every_evaluated_export(tiny, tmp_path):
+    """`dflash-dist eval ... eval.mode=live` on a run evaluated by replay: each export gets its
+    live tau, its replay tau and other modes are kept, each TensorBoard point is written once; a
+    later replay-mode evaluation has nothing to do; a server measurement adds to live; a failed
+    one is tried again; another eval.count is refused saying how to proceed."""
+    import threading
+
+    from dflash_dist.evaluator.policy import lacks_mode
+    from tests.test_server_eval import FakeEngine
+
+    out = tmp_path / "run"
+    (out / "export").mkdir(parents=True)
+    for step, which in ((5, "random"), (10, "trained")):
+        publish(tiny, out, which, step)
+
+    def evaluate(cfg) -> tuple[Evaluator, list[EvalResult]]:
+        ev = Evaluator(cfg, out, tiny["target_dir"], tiny["prompts"], expected=None)
+        got = ev.run_until(lambda: (True, 10), poll_s=0.05)
+        ev.close()
+        return ev, got
+
+    _, replayed = evaluate(tiny["cfg"])
+    assert [r.live for r in replayed] == [None, None]
+    ev, lived = evaluate(_cfg(tiny, mode="live"))
+    assert [r.step for r in lived] == [5, 10]
+    for before, after in zip(replayed, lived):
+        assert after.mode == "live" and after.live["tau_chain"] == pytest.approx(after.tau_chain, rel=0.05)
+        assert (after.tau_chain, after.tau_ddtree, after.accept_hist) == (before.tau_chain, before.tau_ddtree,
+                                                                         before.accept_hist)
+        assert EvalResult.from_json(json.loads((out / "eval" / f"step_{after.step}.json").read_text())) == after
+        rounds = json.loads((out / "eval" / "rounds" / f"step_{after.step}.json").read_text())
+        assert set(rounds) >= {"replay", "live"}
+    assert "live chain" in lived[1].table_row()
+    tb_dir = out / "tb" / "eval"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("eval/tau_chain")] == [5, 10]  # each point once
+    assert [e.step for e in acc.Scalars("eval/tau_live_chain")] == [5, 10]
+    assert [e.step for e in acc.Images("eval/accept_hist")] == [5, 10]
+
+    # replay asked again: every result holds it, nothing is measured
+    again, nothing = evaluate(tiny["cfg"])
+    assert nothing == [] and again.done == {5, 10} and again.results == {r.step: r for r in lived}
+
+    # server: added beside live; a failed measurement is tried again on the next call
+    srv = FakeEngine("sglang")
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        server_cfg = _cfg(tiny, mode="server", server_url=srv.url, server_max_retries=0, server_timeout_s=5)
+        srv.raw = b'{"meta_info": {"spec_accept_length": -5}}'
+        _, failed = evaluate(server_cfg)
+        assert all(r.server_error and r.live for r in failed) and all(lacks_mode(r, "server") for r in failed)
+        srv.raw = None
+        _, served = evaluate(server_cfg)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert [r.step for r in served] == [5, 10]
+    for lived_r, served_r in zip(lived, served):
+        assert served_r.server_error is None and served_r.server["tau"] >= 1 and served_r.live == lived_r.live
+        assert served_r.tau_chain == lived_r.tau_chain
+
+    with pytest.raises(ValueError, match=r"step_5\.json \(and 1 more\) counts tau with eval\.count=capped, this run "
+                                         r"asks eval\.count=uncapped: pass eval\.count=capped .* move .*eval and"):
+        Evaluator(_cfg(tiny, count="uncapped"), out, tiny["target_dir"], tiny["prompts"], expected=None)
+
+
 def test_server_mode_logs_the_engines_tau(tiny, tmp_path):
     import threading
 
@@ -393,3 +492,44 @@ def test_server_mode_logs_the_engines_tau(tiny, tmp_path):
     assert PROMPTS  # the fake engine's accept length depends only on each prompt
     assert result.server["engine"] == "sglang" and result.server["requests"] == 3 and srv.requests == 4
     assert read_scalars(out / "tb" / "eval")["eval/tau_server"] == pytest.approx({5: result.server["tau"]})
+
+
+@pytest.mark.parametrize("answer", ["down", "NaN"])
+def test_a_failed_server_keeps_the_replay_tau_and_records_the_failure(tiny, tmp_path, answer):
+    """The server down (nothing listens) or answering NaN: the checkpoint's replay tau is still
+    written (eval/step_N.json, TensorBoard) and the server's failure is recorded beside it."""
+    import socket
+    import threading
+
+    from tests.test_server_eval import FakeEngine
+
+    srv = None
+    if answer == "down":
+        with socket.socket() as s:  # a port nothing listens on once closed
+            s.bind(("127.0.0.1", 0))
+            url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    else:
+        srv = FakeEngine("sglang", raw=b'{"meta_info": {"spec_accept_length": NaN}}')
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        url = srv.url
+    try:
+        out = tmp_path / "run"
+        (out / "export").mkdir(parents=True)
+        publish(tiny, out, "trained", 5)
+        cfg = _cfg(tiny, mode="server", server_url=url, server_max_retries=0, server_timeout_s=5)
+        ev = Evaluator(cfg, out, tiny["target_dir"], tiny["prompts"], expected=None)
+        (result,) = ev.run_until(lambda: (True, 5), poll_s=0.05)
+        ev.close()
+    finally:
+        if srv is not None:
+            srv.shutdown()
+            srv.server_close()
+    assert 1.0 <= result.tau_chain <= DEMO.block_size
+    assert result.server["url"] == url and url in result.server_error
+    assert ("NaN" in result.server_error) if answer == "NaN" else ("attempts" in result.server_error)
+    saved = json.loads((out / "eval" / "step_5.json").read_text())
+    assert EvalResult.from_json(saved) == result and saved["tau_chain"] == result.tau_chain
+    tb = read_scalars(out / "tb" / "eval")
+    assert tb["eval/tau_chain"] == pytest.approx({5: result.tau_chain})
+    assert tb["eval/server_failed"] == {5: 1.0} and "eval/tau_server" not in tb
+    assert "server FAILED" in result.table_row() and f"tau chain {result.tau_chain:.2f}" in result.table_row()

@@ -174,20 +174,22 @@ def test_killed_trainer_rank_group_restarts_from_checkpoint_each_sample_once(tin
 def test_killed_evaluator_is_restarted_and_measures_every_export_once(tiny_eval, ray_cluster, tmp_path):
     from transformers import AutoTokenizer
 
-    from dflash_dist.actors.evaluator_actor import EvaluatorActor, evaluator_actor_options
+    from dflash_dist.actors.evaluator_actor import EvaluatorActor, EvaluatorTask, evaluator_actor_options
     from dflash_dist.evaluator import EvalResult
     from dflash_dist.target.loading import expected_provenance, target_identity
     from tests.test_evaluator import publish
 
     ray = ray_cluster
     cfg, target_dir = load_config_dict(tiny_eval["cfg"].to_dict()), tiny_eval["target_dir"]
-    cfg.eval.num_cpus, cfg.eval.max_restarts = 0.5, 1
+    cfg.eval.num_cpus, cfg.eval.max_restarts, cfg.eval.poll_s = 0.5, 1, 0.1
     expected = expected_provenance(cfg, target_dir, target_identity(cfg, target_dir),
                                    AutoTokenizer.from_pretrained(target_dir))
     out = tmp_path / "run"
+    cfg.run.out_dir = str(out)
     (out / "export").mkdir(parents=True)
-    actor = EvaluatorActor.options(**evaluator_actor_options(cfg)).remote(
-        cfg.to_dict(), str(out), str(target_dir), tiny_eval["prompts"], expected.to_json(), poll_s=0.1)
+    task = EvaluatorTask(cfg.to_dict(), str(target_dir), tuple(tuple(p) for p in tiny_eval["prompts"]),
+                         expected=expected)
+    actor = EvaluatorActor.options(**evaluator_actor_options(cfg)).remote(task)
     actor.start.remote()
     publish(tiny_eval, out, "random", 10)
     deadline = time.time() + 120
@@ -199,7 +201,8 @@ def test_killed_evaluator_is_restarted_and_measures_every_export_once(tiny_eval,
     publish(tiny_eval, out, "trained", 20)  # while it is down: both are measured after the restart
     publish(tiny_eval, out, "random", 30)
 
-    results = [EvalResult.from_json(d) for d in wait_evaluator(ray, actor, 30, cfg.eval.max_restarts)]
+    results = wait_evaluator(ray, actor, 30, cfg.eval.max_restarts)
+    assert all(type(r) is EvalResult for r in results)
     assert [r.step for r in results] == [10, 20, 30]
     after = ray.get(actor.status.remote())
     assert after["restarted"] and after["pid"] != status["pid"] and after["evaluated"] == [10, 20, 30]

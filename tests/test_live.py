@@ -18,7 +18,8 @@ from dflash_dist.evaluator.live import (
 from dflash_dist.evaluator.target_cache import TargetCache
 from dflash_dist.model.capture import capture_features
 from dflash_dist.model.ddtree import build_ddtree, follow_verified_tree
-from dflash_dist.model.replay import aggregate_rounds, greedy_continuation, replay_sequence
+from dflash_dist.model.replay import aggregate_rounds, replay_sequence
+from dflash_dist.target.generation import greedy_continuation
 from dflash_dist.tools.demo import DemoConfig, drafter_for, make_data, tiny_qwen35_target, train
 from dflash_dist.tools.live_check import live_vs_replay, trained_on_device
 
@@ -143,6 +144,84 @@ def test_uncapped_count_counts_past_the_end(trained):
     )
 
 
+@torch.no_grad()
+def authors_loop(target, drafter, prompt: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = (),
+                 budget: int | None = None) -> tuple[list[int], list[int]]:
+    """The reference for eval.count=uncapped, written after the authors' generate loops (z-lab's
+    dflash `dflash_generate` in its benchmark form, DDTree's `ddtree_generate`), greedy, with full
+    forwards instead of a cache. Returns (acceptance lengths, output tokens).
+
+        max_length = n + max_new_tokens; output[n] = argmax of the prefill; start = n
+        while start < max_length:
+            draft from output[start] and the target features of positions < start
+            verify: the target's argmax after each drafted position; accepted = matching prefix
+            output[start+1 ..] = accepted drafts + bonus; start += accepted + 1
+            acceptance_lengths.append(accepted + 1)
+            if a stop token is anywhere in output[n : start + 1]: break
+    """
+    n, layers, blk = len(prompt), drafter.config.target_layer_ids, drafter.config.block_size
+    out = list(prompt) + [int(target(torch.tensor([prompt])).logits[0, -1].argmax())]
+    max_length, start, lengths = n + max_new_tokens, n, []
+    while start < max_length:
+        feats = capture_features(target, torch.tensor([out[:start]]), layers, with_argmax=False).features[0]
+        logits = drafter.draft_block(None, out[start], start, context=drafter.fuse_context(feats[None]))
+        if budget is None:
+            drafts = logits.argmax(-1).tolist()
+            posterior = target(torch.tensor([out[:start] + [out[start], *drafts]])).logits[0, start:].argmax(-1)
+            acc = next((i for i in range(blk - 1) if drafts[i] != int(posterior[i])), blk - 1)
+            new = [*drafts[:acc], int(posterior[acc])]
+        else:
+            tree = build_ddtree(logits, budget)
+            posterior = [0] * len(tree.parents)
+            for path in tree_paths(tree):  # each root-to-leaf path in one full forward
+                ids = [out[start] if i == 0 else tree.node_token_ids[i - 1] for i in path]
+                row = target(torch.tensor([out[:start] + ids])).logits[0, start:].argmax(-1).tolist()
+                for depth, i in enumerate(path):
+                    posterior[i] = row[depth]
+            accepted, bonus = follow_verified_tree(tree.child_maps, posterior)
+            acc = len(accepted) - 1
+            new = [*(tree.node_token_ids[i - 1] for i in accepted[1:]), bonus]
+        out = out[: start + 1] + new
+        start += acc + 1
+        lengths.append(acc + 1)
+        if any(t in stop_ids for t in out[n : start + 1]):
+            break
+    tokens = out[n:max_length]
+    first_stop = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
+    return lengths, tokens if first_stop is None else tokens[: first_stop + 1]
+
+
+def test_uncapped_rounds_equal_the_authors_loop(trained):
+    """eval.count=uncapped, replay and live, chain and DDTree, equal the reference loop round for
+    round over several continuation lengths and stop tokens, including the edge case the loops
+    used to miss: the previous bonus token landing on the last position (one more round there),
+    and a stop token from the prefill itself (one round, as the authors check after it)."""
+    target, drafter, prompts, _ = trained
+    blk, budget = drafter.config.block_size, 4
+    edge = prefill_stop = mid_stop = 0
+    for prompt in prompts[:4]:
+        full = greedy_continuation(target, prompt, 14 + blk)
+        cases = [(m, ()) for m in (3, 5, 7, 9, 11)] + [(12, (full[0],)), (12, (full[6],))]
+        for max_new, stops in cases:
+            y = greedy_continuation(target, prompt, max_new, stops)
+            end = len(prompt) + len(y)
+            seq = prompt + y + greedy_continuation(target, prompt + y, blk - 1)  # past the end, stops ignored
+            feats = capture_features(target, torch.tensor([prompt + y]), drafter.config.target_layer_ids,
+                                     with_argmax=False).features[0]
+            chain, trees = replay_sequence(drafter, seq, feats, len(prompt), (budget,), end=end, count="uncapped",
+                                           stop_ids=stops)
+            for b, replayed in ((None, chain), (budget, trees[budget])):
+                want, tokens = authors_loop(target, drafter, prompt, max_new, stops, b)
+                assert tokens == y
+                assert replayed == want, (max_new, stops, b, replayed, want)
+                run = live_decode(target, drafter, prompt, max_new, stops, b, count="uncapped")
+                assert list(run.taus) == want and list(run.tokens) == y, (max_new, stops, b, run, want)
+                edge += not stops and sum(want[:-1]) == max_new - 1  # the last round anchored on the last position
+            prefill_stop += bool(stops) and len(y) == 1
+            mid_stop += bool(stops) and 1 < len(y) < max_new
+    assert edge >= 2 and prefill_stop >= 1 and mid_stop >= 1, (edge, prefill_stop, mid_stop)
+
+
 def _path_by_path(cache: TargetCache, tree, anchor: int) -> list[int]:
     """The reference: each root-to-leaf path in its own forward from a fresh copy of the cache."""
     posterior = [None] * len(tree.parents)
@@ -246,9 +325,52 @@ def test_replay_tau_is_finite_with_a_one_token_continuation(trained):
 
     target, drafter, prompts, responses = trained
     continuations = [responses[0][:1], *responses[1:3]]  # the first has no drafting round
-    res = replay_tau(target, drafter, prompts[:3], DEMO.new_tokens, (4,), continuations=continuations)
+    res = replay_tau(target, drafter, prompts[:3], continuations, (4,))
     assert math.isfinite(res.tau_chain) and math.isfinite(res.tau_ddtree(4))
-    rest = replay_tau(target, drafter, prompts[1:3], DEMO.new_tokens, (4,), continuations=responses[1:3])
+    rest = replay_tau(target, drafter, prompts[1:3], responses[1:3], (4,))
     assert res.tau_chain == rest.tau_chain and res.tau_ddtree(4) == rest.tau_ddtree(4)
     assert len(res.tau_chain_per_prompt) == 2 and sum(res.accept_hist) == res.rounds
     assert aggregate_rounds(8, [[], [3, 1]], {4: [[], [2, 2]]}).tau_ddtree(4) == 2.0
+
+
+# hostile sampling/penalty fields a checkpoint's generation_config.json may carry (as in test_regenerate)
+HOSTILE = {"repetition_penalty": 2.0, "no_repeat_ngram_size": 2, "temperature": 0.3, "top_k": 3, "do_sample": True,
+           "min_new_tokens": 20, "suppress_tokens": [5, 6]}
+
+
+def test_greedy_continuation_ignores_a_hostile_generation_config(tmp_path):
+    """greedy_continuation (replay_tau's, the demo's, live_check's and bench_live's continuations)
+    is plain argmax decoding whatever the checkpoint's generation_config.json says: equal on a
+    clean and a hostile copy of the same weights, and equal to an argmax loop written here."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    cfg = replace(DemoConfig(), target_layers=4, prompt_len=10)
+    tiny_qwen35_target(cfg).save_pretrained(tmp_path / "clean")
+    gen = json.loads((tmp_path / "clean" / "generation_config.json").read_text())
+    (tmp_path / "hostile").mkdir()
+    for f in (tmp_path / "clean").iterdir():
+        (tmp_path / "hostile" / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "hostile" / "generation_config.json").write_text(json.dumps({**gen, **HOSTILE}))
+    clean, hostile = (AutoModelForCausalLM.from_pretrained(tmp_path / d, dtype=torch.float32).eval()
+                      for d in ("clean", "hostile"))
+    assert hostile.generation_config.repetition_penalty == 2.0
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, cfg.vocab_size - 1, (cfg.prompt_len,), generator=g).tolist() for _ in range(4)]
+    n = 16
+    with torch.no_grad():  # the config bites: a plain greedy generate on the hostile copy answers otherwise
+        plain = [[m.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False)[0, len(p):].tolist() for p in prompts]
+                 for m in (clean, hostile)]
+    assert plain[0] != plain[1]
+    for p in prompts:
+        seq = list(p)
+        with torch.no_grad():
+            for _ in range(n):  # the reference: argmax of a full forward, token by token
+                seq.append(int(clean(torch.tensor([seq])).logits[0, -1].argmax()))
+        expected = seq[len(p):]
+        assert greedy_continuation(clean, p, n) == expected
+        assert greedy_continuation(hostile, p, n) == expected
+        stop = expected[5]  # a stop token ends it there, kept; min_new_tokens does not delay it
+        assert greedy_continuation(hostile, p, n, (stop,)) == expected[: expected.index(stop) + 1]

@@ -84,13 +84,13 @@ def placed(cluster, tiny, tmp_path):
 
 
 def test_target_and_evaluator_actors_run_on_their_nodes(cluster, placed):
-    from dflash_dist.actors.evaluator_actor import EvaluatorActor, evaluator_actor_options
+    from dflash_dist.actors.evaluator_actor import EvaluatorActor, EvaluatorTask, evaluator_actor_options
 
     cfg, where = placed
     assert len(set(cluster.values())) == 3
     target = NodeOf.options(**where("target", 0)).remote()
     evaluator = EvaluatorActor.options(**evaluator_actor_options(cfg), **where("evaluator", 0)).remote(
-        cfg.to_dict(), str(cfg.out), cfg.target.path, [[1, 2, 3]])  # not started: only asked where it runs
+        EvaluatorTask(cfg.to_dict(), cfg.target.path, ((1, 2, 3),)))  # not started: only asked where it runs
     assert ray.get(target.node_id.remote(), timeout=120) == cluster["target"]
     assert ray.get(evaluator.status.remote(), timeout=120)["node_id"] == cluster["evaluator"]
     for actor in (target, evaluator):

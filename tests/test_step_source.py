@@ -15,7 +15,6 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import pytest
 import torch
 
 from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance

@@ -1,7 +1,8 @@
 """The evaluator actor: a thin Ray wrapper that runs `Evaluator.run_until` in a background thread.
 
-Calls carry only small records: the config as a dict, paths, token-id lists, the expected
-provenance as JSON, and EvalResult JSON dicts back. The target is loaded inside the thread, so
+It is built from one frozen EvaluatorTask (as a target actor from its CaptureTask), and `wait`
+returns the frozen EvalResults; the poll interval and backlog policy are the task's cfg.eval,
+the run directory its run.out_dir. The target is loaded inside the thread, so
 `start()` returns at once and the (slow) target load and reference continuations overlap the
 trainer's first steps; an error there is reported by `status()` and raised by `wait()`.
 The actor is threaded (max_concurrency), so `status()` and `trainer_finished()` are answered
@@ -20,11 +21,15 @@ import pickle
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 
 import ray
 import torch
 
+from data_pipeline.provenance import Provenance
 from dflash_dist.config import Config
+from dflash_dist.evaluator.policy import EvalResult
+from dflash_dist.target.loading import TargetIdentity
 
 log = logging.getLogger(__name__)
 MAX_CONCURRENCY = 4  # wait() blocks one slot; status()/trainer_finished() need others
@@ -36,22 +41,30 @@ def evaluator_actor_options(cfg: Config) -> dict:
             "max_restarts": cfg.eval.max_restarts, "max_task_retries": 0}
 
 
+@dataclass(frozen=True)
+class EvaluatorTask:
+    """What the evaluator actor measures: every export under the config's run directory, against
+    one target, on the held-out prompts (token ids)."""
+
+    cfg: dict  # Config.to_dict(): run.out_dir is the run directory; eval.* the modes, poll and backlog policy
+    target_dir: str
+    eval_prompts: tuple[tuple[int, ...], ...]
+    identity: TargetIdentity | None = None  # the run plan's (weights hashed once per run); None: hashed here
+    expected: Provenance | None = None  # the training shards' provenance the target must reproduce; None: unchecked
+    shard_dir: str | None = None  # shards re-checked before every evaluation; None: none
+
+
 @ray.remote(max_concurrency=MAX_CONCURRENCY)
 class EvaluatorActor:
-    def __init__(self, cfg_dict: dict, out_dir: str, target_dir: str, eval_prompts: list[list[int]],
-                 expected_json: str | None = None, shard_dir: str | None = None, poll_s: float = 5.0,
-                 max_backlog: int = 4, stride: int = 2, identity=None) -> None:
-        """identity: the run plan's TargetIdentity (a frozen record; the weights are not hashed again)."""
+    def __init__(self, task: EvaluatorTask) -> None:
         from dflash_dist.config import load_config_dict
         from dflash_dist.logging_setup import setup_logging
 
         setup_logging("evaluator", 0)  # the evaluator's INFO lines (references, tau per step) reach the driver
-        self.cfg = load_config_dict(cfg_dict)
+        self.task = task
+        self.cfg = load_config_dict(task.cfg)
         if self.cfg.eval.num_gpus == 0:
             torch.set_num_threads(max(1, int(self.cfg.eval.num_cpus)))  # no more threads than reserved CPUs
-        self._args = (out_dir, target_dir, eval_prompts, expected_json, shard_dir)
-        self._identity = identity
-        self._loop = {"poll_s": poll_s, "max_backlog": max_backlog, "stride": stride}
         self._lock = threading.Lock()
         self._finished: bool = False
         self._final_step: int | None = None
@@ -97,9 +110,9 @@ class EvaluatorActor:
             "node_id": ray.get_runtime_context().get_node_id(),
         }
 
-    def wait(self, timeout_s: float | None = None) -> list[dict]:
-        """Block until the evaluator stops; every evaluated step's EvalResult JSON, by step
-        (also those of a run this one resumed)."""
+    def wait(self, timeout_s: float | None = None) -> list[EvalResult]:
+        """Block until the evaluator stops; every evaluated step's EvalResult, by step (also
+        those of a run this one resumed)."""
         t0 = time.monotonic()
         if not self._started.wait(timeout_s):
             raise TimeoutError(f"EvaluatorActor.start() was not called within {timeout_s}s")
@@ -108,7 +121,7 @@ class EvaluatorActor:
             raise TimeoutError(f"the evaluator is still running after {timeout_s}s: {self.status()}")
         if self._error is not None:
             raise _portable(self._error)
-        return [r.to_json() for r in self._evaluator.results.values()]
+        return [r for _, r in sorted(self._evaluator.results.items())]
 
     def _progress(self) -> dict:
         ev = self._evaluator
@@ -119,17 +132,16 @@ class EvaluatorActor:
             return self._finished, self._final_step
 
     def _run(self) -> None:
-        from data_pipeline.provenance import Provenance
         from dflash_dist.actors.heartbeat import Heartbeat
         from dflash_dist.evaluator.evaluator import Evaluator
 
-        out_dir, target_dir, eval_prompts, expected_json, shard_dir = self._args
+        task, e = self.task, self.cfg.eval
         try:
-            with Heartbeat(out_dir, "evaluator", 0, info=self._progress):
-                expected = Provenance.from_json(expected_json, "expected provenance") if expected_json else None
-                self._evaluator = Evaluator(self.cfg, out_dir, target_dir, eval_prompts, expected, shard_dir=shard_dir,
-                                            identity=self._identity)
-                self._evaluator.run_until(self._stop, **self._loop)
+            with Heartbeat(self.cfg.out, "evaluator", 0, info=self._progress):
+                self._evaluator = Evaluator(self.cfg, self.cfg.out, task.target_dir,
+                                            [list(p) for p in task.eval_prompts], task.expected,
+                                            shard_dir=task.shard_dir, identity=task.identity)
+                self._evaluator.run_until(self._stop, e.poll_s, e.max_backlog, e.backlog_stride)
         except BaseException as e:  # kept for wait(); the thread itself has no caller to raise to
             self._error, self._error_text = e, "".join(traceback.format_exception_only(type(e), e)).strip()
         finally:

@@ -20,7 +20,10 @@ Files under the run directory `<out>`:
   eval/reference.json                              the reference drafter's tau (measured once)
   tb/eval/                                         scalars and images at global step N (tb_log.py)
 The eval/step_N.json files are the evaluator's progress: a restarted evaluator reads them and
-continues after the last checkpoint it finished.
+continues after the last checkpoint it finished. A checkpoint whose result lacks what eval.mode
+asks (live or server tau; `dflash-dist eval ... eval.mode=live` on a run evaluated by replay) is
+measured again for that mode, keeping the result's replay tau and its other modes; results of
+another eval.count are refused (one count per run directory).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import os
 import re
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -41,9 +45,16 @@ from data_pipeline.provenance import Provenance, check_compatible
 from data_pipeline.shard_reader import read_manifest
 from dflash_dist.config import Config
 from dflash_dist.evaluator.measure import HeldOut, measure_live, measure_replay, rounds_agreement
-from dflash_dist.evaluator.policy import EvalRequest, EvalResult, pending_steps, should_stop, tau_record_from_json
-from dflash_dist.evaluator.server import server_tau
-from dflash_dist.evaluator.tb_log import log_result
+from dflash_dist.evaluator.policy import (
+    EvalRequest,
+    EvalResult,
+    lacks_mode,
+    pending_steps,
+    should_stop,
+    tau_record_from_json,
+)
+from dflash_dist.evaluator.server import ServerError, server_tau
+from dflash_dist.evaluator.tb_log import log_result, logged_tags
 from dflash_dist.model.capture import capture_features, check_kernel_path
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.export import load_drafter
@@ -120,7 +131,13 @@ class Evaluator:
         self._metrics: Metrics | None = None  # opened on the first result
         # Replaced, never mutated, so another thread (the actor's status()) reads a consistent copy.
         self.results: dict[int, EvalResult] = self._read_results()
-        self.done: frozenset[int] = frozenset(self.results)
+        self._check_count()
+        # done: holds what eval.mode asks; the others are measured again for the missing mode
+        self.done: frozenset[int] = frozenset(s for s, r in self.results.items() if not lacks_mode(r, cfg.eval.mode))
+        missing = sorted(set(self.results) - self.done)
+        if missing:
+            log.info("evaluator: steps %s have no %s tau yet: measuring it (their replay tau and other modes are "
+                     "kept)", missing, cfg.eval.mode)
 
     # ---- progress -------------------------------------------------------------------------
 
@@ -146,6 +163,19 @@ class Evaluator:
         return dict(sorted(results.items()))
 
     # ---- checks ---------------------------------------------------------------------------
+
+    def _check_count(self) -> None:
+        """One eval.count per run directory: a result file holds one count, and a curve mixing
+        two would not compare."""
+        want = self.cfg.eval.count
+        other = sorted(s for s, r in self.results.items() if r.count != want)
+        if other:
+            got = self.results[other[0]].count
+            raise ValueError(
+                f"{self.eval_dir}/step_{other[0]}.json (and {len(other) - 1} more) counts tau with eval.count={got}, "
+                f"this run asks eval.count={want}: pass eval.count={got} to add modes to those results, or move "
+                f"{self.eval_dir} and {self.tb_dir} aside to measure every export again with eval.count={want}"
+            )
 
     def check_shards(self, shard_dir: str | os.PathLike[str]) -> int:
         """Refuse shards captured differently from this evaluator's target: ProvenanceMismatch
@@ -177,28 +207,36 @@ class Evaluator:
                 (gen,) = generate_responses(self.model, [prompt], self.cfg.eval.max_new_tokens, self.stop_ids,
                                             self.pad_id)
                 y = list(gen.tokens)
-                if len(y) < 2:  # the first token comes from the prompt itself: no drafting round
-                    continue
                 seq = prompt + y
                 ids = torch.tensor([seq], device=self.device)
                 cap = capture_features(self.model, ids, self.identity.layer_ids, with_argmax=False,
                                        allow_torch_gdn_on_cuda=self.cfg.target.allow_torch_gdn_on_cuda)
                 assert cap.kernel_path == self.provenance.kernel_path, (cap.kernel_path, self.provenance)
                 refs.append(HeldOut(len(prompt), len(seq), tuple(seq), cap.features[0]))
-            if not refs:
-                raise ValueError(
-                    f"none of the {len(self.eval_prompts)} eval prompts got a greedy continuation of 2+ tokens "
-                    f"(a stop token {list(self.stop_ids)} right away?): check the eval prompts and eval.max_new_tokens"
-                )
             log.info("evaluator: %d reference continuations (%d tokens) in %.1fs", len(refs),
                      sum(len(r.sequence) - r.prompt_len for r in refs), time.time() - t0)
             self._refs = refs
         return self._refs
 
+    def _usable(self, refs: list[HeldOut]) -> list[HeldOut]:
+        """The references that have a round under eval.count: capped, a continuation of 2+ tokens
+        (the first comes from the prompt itself); uncapped, every one (the authors' loop runs a
+        round at a one-token continuation too)."""
+        if self.cfg.eval.count == "uncapped":
+            return refs
+        usable = [r for r in refs if r.end - r.prompt_len >= 2]
+        if not usable:
+            raise ValueError(
+                f"none of the {len(self.eval_prompts)} eval prompts got a greedy continuation of 2+ tokens "
+                f"(a stop token {list(self.stop_ids)} right away?): check the eval prompts and eval.max_new_tokens"
+            )
+        return usable
+
     def _counted(self, refs: list[HeldOut], block_size: int) -> list[HeldOut]:
-        """The references as eval.count needs them: uncapped rounds look past the continuation's
-        end, so each gets the target's greedy tokens beyond it (stop tokens ignored, as a
-        decoding loop that counts every accepted draft sees them)."""
+        """The references as eval.count needs them (`_usable`): uncapped rounds look past the
+        continuation's end, so each gets the target's greedy tokens beyond it (stop tokens
+        ignored, as a decoding loop that counts every accepted draft sees them)."""
+        refs = self._usable(refs)
         if self.cfg.eval.count == "capped":
             return refs
         need = block_size - 1
@@ -227,6 +265,18 @@ class Evaluator:
         return measure_live(self.model, drafter, refs, self.budgets, e.count, self.stop_ids, e.max_new_tokens,
                             self.provenance.kernel_path)
 
+    def _measure_server(self, step: int, refs: list[HeldOut], block_size: int) -> dict:
+        """The engine's tau as ServerResult JSON; a failed server is recorded as {"engine", "url",
+        "error"} instead, so the checkpoint's replay tau is still written and logged."""
+        e = self.cfg.eval
+        try:
+            return server_tau(e.server_url, e.server_engine, [r.prompt for r in refs], e.max_new_tokens, block_size,
+                              e.server_model, e.server_concurrency, e.server_max_retries, e.server_timeout_s).to_json()
+        except ServerError as err:
+            log.warning("evaluator: step %d: no server tau (%s); the replay tau is recorded with the failure", step,
+                        err)
+            return {"engine": e.server_engine, "url": e.server_url, "error": str(err)}
+
     def reference_tau(self) -> dict | None:
         """The reference drafter's tau on the same prompts and modes (replay; live in live mode),
         measured once: kept in eval/reference.json, re-measured only if its settings changed."""
@@ -236,7 +286,7 @@ class Evaluator:
         if self._reference is None:
             path = self.eval_dir / "reference.json"
             key = {"version": REFERENCE_VERSION, "dir": str(Path(e.reference_drafter).resolve()), "count": e.count,
-                   "live": e.mode == "live", "prompts": [list(r.sequence[: r.prompt_len]) for r in self.references()],
+                   "live": e.mode == "live", "prompts": [r.prompt for r in self._usable(self.references())],
                    "budgets": list(self.budgets)}
             if path.is_file():
                 saved = json.loads(path.read_text())
@@ -246,7 +296,7 @@ class Evaluator:
             t0 = time.time()
             drafter = self._load_drafter(Path(e.reference_drafter))
             refs = self._counted(self.references(), drafter.config.block_size)
-            replay = measure_replay(drafter, refs, self.budgets, e.count, self.provenance.kernel_path)
+            replay = measure_replay(drafter, refs, self.budgets, e.count, self.provenance.kernel_path, self.stop_ids)
             ref = {"dir": key["dir"], "tau_chain": replay.result.tau_chain,
                    "tau_ddtree": {b: replay.result.tau_ddtree(b) for b in self.budgets}}
             if e.mode == "live":
@@ -269,7 +319,7 @@ class Evaluator:
         drafter = self._load_drafter(export_dir)
         refs = self._counted(self.references(), drafter.config.block_size)
         kernel_path = self.provenance.kernel_path
-        replay = measure_replay(drafter, refs, self.budgets, e.count, kernel_path)
+        replay = measure_replay(drafter, refs, self.budgets, e.count, kernel_path, self.stop_ids)
         rounds: dict = {"step": step, "count": e.count, "replay": replay.rounds_json()}
         live = server = None
         if self._live_now() and e.mode == "live":
@@ -279,11 +329,10 @@ class Evaluator:
                     "continuations_equal": measured.tokens_equal, "prompts": len(refs)}
             rounds["live"] = measured.rounds_json()
         elif self._live_now() and e.mode == "server":
-            server = server_tau(e.server_url, e.server_engine, [r.prompt for r in refs], e.max_new_tokens,
-                                e.server_model, e.server_concurrency, e.server_max_retries, e.server_timeout_s)
-            server = server.to_json()
+            server = self._measure_server(step, refs, drafter.config.block_size)
         del drafter
         res = replay.result
+        earlier = self.results.get(step)  # lacks the asked mode: its replay tau and other modes are kept
         result = EvalResult(
             step=step, tau_chain=res.tau_chain, tau_ddtree={b: res.tau_ddtree(b) for b in self.budgets},
             accept_hist=tuple(res.accept_hist), slot_acceptance=tuple(res.slot_acceptance),
@@ -291,17 +340,25 @@ class Evaluator:
             seconds=time.time() - t0, mode=e.mode, count=e.count, live=live, server=server,
             reference=self.reference_tau(),
         )
+        rounds_path = self.eval_dir / "rounds" / f"step_{step}.json"
+        if earlier is not None:
+            result = replace(earlier, mode=e.mode, live=live if live is not None else earlier.live,
+                             server=server if server is not None else earlier.server, reference=result.reference,
+                             seconds=earlier.seconds + result.seconds)
+            if rounds_path.is_file():  # the earlier replay rounds stay, the new mode's are added
+                rounds = {**json.loads(rounds_path.read_text()), **{k: v for k, v in rounds.items() if k != "replay"}}
         # TensorBoard and the rounds first, then the result file that marks the step done: a crash in
         # between re-evaluates the step after a restart (a repeated point) instead of losing the point.
-        self._log_scalars(result)
-        (self.eval_dir / "rounds").mkdir(parents=True, exist_ok=True)
-        write_text_atomic(self.eval_dir / "rounds" / f"step_{step}.json", json.dumps(rounds) + "\n")
+        self._log_scalars(result, earlier)
+        rounds_path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(rounds_path, json.dumps(rounds) + "\n")
         self._write_result(result)
         self.results = {**self.results, step: result}
         self.done = self.done | {step}
         trees = " ".join(f"ddtree{b}={t:.3f}" for b, t in result.tau_ddtree.items())
         extra = f" live chain={live['tau_chain']:.3f}" if live else ""
-        extra += f" server={server['tau']:.3f}" if server else ""
+        extra += f" server={server['tau']:.3f}" if server and "error" not in server else ""
+        extra += " server=FAILED" if server and "error" in server else ""
         extra += f" vs reference x{result.tau_chain_vs_reference:.3f}" if result.reference else ""
         log.info("evaluator: step %d tau chain=%.3f %s%s (%d prompts, %.1fs)", step, result.tau_chain, trees, extra,
                  result.prompts, result.seconds)
@@ -311,10 +368,12 @@ class Evaluator:
         self.eval_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(self.eval_dir / f"step_{result.step}.json", json.dumps(result.to_json(), indent=2) + "\n")
 
-    def _log_scalars(self, result: EvalResult) -> None:
+    def _log_scalars(self, result: EvalResult, earlier: EvalResult | None = None) -> None:
+        """`earlier`: the step's result logged before; only what it lacked is logged now (each point once)."""
         if self._metrics is None:
             self._metrics = Metrics(self.tb_dir)
-        log_result(self._metrics, result, [*self.results.values(), result])
+        history = [*(r for r in self.results.values() if r.step != result.step), result]
+        log_result(self._metrics, result, history, skip=logged_tags(earlier) if earlier is not None else frozenset())
 
     def close(self) -> None:
         if self._metrics is not None:

@@ -13,8 +13,11 @@ the cache, so every node's state comes from its ancestors only. A pure-attention
 one-row tree-masked pass (`verify_tree_masked`), exact there and cheaper.
 
 Counting (eval.count): "capped" stops a round at the continuation's end (a stop token or
-max_new_tokens), as greedy replay does; "uncapped" counts every accepted draft, as the authors'
-loop does. tau_round = accepted + 1.
+max_new_tokens), as greedy replay does; "uncapped" is the authors' loop (z-lab's
+`while start < max_length`, DDTree's the same): every accepted draft counts, a round also runs
+when the previous bonus token landed on the last position, and a stop token ends decoding after
+the round that produced it (a stop from the prefill still gets that one round). tau_round =
+accepted + 1.
 """
 
 from __future__ import annotations
@@ -110,9 +113,11 @@ def live_decode(target: nn.Module, drafter: DFlashDrafter, prompt: list[int], ma
     tokens, taus = [anchor], []
     stops = set(stop_ids)
     p, end_max = len(prompt), len(prompt) + max_new_tokens
-    if anchor in stops:
+    first_stops = anchor in stops
+    if first_stops and count == "capped":
         return LiveRun(tuple(tokens), ())
-    while p < end_max - 1:
+    last = end_max if count == "uncapped" else end_max - 1  # rounds anchor at p < last
+    while p < last:
         logits = drafter.draft_block(None, anchor, p, context=torch.cat(context, dim=1))
         if budget is None:
             drafts = logits.argmax(-1).tolist()
@@ -132,6 +137,9 @@ def live_decode(target: nn.Module, drafter: DFlashDrafter, prompt: list[int], ma
             accepted = [tree.node_token_ids[i - 1] for i in path[1:]]
             acc = len(accepted)
             features = cache.step([anchor, *accepted]).features  # the verify left the cache untouched
+        if first_stops:  # uncapped: the one round the authors' loop runs on a stop from the prefill
+            taus.append(acc + 1)
+            break
         new = [*accepted, bonus]
         stop_at = next((j for j, t in enumerate(new) if t in stops), None)
         end = end_max if stop_at is None else min(end_max, p + stop_at + 2)  # one past the last counted token

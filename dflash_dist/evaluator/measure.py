@@ -53,11 +53,11 @@ class Measured:
 
 
 def measure_replay(drafter: DFlashDrafter, refs: list[HeldOut], budgets: tuple[int, ...], count: str,
-                   kernel_path: str) -> Measured:
+                   kernel_path: str, stop_ids: tuple[int, ...] = ()) -> Measured:
     chains, trees = [], {b: [] for b in budgets}
     for ref in refs:
         chain, per_budget = replay_sequence(drafter, list(ref.sequence), ref.features, ref.prompt_len, budgets,
-                                            end=ref.end, count=count)
+                                            end=ref.end, count=count, stop_ids=stop_ids)
         chains.append(chain)
         for b in budgets:
             trees[b].append(per_budget[b])

@@ -45,6 +45,18 @@ def should_stop(trainer_finished: bool, final_step: int | None, done: set[int]) 
     return final_step is None or any(s >= final_step for s in done)
 
 
+def lacks_mode(result: EvalResult, mode: str) -> bool:
+    """True when `result` does not hold what eval.mode=`mode` measures, so the export is measured
+    again for it (keeping the modes it holds). Replay is in every result. A live/server result
+    of a checkpoint that eval.live_every skipped holds none and is complete; a failed server
+    measurement is tried again."""
+    if mode == "live":
+        return result.live is None and result.mode != "live"
+    if mode == "server":
+        return result.server_error is not None or (result.server is None and result.mode != "server")
+    return False
+
+
 @dataclass(frozen=True)
 class EvalRequest:
     """One export to evaluate: `<out>/export/step_<step>/` (config.json + model.safetensors)."""
@@ -74,7 +86,8 @@ class EvalResult:
     continuation's end was counted ("capped" | "uncapped"). `live` (eval.mode=live, at the
     checkpoints it ran) holds live speculative decoding's tau_chain, tau_ddtree, accept_hist,
     slot_acceptance, rounds and how many rounds and continuations equal replay's; `server` the
-    engine's ServerResult JSON; `reference` the reference drafter's tau_chain and tau_ddtree
+    engine's ServerResult JSON, or {"engine", "url", "error"} when the server failed (the replay
+    tau is recorded all the same); `reference` the reference drafter's tau_chain and tau_ddtree
     (replay, and live when measured) on the same prompts, for the ratio.
     """
 
@@ -92,6 +105,23 @@ class EvalResult:
     live: dict[str, Any] | None = None
     server: dict[str, Any] | None = None
     reference: dict[str, Any] | None = None
+
+    @property
+    def server_error(self) -> str | None:
+        """Why the server tau of this checkpoint is missing (None: measured, or not asked)."""
+        return (self.server or {}).get("error")
+
+    def table_row(self) -> str:
+        """One line of the end-of-run table: replay tau, and live/server beside it where measured."""
+        trees = "  ".join(f"DDTree-{b} {t:.2f}" for b, t in sorted(self.tau_ddtree.items()))
+        row = f"step {self.step:>6}: tau chain {self.tau_chain:.2f}  {trees}"
+        if self.live:
+            row += f"  | live chain {self.live['tau_chain']:.2f}"
+        if self.server_error is not None:
+            row += f"  | server FAILED: {self.server_error}"
+        elif self.server:
+            row += f"  | server {self.server['tau']:.2f}"
+        return row
 
     @property
     def tau_chain_vs_reference(self) -> float | None:

@@ -18,12 +18,20 @@ Formats followed (the test's loopback server answers in exactly these):
 
 Requests go out greedy (temperature 0), `eval.server_concurrency` at a time, each retried on a
 5xx, 429, timeout or lost connection with exponential backoff. Plain urllib: no client library.
+
+The server is not trusted: a body is read up to MAX_BODY_BYTES, JSON with NaN/Infinity is
+refused, and every field is parsed into a typed value before use: counts are non-negative
+integers, accept lengths finite and within [1, block_size] (SGLang's count includes the token the
+prefill produced, so its bound is block_size + 1/spec_verify_ct). Anything else is a ServerError
+naming the URL and the field.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
+import math
 import re
 import time
 import urllib.error
@@ -35,6 +43,7 @@ log = logging.getLogger(__name__)
 
 ENGINES = ("sglang", "vllm")
 _RETRY_STATUS = {429, 500, 502, 503, 504}
+MAX_BODY_BYTES = 4 * 1024 * 1024  # an answer (or /metrics page) larger than this is refused, not read whole
 _COUNTER_RE = re.compile(r"^(vllm:spec_decode_num_(?:drafts|accepted_tokens))(?:_total)?(?:\{[^}]*\})?\s+(\S+)$")
 
 
@@ -63,6 +72,17 @@ class ServerResult:
                    int(d["requests"]))
 
 
+def _read_capped(resp, url: str) -> bytes:
+    """The body, refused when longer than MAX_BODY_BYTES (by its Content-Length or as read)."""
+    declared = resp.headers.get("Content-Length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ServerError(f"{url}: answer of {int(declared)} bytes is over the {MAX_BODY_BYTES}-byte limit")
+    body = resp.read(MAX_BODY_BYTES + 1)
+    if len(body) > MAX_BODY_BYTES:
+        raise ServerError(f"{url}: answer is over the {MAX_BODY_BYTES}-byte limit (not read further)")
+    return body
+
+
 def _request(url: str, body: dict | None, timeout_s: float, max_retries: int) -> bytes:
     data = None if body is None else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"} if body is not None else {}
@@ -70,12 +90,12 @@ def _request(url: str, body: dict | None, timeout_s: float, max_retries: int) ->
         try:
             with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers),
                                         timeout=timeout_s) as resp:
-                return resp.read()
+                return _read_capped(resp, url)
         except urllib.error.HTTPError as e:
             if e.code not in _RETRY_STATUS or attempt == max_retries:
-                raise ServerError(f"{url}: HTTP {e.code}: {e.read()[:300]!r}") from None
+                raise ServerError(f"{url}: HTTP {e.code}: {e.read(300)!r}") from None
             reason = f"HTTP {e.code}"
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+        except (urllib.error.URLError, http.client.HTTPException, OSError) as e:  # refused, reset, cut short, timeout
             if attempt == max_retries:
                 raise ServerError(f"{url}: {e} (after {max_retries + 1} attempts)") from None
             reason = str(e)
@@ -85,35 +105,99 @@ def _request(url: str, body: dict | None, timeout_s: float, max_retries: int) ->
     raise AssertionError("unreachable")
 
 
-def _sglang_accept_length(url: str, prompt: list[int], max_new_tokens: int, timeout_s: float, retries: int) -> float:
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number")
+
+
+def _json(raw: bytes, url: str) -> dict:
+    """The answer as a JSON object; NaN/Infinity (which Python's json accepts) are refused."""
+    try:
+        out = json.loads(raw, parse_constant=_refuse_constant)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ServerError(f"{url}: the answer is not valid JSON ({e}): {raw[:300]!r}") from None
+    if not isinstance(out, dict):
+        raise ServerError(f"{url}: the answer is a JSON {type(out).__name__}, not an object: {raw[:300]!r}")
+    return out
+
+
+def _count(value, url: str, field: str) -> int:
+    """A non-negative integer count (an integral float such as 12.0 counts)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value != int(value) or value < 0:
+        raise ServerError(f"{url}: {field} = {value!r} is not a non-negative integer count")
+    return int(value)
+
+
+def _accept_length(value, url: str, field: str, high: float) -> float:
+    """An accept length: a finite number in [1, high]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 1.0 <= value <= high:
+        raise ServerError(f"{url}: {field} = {value!r} is not an accept length in [1, {high:g}] (is the server "
+                          "serving this drafter, with its block size?)")
+    return float(value)
+
+
+def _sglang_accept_length(url: str, prompt: list[int], max_new_tokens: int, block_size: int, timeout_s: float,
+                          retries: int) -> float:
     body = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}}
-    out = json.loads(_request(f"{url}/generate", body, timeout_s, retries))
-    meta = out.get("meta_info") if isinstance(out, dict) else None
+    where = f"{url}/generate"
+    out = _json(_request(where, body, timeout_s, retries), where)
+    meta = out.get("meta_info")
     if not isinstance(meta, dict) or meta.get("spec_accept_length") is None:
-        raise ServerError(f"{url}/generate: no meta_info.spec_accept_length in the answer (is the server started "
+        raise ServerError(f"{where}: no meta_info.spec_accept_length in the answer (is the server started "
                           f"with --speculative-algorithm DFLASH?): {str(out)[:300]}")
-    return float(meta["spec_accept_length"])
+    high = float(block_size)
+    if "spec_verify_ct" in meta:  # the prefill's token is in completion_tokens but in no verify
+        verify_ct = _count(meta["spec_verify_ct"], where, "meta_info.spec_verify_ct")
+        if verify_ct == 0:
+            raise ServerError(f"{where}: meta_info.spec_verify_ct = 0 with a spec_accept_length: no verify ran")
+        high += 1.0 / verify_ct
+        if "completion_tokens" in meta:
+            completion = _count(meta["completion_tokens"], where, "meta_info.completion_tokens")
+            if completion > block_size * verify_ct + 1:
+                raise ServerError(f"{where}: meta_info.completion_tokens = {completion} is more than "
+                                  f"{verify_ct} verifies of block size {block_size} can produce")
+    return _accept_length(meta["spec_accept_length"], where, "meta_info.spec_accept_length", high)
 
 
-def _vllm_accept_length(url: str, model: str | None, prompt: list[int], max_new_tokens: int, timeout_s: float,
-                        retries: int) -> float | None:
+def _vllm_accept_length(url: str, model: str | None, prompt: list[int], max_new_tokens: int, block_size: int,
+                        timeout_s: float, retries: int) -> float | None:
     body = {"model": model, "prompt": prompt, "max_tokens": max_new_tokens, "temperature": 0}
-    out = json.loads(_request(f"{url}/v1/completions", body, timeout_s, retries))
-    if not isinstance(out, dict) or "choices" not in out:
-        raise ServerError(f"{url}/v1/completions: not a completion: {str(out)[:300]}")
-    spec = (out.get("metrics") or {}).get("speculative_decoding")
-    return None if spec is None else float(spec["mean_acceptance_length"])
+    where = f"{url}/v1/completions"
+    out = _json(_request(where, body, timeout_s, retries), where)
+    if "choices" not in out:
+        raise ServerError(f"{where}: not a completion: {str(out)[:300]}")
+    metrics = out.get("metrics")
+    if metrics is None:
+        return None
+    if not isinstance(metrics, dict):
+        raise ServerError(f"{where}: metrics is a {type(metrics).__name__}, not an object")
+    spec = metrics.get("speculative_decoding")
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or "mean_acceptance_length" not in spec:
+        raise ServerError(f"{where}: metrics.speculative_decoding has no mean_acceptance_length: {str(spec)[:300]}")
+    for field in ("num_spec_steps", "num_accepted_draft_tokens", "num_draft_tokens"):
+        if field in spec:
+            _count(spec[field], where, f"metrics.speculative_decoding.{field}")
+    return _accept_length(spec["mean_acceptance_length"], where, "metrics.speculative_decoding.mean_acceptance_length",
+                          float(block_size))
 
 
 def vllm_counters(url: str, timeout_s: float = 30.0, retries: int = 3) -> dict[str, float]:
     """The two spec-decode counters from vLLM's Prometheus text, summed over label sets."""
-    text = _request(f"{url}/metrics", None, timeout_s, retries).decode()
+    where = f"{url}/metrics"
+    text = _request(where, None, timeout_s, retries).decode("utf-8", errors="replace")
     counters = {"vllm:spec_decode_num_drafts": 0.0, "vllm:spec_decode_num_accepted_tokens": 0.0}
     seen = set()
     for line in text.splitlines():
         m = _COUNTER_RE.match(line.strip())
         if m:
-            counters[m.group(1)] += float(m.group(2))
+            try:
+                value = float(m.group(2))
+            except ValueError:
+                raise ServerError(f"{where}: {m.group(1)} = {m.group(2)!r} is not a number") from None
+            counters[m.group(1)] += _count(value, where, m.group(1))
             seen.add(m.group(1))
     if len(seen) < 2:
         raise ServerError(f"{url}/metrics has no vllm:spec_decode_num_drafts/num_accepted_tokens counters "
@@ -121,19 +205,23 @@ def vllm_counters(url: str, timeout_s: float = 30.0, retries: int = 3) -> dict[s
     return counters
 
 
-def server_tau(url: str, engine: str, prompts: list[list[int]], max_new_tokens: int, model: str | None = None,
-               concurrency: int = 4, max_retries: int = 3, timeout_s: float = 300.0) -> ServerResult:
-    """Send every prompt (token ids) greedily to the engine at `url`; its tau (module docstring)."""
+def server_tau(url: str, engine: str, prompts: list[list[int]], max_new_tokens: int, block_size: int,
+               model: str | None = None, concurrency: int = 4, max_retries: int = 3,
+               timeout_s: float = 300.0) -> ServerResult:
+    """Send every prompt (token ids) greedily to the engine at `url`; its tau (module docstring).
+    `block_size` is the served drafter's: no accept length may exceed it."""
     if engine not in ENGINES:
         raise ValueError(f"eval.server_engine must be one of {ENGINES}, got {engine!r}")
+    if block_size < 1:
+        raise ValueError(f"server_tau: block_size must be >= 1, got {block_size}")
     url = url.rstrip("/").removesuffix("/v1")
     before = None
     if engine == "sglang":
         def one(p: list[int]) -> float | None:
-            return _sglang_accept_length(url, p, max_new_tokens, timeout_s, max_retries)
+            return _sglang_accept_length(url, p, max_new_tokens, block_size, timeout_s, max_retries)
     else:
         def one(p: list[int]) -> float | None:
-            return _vllm_accept_length(url, model, p, max_new_tokens, timeout_s, max_retries)
+            return _vllm_accept_length(url, model, p, max_new_tokens, block_size, timeout_s, max_retries)
         try:
             before = vllm_counters(url, timeout_s, max_retries)
         except ServerError:
@@ -151,4 +239,6 @@ def server_tau(url: str, engine: str, prompts: list[list[int]], max_new_tokens: 
     accepted = after["vllm:spec_decode_num_accepted_tokens"] - before["vllm:spec_decode_num_accepted_tokens"]
     if drafts <= 0:
         raise ServerError(f"{url}/metrics: vllm:spec_decode_num_drafts did not grow over {len(prompts)} requests")
-    return ServerResult(engine, 1.0 + accepted / drafts, (), "prometheus", len(prompts))
+    tau = _accept_length(1.0 + accepted / drafts, f"{url}/metrics", "1 + accepted / drafts (counter deltas)",
+                         float(block_size))
+    return ServerResult(engine, tau, (), "prometheus", len(prompts))

@@ -4,7 +4,7 @@ Scalars, per mode and budget:
   eval/tau_chain, eval/tau_ddtree_<b>, eval/slot_acceptance_<j>          greedy replay
   eval/tau_live_chain, eval/tau_live_ddtree_<b>, eval/slot_acceptance_live_<j>,
   eval/live_rounds_equal (share of rounds with replay's tau)               eval.mode=live
-  eval/tau_server                                                         eval.mode=server
+  eval/tau_server, or eval/server_failed = 1 when the server failed          eval.mode=server
   eval/reference_tau_chain, eval/reference_tau_ddtree_<b>,
   eval/tau_chain_vs_reference, eval/tau_ddtree_<b>_vs_reference           eval.reference_drafter
 Images, every checkpoint: eval/tau_vs_step (chain and each DDTree budget over the steps so far,
@@ -31,7 +31,9 @@ def scalars_of(result: EvalResult) -> dict[str, float]:
         out.update({f"eval/tau_live_ddtree_{b}": t for b, t in live["tau_ddtree"].items()})
         out.update({f"eval/slot_acceptance_live_{j}": a for j, a in enumerate(live["slot_acceptance"], start=1)})
         out["eval/live_rounds_equal"] = live["rounds_equal"] / max(live["rounds_compared"], 1)
-    if result.server:
+    if result.server_error is not None:
+        out["eval/server_failed"] = 1.0
+    elif result.server:
         out["eval/tau_server"] = result.server["tau"]
     ref = result.reference
     if ref:
@@ -66,8 +68,16 @@ def images_of(result: EvalResult, history: Iterable[EvalResult]) -> dict:
     return images
 
 
-def log_result(metrics: Metrics, result: EvalResult, history: Iterable[EvalResult]) -> None:
-    """`history`: every result so far (this one included) for the tau-vs-step image."""
-    metrics.log(result.step, scalars_of(result))
-    metrics.images(result.step, images_of(result, history))
+def logged_tags(result: EvalResult) -> frozenset[str]:
+    """The scalar and image tags `result` put in TensorBoard at its step."""
+    return frozenset(scalars_of(result)) | {"eval/tau_vs_step", "eval/accept_hist"} | (
+        {"eval/accept_hist_live"} if result.live else set())
+
+
+def log_result(metrics: Metrics, result: EvalResult, history: Iterable[EvalResult],
+               skip: frozenset[str] = frozenset()) -> None:
+    """`history`: every result so far (this one included) for the tau-vs-step image. `skip`:
+    tags already logged at this step (a mode added to an earlier result): not logged twice."""
+    metrics.log(result.step, {k: v for k, v in scalars_of(result).items() if k not in skip})
+    metrics.images(result.step, {k: v for k, v in images_of(result, history).items() if k not in skip})
     metrics.flush()

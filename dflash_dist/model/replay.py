@@ -81,37 +81,30 @@ def aggregate_rounds(block_size: int, chain: list[list[int]], trees: dict[int, l
 
 
 @torch.no_grad()
-def greedy_continuation(target: nn.Module, prompt: list[int], max_new_tokens: int,
-                        eos_token_id: int | None = None) -> list[int]:
-    """The target's greedy continuation of `prompt` (stops after eos, which is kept)."""
-    dev = next(target.parameters()).device
-    ids = torch.tensor([prompt], device=dev)
-    out = target.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-        eos_token_id=eos_token_id, pad_token_id=eos_token_id if eos_token_id is not None else 0,
-        temperature=None, top_p=None, top_k=None,
-    )
-    return out[0, len(prompt):].tolist()
-
-
-@torch.no_grad()
 def replay_sequence(drafter: DFlashDrafter, sequence: list[int], features: torch.Tensor, start: int,
-                    budgets: tuple[int, ...] = (), end: int | None = None,
-                    count: str = "capped") -> tuple[list[int], dict[int, list[int]]]:
+                    budgets: tuple[int, ...] = (), end: int | None = None, count: str = "capped",
+                    stop_ids: tuple[int, ...] = ()) -> tuple[list[int], dict[int, list[int]]]:
     """Rounds over one sequence (prompt + greedy continuation) starting at anchor position `start`.
 
-    features [T, k*H] are the target's features of the sequence (at least up to `end`). Rounds
-    run while the anchor is before the continuation's last token, `end` - 1 (default: the whole
-    sequence). count "capped": a round is matched only against tokens before `end` (the last
-    round stops at the continuation's end); "uncapped": against whatever `sequence` holds beyond
-    it (the target's greedy tokens past the end, as the authors' loop counts). Returns the chain's
-    tau_round list and, per budget, the DDTree's.
+    features [T, k*H] are the target's features of the sequence (at least up to `end`). Returns the
+    chain's tau_round list and, per budget, the DDTree's. The continuation ends at `end` (default:
+    the whole sequence), at a stop token (`stop_ids`) or at max_new_tokens.
+
+    count "capped": rounds run while the anchor is before the continuation's last token, and a
+    round is matched only against tokens before `end` (the last round stops at the end).
+    "uncapped": the authors' loop (z-lab's `while start < max_length`, DDTree's the same): a round
+    runs at every anchor before `end`, the last token included when the continuation was cut by
+    length (a bonus token landing on the last position still gets its round), and decoding stops
+    after the round that produced a stop token (a stop from the prefill itself still gets its one
+    round, as the authors check after the round); a round is matched against whatever `sequence`
+    holds past `end` (the target's greedy tokens there, stop tokens ignored).
     """
     if count not in COUNTS:
         raise ValueError(f"count must be one of {COUNTS}, got {count!r}")
     end = len(sequence) if end is None else end
     limit = len(sequence) if count == "uncapped" else end
     blk = drafter.config.block_size
+    stops = set(stop_ids)
     context = drafter.fuse_context(features[None].to(drafter.fc.weight.device))
     cache: dict[int, torch.Tensor] = {}
 
@@ -120,9 +113,14 @@ def replay_sequence(drafter: DFlashDrafter, sequence: list[int], features: torch
             cache[p] = drafter.draft_block(None, sequence[p], p, context=context[:, :p])
         return cache[p]
 
+    def round_at(p: int) -> bool:
+        if p < end - 1:
+            return True
+        return count == "uncapped" and p == end - 1 and (p == start or sequence[p] not in stops)
+
     def walk(accept_fn) -> list[int]:
         taus, p = [], start
-        while p < end - 1:
+        while round_at(p):
             ref = sequence[p + 1 : min(p + blk, limit)]
             acc = accept_fn(logits_at(p), ref)
             taus.append(acc + 1)
@@ -139,21 +137,21 @@ def replay_tau(
     target: nn.Module,
     drafter: DFlashDrafter,
     prompts: list[list[int]],
-    max_new_tokens: int,
+    continuations: list[list[int]],
     budgets: tuple[int, ...] = (),
-    eos_token_id: int | None = None,
-    continuations: list[list[int]] | None = None,
     allow_torch_gdn_on_cuda: bool = False,
 ) -> ReplayResult:
-    """Greedy-replay tau of `drafter` against `target` on `prompts` (token id lists)."""
+    """Greedy-replay tau of `drafter` against `target` on `prompts` (token id lists), given the
+    target's greedy `continuations` of them (target/generation.greedy_continuation: the one
+    generation path, which no checkpoint generation_config can reshape)."""
+    if len(continuations) != len(prompts):
+        raise ValueError(f"replay_tau: {len(prompts)} prompts but {len(continuations)} continuations")
     layer_ids = drafter.config.target_layer_ids
     dev = next(target.parameters()).device
     chains: list[list[int]] = []
     tree_rounds: dict[int, list[list[int]]] = {b: [] for b in budgets}
     kernel_path = ""
-    for i, prompt in enumerate(prompts):
-        y = continuations[i] if continuations is not None else greedy_continuation(
-            target, prompt, max_new_tokens, eos_token_id)
+    for prompt, y in zip(prompts, continuations):
         if len(y) < 2:  # the first token comes from the prompt itself: no drafting round
             continue
         seq = list(prompt) + list(y)

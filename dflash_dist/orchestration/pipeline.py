@@ -24,6 +24,7 @@ import yaml
 from data_pipeline.durable_files import write_text_atomic
 from dflash_dist.actors.heartbeat import Heartbeat, clear_heartbeats
 from dflash_dist.config import Config
+from dflash_dist.evaluator.policy import EvalResult
 from dflash_dist.orchestration import placement
 from dflash_dist.orchestration.run_lock import RunLock, RunLocked
 from dflash_dist.orchestration.run_plan import PLAN_NAME, PipelineError, RunPlan, make_plan, write_plan
@@ -220,8 +221,8 @@ class _InThread:
         return self._value
 
 
-def wait_evaluator(ray, evaluator, final_step: int | None, max_restarts: int) -> list[dict]:
-    """Tell the evaluator the trainer's final step and wait for its results. Ray restarts a lost
+def wait_evaluator(ray, evaluator, final_step: int | None, max_restarts: int) -> list[EvalResult]:
+    """Tell the evaluator the trainer's final step and wait for its EvalResults. Ray restarts a lost
     evaluator (eval.max_restarts) and it continues after the last result under <out>/eval; a
     restarted actor has forgotten `trainer_finished`, so it is told again."""
     from ray.exceptions import ActorUnavailableError, RayActorError
@@ -323,11 +324,11 @@ def _start_trainers(cfg: Config, plan: RunPlan, paths: dict[str, Path], resume, 
 
 
 def _start_evaluator(cfg: Config, plan: RunPlan, prompts: list[list[int]], shard_dir: Path, where: dict):
-    from dflash_dist.actors.evaluator_actor import EvaluatorActor, evaluator_actor_options
+    from dflash_dist.actors.evaluator_actor import EvaluatorActor, EvaluatorTask, evaluator_actor_options
 
-    actor = EvaluatorActor.options(**evaluator_actor_options(cfg), **where).remote(
-        cfg.to_dict(), str(cfg.out), plan.target_dir, prompts, plan.expected.to_json(), str(shard_dir),
-        cfg.eval.poll_s, cfg.eval.max_backlog, cfg.eval.backlog_stride, identity=plan.identity)
+    task = EvaluatorTask(cfg.to_dict(), plan.target_dir, tuple(tuple(p) for p in prompts), plan.identity,
+                         plan.expected, str(shard_dir))
+    actor = EvaluatorActor.options(**evaluator_actor_options(cfg), **where).remote(task)
     actor.start.remote()
     return actor
 
@@ -339,11 +340,9 @@ def _export_steps(export_dir: Path) -> list[int]:
 def _print_summary(cfg: Config, paths: dict[str, Path], result: PipelineResult) -> None:
     rows = []
     for f in sorted(paths["eval"].glob("step_*.json"), key=lambda p: int(p.stem.split("_")[1])):
-        r = json.loads(f.read_text())
-        trees = "  ".join(f"DDTree-{b} {v:.2f}" for b, v in sorted(r["tau_ddtree"].items(), key=lambda x: int(x[0])))
-        rows.append(f"  step {r['step']:>6}: tau chain {r['tau_chain']:.2f}  {trees}")
+        rows.append("  " + EvalResult.from_json(json.loads(f.read_text()), str(f)).table_row())
     if rows:
-        print("[eval] greedy-replay tau per checkpoint (held-out prompts):")
+        print("[eval] tau per checkpoint (held-out prompts; greedy replay, then live/server where measured):")
         print("\n".join(rows))
     if result.train:
         t = result.train[0]

@@ -1,5 +1,6 @@
 """The one way the target generates: inline regeneration in capture, the `regenerate` stage's
-local target and the evaluator's reference continuation all call `generate_responses`.
+local target, the evaluator's reference continuation and `greedy_continuation` (the demo, the
+live check, bench_live, replay_tau's callers) all call `generate_responses`.
 
 Greedy is explicit. transformers fills every generate setting left unset (None) from the
 checkpoint's generation_config.json, so a `repetition_penalty`, `no_repeat_ngram_size`,
@@ -141,3 +142,11 @@ def generate_responses(
         end = next((i for i, t in enumerate(row) if t in stops), None)
         results.append(Generated(tuple(row[: end + 1]) if end is not None else tuple(row), end is not None))
     return results
+
+
+def greedy_continuation(model, prompt: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = ()) -> list[int]:
+    """The target's greedy continuation of one prompt (token ids), through `generate_responses`:
+    ends after the first of `stop_ids` (kept), else `max_new_tokens` long; the checkpoint's
+    generation_config plays no part."""
+    (gen,) = generate_responses(model, [list(prompt)], max_new_tokens, tuple(stop_ids), stop_ids[0] if stop_ids else 0)
+    return list(gen.tokens)

@@ -17,7 +17,8 @@ from dflash_dist.model.capture import capture_features
 from dflash_dist.model.config import DrafterConfig, build_target_layer_ids
 from dflash_dist.model.drafter import DFlashDrafter
 from dflash_dist.model.loss import dflash_loss, sample_anchors
-from dflash_dist.model.replay import ReplayResult, greedy_continuation, replay_tau
+from dflash_dist.model.replay import ReplayResult, replay_tau
+from dflash_dist.target.generation import greedy_continuation
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def train(drafter: DFlashDrafter, ids, features, loss_mask, cfg: DemoConfig, log
 
 
 def evaluate(target, drafter, prompts, responses, cfg: DemoConfig) -> ReplayResult:
-    return replay_tau(target, drafter, prompts, cfg.new_tokens, cfg.budgets, continuations=responses)
+    return replay_tau(target, drafter, prompts, responses, cfg.budgets)
 
 
 def describe(tag: str, r: ReplayResult) -> str:

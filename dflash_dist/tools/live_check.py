@@ -7,7 +7,8 @@ import torch
 
 from dflash_dist.evaluator.live import live_decode
 from dflash_dist.model.capture import capture_features
-from dflash_dist.model.replay import aggregate_rounds, greedy_continuation, replay_sequence
+from dflash_dist.model.replay import aggregate_rounds, replay_sequence
+from dflash_dist.target.generation import greedy_continuation
 from dflash_dist.tools.demo import DemoConfig, drafter_for, tiny_qwen35_target, train
 
 

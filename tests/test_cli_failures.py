@@ -1,0 +1,42 @@
+"""The CLI ends a failed pipeline run with one clear line and a nonzero exit, never a raw traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from launcher.cli import failure_text, main
+
+
+def test_an_unexpected_error_is_one_line_and_exit_1(tmp_path, capsys):
+    """A target directory whose config.json is cut short: transformers raises OSError inside the
+    pipeline (no PipelineError); the CLI prints what and where, and exits 1."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text('{"model_type": "qwen3", "vocab_size": ')
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "yo"}]}) + "\n")
+    rc = main(["eval", "configs/tiny.yaml", "--out", str(tmp_path / "out"), "target.kind=hf",
+               f"target.path={target}", f"data.train_path={data}", f"data.eval_path={data}"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "dflash-dist eval: error: OSError: " in err and str(target / "config.json") in err
+    assert "Traceback" not in err
+
+
+def test_a_ray_task_error_is_shown_as_its_cause():
+    """What ray.get raises for an actor's error carries the remote traceback as its text: the
+    message shows the cause's type and message instead."""
+    from ray.exceptions import RayTaskError
+
+    from dflash_dist.evaluator.server import ServerError
+
+    cause = ServerError("http://127.0.0.1:9/generate: HTTP 503: b'down'")
+    err = RayTaskError("EvaluatorActor.wait", "Traceback (most recent call last):\n  File ...", cause)
+    err = err.as_instanceof_cause()
+    with pytest.raises(ServerError):
+        raise err
+    assert failure_text(err) == "ServerError: http://127.0.0.1:9/generate: HTTP 503: b'down'"
+    assert failure_text(ValueError("plain")) == "ValueError: plain"

@@ -1,7 +1,9 @@
 """Write captured samples into webdataset tar shards that appear atomically, plus the manifest.
 
 A shard is written as `.tmp-<prefix>-<pid>-<rand>.tar`, fsynced, then renamed to
-`<prefix>-<NNNNNN>.tar`; only after the rename is its ShardRecord appended to manifest.jsonl.
+`<prefix>-<NNNNNN>.tar`; only after the rename is its ShardRecord appended to manifest.jsonl,
+with the XXH3 digest of every tar member, hashed from the encoded bytes as they are written (no
+second pass; the reader checks them as it streams, checksums.py).
 Rename and append happen under an fcntl lock on `.manifest.lock` (plus a per-process thread
 lock), so several writers (one per target actor, any prefixes) can share one directory. A
 writer that dies leaves at most a `.tmp-*` file and no manifest line; a crash in the middle of
@@ -28,6 +30,7 @@ import numpy as np
 import torch
 from webdataset.writer import TarWriter, default_handlers, encode_based_on_extension
 
+from data_pipeline.checksums import member_digests
 from data_pipeline.durable_files import fsync_dir
 from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance, check_compatible
 from data_pipeline.records import (
@@ -35,6 +38,7 @@ from data_pipeline.records import (
     MANIFEST_LOCK_NAME,
     MANIFEST_NAME,
     TMP_PREFIX,
+    MemberChecksums,
     Sample,
     ShardRecord,
 )
@@ -173,6 +177,7 @@ class ShardWriter:
         self._tar: TarWriter | None = None
         self._tmp_path: Path | None = None
         self._keys: list[str] = []
+        self._digests: list[dict[str, str]] = []  # per sample of the open shard: member -> digest
         self._tokens = 0
         self._members_bytes = 0
 
@@ -197,6 +202,7 @@ class ShardWriter:
             raise ValueError(f"sample key {sample.key!r} was already written by this writer")
         encoded = encode_sample(sample, tar_key="")
         nbytes = _tar_bytes(encoded)
+        digests = member_digests(encoded)
         finished = None
         if self._keys and _final_size(self._members_bytes + nbytes) > self.max_shard_bytes:
             finished = self._finish_shard()
@@ -208,6 +214,7 @@ class ShardWriter:
         self._members_bytes += nbytes
         assert self._tar.tarstream.offset == self._members_bytes, "tar size prediction is off"
         self._keys.append(sample.key)
+        self._digests.append(digests)
         self._seen_keys.add(sample.key)
         self._tokens += sample.num_tokens
         return finished
@@ -263,7 +270,7 @@ class ShardWriter:
         if self._tmp_path is not None:
             self._tmp_path.unlink(missing_ok=True)
         self._tar = self._file = self._tmp_path = None
-        self._keys, self._tokens, self._members_bytes = [], 0, 0
+        self._keys, self._digests, self._tokens, self._members_bytes = [], [], 0, 0
 
     def _finish_shard(self) -> ShardRecord:
         assert self._tar is not None and self._file is not None and self._tmp_path is not None
@@ -288,6 +295,7 @@ class ShardWriter:
                     n_bytes=size,
                     keys=tuple(self._keys),
                     provenance=self.provenance,
+                    checksums=MemberChecksums.of(self._digests),
                 )
                 append_line(self.out_dir / MANIFEST_NAME, (record.to_json() + "\n").encode())
                 fsync_dir(self.out_dir)

@@ -384,6 +384,7 @@ class Trainer:
         if meta is None:
             raise checkpoint.ResumeError(f"{path} is not a complete checkpoint (no valid {checkpoint.MARKER})")
         checkpoint.check_resumable(meta, self.cfg.to_dict(), self.world, self.job.shard_dir, str(path))
+        checkpoint.verify_checksums(path, meta, self.rank, self.world, self._ctrl)  # before DeepSpeed reads a byte
         saved = engine.load_checkpoint(self.engine, path, elastic, group=self._ctrl)["dflash"]
         span = engine.schedule_length(self.engine)
         if span != (self.job.total_steps, self.job.schedule_unit):

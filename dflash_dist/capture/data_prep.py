@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from data_pipeline.ledger import CaptureData
 from dflash_dist.config import Config, ConfigError
 
 DEFAULT_TINY_TRAIN_SAMPLES = 400
@@ -21,6 +22,21 @@ def data_sources(cfg: Config) -> tuple[Path | None, Path | None]:
     """(train source, eval source) from data.train_path / data.eval_path."""
     train, heldout = cfg.data.train_path, cfg.data.eval_path
     return (Path(train) if train else None), (Path(heldout) if heldout else None)
+
+
+def capture_data(cfg: Config, train_jsonl: Path) -> CaptureData:
+    """The identity of the conversations capture reads from `train_jsonl` (the run plan derives it
+    once; the ledger records it as capture_data.json): source, data.max_train_samples, how many
+    records, and the content hash of their keys."""
+    from data_pipeline.chat_data import read_chat_jsonl
+    from data_pipeline.ingest import content_hash, sample_keys
+
+    records = read_chat_jsonl(train_jsonl)
+    if cfg.data.max_train_samples is not None:
+        records = records[: cfg.data.max_train_samples]
+    source, _ = data_sources(cfg)
+    return CaptureData(str(source) if source else None, cfg.data.max_train_samples, len(records),
+                       content_hash(sample_keys(records)))
 
 
 def ingested_paths(cfg: Config, split: str) -> tuple[Path, Path]:

@@ -170,18 +170,11 @@ def make_plan(cfg: Config, stages: tuple[str, ...], resume: str, made_by: str = 
 def _plan_data(cfg: Config, tokenizer) -> DataPlan:
     """Ingest the data (capture/data_prep.py) and, when shards from an earlier capture are there,
     refuse to go on over other conversations than theirs (the ledger's capture_data.json)."""
-    from data_pipeline.chat_data import read_chat_jsonl
-    from data_pipeline.ingest import content_hash, sample_keys
     from data_pipeline.ledger import DATA_NAME, DataChanged, check_capture_data
-    from dflash_dist.capture.data_prep import data_sources, prepare_data
+    from dflash_dist.capture.data_prep import capture_data, prepare_data
 
     train_jsonl, eval_jsonl = prepare_data(cfg, tokenizer)
-    records = read_chat_jsonl(train_jsonl)
-    if cfg.data.max_train_samples is not None:
-        records = records[: cfg.data.max_train_samples]
-    source, _ = data_sources(cfg)
-    capture = CaptureData(str(source) if source else None, cfg.data.max_train_samples, len(records),
-                          content_hash(sample_keys(records)))
+    capture = capture_data(cfg, train_jsonl)
     shards = cfg.out / "shards"
     if (shards / DATA_NAME).exists():
         try:

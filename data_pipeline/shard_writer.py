@@ -7,7 +7,8 @@ second pass; the reader checks them as it streams, checksums.py).
 Rename and append happen under an fcntl lock on `.manifest.lock` (plus a per-process thread
 lock), so several writers (one per target actor, any prefixes) can share one directory. A
 writer that dies leaves at most a `.tmp-*` file and no manifest line; a crash in the middle of
-an append leaves a line without its newline, which readers ignore and the next append cuts off.
+an append leaves a line without its newline, which readers ignore and the next append cuts off
+(durable_files.append_lines).
 Layout of a sample inside the tar: see records.py.
 """
 
@@ -31,7 +32,7 @@ import torch
 from webdataset.writer import TarWriter, default_handlers, encode_based_on_extension
 
 from data_pipeline.checksums import member_digests
-from data_pipeline.durable_files import fsync_dir
+from data_pipeline.durable_files import append_lines, fsync_dir
 from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance, check_compatible
 from data_pipeline.records import (
     DONE_NAME,
@@ -115,24 +116,6 @@ def _tar_bytes(encoded: dict[str, Any]) -> int:
 def _final_size(members_bytes: int) -> int:
     """Archive size once closed: members, two zero end blocks, padded to a whole record."""
     return _round_up(members_bytes + 2 * _TAR_BLOCK, _TAR_RECORD)
-
-
-def append_line(path: Path, line: bytes) -> None:
-    """Append one newline-terminated line and fsync it. Call under manifest_lock."""
-    assert line.endswith(b"\n") and b"\n" not in line[:-1]
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        size = os.fstat(fd).st_size
-        if size and os.pread(fd, 1, size - 1) != b"\n":
-            # A writer crashed mid-append; readers never parsed the unterminated line: drop it.
-            data = os.pread(fd, size, 0)
-            os.ftruncate(fd, data.rfind(b"\n") + 1)
-        view = memoryview(line)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ShardWriter:
@@ -297,7 +280,7 @@ class ShardWriter:
                     provenance=self.provenance,
                     checksums=MemberChecksums.of(self._digests),
                 )
-                append_line(self.out_dir / MANIFEST_NAME, (record.to_json() + "\n").encode())
+                append_lines(self.out_dir / MANIFEST_NAME, (record.to_json() + "\n").encode())
                 fsync_dir(self.out_dir)
         finally:
             self._file = self._tar = None

@@ -16,6 +16,7 @@ INSTALL_REQUIRES = [
     "datasets==5.2.0",  # conversation sources saved with `Dataset.save_to_disk`
     "tensorboard==2.21.0",
     "openai==3.57.0",  # `dflash-dist regenerate` against an OpenAI-compatible server (SGLang, vLLM)
+    "xxhash==4.1.0",  # shard member and checkpoint file checksums (data_pipeline/checksums.py)
     "safetensors",
     "numpy",
     "pyyaml",

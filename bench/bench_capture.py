@@ -223,7 +223,8 @@ def run_job(model, batches: list[Batch], layer_ids: list[int], a, provenance, fu
     if fused:
         fuse_target(model)
         provenance = dataclasses.replace(provenance, kernel_path=FUSED_KERNEL_PATH)
-    job = CaptureJob.for_model(cfg, model, provenance, layer_ids, shard_dir)
+    assert tuple(layer_ids) == provenance.layer_ids
+    job = CaptureJob(cfg, model, provenance, shard_dir)
     passes = [[(k, ids.tolist(), [1] * len(ids), {}) for k, ids in zip(b.keys, b.ids)] for b in batches]
     gpu_done: list[float] = []
 

@@ -1,14 +1,18 @@
 """Durable small-file writes shared by shards, manifests and checkpoints: a reader sees the old
-file or the new one, never half of it, and a crash after the call keeps the new one."""
+file or the new one, never half of it, and a crash after the call keeps the new one; and the one
+appender of line logs, with the one rule for a torn last line (`append_lines`)."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
+
+log = logging.getLogger(__name__)
 
 
 def fsync_dir(path: Path) -> None:
@@ -42,3 +46,44 @@ def write_text_atomic(path: Path, text: str) -> None:
     """Write to a temporary name beside `path`, fsync, rename over it, fsync the directory."""
     with atomic_writer(path) as f:
         f.write(text)
+
+
+def append_lines(path: Path, data: bytes, durable: bool = True) -> None:
+    """Append whole lines (`data`: zero or more, each ending in a newline) to a line log
+    (manifest.jsonl, skipped.jsonl, the step logs, regenerated JSONL), under one rule for all:
+    a line is a record only once its newline is on disk, so readers stop at the last newline; a
+    torn last line (a crash in the middle of an append) is cut off here, when the file is next
+    opened for append and before anything is written, so a new line never joins it.
+    `durable`: fsync the file (and the directory if this call created it) before returning; with
+    no `data` that makes earlier non-durable appends durable. One appender at a time per file:
+    writers that share a file hold a lock around the call (the shard manifest's manifest_lock)."""
+    assert not data or data.endswith(b"\n"), "append whole lines only"
+    created = not path.exists()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            keep = _end_of_last_line(fd, size)
+            log.warning("%s: cut a torn last line of %d bytes (a write interrupted by a crash)", path, size - keep)
+            os.ftruncate(fd, keep)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    if created and durable:
+        fsync_dir(path.parent)
+
+
+def _end_of_last_line(fd: int, size: int, chunk: int = 1 << 16) -> int:
+    """Bytes up to and including the file's last newline (0 without one), read backwards."""
+    end = size
+    while end > 0:
+        start = max(0, end - chunk)
+        i = os.pread(fd, end - start, start).rfind(b"\n")
+        if i >= 0:
+            return start + i + 1
+        end = start
+    return 0

@@ -20,10 +20,10 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from data_pipeline.durable_files import write_text_atomic
+from data_pipeline.durable_files import append_lines, write_text_atomic
 from data_pipeline.records import SKIPPED_NAME, TMP_PREFIX
 from data_pipeline.shard_reader import read_manifest
-from data_pipeline.shard_writer import append_line, manifest_lock
+from data_pipeline.shard_writer import manifest_lock
 
 DATA_NAME = "capture_data.json"
 
@@ -97,7 +97,7 @@ def record_skipped(shard_dir: str | os.PathLike[str], key: str, reason: str, act
     """Durably note that `key` was captured and deliberately not written."""
     line = json.dumps({"key": key, "reason": reason, "actor": actor}, sort_keys=True) + "\n"
     with manifest_lock(shard_dir):
-        append_line(Path(shard_dir) / SKIPPED_NAME, line.encode())
+        append_lines(Path(shard_dir) / SKIPPED_NAME, line.encode())
 
 
 def captured_keys(shard_dir: str | os.PathLike[str]) -> set[str]:

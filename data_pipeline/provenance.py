@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 # Bump when the on-disk layout of a shard sample or a manifest line changes.
-SHARD_SCHEMA_VERSION = 1
+# 2: manifest lines carry every tar member's checksum (records.MemberChecksums).
+SHARD_SCHEMA_VERSION = 2
 
 FEATURE_DTYPES = ("bfloat16", "float16", "float32")
 KERNEL_PATHS = ("fla", "torch", "fla_fused")  # fla_fused: capture.kernels=fused (capture/fused_target.py)

@@ -3,7 +3,8 @@
 Shard directory layout (schema version SHARD_SCHEMA_VERSION):
   <prefix>-<NNNNNN>.tar   complete shards, renamed into place only once fully written
   .tmp-*.tar              shards being written; never read
-  manifest.jsonl          one ShardRecord per line, appended after the shard's rename
+  manifest.jsonl          one ShardRecord per line, appended after the shard's rename, with a
+                          checksum of every tar member (MemberChecksums; checksums.py)
   .manifest.lock          fcntl lock serialising renames and manifest appends
   DONE                    written by mark_done() once every producer has closed
   skipped.jsonl           captured keys not written (non-finite features): with the manifest's
@@ -26,7 +27,8 @@ from typing import Any
 
 import torch
 
-from data_pipeline.provenance import Provenance
+from data_pipeline.checksums import MEMBER_ALGORITHM, ChecksumMismatch, check_algorithm, digest_bytes, is_digest
+from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance
 
 MANIFEST_NAME = "manifest.jsonl"
 MANIFEST_LOCK_NAME = ".manifest.lock"
@@ -94,6 +96,57 @@ def _check_tensor(key: str, name: str, t: Any, dtype: torch.dtype, dim: int) -> 
 
 
 @dataclass(frozen=True)
+class MemberChecksums:
+    """The digest of every tar member of one shard, recorded when the shard was written: per
+    sample (storage order), one digest per member suffix (`members`, e.g. "features.npy")."""
+
+    algorithm: str
+    members: tuple[str, ...]
+    digests: tuple[tuple[str, ...], ...]
+
+    @classmethod
+    def of(cls, rows: list[dict[str, str]], algorithm: str = MEMBER_ALGORITHM) -> MemberChecksums:
+        """From each sample's member_digests (one member set per shard)."""
+        members = tuple(rows[0]) if rows else ()
+        assert all(tuple(r) == members for r in rows), "every sample of a shard has the same members"
+        return cls(algorithm, members, tuple(tuple(r.values()) for r in rows))
+
+    def verify(self, index: int, raw: dict[str, Any], where: str, key: str) -> None:
+        """Raise ChecksumMismatch naming the member of sample `index` whose bytes (as read, `raw`:
+        suffix -> bytes, webdataset's grouping) differ from the recorded digest, or ValueError when
+        the sample's member set differs (an unlisted member would go unchecked)."""
+        got = sorted(k for k in raw if not k.startswith("_"))
+        if got != list(self.members):
+            raise ValueError(f"{where}: sample {index} ({key!r}) has members {got}, the manifest {list(self.members)}")
+        for member, want in zip(self.members, self.digests[index]):
+            found = digest_bytes(raw[member], self.algorithm)
+            if found != want:
+                raise ChecksumMismatch(
+                    f"{where}: member {raw.get('__key__', f'{index:08d}')}.{member} (sample {index}, key {key!r}) "
+                    f"has {self.algorithm} {found}, the manifest recorded {want} when it was written: the shard was "
+                    "damaged since; re-extract the data (into a fresh shard directory)"
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"algorithm": self.algorithm, "members": list(self.members), "digests": [list(d) for d in self.digests]}
+
+    @classmethod
+    def from_dict(cls, d: Any, n_samples: int, where: str) -> MemberChecksums:
+        if not isinstance(d, dict) or set(d) != {"algorithm", "members", "digests"}:
+            raise ValueError(f"{where}: checksums must be an object with algorithm, members and digests")
+        algorithm = check_algorithm(d["algorithm"], where)
+        members, digests = d["members"], d["digests"]
+        if not isinstance(members, list) or not members or not all(isinstance(m, str) and m for m in members):
+            raise ValueError(f"{where}: checksums.members must be a non-empty list of member suffixes")
+        if not isinstance(digests, list) or len(digests) != n_samples:
+            raise ValueError(f"{where}: checksums.digests must list one entry per sample ({n_samples})")
+        for i, row in enumerate(digests):
+            if not isinstance(row, list) or len(row) != len(members) or not all(is_digest(x, algorithm) for x in row):
+                raise ValueError(f"{where}: checksums.digests[{i}] must hold {len(members)} {algorithm} hex digests")
+        return cls(algorithm, tuple(members), tuple(tuple(row) for row in digests))
+
+
+@dataclass(frozen=True)
 class ShardRecord:
     """One complete shard as listed in manifest.jsonl (the unit passed between components)."""
 
@@ -103,6 +156,7 @@ class ShardRecord:
     n_bytes: int
     keys: tuple[str, ...]  # sample keys in storage order
     provenance: Provenance
+    checksums: MemberChecksums  # every tar member's digest at write time, verified as it is read
 
     def to_json(self) -> str:
         """One manifest line, without the trailing newline."""
@@ -113,6 +167,7 @@ class ShardRecord:
             "n_bytes": self.n_bytes,
             "keys": list(self.keys),
             "provenance": self.provenance.to_dict(),
+            "checksums": self.checksums.to_dict(),
         }
         return json.dumps(d, sort_keys=True)
 
@@ -122,7 +177,12 @@ class ShardRecord:
             d = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{where}: not a valid manifest line ({e})") from e
-        fields = {"name", "n_samples", "n_tokens", "n_bytes", "keys", "provenance"}
+        fields = {"name", "n_samples", "n_tokens", "n_bytes", "keys", "provenance", "checksums"}
+        if isinstance(d, dict) and set(d) == fields - {"checksums"}:
+            raise ValueError(
+                f"{where}: manifest line has no checksums: it was written before shard schema version "
+                f"{SHARD_SCHEMA_VERSION}, which this code reads; re-extract the shards with this version"
+            )
         if not isinstance(d, dict) or set(d) != fields:
             got = sorted(d) if isinstance(d, dict) else type(d).__name__
             raise ValueError(f"{where}: manifest line must have exactly {sorted(fields)}, got {got}")
@@ -134,4 +194,5 @@ class ShardRecord:
             n_bytes=int(d["n_bytes"]),
             keys=tuple(d["keys"]),
             provenance=prov,
+            checksums=MemberChecksums.from_dict(d["checksums"], int(d["n_samples"]), where),
         )

@@ -43,7 +43,8 @@ _META_KEYS = {"schema_version", "key", "T", "dtype", "features_shape", "extra"}
 _STATE_VERSION = 2  # 1: (rank, world, consumed, current, offset), valid for one world size only
 # Skip reasons (ShardStream.skipped counts samples by reason).
 MISSING_SHARD = "missing_shard"  # listed in the manifest, not on disk
-CORRUPT_SHARD = "corrupt_shard"  # size differs from the manifest, not a readable tar, fewer samples, wrong keys
+# size or a member's checksum differs from the manifest, not a readable tar, fewer samples, wrong keys
+CORRUPT_SHARD = "corrupt_shard"
 NONFINITE = "nonfinite_features"  # a sample whose features hold NaN or Inf
 SKIP_REASONS = (MISSING_SHARD, CORRUPT_SHARD, NONFINITE)
 
@@ -143,16 +144,31 @@ def _raw_samples(stream, path: str) -> Iterator[dict[str, Any]]:
     return group_by_keys(tar_file_expander([{"url": path, "stream": stream}]))
 
 
-def iter_shard_samples(path: str | os.PathLike[str], skip: int = 0) -> Iterator[Sample]:
+def iter_shard_samples(
+    path: str | os.PathLike[str], skip: int = 0, record: ShardRecord | None = None
+) -> Iterator[Sample]:
     """Decode one complete shard bit-exactly, in storage order; the first `skip` are not decoded.
-    The same raw reading and decoding as the training stream (`_raw_samples`, `_to_sample`), without
-    its order, ownership and skip accounting: for tools and tests that inspect a shard."""
+    The same raw reading, checksum verification and decoding as the training stream (`_raw_samples`,
+    `MemberChecksums.verify`, `_to_sample`), without its order, ownership and skip accounting: for
+    tools and tests that inspect a shard. A damaged member raises ChecksumMismatch naming it.
+    `record` is the shard's manifest line (default: looked up in its directory's manifest)."""
     path = os.fspath(path)
     if os.path.basename(path).startswith(TMP_PREFIX):
         raise ValueError(f"{path} is a shard still being written (or abandoned); never read it")
+    if record is None:
+        name, listed = os.path.basename(path), read_manifest(os.path.dirname(path) or ".")
+        record = next((r for r in listed if r.name == name), None)
+        if record is None:
+            raise ValueError(
+                f"{path} is not listed in {MANIFEST_NAME} beside it, so its checksums cannot be verified: read "
+                "shards in their own directory (or pass record=, its manifest line)"
+            )
     with open(path, "rb") as stream:
         for i, raw in enumerate(_raw_samples(stream, path)):
+            if i >= record.n_samples:
+                raise ValueError(f"{path}: the tar holds more than the {record.n_samples} samples its manifest lists")
             if i >= skip:
+                record.checksums.verify(i, raw, path, record.keys[i])
                 yield _to_sample(_DECODER(raw), path)
 
 
@@ -220,7 +236,9 @@ class ShardStream:
 
     Skips (never an exception mid-run): a shard missing from disk, one whose size differs from
     the manifest, that does not parse as a tar, holds fewer samples or other keys than the
-    manifest says, or a sample that does not decode, ends that shard: its remaining samples are
+    manifest says, a member whose bytes differ from the checksum its manifest line recorded at
+    write time (hashed from the bytes as they are read: no second pass), or a sample that does
+    not decode, ends that shard: its remaining samples are
     counted as skipped (`missing_shard`/`corrupt_shard`) with one warning naming the path and
     why. A sample whose features hold NaN/Inf is skipped alone (`nonfinite_features`).
     `skipped` holds this stream's cumulative counts in samples by reason; it is replaced, never
@@ -334,6 +352,7 @@ class ShardStream:
             while position < n:
                 try:
                     index, raw = next(items)
+                    record.checksums.verify(index, raw, str(path), record.keys[index])  # the bytes just read
                     sample = _to_sample(_DECODER(raw), str(path))
                     if sample.key != record.keys[index]:
                         raise ValueError(f"sample {index} is {sample.key!r}, the manifest lists {record.keys[index]!r}")

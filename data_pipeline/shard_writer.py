@@ -1,11 +1,14 @@
 """Write captured samples into webdataset tar shards that appear atomically, plus the manifest.
 
 A shard is written as `.tmp-<prefix>-<pid>-<rand>.tar`, fsynced, then renamed to
-`<prefix>-<NNNNNN>.tar`; only after the rename is its ShardRecord appended to manifest.jsonl.
+`<prefix>-<NNNNNN>.tar`; only after the rename is its ShardRecord appended to manifest.jsonl,
+with the XXH3 digest of every tar member, hashed from the encoded bytes as they are written (no
+second pass; the reader checks them as it streams, checksums.py).
 Rename and append happen under an fcntl lock on `.manifest.lock` (plus a per-process thread
 lock), so several writers (one per target actor, any prefixes) can share one directory. A
 writer that dies leaves at most a `.tmp-*` file and no manifest line; a crash in the middle of
-an append leaves a line without its newline, which readers ignore and the next append cuts off.
+an append leaves a line without its newline, which readers ignore and the next append cuts off
+(durable_files.append_lines).
 Layout of a sample inside the tar: see records.py.
 """
 
@@ -28,13 +31,15 @@ import numpy as np
 import torch
 from webdataset.writer import TarWriter, default_handlers, encode_based_on_extension
 
-from data_pipeline.durable_files import fsync_dir
+from data_pipeline.checksums import member_digests
+from data_pipeline.durable_files import append_lines, fsync_dir
 from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance, check_compatible
 from data_pipeline.records import (
     DONE_NAME,
     MANIFEST_LOCK_NAME,
     MANIFEST_NAME,
     TMP_PREFIX,
+    MemberChecksums,
     Sample,
     ShardRecord,
 )
@@ -113,24 +118,6 @@ def _final_size(members_bytes: int) -> int:
     return _round_up(members_bytes + 2 * _TAR_BLOCK, _TAR_RECORD)
 
 
-def append_line(path: Path, line: bytes) -> None:
-    """Append one newline-terminated line and fsync it. Call under manifest_lock."""
-    assert line.endswith(b"\n") and b"\n" not in line[:-1]
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        size = os.fstat(fd).st_size
-        if size and os.pread(fd, 1, size - 1) != b"\n":
-            # A writer crashed mid-append; readers never parsed the unterminated line: drop it.
-            data = os.pread(fd, size, 0)
-            os.ftruncate(fd, data.rfind(b"\n") + 1)
-        view = memoryview(line)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class ShardWriter:
     """Writes Samples into `<prefix>-<NNNNNN>.tar` shards of at most `max_shard_bytes` each.
 
@@ -173,6 +160,7 @@ class ShardWriter:
         self._tar: TarWriter | None = None
         self._tmp_path: Path | None = None
         self._keys: list[str] = []
+        self._digests: list[dict[str, str]] = []  # per sample of the open shard: member -> digest
         self._tokens = 0
         self._members_bytes = 0
 
@@ -197,6 +185,7 @@ class ShardWriter:
             raise ValueError(f"sample key {sample.key!r} was already written by this writer")
         encoded = encode_sample(sample, tar_key="")
         nbytes = _tar_bytes(encoded)
+        digests = member_digests(encoded)
         finished = None
         if self._keys and _final_size(self._members_bytes + nbytes) > self.max_shard_bytes:
             finished = self._finish_shard()
@@ -208,6 +197,7 @@ class ShardWriter:
         self._members_bytes += nbytes
         assert self._tar.tarstream.offset == self._members_bytes, "tar size prediction is off"
         self._keys.append(sample.key)
+        self._digests.append(digests)
         self._seen_keys.add(sample.key)
         self._tokens += sample.num_tokens
         return finished
@@ -263,7 +253,7 @@ class ShardWriter:
         if self._tmp_path is not None:
             self._tmp_path.unlink(missing_ok=True)
         self._tar = self._file = self._tmp_path = None
-        self._keys, self._tokens, self._members_bytes = [], 0, 0
+        self._keys, self._digests, self._tokens, self._members_bytes = [], [], 0, 0
 
     def _finish_shard(self) -> ShardRecord:
         assert self._tar is not None and self._file is not None and self._tmp_path is not None
@@ -288,8 +278,9 @@ class ShardWriter:
                     n_bytes=size,
                     keys=tuple(self._keys),
                     provenance=self.provenance,
+                    checksums=MemberChecksums.of(self._digests),
                 )
-                append_line(self.out_dir / MANIFEST_NAME, (record.to_json() + "\n").encode())
+                append_lines(self.out_dir / MANIFEST_NAME, (record.to_json() + "\n").encode())
                 fsync_dir(self.out_dir)
         finally:
             self._file = self._tar = None

@@ -15,7 +15,7 @@ get() { python3 -m pip download -q --no-deps --only-binary=:all: --python-versio
 
 # the project's own pins (setup.py) that the image lacks or holds at another version
 get transformers==5.24.0 flash-linear-attention==0.6.0 fla-core==0.6.0 webdataset==1.0.2 \
-    liger-kernel==0.8.5 openai==3.57.0
+    liger-kernel==0.8.5 openai==3.57.0 xxhash==4.1.0
 # their needs, at the versions a CPU install of this project resolves (pip freeze); tokenizers and
 # huggingface-hub come from the image (0.23.2 / 1.33 satisfy transformers 5.24)
 get braceexpand==0.1.7 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \

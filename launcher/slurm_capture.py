@@ -81,10 +81,9 @@ def _capture_slice(cfg: Config, index: int, count: int) -> dict:
 
             torch.set_num_threads(max(1, int(os.environ.get("SLURM_CPUS_PER_TASK", "1"))))
         with Heartbeat(cfg.out, "target", index) as beat:
-            job = CaptureJob(cfg, Path(plan.target_dir), plan.identity, Path(plan.data.train_jsonl), shards, index,
-                             count)
+            job = CaptureJob.load(cfg, plan.target_dir, plan.identity, shards, index, count)
             beat.info = job.progress
-            result = dataclasses.asdict(job.run())
+            result = dataclasses.asdict(job.run(plan.data.train_jsonl, plan.data.capture))
         log.info("slice %d/%d: %d samples, %d tokens in %d shards (kernel path %s)", index, count, result["samples"],
                  result["tokens"], result["shards"], result["kernel_path"])
         marker.parent.mkdir(parents=True, exist_ok=True)

@@ -159,12 +159,13 @@ def capture_config(out, target_dir, train_jsonl, **capture):
 
 def run_capture(cfg, actor_index: int = 0, num_actors: int = 1):
     from dflash_dist.capture.capture_job import CaptureJob
+    from dflash_dist.capture.data_prep import capture_data
     from dflash_dist.target.loading import target_identity
 
     target_dir = cfg.target.path
-    job = CaptureJob(cfg, target_dir, target_identity(cfg, target_dir), cfg.data.train_path, cfg.out / "shards",
-                     actor_index, num_actors)
-    return job.run()
+    job = CaptureJob.load(cfg, target_dir, target_identity(cfg, target_dir), cfg.out / "shards", actor_index,
+                          num_actors)
+    return job.run(cfg.data.train_path, capture_data(cfg, cfg.data.train_path))
 
 
 @pytest.fixture(scope="module")

@@ -76,14 +76,14 @@ def test_resume_after_a_dead_writer_redoes_exactly_the_rest(saved, tmp_path, mon
 
     cfg = capture_config(tmp_path / "run", saved["dir"], saved["jsonl"], token_budget=600, shard_bytes=100_000)
     shards = cfg.out / "shards"
-    real = CaptureJob._capture_and_write
+    real = CaptureJob._capture_padded
 
-    def dies_after_15(self, writer, items):
+    def dies_after_15(self, seqs):  # the capture thread dies before its next pass once 15 are written
         if self.counts["samples"] >= 15:
             raise Killed
-        real(self, writer, items)
+        return real(self, seqs)
 
-    monkeypatch.setattr(CaptureJob, "_capture_and_write", dies_after_15)
+    monkeypatch.setattr(CaptureJob, "_capture_padded", dies_after_15)
     with pytest.raises(Killed):
         run_capture(cfg)
     monkeypatch.undo()
@@ -229,6 +229,7 @@ def test_release_follows_every_ranks_reader_and_the_gate_waits_then_stalls(saved
 # ---------------------------------------------------------------------------- Ray: kill a target actor
 def test_target_actor_killed_mid_shard_is_restarted_and_resumes(saved, ray_cluster, tmp_path):
     from dflash_dist.actors.target_worker import CaptureTask, TargetWorker
+    from dflash_dist.capture.data_prep import capture_data
     from dflash_dist.target.loading import target_identity
 
     cfg = capture_config(tmp_path / "run", saved["dir"], saved["jsonl"], shard_bytes=200_000, regenerate=True,
@@ -238,7 +239,7 @@ def test_target_actor_killed_mid_shard_is_restarted_and_resumes(saved, ray_clust
     worker = TargetWorker.options(num_cpus=0.5, max_restarts=2, max_task_retries=2).remote()
     t0 = time.monotonic()
     ref = worker.capture.remote(CaptureTask(cfg.to_dict(), str(saved["dir"]), ident, str(saved["jsonl"]),
-                                            str(shards), 0, 1))
+                                            capture_data(cfg, saved["jsonl"]), str(shards), 0, 1))
     killed, complete_before = None, []
     while killed is None and time.monotonic() - t0 < 90:
         listed = read_manifest(shards) if shards.is_dir() else []

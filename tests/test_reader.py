@@ -27,6 +27,7 @@ from data_pipeline.shard_reader import (
     assigned_shards,
     merge_reader_states,
     read_manifest,
+    sample_order,
 )
 from data_pipeline.shard_writer import ShardWriter, mark_done
 from dflash_dist.trainer.batching import (
@@ -38,7 +39,7 @@ from dflash_dist.trainer.batching import (
     make_micro_batch,
     with_positions,
 )
-from tests.test_shards import make_prov, make_sample, stream_keys
+from tests.test_shards import flip_member_byte, make_prov, make_sample, stream_keys
 
 PROV = make_prov()
 
@@ -222,6 +223,27 @@ def test_corrupt_truncated_and_missing_shards_are_skipped_and_counted(tmp_path: 
     assert len(warned) == 4  # once per skipped shard
     for path, why in ((p1, "bytes on disk"), (p2, CORRUPT_SHARD), (p3, CORRUPT_SHARD), (p4, "missing")):
         assert any(str(path) in m and why in m for m in warned), (path, warned)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("member", ["features.npy", "input_ids.npy"])
+def test_flipped_byte_in_a_member_is_named_and_its_shard_skipped(tmp_path: Path, caplog, shuffle: bool, member: str):
+    """A flipped bit (same size, finite values) in one member of sample 1 of shard 0: the samples
+    handed out before it in the epoch's order stay, the rest of that shard is skipped as corrupt
+    with a warning naming the shard file and the member; the other shard is read whole."""
+    shards = write_dir(tmp_path, [3, 3])
+    record = read_manifest(tmp_path)[0]
+    path = tmp_path / record.name
+    flip_member_byte(path, f"00000001.{member}")
+    caplog.set_level(logging.WARNING, logger="data_pipeline.shard_reader")
+    s = stream(tmp_path, shuffle=shuffle)
+    got = stream_keys(s)
+    order = [shards[0][i] for i in sample_order(record.name, 3, 0, 0, shuffle)]
+    before = order[: order.index(shards[0][1])]  # handed out before the damaged sample
+    assert got[: len(before)] == before and sorted(got[len(before) :]) == shards[1]
+    assert s.skipped == {CORRUPT_SHARD: 3 - len(before)}
+    (warned,) = [r.getMessage() for r in caplog.records]
+    assert str(path) in warned and f"member 00000001.{member}" in warned and "ChecksumMismatch" in warned
 
 
 def test_nonfinite_samples_skipped_counted_and_resumed_exactly(tmp_path: Path) -> None:

@@ -216,7 +216,7 @@ def test_the_checkpoints_generation_config_does_not_shape_greedy_output(target_d
                        f"eval.max_new_tokens={MAX_NEW}", f"capture.max_new_tokens={MAX_NEW}")
         run_regenerate(cfg)
         regenerated.append(contents(cfg))
-        job = CaptureJob(cfg, d, target_identity(cfg, d), data, tmp_path / name / "shards", 0, 1)
+        job = CaptureJob.load(cfg, d, target_identity(cfg, d), tmp_path / name / "shards", 0, 1)
         inline.append(job._sequences(read_chat_jsonl(data)))
         ev = Evaluator(cfg, tmp_path / name, d, prompts, expected=None)
         references.append([r.sequence for r in ev.references()])

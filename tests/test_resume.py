@@ -171,6 +171,23 @@ def test_every_field_that_may_change_across_a_resume_exists_and_says_why():
         assert key in must_match, key
 
 
+def test_marker_checksums_name_a_damaged_file(tmp_path):
+    """Every file of a tag gets an XXH3 checksum in its marker; a flipped byte (same size, so the
+    tag still looks complete) is named by verify_checksums; a marker without checksums is refused."""
+    cfg = Config()
+    cfg.run.out_dir = str(tmp_path)
+    tag = fake_tag(tmp_path / "checkpoints", 2, cfg)
+    meta = checkpoint.read_marker(tag)
+    assert meta["checksums"]["algorithm"] == "xxh3_128" and set(meta["checksums"]["files"]) == set(meta["files"])
+    checkpoint.verify_checksums(tag, meta)  # intact: nothing raised
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"x" * 50 + b"y" + b"x" * 49)
+    assert checkpoint.read_marker(tag) is not None  # sizes alone cannot see it
+    with pytest.raises(ResumeError, match=r"step_2: mp_rank_00_model_states.pt differ\(s\) from the xxh3_128"):
+        checkpoint.verify_checksums(tag, meta)
+    with pytest.raises(ResumeError, match="records no checksum"):
+        checkpoint.verify_checksums(tag, {k: v for k, v in meta.items() if k != "checksums"})
+
+
 def test_step_log_truncation_drops_later_and_torn_lines(tmp_path):
     log = tmp_path / "train_log.jsonl"
     log.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 7)) + '{"step": 7, "lo')
@@ -401,3 +418,37 @@ def test_crash_during_save_keeps_previous_latest_and_it_loads(tiny, shards, tmp_
     assert checkpoint.read_latest(ckpt) == "step_4" and checkpoint.read_marker(ckpt / "step_4") is not None
     assert read_jsonl(out / TRAIN_LOG) == read_jsonl(reference / TRAIN_LOG)
     assert [r["step"] for r in read_jsonl(out / TRAIN_LOG)] == [1, 2, 3, 4]
+
+
+# ---------------------------------------------------------------------------- damaged checkpoint files
+def test_flipped_byte_in_a_checkpoint_is_named_before_loading(tiny, shards, tmp_path, single_rank_gloo, monkeypatch):
+    """A real DeepSpeed checkpoint with one bit flipped in the middle of a file: the resume names
+    the file before DeepSpeed reads anything. Its universal copy (elastic resumes) is verified when
+    reused: a damaged copy is converted again from the tag."""
+    import dataclasses
+
+    from dflash_dist.trainer import engine, universal
+    from dflash_dist.trainer.loop import Trainer, TrainJob
+
+    cfg = make_cfg(tmp_path / "run", tiny["target_dir"], world_size=1, max_steps=2, checkpoint_every=2)
+    job = TrainJob(str(tiny["target_dir"]), str(shards), tiny["prov"], tiny["drafter"], total_steps=2)
+    Trainer(cfg, job).run()
+    tag = tmp_path / "run" / "checkpoints" / "step_2"
+    (optim,) = tag.glob("*optim_states.pt")
+    original = optim.read_bytes()
+    damaged = bytearray(original)
+    damaged[len(damaged) // 2] ^= 0x01
+    optim.write_bytes(bytes(damaged))
+    loads = []
+    real_load = engine.load_checkpoint
+    monkeypatch.setattr(engine, "load_checkpoint", lambda *a, **kw: loads.append(a) or real_load(*a, **kw))
+    with pytest.raises(ResumeError, match=rf"{tag}: {optim.name} differ\(s\) from the xxh3_128 checksum"):
+        Trainer(cfg, dataclasses.replace(job, resume=decide(str(tag), cfg, shards, (2, "step"), STATE_VERSION)))
+    assert loads == []  # refused before DeepSpeed opened a file
+
+    optim.write_bytes(original)
+    copy = universal.convert(tag)
+    biggest = max((p for p in copy.rglob("*.pt")), key=lambda p: p.stat().st_size)
+    good = biggest.read_bytes()
+    biggest.write_bytes(good[:-1] + bytes([good[-1] ^ 0x01]))
+    assert universal.convert(tag) == copy and biggest.read_bytes() == good  # converted again, not reused

@@ -418,3 +418,56 @@ def test_bytes_per_token_at_the_bench_shape(tmp_path: Path) -> None:
     print(f"\nH=5120 k=5 bf16: {per_token:.1f} bytes/token vs k*H*2={k * H * 2} (+{per_token / (k * H * 2) - 1:.3%})")
     assert on_disk == record.n_bytes and record.n_tokens == sum(lengths)
     assert k * H * 2 < per_token < 1.02 * k * H * 2
+
+
+# --- checksums ------------------------------------------------------------------------------
+
+
+def flip_member_byte(shard: Path, member: str) -> None:
+    """XOR the lowest bit of a member's last array element (little-endian: its low byte), in
+    place: the size stays, the value stays finite, only the checksum can tell."""
+    with tarfile.open(shard) as tar:
+        info = tar.getmember(member)
+    data = bytearray(shard.read_bytes())
+    itemsize = 2 if member.endswith("features.npy") else 4
+    data[info.offset_data + info.size - itemsize] ^= 0x01
+    shard.write_bytes(bytes(data))
+
+
+def test_manifest_lists_every_members_checksum(tmp_path: Path) -> None:
+    from data_pipeline.checksums import digest_bytes
+
+    prov = make_prov()
+    write_shards(tmp_path, prov, "c", n_shards=1, per_shard=3)
+    (record,) = read_manifest(tmp_path)
+    sums = record.checksums
+    assert sums.algorithm == "xxh3_64" and len(sums.digests) == 3
+    assert sums.members == ("features.npy", "input_ids.npy", "loss_mask.npy", "meta.json", "target_argmax.npy")
+    with tarfile.open(tmp_path / record.name) as tar:  # each digest is that of the member's bytes
+        for i, row in enumerate(sums.digests):
+            for member, digest in zip(sums.members, row):
+                assert digest_bytes(tar.extractfile(f"{i:08d}.{member}").read()) == digest
+    line = json.loads((tmp_path / MANIFEST_NAME).read_text())
+    from data_pipeline.records import ShardRecord
+
+    del line["checksums"]  # a manifest written before checksums: refused, saying what to do
+    with pytest.raises(ValueError, match="no checksums.*re-extract"):
+        ShardRecord.from_json(json.dumps(line), "m:1")
+
+
+@pytest.mark.parametrize("member", ["features.npy", "input_ids.npy"])
+def test_flipped_byte_is_named_by_iter_shard_samples(tmp_path: Path, member: str) -> None:
+    from data_pipeline.checksums import ChecksumMismatch
+
+    prov = make_prov()
+    write_shards(tmp_path, prov, "f", n_shards=1, per_shard=3)
+    (record,) = read_manifest(tmp_path)
+    path = tmp_path / record.name
+    flip_member_byte(path, f"00000001.{member}")
+    assert path.stat().st_size == record.n_bytes  # the size check cannot see it
+    samples = iter_shard_samples(path)
+    assert next(samples).key == "f/0/0"  # sample 0 is intact
+    with pytest.raises(ChecksumMismatch, match=rf"{path}: member 00000001\.{member} \(sample 1, key 'f/0/1'\)"):
+        next(samples)
+    with pytest.raises(ChecksumMismatch, match=f"00000001.{member}"):
+        list(iter_shard_samples(path, skip=1, record=record))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import ray
 import torch
 
+from data_pipeline.ledger import CaptureData
 from dflash_dist.capture.capture_job import CaptureResult
 from dflash_dist.target.loading import TargetIdentity
 
@@ -24,6 +25,7 @@ class CaptureTask:
     target_dir: str
     identity: TargetIdentity  # from the run plan: the weight hash is not computed again here
     train_jsonl: str
+    data: CaptureData  # the plan's identity of those conversations (the ledger records it)
     shard_dir: str
     actor_index: int
     num_actors: int
@@ -43,9 +45,9 @@ class TargetWorker:
         if not torch.cuda.is_available():
             torch.set_num_threads(max(1, int(os.environ.get("DFLASH_THREADS_PER_ACTOR", "1"))))
         with Heartbeat(cfg.out, "target", task.actor_index) as beat:
-            job = CaptureJob(cfg, task.target_dir, task.identity, task.train_jsonl, task.shard_dir,
-                             task.actor_index, task.num_actors)
+            job = CaptureJob.load(cfg, task.target_dir, task.identity, task.shard_dir, task.actor_index,
+                                  task.num_actors)
             beat.info = job.progress
-            result = job.run()
+            result = job.run(task.train_jsonl, task.data)
             beat.info = lambda: dict(result.__dict__)
         return result

@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from data_pipeline.ledger import CaptureData
 from dflash_dist.config import Config, ConfigError
 
 DEFAULT_TINY_TRAIN_SAMPLES = 400
@@ -22,6 +23,21 @@ def data_sources(cfg: Config) -> tuple[Path | None, Path | None]:
     """(train source, eval source) from data.train_path / data.eval_path."""
     train, heldout = cfg.data.train_path, cfg.data.eval_path
     return (Path(train) if train else None), (Path(heldout) if heldout else None)
+
+
+def capture_data(cfg: Config, train: Path | list) -> CaptureData:
+    """The identity of the conversations capture reads: `train` the ingested JSONL or its records
+    (the run plan derives it once; the ledger records it as capture_data.json): source,
+    data.max_train_samples, how many records, and the content hash of their keys."""
+    from data_pipeline.chat_data import read_chat_jsonl
+    from data_pipeline.ingest import content_hash, sample_keys
+
+    records = read_chat_jsonl(train) if isinstance(train, (str, Path)) else list(train)
+    if cfg.data.max_train_samples is not None:
+        records = records[: cfg.data.max_train_samples]
+    source, _ = data_sources(cfg)
+    return CaptureData(str(source) if source else None, cfg.data.max_train_samples, len(records),
+                       content_hash(sample_keys(records)))
 
 
 def ingested_paths(cfg: Config, split: str) -> tuple[Path, Path]:

@@ -1,4 +1,9 @@
-"""Capture output off the GPU thread: each pass's features, argmax, ids, loss masks and
+"""Where captured passes are written: on the capture thread (`capture.writers: 0`, ThreadWriter)
+or off it (WriterPool), both behind one interface (`submit` a pass, `close`, `abort`; `open_writers`
+picks) and one per-row rule (`write_row`: a row with NaN/Inf on a real token goes to the ledger,
+any other row into the shard), so both write the same samples bit for bit.
+
+Off the GPU thread: each pass's features, argmax, ids, loss masks and
 finiteness flags are copied on a side CUDA stream into a host buffer (a /dev/shm file mapped here,
 page-locked, and mapped by the writer processes), and writer processes encode and write them as
 webdataset shards while the GPU runs the next passes (`capture.writers`).
@@ -31,7 +36,11 @@ from pathlib import Path
 
 import torch
 
+from data_pipeline.disk_budget import BufferGate
+from data_pipeline.ledger import record_skipped
 from data_pipeline.records import Sample
+from data_pipeline.shard_reader import NONFINITE
+from data_pipeline.shard_writer import ShardWriter
 
 log = logging.getLogger(__name__)
 
@@ -118,15 +127,82 @@ class SinkCounts:
     errors: list[str] = field(default_factory=list)
 
 
+def row_finite(features: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+    """[b] per padded row of a pass: no NaN/Inf on its real tokens (padding may hold anything)."""
+    return (torch.isfinite(features).all(-1) | (attention == 0)).all(-1).to(torch.uint8)
+
+
+def write_row(writer: ShardWriter, shard_dir: str | Path, actor: int, out: dict, key: str, ids: torch.Tensor,
+              mask: torch.Tensor, features: torch.Tensor, argmax: torch.Tensor, meta: dict, finite: bool) -> None:
+    """One captured row: into the shard, or (non-finite) its key into the ledger; counted in `out`."""
+    if not finite:
+        record_skipped(shard_dir, key, NONFINITE, actor)
+        out["skipped"] += 1
+        return
+    writer.write(Sample(key=key, input_ids=ids, loss_mask=mask, features=features, target_argmax=argmax, meta=meta))
+    out["samples"] += 1
+    out["tokens"] += int(ids.shape[0])
+
+
+class ThreadWriter:
+    """`capture.writers: 0`: each pass written on the capture thread as it is submitted (one
+    ShardWriter of the actor's prefix, behind the disk-buffer gate)."""
+
+    def __init__(self, cfg, shard_dir: Path, provenance, prefix: str, actor_index: int,
+                 gate: BufferGate | None) -> None:
+        self.counts = SinkCounts()
+        self.shard_dir, self.actor = shard_dir, actor_index
+        self.gate = gate
+        self.writer = ShardWriter(shard_dir, provenance, cfg.capture.shard_bytes, prefix, before_open=gate)
+
+    def submit(self, features: torch.Tensor, argmax: torch.Tensor, attention: torch.Tensor,
+               items: list[tuple[str, list[int], list[int], dict]]) -> None:
+        """Write one pass now (WriterPool.submit's arguments)."""
+        t0 = time.perf_counter()
+        finite = row_finite(features, attention).tolist()
+        argmax = argmax.to(torch.int32)
+        out = {"samples": 0, "tokens": 0, "skipped": 0}
+        for r, (key, ids, mask, meta) in enumerate(items):
+            n = len(ids)
+            write_row(self.writer, self.shard_dir, self.actor, out, key, torch.tensor(ids, dtype=torch.int32),
+                      torch.tensor(mask, dtype=torch.uint8), features[r, :n].cpu(), argmax[r, :n].cpu(), meta,
+                      bool(finite[r]))
+        c = self.counts
+        for k in ("samples", "tokens", "skipped"):
+            setattr(c, k, getattr(c, k) + out[k])
+        c.shards, c.bytes = len(self.writer.records), sum(r.n_bytes for r in self.writer.records)
+        c.jobs += 1
+        c.busy_s += time.perf_counter() - t0
+
+    def close(self) -> SinkCounts:
+        """The last shard closed and listed."""
+        self.writer.close()
+        c = self.counts
+        c.shards, c.bytes = len(self.writer.records), sum(r.n_bytes for r in self.writer.records)
+        c.waited_disk_s = self.gate.waited_s if self.gate is not None else 0.0
+        return c
+
+    def abort(self) -> None:
+        """After an error: the unfinished shard is deleted; completed ones stay listed."""
+        self.writer.abort()
+
+
+def open_writers(cfg, shard_dir: Path, provenance, prefix: str, actor_index: int, writers: int,
+                 gate: BufferGate | None, device: torch.device | str = "cpu",
+                 tokens_hint: int = 0) -> ThreadWriter | WriterPool:
+    """`writers` writer processes (WriterPool, started and ready), or for 0 the capture thread."""
+    if writers == 0:
+        return ThreadWriter(cfg, shard_dir, provenance, prefix, actor_index, gate)
+    return WriterPool(cfg, shard_dir, provenance, prefix, actor_index, writers, device=device, gate=gate is not None,
+                      tokens_hint=tokens_hint)
+
+
 def _writer_main(conn, spec: dict) -> None:
     """A writer process: {buf: spec, row0, tok0, items: [[key, n, meta], ...]} in (a row group of
     a buffer: its first row and token there), counts (or {error}) out."""
     torch.set_num_threads(1)
-    from data_pipeline.disk_budget import BufferGate, BufferPolicy
-    from data_pipeline.ledger import record_skipped
+    from data_pipeline.disk_budget import BufferPolicy
     from data_pipeline.provenance import Provenance
-    from data_pipeline.shard_reader import NONFINITE
-    from data_pipeline.shard_writer import ShardWriter
     from dflash_dist.config import load_config_dict
 
     writer = None
@@ -148,14 +224,8 @@ def _writer_main(conn, spec: dict) -> None:
             for row, (key, n, meta) in enumerate(msg["items"], msg["row0"]):
                 sl = slice(off, off + n)
                 off += n
-                if not buf.finite[row]:
-                    record_skipped(spec["shard_dir"], key, NONFINITE, spec["actor"])
-                    out["skipped"] += 1
-                    continue
-                writer.write(Sample(key=key, input_ids=buf.ids[sl], loss_mask=buf.mask[sl], features=buf.features[sl],
-                                    target_argmax=buf.argmax[sl], meta=meta))
-                out["samples"] += 1
-                out["tokens"] += n
+                write_row(writer, spec["shard_dir"], spec["actor"], out, key, buf.ids[sl], buf.mask[sl],
+                          buf.features[sl], buf.argmax[sl], meta, bool(buf.finite[row]))
             done = writer.records[shards0:]
             out.update(shards=len(done), bytes=sum(r.n_bytes for r in done), busy_s=time.perf_counter() - t0,
                        waited_disk_s=gate.waited_s - waited0)
@@ -257,7 +327,7 @@ class WriterPool:
             buf.ids[off : off + n] = torch.as_tensor(ids, dtype=torch.int32)
             buf.mask[off : off + n] = torch.as_tensor(mask, dtype=torch.uint8)
             off += n
-        finite = (torch.isfinite(features).all(-1) | (attention == 0)).all(-1).to(torch.uint8)  # [b], on the device
+        finite = row_finite(features, attention)  # [b], on the device
         argmax = argmax.to(torch.int32)
         event = None
         if self.stream is not None:

@@ -29,7 +29,7 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from data_pipeline.chat_data import ChatEncoder, ChatRecord, template_hash
-from data_pipeline.durable_files import fsync_dir, write_text_atomic
+from data_pipeline.durable_files import append_lines, write_text_atomic
 from data_pipeline.ingest import DataError, IngestPolicy, ingest
 from data_pipeline.provenance import hash_weight_files
 from dflash_dist.capture.data_prep import data_sources, prepare_data
@@ -236,8 +236,9 @@ class ServerGenerator:
 class RegenOutput:
     """The output JSONL, its rejected-records file and its provenance; what is already done.
 
-    Lines are appended a chunk per write and fsynced; an incomplete last line (a write cut by a
-    crash) is cut off on open, so every line left is a whole record."""
+    Lines are appended a chunk per write and fsynced (durable_files.append_lines); an incomplete
+    last line (a write cut by a crash) is cut off when the file is opened for append, which open()
+    does first, so every line left is a whole record."""
 
     path: Path
     done: set[str] = field(default_factory=set)
@@ -269,6 +270,8 @@ class RegenOutput:
                 "set regen.output to a new path"
             )
         for path, is_output in ((self.path, True), (self.rejected_path, False)):
+            if path.exists():
+                append_lines(path, b"")  # opened for append: a torn last line is cut off
             for where, obj in _complete_lines(path):
                 rid = obj.get("id") if isinstance(obj, dict) else None
                 if not isinstance(rid, str) or rid in self.done:
@@ -298,8 +301,8 @@ class RegenOutput:
                     }
                 )
             self.done.add(r.id)
-        _append_lines(self.rejected_path, dropped)
-        _append_lines(self.path, kept)
+        _append_records(self.rejected_path, dropped)
+        _append_records(self.path, kept)
         self.written += len(kept)
         self.rejected += len(dropped)
 
@@ -316,34 +319,22 @@ def _diff(before: dict, now: dict, prefix: str = "") -> list[str]:
 
 
 def _complete_lines(path: Path) -> Iterator[tuple[str, object]]:
-    """(path:line, decoded JSON) of each whole line; an incomplete last line is cut from the file."""
+    """(path:line, decoded JSON) of each whole line (a torn last line is not a record)."""
     if not path.exists():
         return
-    end = 0
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
             if not raw.endswith(b"\n"):
                 break
-            end += len(raw)
             try:
                 yield f"{path}:{lineno}", json.loads(raw)
             except json.JSONDecodeError as err:
                 raise RegenError(f"{path}:{lineno}: not JSON ({err.msg}); regenerate into a new regen.output") from None
-    if end < path.stat().st_size:
-        log.warning("%s: cut an incomplete last line (an interrupted write)", path)
-        os.truncate(path, end)
 
 
-def _append_lines(path: Path, lines: list[dict]) -> None:
-    if not lines:
-        return
-    new = not path.exists()
-    with open(path, "ab") as f:
-        f.write(b"".join(json.dumps(line, ensure_ascii=False).encode() + b"\n" for line in lines))
-        f.flush()
-        os.fsync(f.fileno())
-    if new:
-        fsync_dir(path.parent)
+def _append_records(path: Path, records: list[dict]) -> None:
+    if records:
+        append_lines(path, b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in records))
 
 
 @dataclass(frozen=True)

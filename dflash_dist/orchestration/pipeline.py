@@ -275,7 +275,7 @@ def _start_capture(cfg: Config, plan: RunPlan, paths: dict[str, Path], where) ->
                                     **where("target", i)).remote() for i in range(n)]
     cfg_dict = cfg.to_dict()
     refs = [w.capture.remote(CaptureTask(cfg_dict, plan.target_dir, plan.identity, plan.data.train_jsonl,
-                                         str(paths["shards"]), i, n)) for i, w in enumerate(workers)]
+                                         plan.data.capture, str(paths["shards"]), i, n)) for i, w in enumerate(workers)]
     log.info("%d target actor(s) capturing layers %s into %s", n, list(plan.identity.layer_ids), paths["shards"])
     return refs
 

@@ -202,17 +202,11 @@ def _plan_data(cfg: Config, tokenizer) -> tuple[dict, DataPlan]:
     """Ingest the data (capture/data_prep.py, nothing written yet) and, when shards from an
     earlier capture are there, refuse to go on over other conversations than theirs (the
     ledger's capture_data.json). Returns the ingested splits (for write_data) and the plan."""
-    from data_pipeline.ingest import content_hash, sample_keys
     from data_pipeline.ledger import DATA_NAME, DataChanged, check_capture_data
-    from dflash_dist.capture.data_prep import data_sources, ingest_data, ingested_paths
+    from dflash_dist.capture.data_prep import capture_data, ingest_data, ingested_paths
 
     splits = ingest_data(cfg, tokenizer)
-    records = splits["train"][0]
-    if cfg.data.max_train_samples is not None:
-        records = records[: cfg.data.max_train_samples]
-    source, _ = data_sources(cfg)
-    capture = CaptureData(str(source) if source else None, cfg.data.max_train_samples, len(records),
-                          content_hash(sample_keys(records)))
+    capture = capture_data(cfg, splits["train"][0])
     shards = cfg.out / "shards"
     if (shards / DATA_NAME).exists():
         try:

@@ -31,6 +31,7 @@ import transformers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from data_pipeline.chat_data import ChatEncoder, template_hash
+from dflash_dist.model.lr_schedule import warmup_cosine
 from dflash_dist.target.gdn_path import route_cpu_to_torch
 from dflash_dist.target.stdlib_corpus import StdlibFile, code_chat_samples, corpus_hash, iter_sources, list_stdlib_files
 from dflash_dist.target.tiny_tokenizer import ENDOFTEXT, IM_END, train_tokenizer
@@ -248,13 +249,8 @@ class _TokenData:
 
 
 def _lr_at(step: int, settings: TinyTargetSettings) -> float:
-    """Linear warmup, then cosine from lr down to min_lr_ratio * lr."""
-    if step < settings.warmup_steps:
-        return settings.lr * (step + 1) / settings.warmup_steps
-    progress = (step - settings.warmup_steps) / max(1, settings.steps - settings.warmup_steps)
-    return settings.lr * (
-        settings.min_lr_ratio + (1 - settings.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    )
+    """Linear warmup, then cosine from lr down to min_lr_ratio * lr (model/lr_schedule.py)."""
+    return warmup_cosine(step, settings.steps, settings.warmup_steps, settings.lr, settings.min_lr_ratio)
 
 
 def _lm_loss(model: Qwen3_5ForCausalLM, rows: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,6 @@ captured features for a few hundred steps, replay tau printed before and after t
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from dataclasses import dataclass
 
@@ -17,6 +16,7 @@ from dflash_dist.model.capture import capture_features
 from dflash_dist.model.config import DrafterConfig, build_target_layer_ids
 from dflash_dist.model.drafter import DFlashDrafter
 from dflash_dist.model.loss import dflash_loss, sample_anchors
+from dflash_dist.model.lr_schedule import warmup_cosine
 from dflash_dist.model.replay import ReplayResult, replay_tau
 from dflash_dist.target.generation import greedy_continuation
 
@@ -89,8 +89,7 @@ def train(drafter: DFlashDrafter, ids, features, loss_mask, cfg: DemoConfig, log
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     warmup = max(1, cfg.steps // 25)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / cfg.steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, cfg.steps, warmup))
     losses = []
     drafter.train()
     for step in range(cfg.steps):

@@ -9,9 +9,10 @@ barrier, so `latest` can name a tag another rank is still writing, or died writi
 trainer saves with save_latest=False and then calls `commit`: every rank has fsynced the tag
 directory and passed a barrier; rank 0 writes the completion marker `dflash_checkpoint.json`
 (with the step, world size, config, LR schedule, state version and data fingerprint, every file
-and its size), then replaces `latest` (temp file + rename), and only then prunes old tags. A
-crash anywhere before the rename leaves the previous tag as `latest`, and a tag without a valid
-marker is never resumed from.
+with its size and XXH3 checksum, verified before a resume loads it: `verify_checksums`), then
+replaces `latest` (temp file + rename), and only then prunes old tags. A crash anywhere before
+the rename leaves the previous tag as `latest`, and a tag without a valid marker is never
+resumed from.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from data_pipeline.checksums import file_checksums, mismatched_files
 from data_pipeline.durable_files import fsync_dir, write_text_atomic
 from data_pipeline.shard_reader import read_manifest
 
@@ -79,6 +81,35 @@ def read_marker(tag_dir: Path) -> dict[str, Any] | None:
     return meta
 
 
+def verify_checksums(
+    tag_dir: Path, meta: dict[str, Any], rank: int = 0, world_size: int = 1, group: Any = None
+) -> None:
+    """Before a resume loads `tag_dir`: every file its marker (`meta`) lists is hashed again and
+    compared with the checksum recorded at save time. Each rank hashes every world_size-th file,
+    so the tag is read once in all; every rank then raises the same ResumeError naming each
+    damaged file (call it on every rank of the group, or with world_size 1 alone)."""
+    checksums = meta.get("checksums")
+    if not isinstance(checksums, dict) or set(checksums.get("files", {})) != set(meta.get("files", {})):
+        raise ResumeError(
+            f"{tag_dir}/{MARKER} records no checksum for some of its files (saved by an older version?): the files "
+            "cannot be verified before loading; resume from a checkpoint this version saved, or start a fresh run"
+        )
+    names = sorted(checksums["files"])
+    bad = set(mismatched_files(tag_dir, checksums, names[rank::world_size]))
+    if world_size > 1:
+        import torch.distributed as dist
+
+        flags = torch.tensor([int(name in bad) for name in names], dtype=torch.int32)
+        dist.all_reduce(flags, group=group)
+        bad = {name for name, flag in zip(names, flags.tolist()) if flag}
+    if bad:
+        raise ResumeError(
+            f"{tag_dir}: {', '.join(sorted(bad))} differ(s) from the {checksums['algorithm']} checksum recorded in "
+            f"{MARKER} at save time: the checkpoint was damaged since; resume from another tag (--resume PATH, e.g. "
+            f"an earlier one of {[p.name for p in complete_tags(tag_dir.parent)]}) or start a fresh run"
+        )
+
+
 def complete_tags(ckpt_dir: Path) -> list[Path]:
     return [p for p in tag_dirs(ckpt_dir) if read_marker(p) is not None]
 
@@ -109,10 +140,12 @@ def fsync_tree(path: Path) -> None:
 
 
 def write_marker(tag_dir: Path, meta: dict[str, Any]) -> None:
-    """Mark `tag_dir` complete, listing its files and sizes as they are now."""
+    """Mark `tag_dir` complete, listing its files with their sizes and checksums as they are now
+    (rank 0 reads the tag once for the checksums: XXH3 runs at memory speed, so this costs the read)."""
     files = {str(p.relative_to(tag_dir)): p.stat().st_size for p in sorted(tag_dir.rglob("*")) if p.is_file()}
     files.pop(MARKER, None)
-    record = {"version": MARKER_VERSION, "tag": tag_dir.name, **meta, "files": files, "unix_time": time.time()}
+    record = {"version": MARKER_VERSION, "tag": tag_dir.name, **meta, "files": files,
+              "checksums": file_checksums(tag_dir, files), "unix_time": time.time()}  # fmt: skip
     write_text_atomic(tag_dir / MARKER, json.dumps(record, sort_keys=True, indent=1) + "\n")
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from dflash_dist.config import Config
+from dflash_dist.model.lr_schedule import warmup_cosine
 
 STEPS_PER_PRINT = 1 << 30  # DeepSpeed's own progress prints stay off: we log through metrics.py
 
@@ -88,7 +89,8 @@ def build_optimizer(cfg: Config, model: nn.Module, fused: bool = False) -> torch
 
 
 class WarmupCosine:
-    """LR multiplier: linear warmup over `warmup_steps`, then cosine to 0 at `total_steps`.
+    """LR multiplier: linear warmup over `warmup_steps`, then cosine to 0 at `total_steps`
+    (model/lr_schedule.warmup_cosine, the project's one schedule shape).
 
     `unit` "step": the position is the optimizer step LambdaLR passes. "sample": the position is
     `done`, the samples trained so far on all ranks, which the trainer advances before each step
@@ -107,12 +109,7 @@ class WarmupCosine:
         self.done = 0  # samples trained so far (unit "sample")
 
     def __call__(self, step: int) -> float:
-        at = step if self.unit == "step" else self.done
-        if at < self.warmup_steps:
-            return (at + 1) / self.warmup_steps
-        decay_steps = max(1, self.total_steps - self.warmup_steps)
-        progress = min(1.0, (at - self.warmup_steps) / decay_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return warmup_cosine(step if self.unit == "step" else self.done, self.total_steps, self.warmup_steps)
 
 
 def build_lr_schedule(

@@ -366,6 +366,7 @@ class Trainer:
         comes from TrainState.for_world."""
         path, elastic = Path(decision.tag), decision.elastic
         meta = resume.verify(decision)
+        checkpoint.verify_checksums(path, meta, self.rank, self.world, self._ctrl)  # before DeepSpeed reads a byte
         saved = engine.load_checkpoint(self.engine, path, elastic, group=self._ctrl)["dflash"]
         span = engine.schedule_length(self.engine)
         assert span == (self.job.total_steps, self.job.schedule_unit), (span, self.job)  # resume.decide checked

@@ -11,7 +11,6 @@ the scalars of `train/` and `data/`.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from data_pipeline.durable_files import append_lines
 from dflash_dist.model.loss import LossOutput
 from dflash_dist.trainer import checkpoint
 from dflash_dist.trainer.batching import MicroBatch
@@ -105,11 +105,7 @@ class StepLogs:
             self._pending = []
         for path, rows in ((self._train_log, lines), (self._sample_log, key_lines)):
             if path is not None and (rows or durable):
-                with open(path, "a") as f:
-                    f.writelines(json.dumps(r) + "\n" for r in rows)
-                    f.flush()
-                    if durable:
-                        os.fsync(f.fileno())
+                append_lines(path, "".join(json.dumps(r) + "\n" for r in rows).encode(), durable=durable)
         return samples_seen
 
 

@@ -14,8 +14,10 @@ group 0's hyperparameters, and one AdamW `step` tensor is shared by all flat par
 
 The converted copy lives inside the tag (`<tag>/universal/`), so a second resume reuses it
 and pruning the tag removes it. It is written into a temporary directory and renamed into
-place only after its completion marker is on disk: a crash leaves nothing that looks complete,
-and the next resume converts again. Rank 0 converts; the other ranks wait (`ensure_universal`).
+place only after its completion marker (with every file's XXH3 checksum) is on disk: a crash
+leaves nothing that looks complete, and the next resume converts again. A reused copy is
+verified against those checksums first; a damaged one is converted again from the tag (whose
+own files `checkpoint.verify_checksums` verified before). Rank 0 converts; the other ranks wait (`ensure_universal`).
 
 Stage 0 is not elastic here: without ZeRO the optimizer state is not DeepSpeed-partitioned
 on CPU, but on GPU bf16 the BF16_Optimizer partitions it in yet another layout; refusing is
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -35,12 +38,15 @@ from typing import Any
 
 import torch.distributed as dist
 
+from data_pipeline.checksums import file_checksums, mismatched_files
 from data_pipeline.durable_files import fsync_dir, write_text_atomic
 from dflash_dist.trainer.checkpoint import fsync_tree
 
 UNIVERSAL = "universal"  # the converted copy, inside the tag directory
 UNIVERSAL_MARKER = "dflash_universal.json"
-UNIVERSAL_VERSION = 1
+UNIVERSAL_VERSION = 2  # 2: the marker records every file's checksum
+
+log = logging.getLogger(__name__)
 
 
 def universal_dir(tag_dir: Path) -> Path:
@@ -66,7 +72,12 @@ def convert(tag_dir: Path) -> Path:
     tag_dir = Path(tag_dir)
     out = universal_dir(tag_dir)
     if is_converted(tag_dir):
-        return out
+        meta = json.loads((out / UNIVERSAL_MARKER).read_text())
+        damaged = mismatched_files(out, meta["checksums"])
+        if not damaged:
+            return out
+        log.warning("%s: %s differ(s) from the checksums recorded at conversion: converting %s again",
+                    out, ", ".join(damaged), tag_dir)  # fmt: skip
     for stale in [out, *tag_dir.glob(f".{UNIVERSAL}.tmp-*")]:  # a conversion that crashed
         shutil.rmtree(stale, ignore_errors=True)
     tmp = tag_dir / f".{UNIVERSAL}.tmp-{os.getpid()}"
@@ -82,13 +93,16 @@ def convert(tag_dir: Path) -> Path:
     )
     t0 = time.perf_counter()
     try:
-        with open(tmp / "conversion.log", "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        with open(tmp / "conversion.log", "w") as console, contextlib.redirect_stdout(console), \
+                contextlib.redirect_stderr(console):  # fmt: skip
             ds_to_universal.main(args)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     (tag_dir / "latest_universal").unlink(missing_ok=True)  # the converter names tmp there; we load by path
-    record = {"version": UNIVERSAL_VERSION, "tag": tag_dir.name, "seconds": round(time.perf_counter() - t0, 3)}
+    files = [str(p.relative_to(tmp)) for p in sorted(tmp.rglob("*")) if p.is_file()]
+    record = {"version": UNIVERSAL_VERSION, "tag": tag_dir.name, "seconds": round(time.perf_counter() - t0, 3),
+              "checksums": file_checksums(tmp, files)}  # fmt: skip
     write_text_atomic(tmp / UNIVERSAL_MARKER, json.dumps(record, sort_keys=True) + "\n")
     fsync_tree(tmp)
     os.rename(tmp, out)

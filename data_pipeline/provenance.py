@@ -17,8 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from data_pipeline.feature_codec import FEATURE_ENCODINGS, RAW
+
 # Bump when the on-disk layout of a shard sample or a manifest line changes.
-# 2: manifest lines carry every tar member's checksum (records.MemberChecksums).
+# 2: manifest lines carry every tar member's checksum (records.MemberChecksums); provenance
+#    names the feature encoding (raw or fp8: feature_codec.py).
 SHARD_SCHEMA_VERSION = 2
 
 FEATURE_DTYPES = ("bfloat16", "float16", "float32")
@@ -35,6 +38,7 @@ COMPARED_FIELDS = (
     "dtype",
     "kernel_path",
     "template_hash",
+    "feature_encoding",
 )
 
 
@@ -50,6 +54,9 @@ class Provenance:
     dtype: str
     kernel_path: str
     template_hash: str
+    # how the shards store the features (capture.feature_dtype): raw, or fp8 decoded on read;
+    # a trainer refuses an encoding its config does not name (fp8 rounding is a change of data)
+    feature_encoding: str = RAW
     torch_version: str = field(default="", compare=False)
     transformers_version: str = field(default="", compare=False)
     fla_version: str = field(default="", compare=False)
@@ -65,6 +72,10 @@ class Provenance:
             raise ValueError(f"Provenance.hidden_size must be a positive int, got {self.hidden_size!r}")
         if self.dtype not in FEATURE_DTYPES:
             raise ValueError(f"Provenance.dtype must be one of {FEATURE_DTYPES}, got {self.dtype!r}")
+        if self.feature_encoding not in FEATURE_ENCODINGS:
+            raise ValueError(
+                f"Provenance.feature_encoding must be one of {FEATURE_ENCODINGS}, got {self.feature_encoding!r}"
+            )
         if self.kernel_path not in KERNEL_PATHS:
             raise ValueError(f"Provenance.kernel_path must be one of {KERNEL_PATHS}, got {self.kernel_path!r}")
         for name in ("target_id", "target_hash", "template_hash"):
@@ -118,9 +129,10 @@ class ProvenanceMismatch(ValueError):
         lines = [f"shard provenance mismatch in {where}:"]
         lines += [f"  {name}: expected {exp!r}, found {got!r}" for name, exp, got in diffs]
         lines.append(
-            "Features of a different target, layer set, dtype, kernel path or template cannot be "
-            "mixed. Either re-extract this data with the expected configuration (into a fresh "
-            "shard directory), or change the config to match the shards' provenance."
+            "Features of a different target, layer set, dtype, kernel path, template or storage "
+            "encoding (capture.feature_dtype) cannot be mixed. Either re-extract this data with the "
+            "expected configuration (into a fresh shard directory), or change the config to match the "
+            "shards' provenance."
         )
         super().__init__("\n".join(lines))
 

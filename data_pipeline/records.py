@@ -14,7 +14,8 @@ Shard directory layout (schema version SHARD_SCHEMA_VERSION):
 Inside a shard, sample i is stored as tar members `<i:08d>.<field>`:
   input_ids.npy int32 [T], loss_mask.npy uint8 [T], target_argmax.npy int32 [T],
   features.npy [T, k*H] (bf16 as the raw uint16 bit pattern; fp16/fp32 natively),
-  meta.json {schema_version, key, T, dtype, features_shape, features_encoding, extra}.
+  meta.json {schema_version, key, T, dtype, features_shape, features_encoding, extra} (+ feature_layers
+  when fp8: features.npy is then uint8 [T, k*(H+1)], feature_codec.py).
 The sample's own key lives in meta.json, so keys may contain any characters.
 """
 

@@ -28,6 +28,7 @@ import torch
 from webdataset.autodecode import Decoder, npy_loads
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
+from data_pipeline.feature_codec import FP8, decode_fp8
 from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance, check_compatible
 from data_pipeline.records import (
     DONE_NAME,
@@ -105,6 +106,11 @@ def _decode_field(key: str, data: bytes) -> Any:
 _DECODER = Decoder([_decode_field], pre=[], post=[])
 
 
+def decode_sample(raw: dict[str, Any], where: str) -> Sample:
+    """One sample from its raw tar members (suffix -> bytes), as the stream decodes it."""
+    return _to_sample(_DECODER(raw), where)
+
+
 def _to_sample(d: dict[str, Any], where: str) -> Sample:
     missing = [f for f in SAMPLE_FIELDS if f not in d]
     if missing:
@@ -119,7 +125,9 @@ def _to_sample(d: dict[str, Any], where: str) -> Sample:
         )
     dtype = meta["dtype"]
     feats = d["features.npy"]
-    if dtype == "bfloat16" and feats.dtype == np.uint16:
+    if meta.get("features_encoding") == FP8 and dtype in TORCH_FEATURE_DTYPES:
+        features = decode_fp8(feats, meta["features_shape"], TORCH_FEATURE_DTYPES[dtype], meta.get("feature_layers", 0))
+    elif dtype == "bfloat16" and feats.dtype == np.uint16:
         features = torch.from_numpy(feats.view(np.int16)).view(torch.bfloat16)
     elif dtype in TORCH_FEATURE_DTYPES and dtype != "bfloat16" and feats.dtype.name == dtype:
         features = torch.from_numpy(feats)

@@ -33,6 +33,7 @@ from webdataset.writer import TarWriter, default_handlers, encode_based_on_exten
 
 from data_pipeline.checksums import member_digests
 from data_pipeline.durable_files import append_lines, fsync_dir
+from data_pipeline.feature_codec import ENCODING_OF, FP8, RAW, encode_fp8
 from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance, check_compatible
 from data_pipeline.records import (
     DONE_NAME,
@@ -43,7 +44,7 @@ from data_pipeline.records import (
     Sample,
     ShardRecord,
 )
-from data_pipeline.shard_reader import ManifestFollower
+from data_pipeline.shard_reader import ManifestFollower, decode_sample
 
 # webdataset's own npy and json encoders, and nothing else: no pickle can reach a shard.
 _HANDLERS = {"npy": default_handlers["npy"], "json": default_handlers["json"]}
@@ -74,10 +75,13 @@ def manifest_lock(shard_dir: str | os.PathLike[str]) -> Iterator[None]:
             os.close(fd)  # releases the flock
 
 
-def encode_sample(sample: Sample, tar_key: str) -> dict[str, Any]:
-    """The tar members of one sample, encoded by webdataset (npy/json); bf16 as raw uint16 bits."""
+def encode_sample(sample: Sample, tar_key: str, encoding: str = RAW, layers: int = 1) -> dict[str, Any]:
+    """The tar members of one sample, encoded by webdataset (npy/json): features raw (bf16 as
+    its uint16 bits) or, with encoding FP8, as feature_codec.encode_fp8 over `layers` layers."""
     features = sample.features.detach().cpu().contiguous()
-    if features.dtype == torch.bfloat16:
+    if encoding == FP8:
+        feats = encode_fp8(features, layers)
+    elif features.dtype == torch.bfloat16:
         feats, encoding = features.view(torch.int16).numpy().view(np.uint16), "bfloat16-bits-as-uint16"
     else:
         feats, encoding = features.numpy(), "native"
@@ -88,6 +92,7 @@ def encode_sample(sample: Sample, tar_key: str) -> dict[str, Any]:
         "dtype": sample.dtype_name,
         "features_shape": list(features.shape),
         "features_encoding": encoding,
+        **({"feature_layers": layers} if encoding == FP8 else {}),
         "extra": dict(sample.meta),
     }
     raw = {
@@ -183,7 +188,7 @@ class ShardWriter:
             )
         if sample.key in self._seen_keys:
             raise ValueError(f"sample key {sample.key!r} was already written by this writer")
-        encoded = encode_sample(sample, tar_key="")
+        encoded = encode_sample(sample, "", self.provenance.feature_encoding, len(self.provenance.layer_ids))
         nbytes = _tar_bytes(encoded)
         digests = member_digests(encoded)
         finished = None
@@ -310,6 +315,17 @@ class ShardWriter:
         name = f"{self.prefix}-{self._next_index:06d}.tar"
         self._next_index += 1
         return name
+
+
+def round_trip_features(features: torch.Tensor, feature_dtype: str, layers: int) -> torch.Tensor:
+    """`features` [T, k*H] through exactly what a shard does to them (the writer's encode_sample,
+    npy bytes, the reader's decoding) for capture.feature_dtype `feature_dtype` (bf16 | fp8),
+    back in their own dtype: for benches comparing bf16 and fp8 features on the same data."""
+    t = features.shape[0]
+    zeros = torch.zeros(t, dtype=torch.int32)
+    sample = Sample("round-trip", zeros, zeros.to(torch.uint8), features.detach().cpu(), zeros)
+    encoded = encode_sample(sample, "0", ENCODING_OF[feature_dtype], layers)
+    return decode_sample(encoded, "<round_trip_features>").features
 
 
 def mark_done(out_dir: str | os.PathLike[str]) -> None:

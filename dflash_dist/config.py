@@ -98,6 +98,12 @@ class CaptureSection(_Section):
     # eager: transformers' modules as they are; fused (CUDA only): torch.compile'd RMSNorms, gated
     # RMSNorm and SwiGLU plus fla's causal conv (capture/fused_target.py): kernel path "fla_fused"
     kernels: Literal["eager", "fused"] = "eager"
+    # how shards store the features (data_pipeline/feature_codec.py): bf16: as the target computes
+    # them (bf16 on every real target; a float32 CPU test target's stay float32); fp8: float8_e4m3fn
+    # with a power-of-two scale per (token, layer), about half the bytes, decoded when read. The
+    # provenance records it: trainers refuse shards of the other encoding. The evaluator always
+    # measures on the target's own features, as serving does
+    feature_dtype: Literal["bf16", "fp8"] = "bf16"
 
 
 class DrafterSection(_Section):

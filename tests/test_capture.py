@@ -126,14 +126,14 @@ def write_conversations(path, n: int, seed: int = 0) -> None:
             f.write(json.dumps({"messages": msgs}) + "\n")
 
 
-def make_capture_target(root, poison_token: int | None = None):
-    """A tiny random Qwen3.5 target (4 layers, H=64) saved with a ChatML BPE tokenizer. With
+def make_capture_target(root, poison_token: int | None = None, hidden: int = 64):
+    """A tiny random Qwen3.5 target (4 layers, H=`hidden`) saved with a ChatML BPE tokenizer. With
     `poison_token`, that token's embedding row is NaN: every sequence holding it captures NaN."""
     from dflash_dist.target.stdlib_corpus import iter_sources, list_stdlib_files
     from dflash_dist.target.tiny_tokenizer import train_tokenizer
 
     root.mkdir(parents=True, exist_ok=True)
-    model = tiny_qwen35_target(DemoConfig(vocab_size=384, target_layers=4))
+    model = tiny_qwen35_target(DemoConfig(vocab_size=384, target_layers=4, target_hidden=hidden))
     if poison_token is not None:
         with torch.no_grad():
             model.get_input_embeddings().weight[poison_token] = float("nan")
@@ -287,6 +287,48 @@ def test_writer_processes_write_what_the_gpu_thread_writes(saved_target, tmp_pat
     again = run_capture(pooled)
     assert (again.samples, again.resumed) == (0, r1.samples + r1.skipped)
     assert not list(Path("/dev/shm").glob("dflash-capture-t000-*"))  # host buffers released
+
+
+def test_fp8_features_halve_the_bytes_per_token_on_both_write_paths(saved_target, tmp_path):
+    """capture.feature_dtype=fp8 on a bf16 target (H=768, k=3), captured for real: shard bytes per
+    token at most 0.51x of bf16's; every decoded value within the scheme's bound of the bf16
+    capture's (feature_codec.py); the writer processes' shards decode to the same values as the
+    capture thread's; round_trip_features (for benches) gives exactly what a shard gives; the
+    provenance names the encoding."""
+    from data_pipeline.feature_codec import FP8, RAW, fp8_error_bound
+    from data_pipeline.shard_reader import iter_shard_samples, read_manifest
+    from data_pipeline.shard_writer import round_trip_features
+
+    target = make_capture_target(tmp_path / "wide", hidden=768)
+    dirs = {}
+    for name, feature_dtype, writers in (("bf16", "bf16", 0), ("fp8", "fp8", 0), ("fp8_pool", "fp8", 2)):
+        cfg = capture_config(tmp_path / name, target, saved_target["jsonl"], token_budget=600, shard_bytes=64 << 20,
+                             layer_ids=[0, 1, 2], feature_dtype=feature_dtype, writers=writers)  # fmt: skip
+        cfg.target.dtype = "bfloat16"
+        assert run_capture(cfg).samples == 24
+        dirs[name] = cfg.out / "shards"
+
+    def per_token(shards):
+        records = read_manifest(shards)
+        return sum(r.n_bytes for r in records) / sum(r.n_tokens for r in records)
+
+    def samples(shards):
+        return {s.key: s for r in read_manifest(shards) for s in iter_shard_samples(shards / r.name)}
+
+    ratio = per_token(dirs["fp8"]) / per_token(dirs["bf16"])
+    print(f"\nfp8 / bf16 shard bytes per token: {ratio:.4f}")
+    assert ratio <= 0.51
+    assert {r.provenance.feature_encoding for r in read_manifest(dirs["fp8_pool"])} == {FP8}
+    assert {r.provenance.feature_encoding for r in read_manifest(dirs["bf16"])} == {RAW}
+    raw, fp8, pooled = samples(dirs["bf16"]), samples(dirs["fp8"]), samples(dirs["fp8_pool"])
+    assert sorted(raw) == sorted(fp8) == sorted(pooled)
+    for key, sample in raw.items():
+        got = fp8[key].features
+        assert got.dtype == torch.bfloat16 and got.shape == sample.features.shape
+        assert ((got.float() - sample.features.float()).abs() <= fp8_error_bound(sample.features, 3)).all(), key
+        assert torch.equal(pooled[key].features, got) and torch.equal(fp8[key].input_ids, sample.input_ids)
+        assert torch.equal(round_trip_features(sample.features, "fp8", 3), got)
+        assert torch.equal(round_trip_features(sample.features, "bf16", 3), sample.features)
 
 
 # ---------------------------------------------------------------------------- WriterPool: a pass split over writers

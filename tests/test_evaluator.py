@@ -222,6 +222,33 @@ def test_evaluator_refuses_features_of_another_origin(tiny, tmp_path):
     assert err.value.fields == ("kernel_path",)
 
 
+def test_an_fp8_run_is_evaluated_on_the_targets_own_features(tiny, tmp_path):
+    """capture.feature_dtype=fp8: the evaluator accepts the run's fp8 shards (their provenance
+    names the encoding its config expects) and measures tau on the features its own target
+    computes, never on shards: the same tau as the bf16 run's evaluator, bit for bit."""
+    from data_pipeline.feature_codec import FP8
+
+    fp8_cfg = tiny["cfg"].model_copy(deep=True)
+    fp8_cfg.capture.feature_dtype = "fp8"
+    taus = {}
+    for name, cfg in (("bf16", tiny["cfg"]), ("fp8", fp8_cfg)):
+        out = tmp_path / name
+        ev = Evaluator(cfg, out, tiny["target_dir"], tiny["prompts"], expected=None)
+        assert ev.provenance.feature_encoding == (FP8 if name == "fp8" else "raw")
+        _write_shard(tmp_path / f"shards_{name}", ev.provenance)
+        assert ev.check_shards(tmp_path / f"shards_{name}") == 1
+        (out / "export").mkdir(parents=True)
+        publish(tiny, out, "trained", 5)
+        ev.shard_dir = tmp_path / f"shards_{name}"
+        taus[name] = [r.tau_chain for r in ev.run_until(lambda: (True, 5), poll_s=0.05)]
+        ev.close()
+    ev = Evaluator(fp8_cfg, tmp_path / "x", tiny["target_dir"], tiny["prompts"], expected=None)
+    with pytest.raises(ProvenanceMismatch, match="feature_encoding"):  # bf16 shards under an fp8 config
+        ev.check_shards(tmp_path / "shards_bf16")
+    ev.close()
+    assert taus["fp8"] == taus["bf16"] and len(taus["fp8"]) == 1
+
+
 def test_evaluator_actor_follows_exports_as_they_appear(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray

@@ -92,7 +92,8 @@ class CaptureJob:
         comes from the run plan), its kernel path checked, fused if capture.kernels says so."""
         model, tokenizer = load_target(cfg, Path(target_dir))
         kernel_path = check_kernel_path(model, cfg.target.allow_torch_gdn_on_cuda)
-        provenance = provenance_for(ident, model, template_hash(tokenizer, cfg.data.enable_thinking))
+        provenance = provenance_for(ident, model, template_hash(tokenizer, cfg.data.enable_thinking),
+                                    cfg.capture.feature_dtype)
         if cfg.capture.kernels == "fused":
             if kernel_path != "fla":
                 raise ValueError(f"capture.kernels=fused needs fla's kernels on CUDA; this target runs "

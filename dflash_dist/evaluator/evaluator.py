@@ -117,8 +117,11 @@ class Evaluator:
         self.identity = identity if identity is not None else target_identity(cfg, target_dir)
         self.model, self.tokenizer = load_target(cfg, target_dir)
         check_kernel_path(self.model, cfg.target.allow_torch_gdn_on_cuda)
+        # its own target's features, computed here (never read from shards: as serving does); the
+        # encoding names how the training shards store theirs, so the checks compare like for like
         self.provenance = provenance_for(
-            self.identity, self.model, template_hash(self.tokenizer, cfg.data.enable_thinking)
+            self.identity, self.model, template_hash(self.tokenizer, cfg.data.enable_thinking),
+            cfg.capture.feature_dtype,
         )
         if expected is not None:
             check_compatible(expected, self.provenance, f"the evaluator's target {target_dir} as loaded here")

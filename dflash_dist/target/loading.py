@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from data_pipeline.feature_codec import ENCODING_OF
 from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance, hash_weight_files, installed_versions
 from dflash_dist.config import Config, ConfigError, load_config
 from dflash_dist.model.capture import check_capture_layer_ids, gdn_kernel_path
@@ -150,17 +151,19 @@ def target_identity(cfg: Config, target_dir: Path) -> TargetIdentity:
                           tuple(layer_ids_for(cfg, t["num_hidden_layers"])), t["hidden_size"], cfg.target.dtype)
 
 
-def _provenance(ident: TargetIdentity, kernel_path: str, template_hash: str) -> Provenance:
+def _provenance(ident: TargetIdentity, kernel_path: str, template_hash: str, feature_dtype: str) -> Provenance:
     return Provenance(
         schema_version=SHARD_SCHEMA_VERSION, target_id=ident.target_id, target_hash=ident.target_hash,
         layer_ids=ident.layer_ids, hidden_size=ident.hidden_size, dtype=ident.dtype,
-        kernel_path=kernel_path, template_hash=template_hash, **installed_versions(),
+        kernel_path=kernel_path, template_hash=template_hash, feature_encoding=ENCODING_OF[feature_dtype],
+        **installed_versions(),
     )
 
 
-def provenance_for(ident: TargetIdentity, model, template_hash: str) -> Provenance:
-    """The provenance of features this process would produce with `model` as loaded."""
-    return _provenance(ident, gdn_kernel_path(model), template_hash)
+def provenance_for(ident: TargetIdentity, model, template_hash: str, feature_dtype: str = "bf16") -> Provenance:
+    """The provenance of features this process would produce with `model` as loaded, stored as
+    capture.feature_dtype `feature_dtype` says."""
+    return _provenance(ident, gdn_kernel_path(model), template_hash, feature_dtype)
 
 
 def expected_kernel_path(cfg: Config, target_dir: Path) -> str:
@@ -178,5 +181,6 @@ def expected_provenance(cfg: Config, target_dir: Path, ident: TargetIdentity, to
     from data_pipeline.chat_data import template_hash
 
     return _provenance(
-        ident, expected_kernel_path(cfg, target_dir), template_hash(tokenizer, cfg.data.enable_thinking)
+        ident, expected_kernel_path(cfg, target_dir), template_hash(tokenizer, cfg.data.enable_thinking),
+        cfg.capture.feature_dtype,
     )

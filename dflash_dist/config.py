@@ -162,6 +162,10 @@ class TrainSection(_Section):
     # check_grad_overflow); off saves ~9 ms a step at the 27B shape, but a non-finite gradient is then
     # applied instead of skipped (the trainer still fails on a non-finite logged loss)
     grad_overflow_check: bool = True
+    # the optimizer step around AdamW (trainer/zero_step.py): "deepspeed" (DeepSpeed's ZeRO-1/2 step),
+    # "lean" (the same state and checkpoints; one fp32 norm, clip and non-finite skip inside the fused
+    # AdamW kernel, no host sync), "auto": lean on GPU ranks, deepspeed on CPU (the pinned loss curve)
+    optimizer_step: Literal["auto", "deepspeed", "lean"] = "auto"
     checkpoint_every: PosInt = 500
     keep_checkpoints: PosInt = 3
     log_every: PosInt = 10

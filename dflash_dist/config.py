@@ -93,8 +93,10 @@ class CaptureSection(_Section):
     # buffers, encoded and written off the GPU thread (capture/host_sink.py); 0: on the GPU thread
     writers: NonNegInt = 0
     # eager: transformers' modules as they are; fused (CUDA only): torch.compile'd RMSNorms, gated
-    # RMSNorm and SwiGLU plus fla's causal conv (capture/fused_target.py): kernel path "fla_fused"
-    kernels: Literal["eager", "fused"] = "eager"
+    # RMSNorm and SwiGLU plus fla's causal conv (capture/fused_target.py): kernel path "fla_fused";
+    # fused2: that plus the rewritten Gated DeltaNet, attention and decoder-layer forwards
+    # (capture/fused_layers.py: one input GEMM, compiled gating, q/k norm + RoPE, add + norm): "fla_fused2"
+    kernels: Literal["eager", "fused", "fused2"] = "eager"
 
 
 class DrafterSection(_Section):

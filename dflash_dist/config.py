@@ -96,8 +96,10 @@ class CaptureSection(_Section):
     # buffers, encoded and written off the GPU thread (capture/host_sink.py); 0: on the GPU thread
     writers: NonNegInt = 0
     # eager: transformers' modules as they are; fused (CUDA only): torch.compile'd RMSNorms, gated
-    # RMSNorm and SwiGLU plus fla's causal conv (capture/fused_target.py): kernel path "fla_fused"
-    kernels: Literal["eager", "fused"] = "eager"
+    # RMSNorm and SwiGLU plus fla's causal conv (capture/fused_target.py): kernel path "fla_fused";
+    # fused2: that plus the rewritten Gated DeltaNet, attention and decoder-layer forwards
+    # (capture/fused_layers.py: one input GEMM, compiled gating, q/k norm + RoPE, add + norm): "fla_fused2"
+    kernels: Literal["eager", "fused", "fused2"] = "eager"
     # how shards store the features (data_pipeline/feature_codec.py): bf16: as the target computes
     # them (bf16 on every real target; a float32 CPU test target's stay float32); fp8: float8_e4m3fn
     # with a power-of-two scale per (token, layer), about half the bytes, decoded when read. The
@@ -171,6 +173,10 @@ class TrainSection(_Section):
     # check_grad_overflow); off saves ~9 ms a step at the 27B shape, but a non-finite gradient is then
     # applied instead of skipped (the trainer still fails on a non-finite logged loss)
     grad_overflow_check: bool = True
+    # the optimizer step around AdamW (trainer/zero_step.py): "deepspeed" (DeepSpeed's ZeRO-1/2 step),
+    # "lean" (the same state and checkpoints; one fp32 norm, clip and non-finite skip inside the fused
+    # AdamW kernel, no host sync), "auto": lean on GPU ranks, deepspeed on CPU (the pinned loss curve)
+    optimizer_step: Literal["auto", "deepspeed", "lean"] = "auto"
     checkpoint_every: PosInt = 500
     keep_checkpoints: PosInt = 3
     log_every: PosInt = 10

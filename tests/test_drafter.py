@@ -170,3 +170,50 @@ def test_cuda_flex_bf16_matches_dense_training_forward():
     assert abs(lf - ld) / ld < 1e-2
     assert hidden_diff < 0.1  # bf16: ~3 significant digits on O(1) normed activations
     assert grad_rel < 5e-2
+
+
+def _loss_and_grads(d, ids, f, lm, a, **kw):
+    d.zero_grad(set_to_none=True)
+    out = dflash_loss(d, ids, f, lm, a, **kw)
+    out.loss.backward()
+    return out.loss.detach().float(), {n: p.grad.float().clone() for n, p in d.named_parameters() if p.grad is not None}
+
+
+def test_split_kv_projection_gives_the_same_loss_and_gradients():
+    """DrafterAttention.split_kv (k/v of context and block projected apart, then concatenated) is the
+    same math as projecting cat(context, block): loss and every gradient within fp32 rounding."""
+    d = small_drafter(layer_types=("sliding_attention", "full_attention"), sliding_window=6).train()
+    ids = torch.randint(0, 60, (2, 30))
+    f = _features(d, 2, 30)
+    lm = torch.ones(2, 30)
+    a = sample_anchors(lm, 6, torch.Generator().manual_seed(1))
+    ref_loss, ref = _loss_and_grads(d, ids, f, lm, a)
+    d.set_split_kv(True)
+    assert all(layer.self_attn.split_kv for layer in d.layers)
+    loss, got = _loss_and_grads(d, ids, f, lm, a)
+    d.set_split_kv(False)
+    assert torch.allclose(loss, ref_loss, rtol=1e-6)
+    assert got.keys() == ref.keys() and "layers.0.self_attn.k_proj.weight" in got
+    for name, g in ref.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.gpu
+def test_cuda_split_kv_matches_concatenated_projection_bf16():
+    """bf16, compiled flex, liger kernels (the trainer's GPU path): split vs concatenated k/v projections."""
+    d = _gpu_drafter(torch.bfloat16).train()
+    d.set_kernels("liger")
+    s = 1024
+    ids = torch.randint(0, 4000, (1, s), device="cuda")
+    f = torch.randn(1, s, 3 * 1024, device="cuda").bfloat16()
+    lm = torch.ones(1, s, device="cuda")
+    a = sample_anchors(lm, 64, torch.Generator().manual_seed(0))
+    a = Anchors(a.positions.cuda(), a.keep.cuda())
+    ref_loss, ref = _loss_and_grads(d, ids, f, lm, a, attention="flex")
+    d.set_split_kv(True)
+    loss, got = _loss_and_grads(d, ids, f, lm, a, attention="flex")
+    print(f"bf16 split vs cat k/v: loss {loss.item():.6f} vs {ref_loss.item():.6f}")
+    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-3
+    for name in ("fc.weight", "layers.0.self_attn.k_proj.weight", "layers.1.self_attn.v_proj.weight"):
+        rel = ((got[name] - ref[name]).norm() / ref[name].norm()).item()
+        assert rel < 2e-2, (name, rel)

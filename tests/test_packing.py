@@ -122,12 +122,12 @@ def test_trainer_packing_row_trains_each_sample_as_alone():
 def test_packing_is_the_gpu_default_and_its_row_length():
     """train.packing "auto" packs on GPU ranks only (the CPU default and the pinned loss curve
     keep right-padding); the row is micro_batch_tokens, else micro_batch_size x data.max_length;
-    token-budget micro-batches put the LR schedule on samples unless max_steps fixes it."""
+    the LR schedule counts samples unless max_steps fixes it in steps."""
     from dflash_dist.config import ConfigError, load_config
 
     base = ["target.kind=tiny_stdlib", "data.max_length=3072"]
     cpu = load_config(None, base)
-    assert cpu.train.packing == "auto" and cpu.pack_tokens() is None and cpu.schedule_unit() == "step"
+    assert cpu.train.packing == "auto" and cpu.pack_tokens() is None and cpu.schedule_unit() == "sample"
     gpu = load_config(None, [*base, "train.gpus_per_rank=1", "train.micro_batch_size=2"])
     assert gpu.pack_tokens() == 2 * 3072 and gpu.schedule_unit() == "sample"
     assert load_config(None, [*base, "train.gpus_per_rank=1", "train.max_steps=100"]).schedule_unit() == "step"

@@ -21,7 +21,7 @@ from data_pipeline.disk_budget import BufferGate, BufferPolicy
 from data_pipeline.ingest import sample_keys
 from data_pipeline.ledger import CaptureData, captured_keys, check_capture_data, remove_stale_tmp
 from data_pipeline.provenance import Provenance
-from dflash_dist.capture.fused_target import FUSED_KERNEL_PATH, fuse_target
+from dflash_dist.capture.fused_target import KERNEL_PATH_OF, fuse_target
 from dflash_dist.capture.host_sink import ThreadWriter, WriterPool, open_writers
 from dflash_dist.config import Config
 from dflash_dist.logging_setup import progress
@@ -94,13 +94,13 @@ class CaptureJob:
         kernel_path = check_kernel_path(model, cfg.target.allow_torch_gdn_on_cuda)
         provenance = provenance_for(ident, model, template_hash(tokenizer, cfg.data.enable_thinking),
                                     cfg.capture.feature_dtype)
-        if cfg.capture.kernels == "fused":
+        if cfg.capture.kernels != "eager":
             if kernel_path != "fla":
-                raise ValueError(f"capture.kernels=fused needs fla's kernels on CUDA; this target runs "
-                                 f"{kernel_path!r} (set target.device=cuda with flash-linear-attention and "
+                raise ValueError(f"capture.kernels={cfg.capture.kernels} needs fla's kernels on CUDA; this target "
+                                 f"runs {kernel_path!r} (set target.device=cuda with flash-linear-attention and "
                                  "triton installed)")
-            fuse_target(model)
-            provenance = dataclasses.replace(provenance, kernel_path=FUSED_KERNEL_PATH)
+            fuse_target(model, layers=cfg.capture.kernels == "fused2")
+            provenance = dataclasses.replace(provenance, kernel_path=KERNEL_PATH_OF[cfg.capture.kernels])
         return cls(cfg, model, provenance, Path(shard_dir), actor_index, num_actors, tokenizer)
 
     def progress(self) -> dict:

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 FUSED_KERNEL_PATH = "fla_fused"
+FUSED2_KERNEL_PATH = "fla_fused2"  # capture.kernels=fused2: these kernels plus capture/fused_layers.py
+KERNEL_PATH_OF = {"fused": FUSED_KERNEL_PATH, "fused2": FUSED2_KERNEL_PATH}  # capture.kernels -> kernel path
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -56,10 +58,11 @@ def _compiled():
     return tuple(torch.compile(f, dynamic=True) for f in (_rms_norm, _gated_rms_norm, _silu_mul))
 
 
-def fuse_target(model: nn.Module, conv: bool = True) -> int:
+def fuse_target(model: nn.Module, conv: bool = True, layers: bool = False) -> int:
     """Switch a Qwen3.5-family target on CUDA to the fused path (module docstring; conv=False
     leaves the causal conv to transformers: a bench variant); returns the number of modules
-    changed. Weights are arguments, so one compiled graph serves every layer."""
+    changed. Weights are arguments, so one compiled graph serves every layer. layers=True: also
+    the rewritten layer forwards of capture/fused_layers.py (capture.kernels=fused2)."""
     if not any(p.is_cuda for p in model.parameters()):
         raise ValueError("capture.kernels=fused needs the target on CUDA (target.device=cuda): its kernels are Triton")
     rms, gated, silu_mul = _compiled()
@@ -79,6 +82,10 @@ def fuse_target(model: nn.Module, conv: bool = True) -> int:
         else:
             continue
         n += 1
+    if layers:
+        from dflash_dist.capture.fused_layers import fuse_layers, gpu_kernels
+
+        n += fuse_layers(model, gpu_kernels())
     model.dflash_fused = True
     return n
 

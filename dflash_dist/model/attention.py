@@ -62,8 +62,12 @@ def block_mask_dense(anchors: torch.Tensor, keep: torch.Tensor, context_len: int
 
 
 def block_mask_flex(anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int,
-                    sliding_window: int | None = None, starts: torch.Tensor | None = None):
-    """The same mask as a sparse flex_attention BlockMask."""
+                    sliding_window: int | None = None, starts: torch.Tensor | None = None, build: str = "direct"):
+    """The same mask as a sparse flex_attention BlockMask. build "direct": its block tables from
+    each query's visible key ranges (`_block_tables`: ~20 small kernels, no host sync);
+    "create": torch's create_block_mask, which evaluates mask_mod over all [Q, K] pairs under
+    vmap (host-bound: the GPU idled while it ran, docs/BENCHMARKS.md). Both give the same tables
+    (tests/test_block_mask.py)."""
     b, n = anchors.shape
 
     def mask_mod(bi, hi, q_idx, kv_idx):
@@ -72,18 +76,78 @@ def block_mask_flex(anchors: torch.Tensor, keep: torch.Tensor, context_len: int,
         return _mask_rule(q_idx, kv_idx, anchors[bi, j], keep[bi, j], context_len, block_size, sliding_window,
                           start)
 
-    return create_block_mask(
-        mask_mod, B=b, H=None, Q_LEN=n * block_size, KV_LEN=context_len + n * block_size, device=anchors.device
-    )
+    q_len, kv_len = n * block_size, context_len + n * block_size
+    if build == "create":
+        return create_block_mask(mask_mod, B=b, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=anchors.device)
+    if build != "direct":
+        raise ValueError(f"block mask build={build!r}; expected 'direct' or 'create'")
+    partial, full = _block_tables(anchors, keep, context_len, block_size, sliding_window, starts)
+    return BlockMask.from_kv_blocks(*_dense_to_ordered(partial), *_dense_to_ordered(full),
+                                    BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK), mask_mod=mask_mod,
+                                    seq_lengths=(q_len, kv_len))
+
+
+FLEX_BLOCK = 128  # create_block_mask's default tile (query rows x key columns) for the tables below
+
+
+def _block_tables(anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int,
+                  sliding_window: int | None = None, starts: torch.Tensor | None = None):
+    """(partial, full) int8 [b, 1, Q tiles, K tiles] as create_block_mask derives them from the
+    dense mask (`_mask_rule`): a tile is full when every (query, key) pair in it may attend,
+    partial when some but not all may (tiles past Q/K lengths count as masked).
+
+    Each query sees two key ranges: the context [max(start, a + slot - (w - 1)), a) and its own
+    block [S + jB, S + jB + (slot + 1 if sliding else B)); a tile is touched when some row's range
+    meets its keys, full when every row's range covers them (a row's two ranges never join: the
+    context ends at a < S - 1)."""
+    b, n = anchors.shape
+    dev = anchors.device
+    q_len, kv_len = n * block_size, context_len + n * block_size
+    slot = torch.arange(block_size, device=dev).repeat(n)  # [Q]
+    blk = torch.arange(n, device=dev).repeat_interleave(block_size)  # [Q]
+    a = anchors.repeat_interleave(block_size, dim=1)  # [b, Q]
+    kq = keep.repeat_interleave(block_size, dim=1)
+    lo = torch.zeros_like(a) if starts is None else starts.repeat_interleave(block_size, dim=1)
+    if sliding_window is not None:
+        lo = torch.maximum(lo, a + slot - (sliding_window - 1))
+    hi = torch.clamp(a, max=context_len)
+    own_lo = context_len + blk * block_size
+    own_hi = own_lo + (slot + 1 if sliding_window is not None else block_size)
+    own_lo, own_hi = own_lo.expand(b, -1), own_hi.expand(b, -1)
+    hi = torch.where(kq, hi, lo)  # a dropped block sees nothing
+    own_hi = torch.where(kq, own_hi, own_lo)
+    n_q, n_kv = -(-q_len // FLEX_BLOCK), -(-kv_len // FLEX_BLOCK)
+    pad = n_q * FLEX_BLOCK - q_len  # rows past Q: empty ranges (masked, as create_block_mask pads)
+    ranges = [F.pad(t, (0, pad)).view(b, n_q, FLEX_BLOCK, 1) for t in (lo, hi, own_lo, own_hi)]
+    k0 = torch.arange(n_kv, device=dev) * FLEX_BLOCK  # [K tiles]; keys past K are masked and no
+    k1 = k0 + FLEX_BLOCK  # range reaches past K, so a cut last tile is never full
+    touched = torch.zeros(b, n_q, n_kv, dtype=torch.bool, device=dev)
+    covered = torch.zeros(b, n_q, FLEX_BLOCK, n_kv, dtype=torch.bool, device=dev)
+    for r_lo, r_hi in (ranges[:2], ranges[2:]):
+        touched |= (torch.maximum(r_lo, k0) < torch.minimum(r_hi, k1)).any(2)
+        covered |= (r_lo <= k0) & (r_hi >= k1)
+    full = covered.all(2)
+    partial = touched & ~full
+    return partial[:, None].to(torch.int8), full[:, None].to(torch.int8)
+
+
+def _dense_to_ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tiles per row, their column indices first) int32, as create_block_mask orders them."""
+    tiles = tiles.to(torch.int32)
+    order = torch.argsort(tiles, dim=-1, descending=True, stable=True)
+    return tiles.sum(-1).to(torch.int32), order.to(torch.int32)
 
 
 def layer_masks(attention: str, anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int,
                 layer_types: tuple[str, ...] = (), sliding_window: int | None = None,
-                starts: torch.Tensor | None = None) -> AttentionMask | LayerMasks:
+                starts: torch.Tensor | None = None, flex_build: str = "direct") -> AttentionMask | LayerMasks:
     """The training block mask(s) for a drafter with these layer types: one mask when every layer
     is full (as before), else one per layer type. attention: "flex" or "dense". starts: packed
-    rows' per-anchor document starts (None: one document per row)."""
-    build = {"flex": block_mask_flex, "dense": block_mask_dense}[attention]
+    rows' per-anchor document starts (None: one document per row). flex_build: block_mask_flex's."""
+    if attention == "flex":
+        build = functools.partial(block_mask_flex, build=flex_build)
+    else:
+        build = {"dense": block_mask_dense}[attention]
     full = build(anchors, keep, context_len, block_size, None, starts)
     if SLIDING not in layer_types:
         return full

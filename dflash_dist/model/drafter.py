@@ -69,6 +69,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class DrafterAttention(nn.Module):
     norm_rope = None  # fused.py's q/k norm + RoPE, set by DFlashDrafter.set_kernels; None: the code below
+    # False: k/v projections of cat([context, x]); True: of each part, the [S+Q, kv_heads*d] outputs
+    # concatenated (a 5x smaller copy than the [S+Q, H] input at the 27B shape); DFlashDrafter.set_split_kv
+    split_kv = False
 
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
@@ -96,15 +99,20 @@ class DrafterAttention(nn.Module):
         b, q_len, _ = x.shape
         # KV injection: the fused context features pass through this layer's own k/v projections
         # and k_norm, then sit in front of the block's keys; they never become queries.
-        kv_in = torch.cat([context, x], dim=1)
-        v = self._heads(self.v_proj(kv_in), self.num_kv_heads).transpose(1, 2)
+        if self.split_kv:
+            k_lin = torch.cat([self.k_proj(context), self.k_proj(x)], dim=1)
+            v_lin = torch.cat([self.v_proj(context), self.v_proj(x)], dim=1)
+        else:
+            kv_in = torch.cat([context, x], dim=1)
+            k_lin, v_lin = self.k_proj(kv_in), self.v_proj(kv_in)
+        v = self._heads(v_lin, self.num_kv_heads).transpose(1, 2)
         if self.norm_rope is not None:
             qn, kn = self.q_norm, self.k_norm
             q = self.norm_rope(self._heads(self.q_proj(x), self.num_heads), qn.weight, qn.eps, *rope_q)
-            k = self.norm_rope(self._heads(self.k_proj(kv_in), self.num_kv_heads), kn.weight, kn.eps, *rope_kv)
+            k = self.norm_rope(self._heads(k_lin, self.num_kv_heads), kn.weight, kn.eps, *rope_kv)
         else:
             q = self.q_norm(self._heads(self.q_proj(x), self.num_heads)).transpose(1, 2)
-            k = self.k_norm(self._heads(self.k_proj(kv_in), self.num_kv_heads)).transpose(1, 2)
+            k = self.k_norm(self._heads(k_lin, self.num_kv_heads)).transpose(1, 2)
             q = apply_rope(q, *rope_q)
             k = apply_rope(k, *rope_kv)
         out = attend(q, k, v, mask, scale=self.head_dim**-0.5)
@@ -172,6 +180,13 @@ class DFlashDrafter(nn.Module):
                 m.act = act
             elif isinstance(m, DrafterAttention):
                 m.norm_rope = norm_rope
+
+    def set_split_kv(self, split: bool) -> None:
+        """Project context and block keys/values apart and concatenate the projections
+        (DrafterAttention.split_kv): the same math, GEMMs over other row splits."""
+        for m in self.modules():
+            if isinstance(m, DrafterAttention):
+                m.split_kv = split
 
     def set_target_weights(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         """Share the target's embedding and lm_head (frozen)."""

@@ -206,6 +206,7 @@ def dflash_loss(
     position_weighting: str = "decay",
     dpace_alpha: float = DPACE_ALPHA,
     loss_denominator: torch.Tensor | None = None,
+    block_mask: str = "direct",
 ) -> LossOutput:
     """One training forward over all blocks of the batch; loss = sum(w*CE) / (sum(w) + 1e-6), or
     sum(w*CE) / loss_denominator when given (step_slots: the caller sums `loss_weights` over the
@@ -222,6 +223,7 @@ def dflash_loss(
     CUDA, dense on CPU). The loss over the vocabulary runs through the frozen lm_head in chunks of
     `vocab_chunk_rows` supervised slots (default: 1 GiB of fp32 logits, vocab_loss.py) and skips
     unsupervised slots; return_logits=True (parity, tests) materialises all logits instead.
+    block_mask: how flex's BlockMask is built, "direct" or "create" (attention.block_mask_flex).
     """
     cfg = drafter.config
     bsz, s_len = input_ids.shape
@@ -245,7 +247,7 @@ def dflash_loss(
     ids, pos = block_inputs(input_ids, anchors, blk, cfg.mask_token_id)
     ctx_pos = torch.arange(s_len, device=input_ids.device).expand(bsz, s_len)
     mask = layer_masks(attention, anchors.positions, anchors.keep, s_len, blk, cfg.layer_types, cfg.sliding_window,
-                       anchors.starts)
+                       anchors.starts, block_mask)
     hidden = drafter(ids, pos, context, ctx_pos, mask)
     if return_logits:
         logits = drafter.lm_head(hidden).float()  # [b, N*B, V]

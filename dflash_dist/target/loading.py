@@ -171,8 +171,8 @@ def expected_kernel_path(cfg: Config, target_dir: Path) -> str:
     layers on CUDA, the torch reference otherwise (capture refuses torch on CUDA unless allowed)."""
     has_gdn = "linear_attention" in (target_config_dict(target_dir).get("layer_types") or [])
     on_cuda = target_device(cfg).type == "cuda"
-    if has_gdn and on_cuda and cfg.capture.kernels == "fused":
-        return "fla_fused"  # capture/fused_target.py: an evaluator on "fla" refuses these shards
+    if has_gdn and on_cuda and cfg.capture.kernels != "eager":
+        return {"fused": "fla_fused", "fused2": "fla_fused2"}[cfg.capture.kernels]  # an evaluator on "fla" refuses them
     return "fla" if (has_gdn and on_cuda) else "torch"
 
 

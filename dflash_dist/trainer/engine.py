@@ -20,7 +20,7 @@ from dflash_dist.model.drafter import DFlashDrafter
 from dflash_dist.model.fused import resolve_kernels
 from dflash_dist.model.loss import Anchors, dflash_loss
 from dflash_dist.target.loading import load_embeddings
-from dflash_dist.trainer import checkpoint, universal
+from dflash_dist.trainer import checkpoint, universal, zero_step
 from dflash_dist.trainer.ds_config import build_lr_schedule, build_optimizer, deepspeed_config
 
 
@@ -30,7 +30,10 @@ class TrainForward(nn.Module):
     the loss tensor for DeepSpeed's backward hooks next to the full LossOutput.
     `loss_denominator` (train.loss_norm "step_slots"): the loss is sum(w*CE) / it instead of
     this micro-batch's own sum(w). `anchor_starts/ends` (train.packing): each anchor's document
-    bounds in a packed row (loss.Anchors)."""
+    bounds in a packed row (loss.Anchors). `block_mask`: how flex's block mask is built
+    (attention.block_mask_flex; "create" is torch's create_block_mask, for benchmarks)."""
+
+    block_mask = "direct"
 
     def __init__(
         self, drafter: DFlashDrafter, label_source: str, gamma: float | None, attention: str,
@@ -57,6 +60,7 @@ class TrainForward(nn.Module):
             gamma=self.gamma,
             attention=self.attention,
             position_weighting=self.position_weighting,
+            block_mask=self.block_mask,
             **extra,
         )
         return out.loss, out
@@ -93,6 +97,7 @@ def build_engine(
         ),
         dist_init_required=False,
     )
+    zero_step.install(engine, t.optimizer_step, on_gpu)  # DeepSpeed's ZeRO step or the lean one
     return engine
 
 

@@ -1,0 +1,207 @@
+"""A lean optimizer step for DeepSpeed's ZeRO-1/2 optimizer (`train.optimizer_step: lean`).
+
+DeepSpeed 0.19.8's `DeepSpeedZeroOptimizer.step` spends ~43 ms of a 256 ms step at the 27B
+drafter shape (H200, world size 1) around a 14 ms fused AdamW (docs/BENCHMARKS.md): a separate
+inf/nan pass with a host read, a gradient norm that first copies every bf16 gradient to fp64,
+a bf16 flatten followed by a second copy to fp32, an unscale/clip pass over the fp32 partition,
+and many small launches. This step keeps DeepSpeed's bookkeeping, partitions, all-gather and
+checkpoint state exactly (same torch AdamW, same fp32 master partition, same state tensors), and
+changes only the arithmetic around AdamW:
+
+- the norm: one `_foreach_norm` over the partition's gradients, accumulated in fp32 (DeepSpeed:
+  fp64 copies of each gradient), summed over the data-parallel ranks, never read on the host;
+- the cast: each bf16 gradient copied once into the fp32 flat partition (DeepSpeed: flatten in
+  bf16, then a second copy to fp32);
+- clip and overflow: with torch's fused AdamW (the GPU default) the clip factor and a
+  non-finite-norm flag go into the kernel (`grad_scale`, `found_inf`, as torch's GradScaler
+  passes them): no unscale pass, no inf/nan pass, no host sync. A non-finite gradient skips the
+  update on the device (AdamW's step count is restored), also with `train.grad_overflow_check:
+  false` (DeepSpeed would apply it); the host does not learn of it, so the LR schedule advances
+  and `skipped_steps` counts it in `dflash_skipped_steps` (a device tensor), not DeepSpeed's.
+  Without fused AdamW (CPU) the clip is DeepSpeed's multiply and an overflow is read on the host.
+
+Numerics: the clip factor differs from DeepSpeed's by fp32 rounding of the norm (~1e-7 relative),
+the clipped gradient by one rounding (a divide in the kernel instead of a multiply by the
+reciprocal). tests/test_zero_step.py checks loss and weights against DeepSpeed's step on CPU,
+the skip, and exact resume; `pytest -m gpu` the same on CUDA.
+
+Installed per engine by `install` (trainer/engine.py), only for the configuration it was written
+against: DeepSpeed 0.19.8, `DeepSpeedZeroOptimizer`, no CPU offload, no MoE, Muon, ZenFlow or
+torch-autocast scaler. Anything else keeps DeepSpeed's own step.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import torch
+
+log = logging.getLogger(__name__)
+
+STEPS = ("auto", "deepspeed", "lean")
+DEEPSPEED_VERSION = "0.19.8"  # the step below mirrors this version's DeepSpeedZeroOptimizer.step
+
+
+def resolve_step(kind: str, on_gpu: bool) -> str:
+    """train.optimizer_step "auto": lean on GPU ranks (where the step's launches and syncs cost),
+    DeepSpeed's own on CPU (the pinned loss curve's path)."""
+    if kind not in STEPS:
+        raise ValueError(f"train.optimizer_step={kind!r}; expected one of {STEPS}")
+    if kind == "auto":
+        return "lean" if on_gpu else "deepspeed"
+    return kind
+
+
+def unsupported(opt) -> str | None:
+    """Why the lean step cannot replace this optimizer's step (None: it can)."""
+    import deepspeed
+
+    if deepspeed.__version__ != DEEPSPEED_VERSION:
+        return f"deepspeed {deepspeed.__version__} (the lean step mirrors {DEEPSPEED_VERSION})"
+    if type(opt).__name__ != "DeepSpeedZeroOptimizer":
+        return f"optimizer {type(opt).__name__} (ZeRO stage 1/2 only)"
+    reasons = {
+        "CPU offload": getattr(opt, "cpu_offload", True),
+        "MoE layers": getattr(opt, "has_moe_layers", True),
+        "ZenFlow": getattr(opt, "zenflow", True),
+        "a torch autocast grad scaler": getattr(opt, "torch_autocast_gradscaler", True),
+        "Muon": any(getattr(p, "use_muon", False) for g in opt.bit16_groups for p in g),
+        "a dynamic loss scale": getattr(opt, "dynamic_loss_scale", True),
+    }
+    found = [k for k, v in reasons.items() if v]
+    return ", ".join(found) if found else None
+
+
+def install(engine, kind: str, on_gpu: bool) -> str:
+    """Give `engine`'s ZeRO optimizer the lean step when train.optimizer_step `kind` asks for it;
+    returns the step in use. "lean" that cannot apply is an error naming why; "auto" then keeps
+    DeepSpeed's step (ZeRO-3, offload, another DeepSpeed version)."""
+    if resolve_step(kind, on_gpu) == "deepspeed":
+        return "deepspeed"
+    opt = engine.optimizer
+    why = unsupported(opt)
+    if why is not None:
+        if kind == "lean":
+            raise ValueError(f"train.optimizer_step=lean does not support {why}: set train.optimizer_step=deepspeed")
+        log.info("optimizer step: DeepSpeed's own (the lean step does not support %s)", why)
+        return "deepspeed"
+    opt.step = types.MethodType(lean_step, opt)
+    opt.dflash_skipped_steps = torch.zeros((), dtype=torch.int64, device=opt.device)
+    return "lean"
+
+
+def _fused(opt) -> bool:
+    return all(bool(g.get("fused")) for g in opt.optimizer.param_groups)
+
+
+def _grad_tensors(opt, i: int) -> list[torch.Tensor]:
+    """Group i's gradient partition as DeepSpeed holds it: one pre-flattened tensor or the list
+    get_flat_partition made (gradient views and zero pads)."""
+    pre = opt._get_preflattened_grad_partition(i)
+    return [pre] if pre is not None else list(opt.averaged_gradients[i])
+
+
+@torch.no_grad()
+def global_norm(opt, grads: list[list[torch.Tensor]]) -> torch.Tensor:
+    """L2 norm of all groups' gradient partitions over the data-parallel ranks, fp32, on the
+    device (DeepSpeed's get_grad_norm_direct without the fp64 copies and the -1 sentinel)."""
+    import deepspeed.comm as dist
+
+    flat = [g for group in grads for g in group if g.numel()]
+    sq = torch.zeros((), dtype=torch.float32, device=opt.device)
+    if flat:
+        norms = torch._foreach_norm(flat, 2, dtype=torch.float32)
+        sq = torch.linalg.vector_norm(torch.stack(norms)).square()
+    dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=opt.dp_process_group)
+    return sq.sqrt()
+
+
+def clip_scale(opt, norm: torch.Tensor) -> torch.Tensor | None:
+    """DeepSpeed's combined unscale/clip divisor (unscale_and_clip_grads), on the device; None when
+    there is nothing to scale."""
+    if opt.clip_grad == 0.0 and opt.loss_scale == 1.0:
+        return None
+    scale = torch.full((), float(opt.loss_scale), dtype=torch.float32, device=norm.device)
+    if opt.clip_grad > 0.0:
+        finite = torch.where(torch.isfinite(norm), norm, torch.full_like(norm, float("inf")))
+        scale = torch.clamp(((finite / opt.loss_scale) + 1e-6) / opt.clip_grad, min=1.0) * opt.loss_scale
+    return scale
+
+
+def _flat_fp32(opt, i: int, grads: list[torch.Tensor]) -> torch.Tensor:
+    """Group i's gradients copied once into a flat partition of the master weights' dtype (zero
+    padded to the partition size, as flatten_dense_tensors_aligned pads the last rank's)."""
+    master = opt.single_partition_of_fp32_groups[i]
+    size = int(opt.partition_size[i])
+    flat = torch.empty(size, dtype=master.dtype, device=master.device)
+    sizes = [g.numel() for g in grads]
+    used = sum(sizes)
+    assert used <= size, f"gradient partition of group {i} holds {used} > {size} elements"
+    if grads:
+        torch._foreach_copy_(list(flat[:used].split(sizes)), [g.reshape(-1) for g in grads])
+    if used < size:
+        flat[used:].zero_()
+    return flat
+
+
+def lean_step(self, closure=None) -> None:
+    """DeepSpeedZeroOptimizer.step (0.19.8, no offload) with the norm, cast, clip and overflow
+    handling of the module docstring; bound to the optimizer instance by `install`."""
+    import deepspeed.comm as dist
+    from deepspeed.runtime.utils import all_gather_dp_groups
+    from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
+
+    self.micro_step_id = INITIAL_MICRO_STEP_ID
+    self._wait_for_offload_copies()
+    self.overflow = False
+    groups = range(len(self.bit16_groups))
+    grads = [_grad_tensors(self, i) for i in groups]
+    norm = global_norm(self, grads)
+    scale = clip_scale(self, norm)
+    found_inf = (~torch.isfinite(norm)).to(torch.float32)
+    fused = _fused(self)
+    if not fused and self.check_grad_overflow and bool(found_inf):  # host read: the non-fused (CPU) path only
+        self.overflow = True
+    self._global_grad_norm = norm if self.compute_grad_norm else None
+    self._update_scale(self.overflow)
+    if self.overflow:  # DeepSpeed's skip: drop the gradients, no update, the engine counts it
+        self.zero_grad(set_to_none=True)
+        for i in groups:
+            self.averaged_gradients[i] = None
+            self.all_grad_tensors[i] = None
+        return
+    self.dflash_skipped_steps += found_inf.to(torch.int64)
+    for i in groups:
+        partition_id = dist.get_rank(group=self.real_dp_process_group[i])
+        self.free_grad_in_param_list(self.params_not_in_partition[i])
+        flat = _flat_fp32(self, i, grads[i])
+        grads[i] = None
+        master = self.single_partition_of_fp32_groups[i]
+        master.grad = flat
+        self.free_grad_in_param_list(self.params_in_partition[i])
+        self._release_preflattened_grad_buffers(i)
+        self.averaged_gradients[i] = None
+        self.all_grad_tensors[i] = None
+        inner = self.optimizer
+        if fused:  # clip and skip inside torch's fused AdamW kernel (GradScaler's interface)
+            inner.grad_scale, inner.found_inf = scale, found_inf
+        elif scale is not None:
+            flat.mul_(1.0 / scale)
+        try:
+            self._optimizer_step(i)
+        finally:
+            if fused:
+                del inner.grad_scale, inner.found_inf
+        master.grad = None
+        del flat
+        self.parallel_partitioned_bit16_groups[i][partition_id].data.copy_(master.data)
+    all_gather_dp_groups(
+        groups_flat=self.bit16_groups_flat,
+        partitioned_param_groups=self.parallel_partitioned_bit16_groups,
+        dp_process_group=self.real_dp_process_group,
+        start_alignment_factor=self.nccl_start_alignment_factor,
+        allgather_bucket_size=self.allgather_bucket_size,
+    )
+    for i in groups:
+        self._update_model_bit16_weights(i)

@@ -1,0 +1,68 @@
+"""bench/bench_train_step.py's --settings switches reach a real engine (CPU, gloo, tiny drafter):
+block-mask build, optimizer step, inf/nan pass and k/v projection, and back; and its per-phase
+FLOP split adds up to the SPEC 6 total."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_dist.actors.trainer_group import default_extensions_dir
+from dflash_dist.config import load_config
+from dflash_dist.model.loss import sample_anchors
+from dflash_dist.trainer.ds_config import build_optimizer, deepspeed_config
+from dflash_dist.trainer.engine import TrainForward
+from dflash_dist.trainer.zero_step import lean_step
+from tests.test_drafter import small_drafter
+
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import bench_train_step as bts  # noqa: E402
+
+
+def test_settings_parse_and_switch_a_running_engine(single_rank_gloo):
+    import deepspeed
+
+    assert bts.parse_setting("create+ds") == bts.BEFORE
+    after = bts.parse_setting("direct+lean+splitkv+noovf")
+    assert after == {"mask": "direct", "step": "lean", "ovf": False, "kv": True}
+    with pytest.raises(SystemExit, match="unknown word"):
+        bts.parse_setting("direct+fast")
+    cfg = load_config(None, ["target.kind=tiny_stdlib", "train.max_steps=10"])
+    module = TrainForward(small_drafter().train(), "data", None, "dense")
+    engine, *_ = deepspeed.initialize(
+        model=module,
+        optimizer=build_optimizer(cfg, module, fused=True),
+        config=deepspeed_config(cfg, 1, False),
+        dist_init_required=False,
+    )
+    bts.apply_setting(engine, after)
+    opt = engine.optimizer
+    assert engine.module.block_mask == "direct" and not opt.check_grad_overflow
+    assert opt.step.__func__ is lean_step and engine.module.drafter.layers[0].self_attn.split_kv
+    ids = torch.randint(0, 60, (1, 24))
+    lm = torch.ones(1, 24)
+    a = sample_anchors(lm, 4, torch.Generator().manual_seed(0))
+    feats = torch.randn(1, 24, 96)
+    for setting in (after, bts.BEFORE):  # a step under each, on the same engine
+        bts.apply_setting(engine, setting)
+        loss, _ = engine(ids, feats, lm, ids, a.positions, a.keep)
+        engine.backward(loss)
+        engine.step()
+    assert "step" not in vars(opt) and engine.module.block_mask == "create"
+    assert not engine.module.drafter.layers[0].self_attn.split_kv and opt.check_grad_overflow
+
+
+def test_phase_flops_add_up_to_the_total():
+    d = small_drafter()
+    dc = d.config
+    ids = torch.randint(0, 60, (2, 40))
+    lm = torch.ones(2, 40)
+    a = sample_anchors(lm, 6, torch.Generator().manual_seed(0))
+    total = bts.model_flops(dc, 40, ids, lm, a)
+    fwd, bwd = bts.model_flops(dc, 40, ids, lm, a, phases=True)
+    assert fwd + bwd == pytest.approx(total) and fwd > bwd / 2  # the head's 4HV sits in the forward

@@ -1,0 +1,97 @@
+"""flex_attention's BlockMask built directly from the anchors (attention.block_mask_flex
+build="direct") equals torch's create_block_mask tables exactly, for full, sliding and packed
+layers and for lengths off the 128-tile grid; so the attention is the same computation. On CUDA
+(`-m gpu`) the compiled flex forward and backward agree bit for bit between the two builds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_dist.model.attention import block_mask_flex, layer_masks
+from dflash_dist.model.loss import sample_anchors
+
+TABLES = (
+    "kv_num_blocks",
+    "kv_indices",
+    "full_kv_num_blocks",
+    "full_kv_indices",
+    "q_num_blocks",
+    "q_indices",
+    "full_q_num_blocks",
+    "full_q_indices",
+)
+
+
+def anchors_for(b: int, s_len: int, n: int, packed: bool, seed: int = 1):
+    mask = torch.ones(b, s_len)
+    mask[:, : s_len // 5] = 0  # a prompt: no anchors there
+    mask[-1, s_len // 2 :] = 0  # a shorter last row: padded anchors (keep False)
+    anc = sample_anchors(mask, n, torch.Generator().manual_seed(seed))
+    starts = (anc.positions // (s_len // 3)) * (s_len // 3) if packed else None  # three documents per row
+    return anc.positions, anc.keep, starts
+
+
+CASES = [  # (rows, context length, anchors, block size, sliding window, packed)
+    (1, 768, 128, 16, None, False),  # the 27B shape / 4: tiles on the 128 grid
+    (2, 300, 40, 16, None, False),  # Q = 640, K = 940: a cut last key tile
+    (2, 300, 40, 16, 100, False),
+    (1, 500, 70, 4, None, True),
+    (3, 257, 33, 5, 64, True),  # a block size that does not divide 128
+    (1, 1000, 1, 16, None, False),  # one block
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
+def test_direct_block_mask_equals_create_block_mask(case):
+    b, s_len, n, blk, window, packed = case
+    positions, keep, starts = anchors_for(b, s_len, n, packed)
+    ref = block_mask_flex(positions, keep, s_len, blk, window, starts, build="create")
+    got = block_mask_flex(positions, keep, s_len, blk, window, starts, build="direct")
+    assert got.seq_lengths == ref.seq_lengths and got.BLOCK_SIZE == ref.BLOCK_SIZE
+    for name in TABLES:
+        want, have = getattr(ref, name), getattr(got, name)
+        assert have.dtype == want.dtype and have.shape == want.shape and torch.equal(have, want), name
+    if case == CASES[0]:  # full and partial tiles both occur (708 full, 148 partial at the 27B shape)
+        assert int(ref.full_kv_num_blocks.sum()) > 0 and int(ref.kv_num_blocks.sum()) > 0
+    # the mask_mod handed to flex for partial tiles is the same rule
+    q = torch.arange(n * blk)[:, None]
+    kv = torch.arange(s_len + n * blk)[None]
+    zero = torch.zeros((), dtype=torch.long)
+    assert torch.equal(got.mask_mod(zero, zero, q, kv), ref.mask_mod(zero, zero, q, kv))
+
+
+def test_layer_masks_pass_the_build_through_and_refuse_unknown():
+    positions, keep, _ = anchors_for(1, 300, 40, False)
+    masks = layer_masks(
+        "flex", positions, keep, 300, 16, ("sliding_attention", "full_attention"), 64, flex_build="direct"
+    )
+    ref = layer_masks(
+        "flex", positions, keep, 300, 16, ("sliding_attention", "full_attention"), 64, flex_build="create"
+    )
+    for kind in masks:
+        assert torch.equal(masks[kind].kv_indices, ref[kind].kv_indices)
+    with pytest.raises(ValueError, match="build"):
+        block_mask_flex(positions, keep, 300, 16, build="vmap")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window,packed", [(None, False), (512, False), (None, True)])
+def test_cuda_compiled_flex_is_identical_with_both_builds(window, packed):
+    """The trainer's path: compiled flex_attention, bf16, forward and backward, GQA."""
+    from dflash_dist.model.attention import attend
+
+    torch.manual_seed(0)
+    b, s_len, n, blk = 1, 1536, 256, 16
+    positions, keep, starts = (t if t is None else t.cuda() for t in anchors_for(b, s_len, n, packed))
+    q = torch.randn(b, 8, n * blk, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(b, 2, s_len + n * blk, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    outs = {}
+    for build in ("create", "direct"):
+        mask = block_mask_flex(positions, keep, s_len, blk, window, starts, build=build)
+        out = attend(q, k, v, mask, scale=64**-0.5)
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+        outs[build] = (out.detach(), *grads)
+    for x, y in zip(outs["create"], outs["direct"]):
+        assert torch.equal(x, y)

@@ -1,0 +1,62 @@
+"""bench/cost_model.py: the world-size-N estimate's arithmetic, and its optimizer measurement on a
+1/N slice of the drafter's tensors through a real DeepSpeed engine (CPU, gloo, tiny shape)."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_dist.actors.trainer_group import default_extensions_dir
+
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())  # DeepSpeed's shm op compiles once
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import cost_model  # noqa: E402
+
+P = 1.73e9  # the 27B drafter's trainable parameters
+
+
+def test_bus_bandwidth_of_placements():
+    assert cost_model.bus_gbps((9,), 450, 50, 0.8) == pytest.approx(360)
+    assert cost_model.bus_gbps((5, 4), 450, 50, 0.8) == pytest.approx(160)  # 4 NICs carry the crossings
+    assert cost_model.bus_gbps((8, 1), 450, 50, 0.8) == pytest.approx(40)  # the lone rank's one NIC
+
+
+def test_estimate_counts_ring_bytes_and_what_hides():
+    x = cost_model.Inputs(fwd_ms=100, bwd_ms=100, opt_ms=5, params=P, world=9, grad_accum=2, tail_params=0)
+    fast = cost_model.estimate(x, 360)
+    ring_gb = 8 / 9 * 2 * P / 1e9  # (N-1)/N of the bf16 buffer per rank
+    assert fast["reduce_scatter_gb_per_micro"] == pytest.approx(ring_gb)
+    assert fast["all_gather_ms"] == pytest.approx(ring_gb / 360 * 1e3)
+    assert fast["rs_hidden"] and fast["rs_exposed_ms"] == 0
+    assert fast["step_ms"] == pytest.approx(2 * 200 + 5 + fast["all_gather_ms"])
+    assert fast["samples_per_s_per_gpu"] == pytest.approx(2 / fast["step_ms"] * 1e3)
+    slow = cost_model.estimate(x, 20)  # 154 ms of reduce-scatter per micro-batch: longer than the backward
+    assert not slow["rs_hidden"]
+    assert slow["rs_exposed_ms"] == pytest.approx(slow["reduce_scatter_ms"] - 100)
+    tail = cost_model.estimate(cost_model.Inputs(100, 100, 5, P, 9, tail_params=25600 * 5120), 360)
+    assert tail["rs_exposed_ms"] == pytest.approx(8 / 9 * 2 * 25600 * 5120 / 360e9 * 1e3)  # fc: after the backward
+    assert cost_model.estimate(cost_model.Inputs(100, 100, 5, P, 1), 360)["all_gather_ms"] == 0  # one rank
+
+
+def test_main_prints_each_placement(capsys):
+    assert cost_model.main(["--fwd-ms", "105", "--bwd-ms", "100", "--opt-ms", "4", "--params", "1.73e9"]) == 0
+    out = capsys.readouterr().out
+    for placement in ("9 per node", "5+4 per node", "8+1 per node"):
+        assert placement in out
+    with pytest.raises(SystemExit, match="does not add up"):
+        cost_model.main(["--fwd-ms", "1", "--bwd-ms", "1", "--opt-ms", "1", "--params", "1", "--placements", "4+4"])
+
+
+def test_measured_optimizer_step_on_a_slice(single_rank_gloo, tmp_path):
+    """Both steps run on a 1/N slice of a tiny drafter's tensors through DeepSpeed (CPU), and main
+    feeds the measured lean step into the estimate."""
+    shapes = cost_model.drafter_shapes(64, 2, 4, 2, 16, 128, k=3)
+    assert shapes[0] == (64, 3 * 64)  # fc first: [H, k*H]
+    full = sum(math.prod(s) for s in shapes)
+    got = cost_model.measure_opt(shapes, world=4, steps=2, device="cpu", hidden=64)
+    assert full / 4 <= got["params"] <= full / 4 + 64 * len(shapes)
+    assert got["deepspeed_ms"] > 0 and got["lean_ms"] > 0

@@ -140,6 +140,7 @@ def run_rank(cfg_dict: dict, job: TrainJob, env: dict[str, str], extensions_dir:
             trainer = Trainer(cfg, job)
             beat.info = lambda: {"step": trainer.state.step, "epoch": trainer.source.epoch,
                                  "samples": trainer.samples_consumed,
+                                 "samples_lost": trainer.source.lost_before + trainer.source.lost_epoch,
                                  "shards_consumed": len((trainer.source.reader or {}).get("consumed", ()))}
             return trainer.run()
     finally:

@@ -159,11 +159,19 @@ def _run(cfg: Config, stages: tuple[str, ...], resume: str) -> PipelineResult:
     result = PipelineResult(str(cfg.out), tuple(stages), capture, results, evals, lost,
                             results[0].preempted if results else None, time.time() - t0)  # fmt: skip
     _print_summary(cfg, paths, result)
-    if result.preempted is not None:
-        saved = results[0].checkpoints[-1] if results[0].checkpoints else "no new checkpoint"
-        raise Preempted(f"the trainers stopped at {result.preempted} after saving {saved} (step {final_step}): the "
-                        "run is not finished; continue it with --resume auto")  # fmt: skip
+    check_finished(result)
     return result
+
+
+def check_finished(result: PipelineResult) -> None:
+    """Raise Preempted when the trainers stopped at a notice: such a run saved, but is not done,
+    and must not end like a finished one (exit 0, "done"); the CLI exits EXIT_PREEMPTED."""
+    if result.preempted is None:
+        return
+    last = result.train[0]
+    saved = last.checkpoints[-1] if last.checkpoints else "no new checkpoint"
+    raise Preempted(f"the trainers stopped at {result.preempted} after saving {saved} (step {last.steps}): the run "
+                    "is not finished; continue it with --resume auto")  # fmt: skip
 
 
 def _capture_lost(shard_dir: Path) -> int:

@@ -7,6 +7,7 @@ import ast
 import dataclasses
 import importlib.metadata
 import json
+import math
 import re
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from dflash_dist.target import gdn_path
 from dflash_dist.target.build_cache import STAMP_NAME, read_stamp
 from dflash_dist.target.code_corpus import (
     MAX_FILE_BYTES,
+    MID_CHAT,
     PACKAGES,
     list_code_files,
     load_code_corpus,
@@ -29,7 +31,8 @@ from dflash_dist.target.code_corpus import (
 from dflash_dist.target.code_target import CONTINUATIONS_NAME, PRESETS, build_code_target, load_code_target
 from dflash_dist.target.continuations import is_degenerate, max_ngram_count
 from dflash_dist.target.lm_config import causal_lm, text_config
-from dflash_dist.target.stdlib_corpus import split_of
+from dflash_dist.target.lm_training import TokenData, TrainRuntime, train
+from dflash_dist.target.stdlib_corpus import chat_samples, split_of
 from dflash_dist.target.tiny_tokenizer import ENDOFTEXT, IM_END, IM_START, MASK, SPECIAL_TOKENS
 from tests.conftest import REPO
 
@@ -184,6 +187,33 @@ def test_second_call_reuses_the_cache(built: Path, monkeypatch: pytest.MonkeyPat
     assert not list(built.parent.glob(f".{built.name}.tmp*"))
 
 
+def test_a_failing_compile_trains_eagerly_and_says_so(built: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU runtime's options on CPU (bf16 autocast, fused AdamW) with a torch.compile whose
+    graph fails at the first step, as a compiler error would: training goes on eagerly, recorded."""
+    _, tokenizer = load_code_target(built)
+    corpus = load_code_corpus(max_files=6)
+    chats = chat_samples(corpus.train, 8, 0, MID_CHAT)
+    data = TokenData(tokenizer, [t for _, t in corpus.train], [t for _, t in corpus.heldout], chats, chats[:2])
+
+    def broken_compile(fn):
+        def compiled(*args):
+            raise RuntimeError("inductor: simulated compiler failure")
+
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    settings = dataclasses.replace(TEST, train_tokens=4 * TEST.batch_size * TEST.seq_len, warmup_steps=1)
+    torch.manual_seed(0)
+    model = causal_lm(text_config("qwen3", settings, tokenizer.eos_token_id))
+    runtime = TrainRuntime(autocast=torch.bfloat16, fused_adamw=True, compile=True)
+    logged: list[str] = []
+    stats = train(model, data, settings, logged.append, runtime)
+    assert stats["compiled"] is False and "simulated compiler failure" in stats["compile_error"]
+    assert any("training eagerly" in line for line in logged)
+    assert len(stats["loss_curve"]) == settings.steps == 4 and all(math.isfinite(x) for x in stats["loss_curve"])
+    assert stats["tokens_per_s"] > 0
+
+
 # ---- settings, presets, config -------------------------------------------------------------------
 
 
@@ -231,7 +261,6 @@ def test_gdn_training_swap_is_scoped() -> None:
     assert isinstance(gdn_path.fla_gdn_backward_error("cpu"), str)  # fla's kernels need CUDA + Triton
 
 
-@pytest.mark.slow
 def test_hybrid_preset_builds_at_test_size(tmp_path: Path) -> None:
     target = build_code_target(tmp_path / "hybrid", "test_qwen3_5", log=lambda _: None)
     stamp = read_stamp(target)

@@ -4,7 +4,8 @@ A target directory appears only complete: the build writes a temp directory besi
 renames it, and an fcntl lock makes concurrent builders wait for the first one instead of
 racing it. The directory's stamp (``dflash_target.json``, written last) is the build record;
 its settings digest guards the cache, so a directory built with other settings is an error
-rather than silently reused.
+rather than silently reused. `save_target` and `stamp_basics` are what every built target
+directory holds beside its own record.
 """
 
 from __future__ import annotations
@@ -12,10 +13,18 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import platform
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+import torch
+import transformers
+from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+from data_pipeline.chat_data import template_hash
+from dflash_dist.target.tiny_tokenizer import ENDOFTEXT, IM_END
 
 CACHE_ENV = "DFLASH_CACHE"
 STAMP_NAME = "dflash_target.json"
@@ -85,3 +94,24 @@ def build_cached(
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return target_dir
+
+
+def save_target(out_dir: Path, model, tokenizer: PreTrainedTokenizerFast) -> None:
+    """Weights (safetensors), tokenizer, and a greedy generation config that stops at the turn end."""
+    stop_ids = tokenizer.convert_tokens_to_ids([IM_END, ENDOFTEXT])
+    model.generation_config = GenerationConfig(eos_token_id=stop_ids, pad_token_id=stop_ids[1], do_sample=False)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+
+
+def stamp_basics(tokenizer: PreTrainedTokenizerFast) -> dict:
+    """The stamp fields every built target has: its mask token, template hash and the versions that built it."""
+    return {
+        "mask_token_id": tokenizer.mask_token_id,
+        "template_hash": template_hash(tokenizer),
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+    }

@@ -24,7 +24,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -33,18 +32,16 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
-import transformers
-from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from data_pipeline.chat_data import template_hash
-from dflash_dist.target.build_cache import build_cached, cache_root, read_stamp, write_stamp
+from dflash_dist.target.build_cache import build_cached, cache_root, read_stamp, save_target, stamp_basics, write_stamp
 from dflash_dist.target.code_corpus import MID_CHAT, CodeCorpus, load_code_corpus
 from dflash_dist.target.continuations import greedy_report
 from dflash_dist.target.gdn_path import fla_gdn_backward_error, route_cpu_to_torch, torch_gdn_kernels
-from dflash_dist.target.lm_config import ARCHS, causal_lm, hybrid_layer_types, text_config
-from dflash_dist.target.lm_training import TokenData, TrainRuntime, evaluate, train
+from dflash_dist.target.lm_config import ARCHS, TEST_SHAPE, causal_lm, hybrid_layer_types, text_config
+from dflash_dist.target.lm_training import TEST_RUN, TokenData, TrainRuntime, evaluate, train
 from dflash_dist.target.stdlib_corpus import chat_samples
-from dflash_dist.target.tiny_tokenizer import ENDOFTEXT, IM_END, train_tokenizer
+from dflash_dist.target.tiny_tokenizer import ENDOFTEXT, train_tokenizer
 
 STAMP_SCHEMA = 1
 CONTINUATIONS_NAME = "heldout_continuations.jsonl"  # the build's held-out prompts, greedy continuations, flags
@@ -117,28 +114,11 @@ class CodeTargetSettings:
 PRESETS: dict[str, CodeTargetSettings] = {"qwen3": CodeTargetSettings()}
 PRESETS["qwen3_5"] = replace(PRESETS["qwen3"], arch="qwen3_5", train_tokens=32_000_000, compile=False)
 PRESETS["test"] = CodeTargetSettings(
-    vocab_size=384,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=4,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=16,
-    linear_num_key_heads=1,
-    linear_num_value_heads=2,
-    linear_head_dim=16,
-    seq_len=64,
-    batch_size=4,
-    train_tokens=12 * 4 * 64,
-    lr=1e-2,
-    warmup_steps=2,
-    chat_rows=1,
-    chat_samples=64,
-    eval_windows=4,
-    eval_chat_samples=8,
+    **TEST_SHAPE,
+    **TEST_RUN,
+    train_tokens=12 * TEST_RUN["batch_size"] * TEST_RUN["seq_len"],  # 12 steps
     continuation_tokens=24,
     tokenizer_bytes=2_000_000,
-    max_files=12,
     device="cpu",
     compile=False,
     max_threads=1,  # a tiny model gains nothing from threads; on a loaded 2-core machine 2 threads ran 200x slower
@@ -299,7 +279,8 @@ def _build_into(out_dir: Path, settings: CodeTargetSettings, log: Callable[[str]
         )
     finally:
         torch.set_num_threads(threads)
-    _save(out_dir, model.to("cpu"), tokenizer, rows)
+    save_target(out_dir, model.to("cpu"), tokenizer)
+    (out_dir / CONTINUATIONS_NAME).write_text("".join(json.dumps(r) + "\n" for r in rows))
     stamp = {
         "schema": STAMP_SCHEMA,
         "kind": "code_lm",
@@ -320,27 +301,13 @@ def _build_into(out_dir: Path, settings: CodeTargetSettings, log: Callable[[str]
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "gdn_train_kernels": gdn,
         "gdn_not_fla_because": gdn_why,
-        "mask_token_id": tokenizer.mask_token_id,
-        "template_hash": template_hash(tokenizer),
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-        },
+        **stamp_basics(tokenizer),
     }
     write_stamp(out_dir, stamp)
     del model, data
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the run that built it goes on in this process
-
-
-def _save(out_dir: Path, model, tokenizer: PreTrainedTokenizerFast, rows: list[dict]) -> None:
-    stop_ids = tokenizer.convert_tokens_to_ids([IM_END, ENDOFTEXT])
-    model.generation_config = GenerationConfig(eos_token_id=stop_ids, pad_token_id=stop_ids[1], do_sample=False)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    (out_dir / CONTINUATIONS_NAME).write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,19 @@ from transformers import PretrainedConfig, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 Arch = Literal["qwen3", "qwen3_5"]
 ARCHS: tuple[Arch, ...] = ("qwen3", "qwen3_5")
 HYBRID_PATTERN = ("linear_attention", "linear_attention", "linear_attention", "full_attention")
+# The project's own targets at test size (built on CPU in seconds; still real, if poor, models).
+TEST_SHAPE = dict(
+    vocab_size=384,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=4,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    linear_num_key_heads=1,
+    linear_num_value_heads=2,
+    linear_head_dim=16,
+)
 
 
 def hybrid_layer_types(num_layers: int) -> list[str]:

@@ -31,6 +31,19 @@ from dflash_dist.target.tiny_tokenizer import ENDOFTEXT
 
 log = logging.getLogger(__name__)
 
+# The training side of the project's own targets at test size (lm_config.TEST_SHAPE is the model's).
+TEST_RUN = dict(
+    seq_len=64,
+    batch_size=4,
+    lr=1e-2,
+    warmup_steps=2,
+    chat_rows=1,
+    chat_samples=64,
+    eval_windows=4,
+    eval_chat_samples=8,
+    max_files=12,
+)
+
 
 @dataclass(frozen=True)
 class TrainRuntime:

@@ -15,25 +15,29 @@ import hashlib
 import json
 import math
 import os
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
-import transformers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers import PreTrainedTokenizerFast, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-from data_pipeline.chat_data import template_hash
-from dflash_dist.target.build_cache import CACHE_ENV, STAMP_NAME, build_cached, cache_root, read_stamp, write_stamp
+from dflash_dist.target.build_cache import (  # noqa: F401 (CACHE_ENV, STAMP_NAME: its callers read them here)
+    CACHE_ENV,
+    STAMP_NAME,
+    build_cached,
+    cache_root,
+    read_stamp,
+    save_target,
+    stamp_basics,
+    write_stamp,
+)
 from dflash_dist.target.gdn_path import route_cpu_to_torch
-from dflash_dist.target.lm_config import HYBRID_PATTERN, text_config
-from dflash_dist.target.lm_training import TokenData, evaluate, train
+from dflash_dist.target.lm_config import HYBRID_PATTERN, TEST_SHAPE, text_config
+from dflash_dist.target.lm_training import TEST_RUN, TokenData, evaluate, train
 from dflash_dist.target.stdlib_corpus import code_chat_samples, corpus_hash, iter_sources, list_stdlib_files
-from dflash_dist.target.tiny_tokenizer import ENDOFTEXT, IM_END, train_tokenizer
-
-__all__ = ["CACHE_ENV", "STAMP_NAME", "read_stamp"]  # re-exported: where callers of the tiny target look
+from dflash_dist.target.tiny_tokenizer import ENDOFTEXT, train_tokenizer
 
 CACHE_NAME = "tiny-target-v1"
 STAMP_SCHEMA = 1
@@ -87,28 +91,7 @@ class TinyTargetSettings:
 
 DEFAULT_SETTINGS = TinyTargetSettings()
 # Same code at test size: seconds instead of minutes, still a real (if poor) model.
-TEST_SETTINGS = TinyTargetSettings(
-    vocab_size=384,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=4,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=16,
-    linear_num_key_heads=1,
-    linear_num_value_heads=2,
-    linear_head_dim=16,
-    seq_len=64,
-    batch_size=4,
-    steps=12,
-    lr=1e-2,
-    warmup_steps=2,
-    chat_rows=1,
-    chat_samples=64,
-    eval_windows=4,
-    eval_chat_samples=8,
-    max_files=12,
-)
+TEST_SETTINGS = TinyTargetSettings(**TEST_SHAPE, **TEST_RUN, steps=12)
 
 
 def default_cache_dir() -> Path:
@@ -178,10 +161,7 @@ def _build_into(out_dir: Path, settings: TinyTargetSettings, log: Callable[[str]
         log(f"held-out loss {stats['heldout_loss']:.3f}, held-out chat loss {stats['heldout_chat_loss']:.3f}")
     finally:
         torch.set_num_threads(threads)
-    stop_ids = tokenizer.convert_tokens_to_ids([IM_END, ENDOFTEXT])
-    model.generation_config = GenerationConfig(eos_token_id=stop_ids, pad_token_id=stop_ids[1], do_sample=False)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
+    save_target(out_dir, model, tokenizer)
     stamp = {
         "schema": STAMP_SCHEMA,
         "settings": {f.name: getattr(settings, f.name) for f in fields(settings)},
@@ -195,12 +175,6 @@ def _build_into(out_dir: Path, settings: TinyTargetSettings, log: Callable[[str]
         **stats,
         "build_time_s": round(time.perf_counter() - began, 1),
         "num_params": num_params,
-        "mask_token_id": tokenizer.mask_token_id,
-        "template_hash": template_hash(tokenizer),
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-        },
+        **stamp_basics(tokenizer),
     }
     write_stamp(out_dir, stamp)

@@ -1,10 +1,10 @@
 """Resolve and ingest the run's conversations before anything else runs: the user's source
 (JSONL, Parquet or a saved HF dataset; OpenAI `messages` or ShareGPT `conversations`), or for
 the project's own targets their code conversations (tiny_stdlib: from the stdlib; code_lm: from
-its corpus, cut longer). Each split is validated,
-length-checked with the target's tokenizer under the data.* policies, and written as a
-normalized `messages` JSONL plus a counts file under <out>/data/; a bad input stops the run
-here (a ConfigError naming file and line or row) before any shard is written."""
+its corpus, cut longer). Each split is validated, length-checked with the target's tokenizer
+under the data.* policies, and written as a normalized `messages` JSONL plus a counts file under
+<out>/data/; a bad input stops the run here (a ConfigError naming file and line or row) before
+any shard is written."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from dflash_dist.config import Config, ConfigError
 
-DEFAULT_TINY_TRAIN_SAMPLES = 400
+DEFAULT_OWN_TRAIN_SAMPLES = 400  # the project's own targets' chats when data.max_train_samples is unset
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def _generated_sources(cfg: Config, train: Path | None, heldout: Path | None) ->
     if train is None:
         train = data_dir / "train.jsonl"
         if not train.exists():
-            write_chat_jsonl(train, "train", cfg.data.max_train_samples or DEFAULT_TINY_TRAIN_SAMPLES, cfg.run.seed)
+            write_chat_jsonl(train, "train", cfg.data.max_train_samples or DEFAULT_OWN_TRAIN_SAMPLES, cfg.run.seed)
     if heldout is None:
         heldout = data_dir / "eval.jsonl"
         if not heldout.exists():

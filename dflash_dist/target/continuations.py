@@ -78,6 +78,7 @@ def greedy_report(
         rows.append(
             {
                 "source": chat.get("source"),
+                "start_line": chat.get("start_line"),
                 "continuation": tokenizer.decode(tokens),
                 "tokens": len(tokens),
                 "stopped": gen.stopped,

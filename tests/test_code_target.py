@@ -29,7 +29,7 @@ from dflash_dist.target.code_corpus import (
     package_dirs,
 )
 from dflash_dist.target.code_target import CONTINUATIONS_NAME, PRESETS, build_code_target, load_code_target
-from dflash_dist.target.continuations import is_degenerate, max_ngram_count
+from dflash_dist.target.continuations import ends_in_loop, is_degenerate, max_ngram_count
 from dflash_dist.target.lm_config import causal_lm, text_config
 from dflash_dist.target.lm_training import TokenData, TrainRuntime, train
 from dflash_dist.target.stdlib_corpus import chat_samples, split_of
@@ -61,13 +61,26 @@ def test_degenerate_means_some_4gram_four_times() -> None:
     assert not is_degenerate(sum(line[:3], [])) and is_degenerate(sum(line, []))
 
 
+def test_a_loop_is_a_periodic_tail() -> None:
+    lines = sum(([20, 21, 22, 23, 30 + i] for i in range(8)), [])  # repetitive, not a loop: the last token varies
+    assert is_degenerate(lines) and not ends_in_loop(lines)
+    stuck = list(range(100, 140)) + [5, 6, 7] * 11  # period 3 over the last 33 tokens
+    assert ends_in_loop(stuck) and not ends_in_loop(stuck[:-2] + [9, 9])
+    assert ends_in_loop([1] * 32) and not ends_in_loop([1] * 31)  # a window of 32 tokens at least
+    period_16 = list(range(16)) * 2
+    assert ends_in_loop(period_16) and not ends_in_loop(list(range(17)) * 2)  # periods above 16 are not loops
+
+
 # ---- the corpus --------------------------------------------------------------------------------
 
 
 def test_packages_are_the_pins_of_setup_py() -> None:
     tree = ast.parse((REPO / "setup.py").read_text())
-    pins = next(node.value for node in ast.walk(tree) if isinstance(node, ast.Assign)
-                and getattr(node.targets[0], "id", "") == "INSTALL_REQUIRES")
+    pins = next(
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "INSTALL_REQUIRES"
+    )
     pinned = {re.split(r"[\[=<>]", ast.literal_eval(e))[0].lower().replace("_", "-") for e in pins.elts}
     dists_of = importlib.metadata.packages_distributions()
     covered = {d.lower().replace("_", "-") for name in PACKAGES for d in dists_of.get(name, [])}
@@ -101,8 +114,10 @@ def test_packages_are_found_where_the_interpreter_imports_them(tmp_path: Path, m
     assert package_dirs(("dflash_fakepkg", "dflash_missing_pkg")) == {"dflash_fakepkg": target / "dflash_fakepkg"}
     files, record = list_code_files(("dflash_fakepkg", "dflash_missing_pkg"))
     ours = {f.relpath for f in files if f.relpath.startswith("dflash_fakepkg/")}
-    assert ours == {f"dflash_fakepkg/{p}" for p in ("__init__.py", "sub/mod.py", "sub/copy.py", "sub/blank.py",
-                                                     "sub/latin.py", "sub/table.py")}  # no tests, no test_*.py
+    assert ours == {
+        f"dflash_fakepkg/{p}"
+        for p in ("__init__.py", "sub/mod.py", "sub/copy.py", "sub/blank.py", "sub/latin.py", "sub/table.py")
+    }  # no tests, no test_*.py
     assert all(f.path.is_relative_to(target) for f in files if f.relpath in ours)
     assert record.missing == ["dflash_missing_pkg"] and [p.name for p in record.packages] == ["dflash_fakepkg"]
     assert [f.relpath for f in files] == sorted(f.relpath for f in files)
@@ -110,9 +125,11 @@ def test_packages_are_found_where_the_interpreter_imports_them(tmp_path: Path, m
     kept = {r for r, _ in corpus.train + corpus.heldout if r.startswith("dflash_fakepkg/")}
     assert kept == {"dflash_fakepkg/__init__.py", "dflash_fakepkg/sub/copy.py"}  # copy.py sorts before mod.py
     assert dict(corpus.record.skipped) == {  # each left-out file counted by why, none silently
-        k: n + 1 for k, n in stdlib_only.record.skipped.items()}
+        k: n + 1 for k, n in stdlib_only.record.skipped.items()
+    }
     assert dict(zip(("__init__.py", "sub/copy.py"), ("WHERE = 'target'\n", "def f():\n    return 'target'\n"))) == {
-        r.removeprefix("dflash_fakepkg/"): t for r, t in corpus.train + corpus.heldout if r in kept}
+        r.removeprefix("dflash_fakepkg/"): t for r, t in corpus.train + corpus.heldout if r in kept
+    }
 
 
 def test_real_packages_are_found_and_the_split_is_by_file() -> None:
@@ -152,6 +169,7 @@ def test_build_record(built: Path) -> None:
     cont = stamp["continuations"]
     assert cont["prompts"] == len(rows) == TEST.eval_chat_samples and cont["max_new_tokens"] == 24
     assert stamp["degenerate_share"] == cont["degenerate_share"] == sum(r["degenerate"] for r in rows) / len(rows)
+    assert cont["loop_share"] == sum(r["loop"] for r in rows) / len(rows) and "period" in cont["loop_definition"]
     assert all(split_of(r["source"]) == "heldout" for r in rows)  # prompts from held-out files only
     model, tokenizer = load_code_target(built)
     assert isinstance(model, Qwen3ForCausalLM) and model.config.num_hidden_layers == TEST.num_layers

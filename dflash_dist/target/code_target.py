@@ -275,7 +275,7 @@ def _build_into(out_dir: Path, settings: CodeTargetSettings, log: Callable[[str]
         log(
             f"held-out loss {stats['heldout_loss']:.3f}, chat loss {stats['heldout_chat_loss']:.3f}, degenerate "
             f"continuations {report.degenerate_share:.2f} (the held-out responses' own: "
-            f"{report.reference_degenerate_share:.2f})"
+            f"{report.reference_degenerate_share:.2f}), ending in a loop {report.loop_share:.2f}"
         )
     finally:
         torch.set_num_threads(threads)

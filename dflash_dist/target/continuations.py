@@ -7,6 +7,10 @@ within the first `max_new_tokens` (128) tokens of the continuation (the stop tok
 some token 4-gram occurs 4 or more times (occurrences may overlap). The same measure over the
 held-out chats' own (human-written) responses is reported beside it: code repeats itself
 legitimately (`self.x = x` lines), and that share is the floor a good target would show.
+
+A stricter measure of the loops themselves is reported too: the share of continuations whose
+last 32 tokens repeat with a period of at most 16 tokens (the model going round the same segment,
+which varying identifiers in legitimately repetitive code break).
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from dflash_dist.target.generation import generate_responses, pad_token_id, stop
 NGRAM = 4
 REPEATS = 4
 DEFINITION = f"some token {NGRAM}-gram occurs >= {REPEATS} times in the first N tokens (stop token excluded)"
+LOOP_WINDOW = 32
+LOOP_MAX_PERIOD = 16
+LOOP_DEFINITION = f"the last {LOOP_WINDOW} tokens repeat with a period of at most {LOOP_MAX_PERIOD} tokens"
 
 
 def max_ngram_count(tokens: Sequence[int], n: int = NGRAM) -> int:
@@ -35,6 +42,14 @@ def is_degenerate(tokens: Sequence[int], n: int = NGRAM, repeats: int = REPEATS)
     return max_ngram_count(tokens, n) >= repeats
 
 
+def ends_in_loop(tokens: Sequence[int], window: int = LOOP_WINDOW, max_period: int = LOOP_MAX_PERIOD) -> bool:
+    """The last `window` tokens are periodic with some period p <= max_period (t[i] == t[i + p])."""
+    if len(tokens) < window:
+        return False
+    tail = list(tokens[-window:])
+    return any(tail[:-p] == tail[p:] for p in range(1, max_period + 1))
+
+
 @dataclass(frozen=True)
 class ContinuationReport:
     """The build record's degenerate-continuation fields."""
@@ -44,6 +59,9 @@ class ContinuationReport:
     prompts: int
     degenerate_share: float  # the target's greedy continuations
     reference_degenerate_share: float  # the held-out chats' own responses, cut the same way
+    loop_definition: str
+    loop_share: float  # the target's continuations that end in a loop
+    reference_loop_share: float
     mean_tokens: float  # continuation length (stop token excluded)
     stopped_share: float  # continuations that ended with a stop token before max_new_tokens
 
@@ -84,6 +102,8 @@ def greedy_report(
                 "stopped": gen.stopped,
                 "degenerate": is_degenerate(tokens),
                 "reference_degenerate": is_degenerate(reference[:max_new_tokens]),
+                "loop": ends_in_loop(tokens),
+                "reference_loop": ends_in_loop(reference[:max_new_tokens]),
             }
         )
     n = len(rows)
@@ -93,6 +113,9 @@ def greedy_report(
         prompts=n,
         degenerate_share=sum(r["degenerate"] for r in rows) / n,
         reference_degenerate_share=sum(r["reference_degenerate"] for r in rows) / n,
+        loop_definition=LOOP_DEFINITION,
+        loop_share=sum(r["loop"] for r in rows) / n,
+        reference_loop_share=sum(r["reference_loop"] for r in rows) / n,
         mean_tokens=sum(r["tokens"] for r in rows) / n,
         stopped_share=sum(r["stopped"] for r in rows) / n,
     )

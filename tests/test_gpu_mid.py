@@ -104,8 +104,8 @@ def test_mid_gpu_run_captures_trains_over_nccl_and_tau_rises(mid_run) -> None:
 
     summary = {
         "target": {k: stamp[k] for k in ("num_params", "tokens_trained", "heldout_loss", "heldout_chat_loss",
-                                         "degenerate_share", "tokens_per_s", "build_time_s", "times_s", "compiled",
-                                         "corpus_hash")},  # fmt: skip
+                                         "degenerate_share", "continuations", "tokens_per_s", "build_time_s",
+                                         "times_s", "compiled", "corpus_hash")},  # fmt: skip
         "shards": len(records),
         "tau_chain": dict(zip(steps, taus)),
         "tau_ddtree_8": {s: evals[s]["tau_ddtree"]["8"] for s in steps},

@@ -48,7 +48,12 @@ class RunSection(_Section):
 
 
 class TargetSection(_Section):
-    kind: Literal["hf", "tiny_stdlib"] = "hf"  # hf: a local HF model directory; tiny_stdlib: the project's tiny target
+    # hf: a local HF model directory; tiny_stdlib: the project's tiny target; code_lm: the project's
+    # ~88M code LM (target/code_target.py). The project's own kinds are built on first use and cached
+    # (target.path: their directory instead of the cache's)
+    kind: Literal["hf", "tiny_stdlib", "code_lm"] = "hf"
+    # code_lm only: qwen3 (dense, the default) | qwen3_5 (hybrid) | test, test_qwen3_5 (test size, CPU, seconds)
+    preset: Literal["qwen3", "qwen3_5", "test", "test_qwen3_5"] = "qwen3"
     path: str | None = None
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
@@ -57,7 +62,8 @@ class TargetSection(_Section):
 
 
 class DataSection(_Section):
-    train_path: str | None = None  # JSONL, .parquet, or a `datasets` save_to_disk dir; tiny_stdlib makes its own
+    # JSONL, .parquet, or a `datasets` save_to_disk dir; the project's own targets (tiny_stdlib, code_lm) make their own
+    train_path: str | None = None
     eval_path: str | None = None  # held-out conversations (their prompts) for tau
     # auto (per record) | messages (OpenAI role/content) | sharegpt (conversations from/value)
     format: Literal["auto", "messages", "sharegpt"] = "auto"
@@ -385,6 +391,9 @@ def _validate(cfg: Config, path, check_files: bool = True) -> None:
     where = path or "config"
     if cfg.target.kind == "hf" and not cfg.target.path:
         raise ConfigError(f"{where}: target.path is required when target.kind is 'hf'")
+    if cfg.target.preset != "qwen3" and cfg.target.kind != "code_lm":
+        raise ConfigError(f"{where}: target.preset={cfg.target.preset!r} applies to target.kind code_lm only (kind is "
+                          f"{cfg.target.kind!r}): remove it")
     _validate_drafter(cfg.drafter, where)
     if check_files and cfg.target.path and cfg.target.kind == "hf" and not Path(cfg.target.path).exists():
         raise ConfigError(f"{where}: target.path {cfg.target.path} does not exist")

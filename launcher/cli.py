@@ -7,6 +7,8 @@
       run/train --launcher slurm   inside a Slurm job (slurm/*.sbatch); extract --slice I/N   one slice, no Ray
   dflash-dist regenerate CONFIG [--out DIR] [--limit N] [overrides]
       the target's own responses to the input's prompts (regen.*), a new JSONL; a rerun resumes
+  dflash-dist build-target CONFIG [overrides]                  build (or find cached) the config's own target
+      (target.kind tiny_stdlib or code_lm) and print its build record
   dflash-dist status DIR [--json]                              shards, disk, trainer, tau, roles alive
   dflash-dist demo                                             the tiny core demo (no Ray)
   dflash-dist parity DIR [--device cuda]                       numerics against golden data
@@ -67,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         return parity_main(rest)
     if cmd == "regenerate":
         return _regenerate(rest)
+    if cmd == "build-target":
+        return _build_target(rest)
     if cmd not in STAGES:
         print(f"dflash-dist: unknown command {cmd!r}\n{__doc__.strip()}", file=sys.stderr)
         return 2
@@ -171,6 +175,34 @@ def _regenerate(rest: list[str]) -> int:
     except (RegenError, DataError) as e:
         print(f"dflash-dist regenerate: error: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _build_target(rest: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="dflash-dist build-target")
+    ap.add_argument("config", help="YAML config whose target.kind is tiny_stdlib or code_lm")
+    ap.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. target.preset=qwen3_5")
+    args = ap.parse_intermixed_args(rest)
+    import json
+
+    from dflash_dist.config import ConfigError, load_config
+    from dflash_dist.logging_setup import setup_logging
+
+    setup_logging("build-target")
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"dflash-dist build-target: config error: {e}", file=sys.stderr)
+        return 2
+    if cfg.target.kind == "hf":
+        print(f"dflash-dist build-target: {args.config}: target.kind is hf (a model directory); only the project's "
+              "own targets (tiny_stdlib, code_lm) are built", file=sys.stderr)
+        return 2
+    from dflash_dist.target.build_cache import read_stamp
+    from dflash_dist.target.loading import resolve_target_dir
+
+    target_dir = resolve_target_dir(cfg)
+    print(json.dumps({"target_dir": str(target_dir), **read_stamp(target_dir)}, indent=2))
     return 0
 
 

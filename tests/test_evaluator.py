@@ -309,6 +309,17 @@ def test_run_until_does_not_wait_forever_for_a_missing_final_export(tiny, tmp_pa
         ev.run_until(lambda: (True, 5), poll_s=0.01, final_export_timeout_s=0.05)
 
 
+def test_run_until_computes_the_references_while_waiting_for_the_first_export(tiny, tmp_path):
+    """The greedy continuations and features of the held-out prompts do not depend on a checkpoint:
+    made while the trainer has exported nothing yet, they are off the first evaluation's path."""
+    ev = Evaluator(tiny["cfg"], tmp_path / "run", tiny["target_dir"], tiny["prompts"], expected=None)
+    calls = iter([(False, None), (False, None), (True, None)])
+    assert ev.run_until(lambda: next(calls), poll_s=0.01) == []
+    assert ev._refs and all(ref.prompt in [list(p) for p in tiny["prompts"]] for ref in ev._refs)
+    finished_at_once = Evaluator(tiny["cfg"], tmp_path / "run2", tiny["target_dir"], tiny["prompts"], expected=None)
+    assert finished_at_once.run_until(lambda: (True, None), poll_s=0.01) == [] and finished_at_once._refs is None
+
+
 # ---- modes: live, server, the count convention, a reference drafter, images, status --------------
 
 

@@ -16,6 +16,9 @@ INSTALL_REQUIRES = [
     "datasets==5.2.0",  # conversation sources saved with `Dataset.save_to_disk`
     "tensorboard==2.21.0",
     "openai==3.57.0",  # `dflash-dist regenerate` against an OpenAI-compatible server (SGLang, vLLM)
+    "pydantic==2.14.4",  # the typed config (dflash_dist/config.py)
+    "typing_extensions==4.16.0",  # pydantic 2.14 needs >= 4.16 (`import pydantic` fails on 4.12)
+    "rich==15.0.0",  # `dflash-dist status` tables (launcher/status.py)
     "safetensors",
     "numpy",
     "pyyaml",

@@ -315,12 +315,14 @@ def check_resumable(
 
 # ---------------------------------------------------------------------------- RNG
 def rng_state(on_gpu: bool) -> dict[str, Any]:
-    """This process's RNG states (torch CPU and current CUDA device, Python, NumPy)."""
+    """This process's RNG states (torch CPU and current CUDA device, Python, NumPy), as plain
+    data (tensors, tuples, lists, numbers): a checkpoint loads weights-only (safe_load.py)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if on_gpu else None,
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": [str(name), [int(k) for k in keys], int(pos), int(has_gauss), float(cached)],
     }
 
 
@@ -342,7 +344,8 @@ def load_rng_state(state: dict[str, Any]) -> None:
     if state.get("cuda") is not None:
         torch.cuda.set_rng_state(state["cuda"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
 # ---------------------------------------------------------------------------- step logs

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from data_pipeline.durable_files import fsync_dir, write_text_atomic
 from dflash_dist.trainer.checkpoint import fsync_tree
+from dflash_dist.trainer.safe_load import weights_only_loads
 
 UNIVERSAL = "universal"  # the converted copy, inside the tag directory
 UNIVERSAL_MARKER = "dflash_universal.json"
@@ -82,7 +83,12 @@ def convert(tag_dir: Path) -> Path:
     )
     t0 = time.perf_counter()
     try:
-        with open(tmp / "conversion.log", "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        with (
+            open(tmp / "conversion.log", "w") as log,
+            contextlib.redirect_stdout(log),
+            contextlib.redirect_stderr(log),
+            weights_only_loads(),  # the converter's torch.load calls unpickle nothing (safe_load.py)
+        ):
             ds_to_universal.main(args)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

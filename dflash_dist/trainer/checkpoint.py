@@ -90,20 +90,31 @@ def tag_dirs(ckpt_dir: Path) -> list[Path]:
 
 def read_marker(tag_dir: Path) -> dict[str, Any] | None:
     """The tag's completion marker if the tag is complete (marker valid, every listed file
-    present with its recorded size), else None."""
+    present with its recorded size), else None (`marker_problem` says why)."""
+    meta, _ = _check_marker(tag_dir)
+    return meta
+
+
+def marker_problem(tag_dir: Path) -> str | None:
+    """Why `tag_dir` is not a complete checkpoint, naming the file at fault; None if it is."""
+    return _check_marker(tag_dir)[1]
+
+
+def _check_marker(tag_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
     try:
         meta = json.loads((tag_dir / MARKER).read_text())
-    except (OSError, ValueError):
-        return None
+    except (OSError, ValueError) as e:
+        return None, f"{tag_dir / MARKER} cannot be read ({e.strerror if isinstance(e, OSError) else e})"
     if not isinstance(meta, dict) or meta.get("version") != MARKER_VERSION:
-        return None
+        return None, f"{tag_dir / MARKER} is not a version-{MARKER_VERSION} completion marker"
     for name, size in meta.get("files", {}).items():
         try:
-            if (tag_dir / name).stat().st_size != size:
-                return None
-        except OSError:
-            return None
-    return meta
+            actual = (tag_dir / name).stat().st_size
+        except OSError as e:
+            return None, f"{tag_dir / name} is listed in {MARKER} but cannot be read ({e.strerror})"
+        if actual != size:
+            return None, f"{tag_dir / name} has {actual} bytes, {MARKER} records {size} (truncated or replaced)"
+    return meta, None
 
 
 def complete_tags(ckpt_dir: Path) -> list[Path]:
@@ -203,10 +214,11 @@ def plan_resume(mode: str, ckpt_dir: Path) -> Path | None:
             complete = complete_tags(ckpt_dir)
             return complete[-1] if complete else None
         path = ckpt_dir / latest
-        if read_marker(path) is None:
+        problem = marker_problem(path)
+        if problem is not None:
             raise ResumeError(
-                f"{ckpt_dir}/{LATEST} names {latest!r}, which is not a complete checkpoint (no valid {MARKER}; "
-                "written by another tool?): pass --resume PATH of a complete tag, or use another --out"
+                f"{ckpt_dir}/{LATEST} names {latest!r}, which is not a complete checkpoint: {problem}. Pass "
+                "--resume PATH of a complete tag, or use another --out"
             )
         return path
     path = Path(mode)
@@ -215,10 +227,11 @@ def plan_resume(mode: str, ckpt_dir: Path) -> Path | None:
             f"--resume {mode}: no such checkpoint directory (expected auto, never or a tag directory "
             f"such as {ckpt_dir}/step_500)"
         )
-    if read_marker(path) is None:
+    problem = marker_problem(path)
+    if problem is not None:
         raise ResumeError(
-            f"--resume {mode}: not a complete checkpoint (no valid {MARKER}: a save that did not finish, or not "
-            f"a tag directory); complete tags under {path.parent}: {[p.name for p in complete_tags(path.parent)]}"
+            f"--resume {mode}: not a complete checkpoint ({problem}: a save that did not finish, or not a tag "
+            f"directory); complete tags under {path.parent}: {[p.name for p in complete_tags(path.parent)]}"
         )
     if path.parent.resolve() != ckpt_dir.resolve() and has_checkpoints(ckpt_dir):
         raise ResumeError(

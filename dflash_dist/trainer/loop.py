@@ -382,7 +382,7 @@ class Trainer:
         comes from TrainState.for_world."""
         meta = checkpoint.read_marker(path)
         if meta is None:
-            raise checkpoint.ResumeError(f"{path} is not a complete checkpoint (no valid {checkpoint.MARKER})")
+            raise checkpoint.ResumeError(f"{path} is not a complete checkpoint: {checkpoint.marker_problem(path)}")
         checkpoint.check_resumable(meta, self.cfg.to_dict(), self.world, self.job.shard_dir, str(path))
         saved = engine.load_checkpoint(self.engine, path, elastic, group=self._ctrl)["dflash"]
         span = engine.schedule_length(self.engine)

@@ -30,7 +30,8 @@ def _yaml_float(value):
     return value
 
 
-Float = Annotated[float, BeforeValidator(_yaml_float)]
+# every float finite: `.inf`/`.nan` (YAML) or "inf"/"nan" are refused naming the field
+Float = Annotated[float, BeforeValidator(_yaml_float), Field(allow_inf_nan=False)]
 PosInt = Annotated[int, Field(ge=1)]
 NonNegInt = Annotated[int, Field(ge=0)]
 PosFloat = Annotated[Float, Field(gt=0)]
@@ -148,7 +149,7 @@ class TrainSection(_Section):
     # of epochs after the first is permuted by (run.seed, epoch) either way
     shuffle: bool = True
     grad_accum: PosInt = 1
-    lr: PosFloat = 6e-4
+    lr: Annotated[Float, Field(gt=0, le=1)] = 6e-4
     warmup_frac: Annotated[Float, Field(ge=0, lt=1)] = 0.04
     weight_decay: NonNegFloat = 0.0
     grad_clip: NonNegFloat = 1.0  # 0: no clipping
@@ -306,6 +307,8 @@ def _describe(err: dict) -> str:
     ctx = err.get("ctx") or {}
     if kind == "extra_forbidden":
         return f"unknown key {path}"
+    if kind == "finite_number":
+        return f"{path} must be a finite number, got {got!r}"
     if kind == "literal_error":
         return f"{path}: {got!r} is not one of {ctx.get('expected', '')}"
     for bound, word in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
@@ -369,9 +372,17 @@ def load_config(path: str | Path | None, overrides: list[str] = (), out_dir: str
         if not path.is_file():
             raise ConfigError(f"config file {path} not found")
         try:
-            tree = yaml.safe_load(path.read_text()) or {}
+            tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start}): pass a YAML file") \
+                from None  # fmt: skip
+        except OSError as e:
+            raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections (run:, target:, ...) at the top, got "
+                              f"a YAML {type(tree).__name__}")  # fmt: skip
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key.path=value")

@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import tempfile
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 STAGES = {"run": ("extract", "train", "eval"), "extract": ("extract",), "train": ("train",), "eval": ("eval",)}
@@ -85,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"dflash-dist: config error: {e}", file=sys.stderr)
         return 2
+    problem = out_dir_problem(cfg.out)
+    if problem:
+        print(f"dflash-dist {cmd}: error: {problem}", file=sys.stderr)
+        return 1
     from dflash_dist.orchestration.pipeline import PipelineError, run_pipeline
 
     if getattr(args, "launcher", "ray") == "slurm" or getattr(args, "slice", None):
@@ -114,6 +120,19 @@ def failure_text(error: BaseException) -> str:
     if isinstance(cause, BaseException):
         error = cause
     return f"{type(error).__name__}: {str(error).strip() or '(no message)'}"
+
+
+def out_dir_problem(out: Path) -> str | None:
+    """Why the run cannot write into `out` (created if missing), or None: checked by writing (and
+    removing) a file there, so a read-only directory or file system is one clear line up front
+    instead of a traceback from whichever role writes first."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".dflash-write-check-"):
+            pass
+    except OSError as e:
+        return f"--out {out} is not writable ({e.strerror or e}): pass a directory this user can write"
+    return None
 
 
 def _role(cmd: str, args: argparse.Namespace) -> str:

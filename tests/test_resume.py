@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -94,6 +95,27 @@ def test_latest_names_only_complete_tags_and_pruning_keeps_n(tmp_path):
     assert checkpoint.read_latest(ckpt) == "step_10"
     assert [p.name for p in checkpoint.tag_dirs(ckpt)] == ["step_6", "step_10"]  # old, torn and broken ones gone
     assert not list(ckpt.glob(".latest.tmp*"))
+
+
+def test_truncated_checkpoint_file_is_named_in_the_refusal(tmp_path):
+    """A file shorter than the marker records: `--resume auto` and `--resume PATH` name that file
+    and both sizes (a missing file too), not only the tag."""
+    cfg = Config()
+    cfg.run.out_dir = str(tmp_path)
+    ckpt = tmp_path / "checkpoints"
+    tag = fake_tag(ckpt, 2, cfg)
+    checkpoint.publish_latest(ckpt, tag.name)
+    states = tag / "mp_rank_00_model_states.pt"
+    states.write_bytes(b"x" * 40)
+    for mode in ("auto", str(tag)):
+        with pytest.raises(ResumeError, match=re.escape(f"{states} has 40 bytes, {checkpoint.MARKER} records 100")):
+            checkpoint.plan_resume(mode, ckpt)
+    states.unlink()
+    with pytest.raises(ResumeError, match=re.escape(f"{states} is listed in {checkpoint.MARKER} but cannot be read")):
+        checkpoint.plan_resume("auto", ckpt)
+    (tag / checkpoint.MARKER).write_text("{torn")
+    with pytest.raises(ResumeError, match=re.escape(f"{tag / checkpoint.MARKER} cannot be read")):
+        checkpoint.plan_resume("auto", ckpt)
 
 
 def test_resume_modes(tmp_path):

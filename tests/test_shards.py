@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import re
 import tarfile
 import threading
 import time
@@ -23,6 +24,7 @@ from data_pipeline.provenance import (
 from data_pipeline.records import MANIFEST_NAME, TMP_PREFIX, Sample
 from data_pipeline.shard_reader import ShardStream, iter_shard_samples, read_manifest
 from data_pipeline.shard_writer import ShardWriter, mark_done
+from dflash_dist.config import Config
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -471,3 +473,49 @@ def test_flipped_byte_is_named_by_iter_shard_samples(tmp_path: Path, member: str
         next(samples)
     with pytest.raises(ChecksumMismatch, match=f"00000001.{member}"):
         list(iter_shard_samples(path, skip=1, record=record))
+
+
+@pytest.mark.parametrize("bad", ["../victim.txt", "/etc/passwd", "sub/m-000001.tar", "..", "m-000001.tar\x00x",
+                                 "m-000001.txt", "-000001.tar"])  # fmt: skip
+def test_manifest_name_outside_the_shard_pattern_is_refused_before_any_delete(tmp_path: Path, bad: str) -> None:
+    """A forged manifest line (the attacker also fixed its byte count) naming a file outside
+    shards/: with consumed_shards=delete after one epoch, the release refuses it naming
+    manifest.jsonl:line, and the file it names survives."""
+    from data_pipeline.disk_budget import BufferPolicy, release_consumed
+
+    shards = tmp_path / "shards"
+    write_shards(shards, make_prov(), "m", n_shards=2, per_shard=1)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not a shard")
+    line = json.loads((shards / MANIFEST_NAME).read_text().splitlines()[0])
+    line.update(name=bad, n_bytes=victim.stat().st_size)
+    with open(shards / MANIFEST_NAME, "a") as f:
+        f.write(json.dumps(line) + "\n")
+    cfg = Config()
+    cfg.capture.consumed_shards, cfg.train.epochs = "delete", 1
+    policy = BufferPolicy.from_config(cfg)
+    assert policy.delete_consumed
+    where = re.escape(f"{shards / MANIFEST_NAME}:3")
+    with pytest.raises(ValueError, match=rf"{where}: shard name .* is not a plain shard file name"):
+        release_consumed(shards, policy, [None], epoch=1)  # after the epoch: every listed shard is consumed
+    assert victim.read_text() == "not a shard"
+    assert sorted(p.name for p in shards.glob("*.tar")) == ["m-000000.tar", "m-000001.tar"]  # nothing deleted
+    with pytest.raises(ValueError, match=r":3: shard name"):
+        read_manifest(shards)  # and no reader opens it
+
+
+def test_released_record_names_are_validated_before_deleting(tmp_path: Path) -> None:
+    """released.json (what the trainer released) is read back before deleting: a forged name in it
+    is refused too, naming the file."""
+    from data_pipeline.disk_budget import BufferPolicy, release_consumed
+    from data_pipeline.records import RELEASED_NAME
+
+    shards = tmp_path / "shards"
+    write_shards(shards, make_prov(), "m", n_shards=1, per_shard=1)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not a shard")
+    (shards / RELEASED_NAME).write_text(json.dumps({"released": ["../victim.txt"]}) + "\n")
+    policy = BufferPolicy(cap_bytes=1 << 30, delete_consumed=True, stall_s=60.0)
+    with pytest.raises(ValueError, match=re.escape(f"{shards / RELEASED_NAME}: shard name '../victim.txt'")):
+        release_consumed(shards, policy, [None], epoch=1)
+    assert victim.exists() and (shards / "m-000000.tar").exists()

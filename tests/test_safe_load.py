@@ -26,10 +26,7 @@ from dflash_dist.trainer.safe_load import (
     deepspeed_safe_globals,
     weights_only_loads,
 )
-from tests import test_trainer
-from tests.test_trainer import make_cfg, write_shards
-
-tiny = test_trainer.tiny  # the module fixture: a saved tiny target, its captured samples, provenance
+from tests.helpers.tiny import make_cfg, write_shards
 
 NUM = 8  # 4 shards of 2 samples; 1 rank trains 2 samples a step
 STEPS = 2  # saved at step 2 of an LR schedule of TOTAL steps; a resume trains step 3

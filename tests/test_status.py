@@ -18,7 +18,7 @@ from dflash_dist.actors.heartbeat import STALE_INTERVALS, Heartbeat, liveness, r
 from dflash_dist.trainer.metrics import Metrics
 from launcher import cli
 from launcher.status import collect
-from tests.test_shards import make_prov
+from tests.helpers.shards import make_prov
 
 
 def _sample(i: int, t: int = 24) -> Sample:

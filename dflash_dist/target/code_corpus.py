@@ -60,6 +60,9 @@ PACKAGES = (
     "yaml",
     "tqdm",
     "xxhash",
+    "pydantic",
+    "typing_extensions",  # a single module, not a package directory: listed as not found in the record
+    "rich",
 )
 PACKAGE_EXCLUDED_DIRS = frozenset({"__pycache__", "test", "tests", "testing"})
 PACKAGE_EXCLUDED_NAMES = ("test_", "conftest.py")

@@ -24,7 +24,7 @@ os.environ.setdefault("RAY_raylet_start_wait_time_s", "180")
 SLOW_MODULES = {
     "test_capture_faults", "test_elastic", "test_faults", "test_launch_ray", "test_loss_curve", "test_multinode",
     "test_pipeline", "test_rendezvous", "test_resume", "test_safe_load", "test_slurm", "test_step_source",
-    "test_trainer",
+    "test_trainer", "test_bench_quality_run",
 }
 
 

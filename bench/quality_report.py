@@ -1,0 +1,205 @@
+"""The quality bench's report: per variant the final tau over seeds (mean ± std), whether it
+separates from the default by more than the seed spread, the markdown table, and the tau vs
+samples / vs GPU-seconds figure (matplotlib, the `bench` extra; without it, render the figure
+later from results.json with `--report`)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+
+FINAL = "done"  # runs that reached the full sample budget; "stopped" runs are curves only
+_VERDICT = {
+    "above": "separates from the default (above it on every seed)",
+    "below": "separates from the default (below it on every seed)",
+    "within spread": "does not separate from the default (the seed ranges overlap)",
+    "n/a": "not comparable (fewer than 2 finished seeds on a side)",
+}
+
+
+def _mean_sd(xs: list[float]) -> tuple[float, float | None]:
+    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else None)
+
+
+def _fmt(xs: list[float]) -> str:
+    if not xs:
+        return "-"
+    m, sd = _mean_sd(xs)
+    return f"{m:.3f}" if sd is None else f"{m:.3f} ± {sd:.3f}"
+
+
+def separation(variant: list[float], default: list[float]) -> str:
+    """'above' / 'below' when every seed of the variant is above (below) every seed of the
+    default, 'within spread' when the seed ranges overlap; 'n/a' with fewer than 2 seeds a side."""
+    if len(variant) < 2 or len(default) < 2:
+        return "n/a"
+    if min(variant) > max(default):
+        return "above"
+    if max(variant) < min(default):
+        return "below"
+    return "within spread"
+
+
+def summarize(results: dict) -> list[dict]:
+    """One row per variant (in the order the variants were given), from results.json's runs."""
+    budget = str(results["budgets"][0])
+    rows = []
+    finals: dict[str, dict[str, list[float]]] = {}
+    for v in results["variants"]:
+        runs = [r for r in results["runs"] if r.get("variant") == v["name"]]
+        done = [r for r in runs if r.get("status") == FINAL and r.get("points")]
+        f = {
+            "chain": [r["points"][-1]["tau_chain"] for r in done],
+            "tree": [r["points"][-1]["tau_ddtree"][budget] for r in done],
+            "loss": [r["points"][-1]["loss"] for r in done],
+            "gpu_s": [r["gpu_s"] for r in done],
+        }
+        finals[v["name"]] = f
+        rows.append(
+            {
+                "variant": v["name"],
+                "aliases": v.get("aliases", []),
+                "doc": v["doc"],
+                "seeds": [r["seed"] for r in done],
+                "not_final": {r["seed"]: r.get("status") for r in runs if r not in done},
+                "samples": done[0]["samples"] if done else None,
+                **{k: vals for k, vals in f.items()},
+            }
+        )
+    base = finals.get("default")
+    for row in rows:
+        for key in ("chain", "tree"):
+            if base is None or row["variant"] == "default" or not row[key] or not base[key]:
+                row[f"{key}_gap"], row[f"{key}_vs_default"] = None, "n/a"
+                continue
+            row[f"{key}_gap"] = statistics.mean(row[key]) - statistics.mean(base[key])
+            row[f"{key}_vs_default"] = separation(row[key], base[key])
+    return rows
+
+
+def table(results: dict) -> str:
+    """The markdown table (mean ± std over seeds of the final checkpoint) and one line per variant
+    saying whether it separates from the default."""
+    budget = results["budgets"][0]
+    rows = summarize(results)
+    lines = [
+        f"| variant | seeds | tau chain | tau DDTree-{budget} | chain vs default | DDTree-{budget} vs default | "
+        "train loss | GPU-s / run |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        name = r["variant"] + (f" (= {', '.join(r['aliases'])})" if r["aliases"] else "")
+        gaps = []
+        for key in ("chain", "tree"):
+            gap = r[f"{key}_gap"]
+            gaps.append("-" if gap is None else f"{gap:+.3f} ({r[f'{key}_vs_default']})")
+        gpu = f"{statistics.mean(r['gpu_s']):.1f}" if r["gpu_s"] else "-"
+        lines.append(
+            f"| {name} | {','.join(map(str, r['seeds'])) or '-'} | {_fmt(r['chain'])} | {_fmt(r['tree'])} | "
+            f"{gaps[0]} | {gaps[1]} | {_fmt(r['loss'])} | {gpu} |"
+        )
+    notes = []
+    for r in rows:
+        if r["variant"] != "default":
+            notes.append(
+                f"- {r['variant']}: chain {_VERDICT[r['chain_vs_default']]}; DDTree-{budget} "
+                f"{_VERDICT[r['tree_vs_default']]}."
+            )
+        if r["not_final"]:
+            notes.append(f"- {r['variant']}: seeds without a final point: {r['not_final']}")
+    samples = next((r["samples"] for r in rows if r["samples"]), None)
+    seen = f"{samples} samples seen per run" if samples else "no run reached its full sample budget"
+    head = (
+        f"Final checkpoint ({seen}); ± is the standard deviation over seeds; "
+        "'separates' = every seed of the variant on one side of every seed of the default."
+    )
+    product = [p for p in results.get("product", []) if "tau_chain" in (p.get("bench_eval") or {})]
+    if product:
+        notes += [
+            "",
+            f"The product run's own exports, measured the same way ({results['held_out']['prompts']} prompts):",
+        ]
+        for p in product:
+            own = p.get("own_eval") or {}
+            mine = p["bench_eval"]
+            theirs = (
+                f" [its evaluator, {own.get('prompts')} prompts: {own['tau_chain']:.3f} / "
+                f"{own['tau_ddtree'].get(str(budget), float('nan')):.3f}]"
+                if own
+                else ""
+            )
+            notes.append(
+                f"- step {p['step']} ({p['samples']} samples): chain {mine['tau_chain']:.3f}, "
+                f"DDTree-{budget} {mine['tau_ddtree'][str(budget)]:.3f}{theirs}"
+            )
+    return "\n".join([head, "", *lines, "", *notes])
+
+
+def _curves(results: dict, name: str, x_key: str, y_key: str, budget: str):
+    """Mean and std over the variant's seeds per checkpoint index (runs stopped early included
+    up to where they got)."""
+    runs = [r for r in results["runs"] if r.get("variant") == name and r.get("points")]
+    n = max((len(r["points"]) for r in runs), default=0)
+    xs, ms, sds = [], [], []
+    for i in range(n):
+        pts = [r["points"][i] for r in runs if len(r["points"]) > i]
+        ys = [p[y_key] if y_key == "tau_chain" else p["tau_ddtree"][budget] for p in pts]
+        xs.append(statistics.mean(p[x_key] for p in pts))
+        ms.append(statistics.mean(ys))
+        sds.append(statistics.stdev(ys) if len(ys) > 1 else 0.0)
+    return xs, ms, sds
+
+
+def plot(results: dict, png: Path) -> bool:
+    """tau (chain, DDTree) against samples seen and against GPU-seconds, mean ± std band per
+    variant; the product run's own exports, measured the same way, dashed. False without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budget = str(results["budgets"][0])
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    cmap = plt.get_cmap("tab10")
+    for i, v in enumerate(results["variants"]):
+        colour = "black" if v["name"] == "default" else cmap(i % 10)
+        style = "-" if i < 10 else "--"
+        for col, y_key in enumerate(("tau_chain", "tau_ddtree")):
+            for row, x_key in enumerate(("samples", "gpu_s")):
+                xs, ms, sds = _curves(results, v["name"], x_key, y_key, budget)
+                if not xs:
+                    continue
+                ax = axes[row][col]
+                ax.plot(
+                    xs, ms, style, color=colour, marker=".", label=v["name"], lw=2 if v["name"] == "default" else 1.2
+                )
+                ax.fill_between(
+                    xs, [m - s for m, s in zip(ms, sds)], [m + s for m, s in zip(ms, sds)], color=colour, alpha=0.12
+                )
+    product = [p for p in results.get("product", []) if p.get("bench_eval") and p.get("samples")]
+    for col, y_key in enumerate(("tau_chain", "tau_ddtree")):
+        if product:
+            ys = [
+                p["bench_eval"][y_key] if y_key == "tau_chain" else p["bench_eval"]["tau_ddtree"][budget]
+                for p in product
+            ]
+            axes[0][col].plot([p["samples"] for p in product], ys, "k--", marker="x", label="product run's exports")
+        for row, x_label in enumerate(("training samples seen", "GPU-seconds (fair share of the shared device)")):
+            ax = axes[row][col]
+            ax.set_xlabel(x_label)
+            ax.set_ylabel("tau")
+            ax.set_title(f"greedy-replay tau, {'chain' if y_key == 'tau_chain' else 'DDTree-' + budget}")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7, ncol=2)
+    seeds = sorted({r["seed"] for r in results["runs"] if "seed" in r})
+    fig.suptitle(f"{results['target']['target_id']}: recipe variants, mean ± std over seeds {seeds}")
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    tmp = png.with_name(png.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, png)
+    return True

@@ -1,0 +1,220 @@
+"""The quality bench on a run directory trains "the same way" as the product: the same samples in
+the same order and micro-batches (anchors included) as the trainer's shard stream makes them,
+features laid out as make_micro_batch lays them out (restricted to a variant's layers, through
+its codec), and variants that are one config change each (bench/quality_*.py)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_pipeline.records import Sample
+from data_pipeline.shard_reader import ShardStream, iter_shard_samples, read_manifest
+from data_pipeline.shard_writer import ShardWriter, mark_done
+from dflash_dist.config import load_config
+from dflash_dist.trainer.batching import BatchLimit, group_micro_batches, make_micro_batch, with_positions
+from tests.test_shards import make_prov, make_sample
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import quality_train  # noqa: E402
+import quality_variants  # noqa: E402
+from quality_data import RunInputs, epoch_order, load_train_set  # noqa: E402
+
+PROV = make_prov(layer_ids=(1, 2, 3), hidden_size=8, dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A shard directory of 3 shards (7, 5, 6 samples of 6-24 tokens), one sample non-finite."""
+    out = tmp_path_factory.mktemp("qrun")
+    shards = out / "shards"
+    n = 0
+    with ShardWriter(shards, PROV, prefix="a") as w:
+        for count in (7, 5, 6):
+            for _ in range(count):
+                s = make_sample(f"s-{n}", PROV, T=6 + (5 * n) % 19, seed=n, finite=True)
+                if n == 9:
+                    s = Sample(s.key, s.input_ids, s.loss_mask, s.features.clone().fill_(float("nan")), s.target_argmax)
+                w.write(s)
+                n += 1
+            w.flush()
+    mark_done(shards)
+    return out
+
+
+def _inputs(run_dir: Path) -> RunInputs:
+    return RunInputs(run_dir, run_dir / "config.yaml", None, None, tuple(read_manifest(run_dir / "shards")))
+
+
+def _cfg(**train):
+    return load_config(
+        None,
+        [
+            "target.kind=tiny_stdlib",
+            "data.max_length=32",
+            *[f"train.{k}={'null' if v is None else v}" for k, v in train.items()],
+        ],
+        check_files=False,
+    )
+
+
+def test_train_set_holds_every_usable_sample_and_reports_the_rest(run_dir):
+    data, report = load_train_set(_inputs(run_dir), torch.device("cpu"), threads=2)
+    assert len(data) == 17 and "s-9" not in data.keys and report["nonfinite_skipped"] == ["s-9"]
+    by_key = {
+        s.key: s for rec in read_manifest(run_dir / "shards") for s in iter_shard_samples(run_dir / "shards" / rec.name)
+    }
+    for i, key in enumerate(data.keys):
+        a, b = int(data.offsets[i]), int(data.offsets[i + 1])
+        assert torch.equal(data.features[a:b], by_key[key].features)
+        assert torch.equal(data.input_ids[a:b], by_key[key].input_ids)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_epoch_order_is_the_trainer_stream_order(run_dir, shuffle):
+    data, _ = load_train_set(_inputs(run_dir), torch.device("cpu"))
+    for epoch in range(3):
+        stream = ShardStream(run_dir / "shards", PROV, 0, 1, epoch=epoch, seed=5, shuffle=shuffle)
+        want = [s.key for s in stream]
+        got = [data.keys[i] for i in epoch_order(_inputs(run_dir).records, data.keys, epoch, 5, shuffle)]
+        assert got == want
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_micro_batches_are_the_trainers(run_dir, packing):
+    """Bench micro-batches (host parts from make_micro_batch over feature-less samples, features
+    gathered from the shared tensor) equal the trainer's: ShardStream -> group_micro_batches ->
+    make_micro_batch with real features, epoch after epoch."""
+    cfg = _cfg(
+        micro_batch_size=3, num_anchors=4, packing=packing, micro_batch_tokens=48 if packing else None, shuffle=True
+    )
+    data, _ = load_train_set(_inputs(run_dir), torch.device("cpu"))
+    sh = quality_train.Shared(data, [], _inputs(run_dir).records, 3, "", "cpu", (8,), "capped", "torch", 4, None, None)
+    bench = quality_train.micro_batches(sh, cfg, seed=11, dtype=torch.float32)
+    pack = cfg.pack_tokens()
+    limit = BatchLimit(3, pack, pack is not None)
+    for epoch in range(2):
+        stream = with_positions(ShardStream(run_dir / "shards", PROV, 0, 1, epoch=epoch, seed=3, shuffle=True))
+        for samples, _, complete in group_micro_batches(stream, limit):
+            if not complete:
+                break
+            want = make_micro_batch(
+                samples, {}, dtype=torch.float32, num_anchors=4, seed=11, epoch=epoch, pack_tokens=pack
+            )
+            got_epoch, got, idx = next(bench)
+            assert got_epoch == epoch and got.keys == want.keys
+            for name in ("input_ids", "loss_mask", "target_argmax"):
+                assert torch.equal(getattr(got, name), getattr(want, name)), name
+            for name in ("positions", "keep", "starts", "ends"):
+                a, b = getattr(got.anchors, name), getattr(want.anchors, name)
+                assert (a is None and b is None) or torch.equal(a, b), name
+            feats = quality_train.batch_features(data, idx, got, pack is not None, (0, 1, 2), None, torch.float32)
+            assert torch.equal(feats, want.features)
+            top = quality_train.batch_features(data, idx, got, pack is not None, (0, 1), None, torch.float32)
+            assert torch.equal(top, want.features[..., :16])  # drop_top: the first two layers' columns
+            mid = quality_train.batch_features(data, idx, got, pack is not None, (1,), None, torch.float32)
+            assert torch.equal(mid, want.features[..., 8:16])
+
+
+def test_a_codec_changes_only_the_real_rows(run_dir, monkeypatch):
+    monkeypatch.setitem(quality_variants.FEATURE_CODECS, "x2", lambda t: t * 2 + 1)
+    data, _ = load_train_set(_inputs(run_dir), torch.device("cpu"))
+    cfg = _cfg(micro_batch_size=3, num_anchors=4, packing=False)
+    sh = quality_train.Shared(data, [], _inputs(run_dir).records, 0, "", "cpu", (8,), "capped", "torch", 4, None, None)
+    _, mb, idx = next(quality_train.micro_batches(sh, cfg, seed=0, dtype=torch.float32))
+    plain = quality_train.batch_features(data, idx, mb, False, (0, 1, 2), None, torch.float32)
+    coded = quality_train.batch_features(data, idx, mb, False, (0, 1, 2), "x2", torch.float32)
+    real = mb.loss_mask.new_zeros(mb.loss_mask.shape, dtype=torch.bool)
+    for j, i in enumerate(idx):
+        real[j, : data.length(i)] = True
+    # the codec sees the stored (bf16) features, as the shard encoding would
+    assert torch.equal(coded[real], (plain[real].to(torch.bfloat16) * 2 + 1).float()) and not coded[~real].any()
+
+
+def test_variants_are_one_config_change_each(tmp_path):
+    """Each registered variant resolves to the run's config with its change only; duplicates fold
+    into aliases; a codec not registered yet is refused by name."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(
+        '{"hidden_size": 8, "num_hidden_layers": 8, "vocab_size": 64, "intermediate_size": 16}'
+    )
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "target: {kind: tiny_stdlib}\ncapture: {num_layers: 3}\n"
+        "drafter: {num_layers: 3, num_heads: 2, num_kv_heads: 1, head_dim: 4, block_size: 16}\n"
+        "train: {num_anchors: 64}\n"
+    )
+    base = load_config(config, check_files=False)
+    facts = quality_variants.Facts(base, (1, 3, 5), median_supervised=40, window=32)
+    names = [n for n in quality_variants.default_names()]
+    assert "fp8_features" not in names  # until its codec is registered
+    got = {r.name: r for r in quality_variants.resolve(names, config, target, 63, facts)}
+    d = got["default"]
+    assert d.drafter.target_layer_ids == (1, 3, 5) and d.feature_layers == (0, 1, 2)
+    assert got["drop_top"].drafter.target_layer_ids == (1, 3) and got["drop_top"].feature_layers == (0, 1)
+    assert "block16" not in got and "block16" in d.aliases  # the run's block is 16 already
+    assert got["block8"].drafter.block_size == 8 and got["block8"].drafter.loss_decay_gamma == 4.0
+    assert got["sliding"].drafter.layer_types == ("sliding_attention", "sliding_attention", "full_attention")
+    assert got["sliding"].drafter.sliding_window == 32
+    assert got["anchors_half"].cfg["train"]["num_anchors"] == 20  # half of the 40 the default draws
+    assert "peer_modelopt" in got["dpace"].aliases  # D-PACE at block 16 is the run's block already
+    spec = got["peer_specforge"].cfg["train"]
+    assert (spec["anchor_rule"], spec["loss_norm"], spec["gamma"]) == ("mask_next", "step_slots", 7.0)
+    for name, r in got.items():  # nothing else changed
+        for section in ("train", "drafter"):
+            changed = {k for k in r.cfg[section] if r.cfg[section][k] != d.cfg[section][k]}
+            assert changed <= {o.split("=")[0].split(".")[1] for o in r.overrides if o.startswith(section)}, name
+    with pytest.raises(ValueError, match="fp8"):
+        quality_variants.resolve(["default", "fp8_features"], config, target, 63, facts)
+
+
+class _FakePool:
+    """Workers whose tasks take `task[1]` seconds, end early once the stop event is set (as a
+    training run does at its next step), or never end (`stuck`)."""
+
+    def __init__(self, workers: int, stop, stuck: bool = False) -> None:
+        self.procs = list(range(workers))
+        self.busy: dict[int, tuple] = {}
+        self.started: dict[int, float] = {}
+        self.stop, self.stuck = stop, stuck
+        self.given: list[tuple] = []
+
+    def give(self, w: int, task: tuple) -> None:
+        self.busy[w], self.started[w] = task, time.monotonic()
+        self.given.append(task)
+
+    def take(self, timeout: float):
+        time.sleep(0.01)
+        for w, task in list(self.busy.items()):
+            done = time.monotonic() - self.started[w] >= task[1]
+            if not self.stuck and (done or self.stop.is_set()):
+                del self.busy[w]
+                return {"worker": w, "task": task, "status": "done" if done else "stopped"}
+        return None
+
+
+def test_the_time_budget_stops_handing_out_runs_and_ends_the_running_ones():
+    import threading
+
+    import bench_quality_run
+
+    stop, got = threading.Event(), []
+    pool = _FakePool(2, stop)
+    now = time.monotonic()
+    tasks = [("train", 0.2, i) for i in range(5)]
+    left = bench_quality_run._run_until(pool, tasks, now + 0.3, now + 5, stop, got.append)
+    assert stop.is_set() and [r["status"] for r in got] == ["done", "done", "stopped", "stopped"]
+    assert left == [tasks[4]] and len(pool.given) == 4  # the fifth was never started
+    assert time.monotonic() - now < 1.0
+
+    stop, got = threading.Event(), []
+    pool = _FakePool(2, stop, stuck=True)  # runs that ignore the stop: the hard limit returns them
+    now = time.monotonic()
+    left = bench_quality_run._run_until(pool, tasks, now + 0.2, now + 0.5, stop, got.append)
+    assert got == [] and left == [tasks[2], tasks[3], tasks[4], tasks[0], tasks[1]]
+    assert 0.5 <= time.monotonic() - now < 1.5

@@ -1,0 +1,142 @@
+"""bench/bench_quality_run.py on the README's tiny run (the session's `readme_run`). One
+invocation end to end (2 variants x 2 seeds in worker processes, the budget sized by calibration
+and capped at 32 samples a run): its results, table and figure; the all-layers and drop-top
+drafters differ in fc's input width; seeds differ; the run's own exports measure exactly as the
+run's evaluator measured them. In this process, with the bench's own pieces: the same seed
+reproduces the invocation's run point for point, and a stop (the time budget's, or a signal's)
+ends a run at a step boundary with a last measurement."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+import bench_quality_run  # noqa: E402
+import quality_data  # noqa: E402
+import quality_train  # noqa: E402
+import quality_variants  # noqa: E402
+
+from dflash_dist.config import load_config_dict  # noqa: E402
+
+BENCH = REPO / "bench" / "bench_quality_run.py"
+ARGS = "--variants default,drop_top --seeds 0,1 --samples auto --max-samples 32 --checkpoints 2 --eval-prompts 4 "
+ARGS += "--workers 2 --calibrate-steps 3 --device cpu"
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # as each of the bench's 2 workers on 2 cores
+
+
+@pytest.fixture(scope="module")
+def bench(readme_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("qbench") / "out"
+    cmd = [sys.executable, str(BENCH), "--run", str(readme_run.out), "--out", str(out), *ARGS.split()]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return readme_run.out, out, json.loads((out / "results.json").read_text())
+
+
+def _run(results: dict, variant: str, seed: int) -> dict:
+    (run,) = [r for r in results["runs"] if r.get("variant") == variant and r.get("seed") == seed]
+    return run
+
+
+def test_variants_seeds_points_and_table(bench):
+    run_dir, out, r = bench
+    assert r["version"] == 1 and r["run_dir"] == str(run_dir)
+    manifest = [json.loads(x) for x in (run_dir / "shards" / "manifest.jsonl").read_text().splitlines()]
+    assert r["data"]["samples"] == sum(m["n_samples"] for m in manifest) and r["data"]["kernel_path"] == "torch"
+    assert r["held_out"]["prompts"] == 4 and r["budgets"] == [8]
+    assert [v["name"] for v in r["variants"]] == ["default", "drop_top"]
+    b = r["budget"]
+    assert b["how"] == "auto" and len(b["calibration"]) == 2 and b["samples_fitting"] >= 32  # every worker timed
+    assert b["samples_per_run"] == 32 and b["marks"] == [16, 32]  # capped by --max-samples
+    assert len(r["runs"]) == 4 and {x["status"] for x in r["runs"]} == {"done"}
+    h, layers = r["target"]["hidden_size"], r["target"]["layer_ids"]
+    for seed in (0, 1):
+        full, top = _run(r, "default", seed), _run(r, "drop_top", seed)
+        assert full["fc_in_features"] == len(layers) * h and full["target_layer_ids"] == layers
+        assert top["fc_in_features"] == (len(layers) - 1) * h and top["target_layer_ids"] == layers[:-1]
+        for run in (full, top):
+            assert [p["samples"] for p in run["points"]] == [16, 32]
+            for p in run["points"]:
+                assert 1.0 <= p["tau_chain"] <= run["block_size"] and 1.0 <= p["tau_ddtree"]["8"] <= 9.0
+                assert p["gpu_s"] > 0 and p["loss"] > 0
+    a, b = _run(r, "default", 0)["points"], _run(r, "default", 1)["points"]
+    assert [p["loss"] for p in a] != [p["loss"] for p in b]  # another seed: another drafter
+    table = (out / "table.md").read_text()
+    assert "| default | 0,1 |" in table and "| drop_top | 0,1 |" in table
+    assert "- drop_top: chain " in table and "DDTree-8" in table
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:  # the bench extra is not installed: the figure is rendered later with --report
+        assert not (out / "quality_run.png").exists()
+    else:
+        assert (out / "quality_run.png").stat().st_size > 10_000
+
+
+def test_the_runs_own_exports_measure_as_its_evaluator_measured_them(bench):
+    """Same held-out prompts (the first 4 of the run's), same greedy continuations, same replay:
+    the bench's tau of every export equals the run's evaluator's over those prompts."""
+    run_dir, _, r = bench
+    assert r["product"] and all("tau_chain" in p.get("bench_eval", {}) for p in r["product"])
+    for p in r["product"]:
+        rounds = json.loads((run_dir / "eval" / "rounds" / f"step_{p['step']}.json").read_text())["replay"]
+        want = statistics.mean(statistics.mean(x) for x in rounds["chain"][:4])
+        assert p["bench_eval"]["tau_chain"] == pytest.approx(want, abs=1e-12)
+        want8 = statistics.mean(statistics.mean(x) for x in rounds["ddtree"]["8"][:4])
+        assert p["bench_eval"]["tau_ddtree"]["8"] == pytest.approx(want8, abs=1e-12)
+    assert [p["samples"] for p in r["product"]] == sorted(p["samples"] for p in r["product"])
+
+
+@pytest.fixture(scope="module")
+def here(bench):
+    """The bench's inputs built in this process as its main process builds them."""
+    run_dir, _, r = bench
+    inputs = quality_data.load_run(run_dir)
+    data, report = quality_data.load_train_set(inputs, torch.device("cpu"))
+    refs, _ = quality_data.held_out_references(inputs, 4, inputs.cfg.eval.max_new_tokens, 0, 64)
+    facts = quality_variants.Facts(inputs.cfg, data.layer_ids, report["median_supervised"], 128)
+    (default,) = quality_variants.resolve(
+        ["default"], inputs.config_path, Path(inputs.plan.target_dir), inputs.plan.drafter.mask_token_id, facts
+    )
+    sh = quality_train.Shared(data, refs, inputs.records, inputs.cfg.run.seed, inputs.plan.target_dir, "cpu", (8,),
+                              "capped", inputs.plan.expected.kernel_path, 64, threading.Event(), [0])  # fmt: skip
+    return sh, default, r
+
+
+def _spec(default, r: dict, seed: int) -> quality_train.RunSpec:
+    n = r["budget"]["samples_per_run"]
+    schedule = bench_quality_run._schedule(load_config_dict(default.cfg), n, "run", r["data"]["samples"])
+    return quality_train.RunSpec(default, seed, n, schedule, tuple(r["budget"]["marks"]))
+
+
+def test_a_seed_reproduces_the_invocations_run_point_for_point(here):
+    sh, default, r = here
+    again = quality_train.train_run(sh, _spec(default, r, 0), worker=0)
+    keys = ("samples", "step", "epoch", "loss", "lr", "tau_chain", "tau_ddtree", "rounds")
+    assert [{k: p[k] for k in keys} for p in again["points"]] == [
+        {k: p[k] for k in keys} for p in _run(r, "default", 0)["points"]
+    ]
+
+
+def test_a_stop_ends_the_run_at_a_step_boundary_with_a_last_measurement(here):
+    """What the time budget (or SIGINT/SIGTERM) does to a running run: the step in progress
+    finishes, tau is measured where it stopped, the run is marked stopped (the orchestration:
+    tests/test_bench_quality_parts.py)."""
+    sh, default, r = here
+    sh.stop.set()
+    try:
+        res = quality_train.train_run(sh, _spec(default, r, 0), worker=0)
+    finally:
+        sh.stop.clear()
+    assert res["status"] == "stopped" and res["steps"] == 1
+    assert [p["samples"] for p in res["points"]] == [res["samples"]] and res["samples"] < 32

@@ -125,6 +125,12 @@ def _args(argv):
     ap.add_argument("--gen-batch", type=int, default=64, help="held-out prompts per greedy-generation batch")
     ap.add_argument("--no-product", action="store_true", help="do not measure the run's own exports")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--precision",
+        choices=("auto", "bf16", "fp32"),
+        default="auto",
+        help="training precision; auto: the trainer's (bf16 with fp32 master weights on a GPU, fp32 on CPU)",
+    )
     ap.add_argument("--report", default=None, help="only render the table and figure of a results.json")
     args = ap.parse_args(argv)
     if args.report is None and args.run is None:
@@ -279,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     device = torch.device(args.device)
     workers = args.workers or (4 if device.type == "cuda" else 2)
+    precision = args.precision if args.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     threads = max(1, (os.cpu_count() or 2) // workers)
     inputs = load_run(args.run)
     cfg, plan = inputs.cfg, inputs.plan
@@ -342,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "workers": workers,
             "threads_per_worker": threads,
+            "precision": precision,
             "cpus": os.cpu_count(),
         },
         "target": {
@@ -391,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         args.max_walks,
         stop,
         ctx.Array("i", workers),
+        precision,
     )
     pool = Pool(shared, workers, threads, ctx)
 

@@ -78,6 +78,8 @@ class Shared:
     max_walks: int
     stop: Any  # multiprocessing Event: the time budget ran out
     active: Any  # multiprocessing Array('i', workers): 1 while that worker trains
+    # the trainer's precision: "bf16" (GPU ranks: bf16 compute, fp32 master weights) or "fp32" (CPU ranks)
+    precision: str = "fp32"
 
 
 # --- micro-batches ----------------------------------------------------------------------------
@@ -255,13 +257,14 @@ def train_run(sh: Shared, spec: RunSpec, worker: int) -> dict:
     t = cfg.train
     dev = torch.device(sh.device)
     on_gpu = dev.type == "cuda"
-    dtype = torch.bfloat16 if on_gpu else torch.float32  # the trainer's compute dtype
+    mixed = sh.precision == "bf16"
+    dtype = torch.bfloat16 if mixed else torch.float32  # the trainer's compute dtype
     torch.manual_seed(spec.seed)  # engine.build_engine: the drafter is built on the host after the seed
     master = DFlashDrafter(v.drafter, kernels=resolve_kernels(t.kernels, on_gpu))
     master.set_target_weights(*_embeddings(sh.target_dir))
     master.to(dev)
     work, pairs = master, []
-    if on_gpu:  # bf16 compute copy; fp32 master weights made from it (DeepSpeed's bf16 mode)
+    if mixed:  # bf16 compute copy; fp32 master weights made from it (DeepSpeed's bf16 mode)
         work = copy.deepcopy(master).to(torch.bfloat16)
         work.set_kernels(master.kernels)
         pairs = [(m, w) for m, w in zip(master.parameters(), work.parameters()) if m.requires_grad]
@@ -318,7 +321,7 @@ def train_run(sh: Shared, spec: RunSpec, worker: int) -> dict:
                 )
                 (loss / n_micro).backward()  # DeepSpeed divides by grad_accum and averages over ranks
                 step_loss += out.loss.detach().to(torch.float64)
-                if on_gpu:  # accumulate into the fp32 master gradients
+                if mixed:  # accumulate into the fp32 master gradients
                     for m, w in pairs:
                         if w.grad is not None:
                             m.grad = w.grad.float() if m.grad is None else m.grad.add_(w.grad)

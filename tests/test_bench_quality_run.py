@@ -140,3 +140,19 @@ def test_a_stop_ends_the_run_at_a_step_boundary_with_a_last_measurement(here):
         sh.stop.clear()
     assert res["status"] == "stopped" and res["steps"] == 1
     assert [p["samples"] for p in res["points"]] == [res["samples"]] and res["samples"] < 32
+
+
+def test_the_gpu_precision_trains_on_the_cpu_too(here):
+    """The GPU ranks' precision (bf16 compute, fp32 master weights, gradients accumulated in fp32)
+    run on the CPU: it trains, and close to the fp32 run."""
+    sh, default, r = here
+    sh.precision = "bf16"
+    try:
+        res = quality_train.train_run(sh, _spec(default, r, 0), worker=0)
+    finally:
+        sh.precision = "fp32"
+    assert res["status"] == "done" and res["dtype"] == "bfloat16"
+    fp32 = _run(r, "default", 0)["points"]
+    for p, q in zip(res["points"], fp32, strict=True):
+        assert p["samples"] == q["samples"] and p["loss"] == pytest.approx(q["loss"], rel=0.05)
+        assert p["lr"] == q["lr"]  # the schedule is the same

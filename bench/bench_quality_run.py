@@ -298,7 +298,13 @@ def main(argv: list[str] | None = None) -> int:
         / max(1, int(data.loss_mask.sum()))
     )
     data_report["window"] = {"window": args.window, "supervised_beyond_window": round(window_cut, 3)}
-    facts = Facts(cfg, tuple(data.layer_ids), data_report["median_supervised"], args.window)
+    facts = Facts(
+        cfg,
+        tuple(data.layer_ids),
+        data_report["median_supervised"],
+        args.window,
+        anchor_rules_agree=data_report["samples_with_inner_turn_ends"] == 0,
+    )
     names = args.variants.split(",") if args.variants else default_names()
     variants = resolve(
         names, inputs.config_path, Path(plan.target_dir), plan.drafter.mask_token_id, facts, tuple(args.set)

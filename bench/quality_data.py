@@ -155,7 +155,11 @@ def load_train_set(inputs: RunInputs, device: torch.device, threads: int = 4) ->
     if not keys:
         raise BenchInputError(f"{shards}: no usable sample")
     lengths = torch.tensor(offsets).diff()
-    supervised = torch.stack([mask[a:b].sum() for a, b in zip(offsets[:-1], offsets[1:])]).float()
+    spans = list(zip(offsets[:-1], offsets[1:]))
+    supervised = torch.stack([mask[a:b].sum() for a, b in spans]).float()
+    # samples with a supervised token followed by an unsupervised one before their end: only there do
+    # the anchor rules mask and mask_next (loss.sample_anchors) draw different anchors
+    turn_ends = sum(bool(((mask[a : b - 1] == 1) & (mask[a + 1 : b] == 0)).any()) for a, b in spans)
     report = {
         "samples": len(keys),
         "tokens": at,
@@ -164,6 +168,7 @@ def load_train_set(inputs: RunInputs, device: torch.device, threads: int = 4) ->
         "median_len": int(lengths.median()),
         "max_len": int(lengths.max()),
         "median_supervised": int(supervised.median()),
+        "samples_with_inner_turn_ends": turn_ends,
         "feature_dtype": prov.dtype,
         "feature_bytes": at * width * feats.element_size(),
         "kernel_path": prov.kernel_path,

@@ -17,7 +17,7 @@ and the `fp8_features` variant below then runs (until then it is listed as unava
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -38,6 +38,9 @@ class Facts:
     captured_layers: tuple[int, ...]
     median_supervised: int  # loss-masked tokens per sample (median): anchors beyond it change nothing
     window: int  # the sliding variant's window (--window)
+    # no sample has a supervised token followed by an unsupervised one before its end (single-turn
+    # chats whose response ends the sample): the anchor rules mask and mask_next draw the same anchors
+    anchor_rules_agree: bool = False
 
 
 @dataclass(frozen=True)
@@ -119,9 +122,11 @@ class Resolved:
     codec: str | None
     aliases: tuple[str, ...] = field(default=())
 
-    def key(self) -> tuple:
-        """What decides training: equal keys train identically."""
+    def key(self, facts: Facts) -> tuple:
+        """What decides training on this data: equal keys train identically."""
         train = {k: v for k, v in self.cfg["train"].items() if k not in ("checkpoint_every", "log_every")}
+        if facts.anchor_rules_agree:
+            train["anchor_rule"] = "mask"
         return (repr(sorted(train.items())), self.drafter, self.feature_layers, self.codec)
 
 
@@ -135,7 +140,7 @@ def resolve(
     names: list[str], config_path: Path, target_dir: Path, mask_token_id: int, facts: Facts, extra: tuple[str, ...] = ()
 ) -> list[Resolved]:
     """Each named variant's config (`extra` overrides apply to all, the default included), its
-    drafter, its feature columns; duplicates folded into aliases."""
+    drafter, its feature columns; variants that train identically on this data folded into aliases."""
     unknown = [n for n in names if n not in REGISTRY]
     if unknown:
         raise ValueError(f"unknown variants {unknown}; registered: {sorted(REGISTRY)}")
@@ -159,9 +164,9 @@ def resolve(
             )
         layers = tuple(facts.captured_layers.index(i) for i in drafter.target_layer_ids)
         r = Resolved(name, v.doc, overrides, cfg.to_dict(), drafter, layers, v.codec)
-        same = next((o for o in out if o.key() == r.key()), None)
+        same = next((o for o in out if o.key(facts) == r.key(facts)), None)
         if same is not None:
-            out[out.index(same)] = Resolved(**{**same.__dict__, "aliases": same.aliases + (name,)})
+            out[out.index(same)] = replace(same, aliases=same.aliases + (name,))
             continue
         out.append(r)
     return out

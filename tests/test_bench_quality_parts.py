@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from data_pipeline.records import Sample
 from data_pipeline.shard_reader import ShardStream, iter_shard_samples, read_manifest
 from data_pipeline.shard_writer import ShardWriter, mark_done
 from dflash_dist.config import load_config
+from dflash_dist.model.loss import sample_anchors
 from dflash_dist.trainer.batching import BatchLimit, group_micro_batches, make_micro_batch, with_positions
 from tests.test_shards import make_prov, make_sample
 
@@ -62,9 +64,23 @@ def _cfg(**train):
     )
 
 
+def test_the_anchor_rules_agree_where_no_response_ends_before_its_sample():
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])  # one response, to the sample's end
+    a = sample_anchors(mask, 3, torch.Generator().manual_seed(1), "mask")
+    b = sample_anchors(mask, 3, torch.Generator().manual_seed(1), "mask_next")
+    assert torch.equal(a.positions, b.positions) and torch.equal(a.keep, b.keep)
+    inner = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 1]])  # a turn ends inside: the rules differ
+    a = sample_anchors(inner, 8, torch.Generator().manual_seed(1), "mask")
+    b = sample_anchors(inner, 8, torch.Generator().manual_seed(1), "mask_next")
+    assert 2 in a.positions[a.keep].tolist() and 2 not in b.positions[b.keep].tolist()
+
+
 def test_train_set_holds_every_usable_sample_and_reports_the_rest(run_dir):
     data, report = load_train_set(_inputs(run_dir), torch.device("cpu"), threads=2)
     assert len(data) == 17 and "s-9" not in data.keys and report["nonfinite_skipped"] == ["s-9"]
+    turn_ends = sum(bool(((m[:-1] == 1) & (m[1:] == 0)).any()) for m in (data.loss_mask[a:b] for a, b in
+                    zip(data.offsets[:-1].tolist(), data.offsets[1:].tolist())))  # fmt: skip
+    assert report["samples_with_inner_turn_ends"] == turn_ends > 0  # random masks
     by_key = {
         s.key: s for rec in read_manifest(run_dir / "shards") for s in iter_shard_samples(run_dir / "shards" / rec.name)
     }
@@ -169,6 +185,11 @@ def test_variants_are_one_config_change_each(tmp_path):
         for section in ("train", "drafter"):
             changed = {k for k in r.cfg[section] if r.cfg[section][k] != d.cfg[section][k]}
             assert changed <= {o.split("=")[0].split(".")[1] for o in r.overrides if o.startswith(section)}, name
+    assert "mask_next" in got and "mask_next" not in d.aliases
+    # on data whose responses end their samples the two anchor rules draw the same anchors: one run
+    agree = quality_variants.resolve(["default", "mask_next"], config, target, 63,
+                                     replace(facts, anchor_rules_agree=True))  # fmt: skip
+    assert [r.name for r in agree] == ["default"] and agree[0].aliases == ("mask_next",)
     with pytest.raises(ValueError, match="fp8"):
         quality_variants.resolve(["default", "fp8_features"], config, target, 63, facts)
 

@@ -40,6 +40,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 from dataclasses import asdict
 from datetime import datetime, timezone
@@ -53,7 +54,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from quality_data import held_out_references, load_run, load_train_set, product_checkpoints  # noqa: E402
 from quality_report import plot, table  # noqa: E402
-from quality_train import RunSpec, Shared, worker_main  # noqa: E402
+from quality_train import RunSpec, Shared, run_task, worker_main  # noqa: E402
 from quality_variants import REGISTRY, Facts, available, default_names, resolve  # noqa: E402
 
 from data_pipeline.durable_files import write_text_atomic  # noqa: E402
@@ -104,7 +105,12 @@ def _args(argv):
     ap.add_argument(
         "--time-budget-s", type=float, default=480.0, help="wall time for everything, data loading included"
     )
-    ap.add_argument("--workers", type=int, default=None, help="training processes sharing the device (GPU 4, CPU 2)")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="training processes sharing the device (GPU 4, CPU 2); 0: every run in this process",
+    )
     ap.add_argument(
         "--eval-prompts", type=int, default=None, help="held-out prompts (default: the run's eval.num_prompts)"
     )
@@ -137,9 +143,10 @@ def _args(argv):
         ap.error("--run DIR is required (or --report RESULTS.json)")
     if args.samples != "auto" and not (args.samples.isdigit() and int(args.samples) > 0):
         ap.error(f"--samples {args.samples!r}: a positive number of samples, or auto")
+    if args.workers is not None and args.workers < 0:
+        ap.error(f"--workers must be >= 0, got {args.workers}")
     for name in (
         "checkpoints",
-        "workers",
         "eval_prompts",
         "eval_tokens",
         "max_samples",
@@ -169,6 +176,29 @@ def _args(argv):
 
 def _write(out: Path, results: dict) -> None:
     write_text_atomic(out / "results.json", json.dumps(results, indent=1) + "\n")
+
+
+class InlinePool:
+    """--workers 0: the tasks run one after another in this process (no worker processes, no
+    CUDA IPC); the same interface as Pool."""
+
+    def __init__(self, shared: Shared, threads: int) -> None:
+        self.shared, self.procs, self.busy = shared, [None], {}
+        torch.set_num_threads(threads)
+
+    def give(self, w: int, task: tuple) -> None:
+        self.busy[w] = task
+
+    def take(self, timeout: float) -> dict | None:
+        if not self.busy:
+            return None
+        w, task = next(iter(self.busy.items()))
+        res = run_task(self.shared, task, w)
+        del self.busy[w]
+        return res
+
+    def close(self, grace_s: float = 0.0) -> list[tuple]:
+        return []
 
 
 class Pool:
@@ -245,29 +275,34 @@ def _schedule(cfg, samples: int, mode: str, n_train: int) -> tuple[int, str]:
     return max(1, samples // (t.micro_batch_size * t.grad_accum * t.world_size)), "step"
 
 
-def _run_until(pool: Pool, tasks: list[tuple], soft: float, hard: float, stop, on_result) -> list[tuple]:
-    """Hand out `tasks` as workers free up; at `soft` the workers are told to stop (running runs
-    end with a last measurement, the rest are not started); at `hard` busy workers are killed.
-    Returns the tasks never finished."""
+def _run_until(pool, tasks: list[tuple], soft: float, hard: float, stop, on_result) -> list[tuple]:
+    """Hand out `tasks` as workers free up; at `soft` (a timer, so it also reaches a run in this
+    process) the runs are told to stop (running ones end with a last measurement, the rest are not
+    started); past `hard` busy workers are given up on. Returns the tasks never finished."""
     todo = list(tasks)
-    for w in range(len(pool.procs)):
-        if todo:
-            pool.give(w, todo.pop(0))
-    while pool.busy:
-        now = time.monotonic()
-        if now > soft and not stop.is_set():
+
+    def budget_spent() -> None:
+        if not stop.is_set():
             log.warning("time budget: stopping the runs in progress, %d queued ones are not run", len(todo))
             stop.set()
-        if now > hard:
-            break
-        res = pool.take(timeout=1.0)
-        if res is None:
-            continue
-        on_result(res)
-        if todo and not stop.is_set():
-            pool.give(res["worker"], todo.pop(0))
-    unfinished = todo + list(pool.busy.values())
-    return unfinished
+
+    timer = threading.Timer(max(0.0, soft - time.monotonic()), budget_spent)
+    timer.daemon = True
+    timer.start()
+    try:
+        for w in range(len(pool.procs)):
+            if todo:
+                pool.give(w, todo.pop(0))
+        while pool.busy and time.monotonic() < hard:
+            res = pool.take(timeout=1.0)
+            if res is None:
+                continue
+            on_result(res)
+            if todo and not stop.is_set():
+                pool.give(res["worker"], todo.pop(0))
+    finally:
+        timer.cancel()
+    return todo + list(pool.busy.values())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,9 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     soft = t0 + args.time_budget_s
     out = Path(args.out)
     device = torch.device(args.device)
-    workers = args.workers or (4 if device.type == "cuda" else 2)
+    workers = (4 if device.type == "cuda" else 2) if args.workers is None else args.workers
     precision = args.precision if args.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-    threads = max(1, (os.cpu_count() or 2) // workers)
+    slots = max(1, workers)  # runs at a time (--workers 0: one, in this process)
+    threads = max(1, (os.cpu_count() or 2) // slots)
     inputs = load_run(args.run)
     cfg, plan = inputs.cfg, inputs.plan
     data, data_report = load_train_set(inputs, device, threads=min(8, os.cpu_count() or 2))
@@ -404,10 +440,10 @@ def main(argv: list[str] | None = None) -> int:
         plan.expected.kernel_path,
         args.max_walks,
         stop,
-        ctx.Array("i", workers),
+        ctx.Array("i", slots),
         precision,
     )
-    pool = Pool(shared, workers, threads, ctx)
+    pool = Pool(shared, workers, threads, ctx) if workers else InlinePool(shared, threads)
 
     def on_signal(signum, _frame) -> None:  # Ctrl-C, or a scheduler's SIGTERM: stop as at the time budget
         if not stop.is_set():
@@ -443,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
             cals: list[dict] = []
             _run_until(
                 pool,
-                [("calibrate", cal)] * workers,
+                [("calibrate", cal)] * slots,
                 soft,
                 soft + 60,
                 stop,
@@ -455,8 +491,8 @@ def main(argv: list[str] | None = None) -> int:
             per_step = sum(c["samples_per_step"] for c in cals) / len(cals)
             eval_s = EVAL_SHRINK * max(c["eval_s"] for c in cals)
             reserve = _reserve(eval_s)  # the last measurements of runs the budget stops, and the report
-            left = soft - reserve - time.monotonic() - len(product) * eval_s / workers
-            per_run = left / math.ceil(runs / workers) - args.checkpoints * eval_s - max(c["warmup_s"] for c in cals)
+            left = soft - reserve - time.monotonic() - len(product) * eval_s / slots
+            per_run = left / math.ceil(runs / slots) - args.checkpoints * eval_s - max(c["warmup_s"] for c in cals)
             samples = int(0.9 * per_run / step_s * per_step)
             budget.update(
                 how="auto",

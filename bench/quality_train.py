@@ -472,20 +472,25 @@ def worker_main(worker: int, sh: Shared, tasks, results, threads: int) -> None:
             continue
         if task is None:
             return
-        kind, payload = task
-        head = {"kind": kind, "worker": worker}
-        try:
-            if kind == "train" and sh.stop.is_set():
-                res = {"variant": payload.variant.name, "seed": payload.seed, "status": "not_run"}
-            elif kind == "train":
-                res = train_run(sh, payload, worker)
-            elif kind == "calibrate":
-                res = calibrate(sh, payload, worker)
-            else:
-                res = product_point(sh, payload)
-        except Exception:
-            res = {"status": "failed", "error": traceback.format_exc()}
-            if kind in ("train", "calibrate"):
-                res.update(variant=payload.variant.name, seed=payload.seed)
-            log.error("%s failed:\n%s", kind, res["error"])
-        results.put({**head, **res})
+        results.put(run_task(sh, task, worker))
+
+
+def run_task(sh: Shared, task: tuple, worker: int) -> dict:
+    """One task's result record; an exception becomes a failed record with its traceback."""
+    kind, payload = task
+    head = {"kind": kind, "worker": worker}
+    try:
+        if kind == "train" and sh.stop.is_set():
+            res = {"variant": payload.variant.name, "seed": payload.seed, "status": "not_run"}
+        elif kind == "train":
+            res = train_run(sh, payload, worker)
+        elif kind == "calibrate":
+            res = calibrate(sh, payload, worker)
+        else:
+            res = product_point(sh, payload)
+    except Exception:
+        res = {"status": "failed", "error": traceback.format_exc()}
+        if kind in ("train", "calibrate"):
+            res.update(variant=payload.variant.name, seed=payload.seed)
+        log.error("%s failed:\n%s", kind, res["error"])
+    return {**head, **res}

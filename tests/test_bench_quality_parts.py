@@ -239,3 +239,23 @@ def test_the_time_budget_stops_handing_out_runs_and_ends_the_running_ones():
     left = bench_quality_run._run_until(pool, tasks, now + 0.2, now + 0.5, stop, got.append)
     assert got == [] and left == [tasks[2], tasks[3], tasks[4], tasks[0], tasks[1]]
     assert 0.5 <= time.monotonic() - now < 1.5
+
+
+def test_the_in_process_pool_runs_tasks_as_the_workers_do(tmp_path):
+    """--workers 0: the same task records as a worker's (not_run after a stop, a failure's traceback)."""
+    import threading
+    from types import SimpleNamespace
+
+    import bench_quality_run
+
+    stop = threading.Event()
+    sh = quality_train.Shared(None, [], (), 0, str(tmp_path), "cpu", (8,), "capped", "torch", 4, stop, [0])
+    pool = bench_quality_run.InlinePool(sh, threads=1)
+    spec = SimpleNamespace(variant=SimpleNamespace(name="v"), seed=3)
+    got, later = [], time.monotonic() + 60
+    bad = ("product", {"export": str(tmp_path / "nope"), "step": 5, "samples": 1})
+    assert bench_quality_run._run_until(pool, [bad], later, later, stop, got.append) == []
+    assert got[0]["kind"] == "product" and got[0]["status"] == "failed" and "safetensors" in got[0]["error"]
+    stop.set()  # the budget is spent: a run handed out now is not run, the ones after it not handed out
+    left = bench_quality_run._run_until(pool, [("train", spec), bad], later, later, stop, got.append)
+    assert got[1] == {"kind": "train", "worker": 0, "variant": "v", "seed": 3, "status": "not_run"} and left == [bad]

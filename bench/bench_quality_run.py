@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import queue
 import signal
@@ -52,6 +51,7 @@ import torch.multiprocessing as tmp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
+import quality_budget  # noqa: E402
 from quality_data import held_out_references, load_run, load_train_set, product_checkpoints  # noqa: E402
 from quality_report import plot, table  # noqa: E402
 from quality_train import RunSpec, Shared, run_task, worker_main  # noqa: E402
@@ -59,26 +59,9 @@ from quality_variants import REGISTRY, Facts, available, default_names, resolve 
 
 from data_pipeline.durable_files import write_text_atomic  # noqa: E402
 from dflash_dist.config import load_config_dict  # noqa: E402
-from dflash_dist.trainer.ds_config import schedule_span  # noqa: E402
 
 log = logging.getLogger("bench_quality_run")
-H200_BF16_TFLOPS = 790.0  # dense bf16 matmul rate measured on the H200 (../shared/SPEC.md section 6)
-ASSUMED_MFU = 0.25  # a small drafter's share of it (the estimate only; --samples auto measures)
-EVAL_SHRINK = 0.6  # a trained drafter needs fewer replay rounds than the untrained one calibration times
 RESULTS_VERSION = 1
-
-
-def cost_model(drafter, median_len: int, anchors: int) -> float:
-    """Training FLOP per sample by SPEC 6's cost model (forward + backward)."""
-    h, blk, n = drafter.hidden_size, drafter.block_size, drafter.num_hidden_layers
-    q, kv = drafter.num_attention_heads * drafter.head_dim, drafter.num_key_value_heads * drafter.head_dim
-    layer = h * q * 2 + h * kv * 2 + 3 * h * drafter.intermediate_size
-    tokens = anchors * blk
-    layers = 6 * layer * n * tokens
-    context = 6 * (drafter.num_context_layers * h * h + n * 2 * h * kv) * median_len
-    attention = 12 * tokens * (median_len / 2 + blk) * q * n
-    lm_head = 4 * h * drafter.vocab_size * anchors * (blk - 1)
-    return float(layers + context + attention + lm_head)
 
 
 def _args(argv):
@@ -266,15 +249,6 @@ def _names(kind: str, payload) -> dict:
     return {"step": payload["step"]}
 
 
-def _schedule(cfg, samples: int, mode: str, n_train: int) -> tuple[int, str]:
-    t = cfg.train
-    if mode == "product":
-        return schedule_span(cfg, t.world_size, cfg.data.max_train_samples or n_train)
-    if cfg.schedule_unit() == "sample":
-        return samples, "sample"
-    return max(1, samples // (t.micro_batch_size * t.grad_accum * t.world_size)), "step"
-
-
 def _run_until(pool, tasks: list[tuple], soft: float, hard: float, stop, on_result) -> list[tuple]:
     """Hand out `tasks` as workers free up; at `soft` (a timer, so it also reaches a run in this
     process) the runs are told to stop (running ones end with a last measurement, the rest are not
@@ -367,17 +341,14 @@ def main(argv: list[str] | None = None) -> int:
     trained = max((p["samples"] or 0 for p in product), default=0) or (cfg.train.epochs * len(data))
     max_samples = args.max_samples or trained
     probe = variants[0].drafter
-    flop = cost_model(probe, data_report["median_len"], min(cfg.train.num_anchors, data_report["median_supervised"]))
-    estimate = {
-        "tflop_per_sample": round(flop / 1e12, 4),
-        "assumed_tflops": H200_BF16_TFLOPS * ASSUMED_MFU,
-        "samples_per_s": round(H200_BF16_TFLOPS * ASSUMED_MFU * 1e12 / flop, 1),
-    }
+    estimate = quality_budget.estimate(
+        probe, data_report["median_len"], min(cfg.train.num_anchors, data_report["median_supervised"])
+    )
     log.info(
         "cost model: %.3f TFLOP per training sample; at %.0f%% of %.0f TFLOP/s: %.0f samples/s on the device",
         estimate["tflop_per_sample"],
-        ASSUMED_MFU * 100,
-        H200_BF16_TFLOPS,
+        quality_budget.ASSUMED_MFU * 100,
+        quality_budget.H200_BF16_TFLOPS,
         estimate["samples_per_s"],
     )
     results = {
@@ -472,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
                 first,
                 seeds[0],
                 10**12,
-                _schedule(vcfg, max_samples, "run", len(data)),
+                quality_budget.schedule(vcfg, max_samples, "run", len(data)),
                 (),
                 calibrate_steps=args.calibrate_steps,
             )
@@ -487,29 +458,21 @@ def main(argv: list[str] | None = None) -> int:
             )
             if not cals:
                 raise RuntimeError("calibration failed on every worker: see the log")
-            step_s = max(c["step_s"] for c in cals)
-            per_step = sum(c["samples_per_step"] for c in cals) / len(cals)
-            eval_s = EVAL_SHRINK * max(c["eval_s"] for c in cals)
-            reserve = _reserve(eval_s)  # the last measurements of runs the budget stops, and the report
-            left = soft - reserve - time.monotonic() - len(product) * eval_s / slots
-            per_run = left / math.ceil(runs / slots) - args.checkpoints * eval_s - max(c["warmup_s"] for c in cals)
-            samples = int(0.9 * per_run / step_s * per_step)
-            budget.update(
-                how="auto",
-                reserve_s=reserve,
-                calibration=cals,
-                step_s=step_s,
-                samples_per_step=per_step,
-                eval_s_estimate=eval_s,
-                samples_fitting=samples,
+            samples, fit = quality_budget.fit_samples(
+                cals,
+                soft - time.monotonic(),
+                runs,
+                slots,
+                args.checkpoints,
+                len(product),
+                max_samples,
+                cfg.schedule_unit() == "step",
             )
-            samples = max(int(2 * per_step), min(samples, max_samples))
-            if cfg.schedule_unit() == "step":  # count-based steps: a whole number of them
-                samples = max(int(per_step), samples // int(per_step) * int(per_step))
+            budget.update(how="auto", calibration=cals, **fit)
         else:
             samples = int(args.samples)
             budget["how"] = "fixed"
-        marks = tuple(sorted({max(1, round(samples * k / args.checkpoints)) for k in range(1, args.checkpoints + 1)}))
+        marks = quality_budget.marks(samples, args.checkpoints)
         budget.update(samples_per_run=samples, marks=list(marks), runs=runs)
         log.info(
             "budget: %d samples per run, tau at %s, %d runs on %d workers (%s)",
@@ -521,7 +484,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         results["budget"] = budget
         specs = [
-            RunSpec(v, s, samples, _schedule(load_config_dict(v.cfg), samples, args.schedule, len(data)), marks)
+            RunSpec(
+                v,
+                s,
+                samples,
+                quality_budget.schedule(load_config_dict(v.cfg), samples, args.schedule, len(data)),
+                marks,
+            )
             for s in seeds
             for v in variants
         ]  # seed-major: a budget cut still leaves every comparison
@@ -544,7 +513,12 @@ def main(argv: list[str] | None = None) -> int:
             _write(out, results)
 
         left_over = _run_until(
-            pool, tasks, soft - _reserve(results["budget"].get("eval_s_estimate", 5.0)), soft + 45, stop, on_result
+            pool,
+            tasks,
+            soft - quality_budget.reserve_s(results["budget"].get("eval_s_estimate", 5.0)),
+            soft + 45,
+            stop,
+            on_result,
         )
         for kind, payload in left_over:
             if kind == "train":
@@ -566,11 +540,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     log.info("total %.0f s", results["seconds"])
     return 1 if failed else 0
-
-
-def _reserve(eval_s: float) -> float:
-    """Seconds kept at the end for the last measurements of runs stopped by the budget and the report."""
-    return max(10.0, 1.5 * eval_s)
 
 
 if __name__ == "__main__":

@@ -259,3 +259,20 @@ def test_the_in_process_pool_runs_tasks_as_the_workers_do(tmp_path):
     stop.set()  # the budget is spent: a run handed out now is not run, the ones after it not handed out
     left = bench_quality_run._run_until(pool, [("train", spec), bad], later, later, stop, got.append)
     assert got[1] == {"kind": "train", "worker": 0, "variant": "v", "seed": 3, "status": "not_run"} and left == [bad]
+
+
+def test_the_budget_fits_every_run_in_the_time_left():
+    import quality_budget
+
+    cals = [{"step_s": 0.5, "samples_per_step": 8.0, "warmup_s": 20.0, "eval_s": 10.0},
+            {"step_s": 0.4, "samples_per_step": 8.0, "warmup_s": 5.0, "eval_s": 6.0}]  # fmt: skip
+    n, info = quality_budget.fit_samples(cals, 1000.0, runs=9, slots=4, checkpoints=4, products=2, max_samples=10**6,
+                                         whole_steps=True)  # fmt: skip
+    # the slowest worker counts: eval 0.6 x 10 s, 10 s kept back, 2 product measurements on 4 slots,
+    # 3 rounds of runs per slot, 4 measurements and a compile each
+    per_run = (1000 - 10 - 2 * 6 / 4) / 3 - 4 * 6 - 20
+    assert info["per_run_s"] == pytest.approx(per_run) and info["step_s"] == 0.5
+    assert n == int(0.9 * per_run / 0.5 * 8) // 8 * 8 and n % 8 == 0
+    assert quality_budget.fit_samples(cals, 1000.0, 9, 4, 4, 2, 100, True)[0] == 96  # capped, whole steps
+    assert quality_budget.fit_samples(cals, 10.0, 9, 4, 4, 2, 100, False)[0] == 16  # no time: two steps
+    assert quality_budget.marks(100, 4) == (25, 50, 75, 100) and quality_budget.marks(3, 4) == (1, 2, 3)

@@ -21,7 +21,7 @@ import torch
 from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
-import bench_quality_run  # noqa: E402
+import quality_budget  # noqa: E402
 import quality_data  # noqa: E402
 import quality_train  # noqa: E402
 import quality_variants  # noqa: E402
@@ -115,7 +115,7 @@ def here(bench):
 
 def _spec(default, r: dict, seed: int) -> quality_train.RunSpec:
     n = r["budget"]["samples_per_run"]
-    schedule = bench_quality_run._schedule(load_config_dict(default.cfg), n, "run", r["data"]["samples"])
+    schedule = quality_budget.schedule(load_config_dict(default.cfg), n, "run", r["data"]["samples"])
     return quality_train.RunSpec(default, seed, n, schedule, tuple(r["budget"]["marks"]))
 
 

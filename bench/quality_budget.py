@@ -1,0 +1,86 @@
+"""The quality bench's budget: the a-priori estimate (SPEC 6's cost model), the per-run sample
+count that fits the time left once calibration has measured a step and a tau measurement on
+every worker at once, the checkpoints, and the LR schedule of a run."""
+
+from __future__ import annotations
+
+import math
+
+from dflash_dist.trainer.ds_config import schedule_span
+
+H200_BF16_TFLOPS = 790.0  # dense bf16 matmul rate measured on the H200 (../shared/SPEC.md section 6)
+ASSUMED_MFU = 0.25  # a small drafter's share of it (the estimate only; --samples auto measures)
+EVAL_SHRINK = 0.6  # a trained drafter needs fewer replay rounds than the untrained one calibration times
+MARGIN = 0.9  # of the fitting samples, for what the model leaves out (new shapes compiling, Python)
+
+
+def cost_model(drafter, median_len: int, anchors: int) -> float:
+    """Training FLOP per sample by SPEC 6's cost model (forward + backward)."""
+    h, blk, n = drafter.hidden_size, drafter.block_size, drafter.num_hidden_layers
+    q, kv = drafter.num_attention_heads * drafter.head_dim, drafter.num_key_value_heads * drafter.head_dim
+    layer = h * q * 2 + h * kv * 2 + 3 * h * drafter.intermediate_size
+    tokens = anchors * blk
+    layers = 6 * layer * n * tokens
+    context = 6 * (drafter.num_context_layers * h * h + n * 2 * h * kv) * median_len
+    attention = 12 * tokens * (median_len / 2 + blk) * q * n
+    lm_head = 4 * h * drafter.vocab_size * anchors * (blk - 1)
+    return float(layers + context + attention + lm_head)
+
+
+def estimate(drafter, median_len: int, anchors: int) -> dict:
+    flop = cost_model(drafter, median_len, anchors)
+    rate = H200_BF16_TFLOPS * ASSUMED_MFU
+    return {"tflop_per_sample": round(flop / 1e12, 4), "assumed_tflops": rate,
+            "samples_per_s": round(rate * 1e12 / flop, 1)}  # fmt: skip
+
+
+def reserve_s(eval_s: float) -> float:
+    """Seconds kept at the end for the last measurements of runs the budget stops, and the report."""
+    return max(10.0, 1.5 * eval_s)
+
+
+def fit_samples(
+    cals: list[dict],
+    left_s: float,
+    runs: int,
+    slots: int,
+    checkpoints: int,
+    products: int,
+    max_samples: int,
+    whole_steps: bool,
+) -> tuple[int, dict]:
+    """Samples per run so that `runs` runs, `slots` at a time, each with `checkpoints` tau
+    measurements, plus `products` measurements of the product's exports, fit `left_s` seconds:
+    from the calibration records (each worker's median step time under the same sharing, its
+    samples per step, its compile time, one tau measurement of an untrained drafter). The slowest
+    worker's figures count. Capped at `max_samples`, at least two steps; `whole_steps`: a multiple
+    of the samples per step (count-based micro-batches)."""
+    step_s = max(c["step_s"] for c in cals)
+    per_step = sum(c["samples_per_step"] for c in cals) / len(cals)
+    eval_s = EVAL_SHRINK * max(c["eval_s"] for c in cals)
+    left = left_s - reserve_s(eval_s) - products * eval_s / slots
+    per_run = left / math.ceil(runs / slots) - checkpoints * eval_s - max(c["warmup_s"] for c in cals)
+    fitting = int(MARGIN * per_run / step_s * per_step)
+    samples = max(int(2 * per_step), min(fitting, max_samples))
+    if whole_steps:
+        samples = max(int(per_step), samples // int(per_step) * int(per_step))
+    info = {"step_s": step_s, "samples_per_step": per_step, "eval_s_estimate": eval_s, "reserve_s": reserve_s(eval_s),
+            "per_run_s": per_run, "samples_fitting": fitting}  # fmt: skip
+    return samples, info
+
+
+def marks(samples: int, checkpoints: int) -> tuple[int, ...]:
+    """Sample counts at which a run's tau is measured: `checkpoints` evenly spaced, the last at the end."""
+    return tuple(sorted({max(1, round(samples * k / checkpoints)) for k in range(1, checkpoints + 1)}))
+
+
+def schedule(cfg, samples: int, mode: str, n_train: int) -> tuple[int, str]:
+    """The LR schedule (length, unit) of a run of `samples`: "run" spans the run itself (samples,
+    or its optimizer steps when micro-batches are counted), "product" is the product run's own
+    (ds_config.schedule_span over its data), cut where the bench stops."""
+    t = cfg.train
+    if mode == "product":
+        return schedule_span(cfg, t.world_size, cfg.data.max_train_samples or n_train)
+    if cfg.schedule_unit() == "sample":
+        return samples, "sample"
+    return max(1, samples // (t.micro_batch_size * t.grad_accum * t.world_size)), "step"

@@ -54,7 +54,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import quality_budget  # noqa: E402
 from quality_data import held_out_references, load_run, load_train_set, product_checkpoints  # noqa: E402
 from quality_report import plot, table  # noqa: E402
-from quality_train import RunSpec, Shared, run_task, worker_main  # noqa: E402
+from quality_train import RunSpec, Shared, run_task, steps_to, worker_main  # noqa: E402
 from quality_variants import REGISTRY, Facts, available, default_names, resolve  # noqa: E402
 
 from data_pipeline.durable_files import write_text_atomic  # noqa: E402
@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
                 first,
                 seeds[0],
                 10**12,
-                quality_budget.schedule(vcfg, max_samples, "run", len(data)),
+                quality_budget.schedule(vcfg, max_samples, max_samples, "run", len(data)),  # only its LR matters
                 (),
                 calibrate_steps=args.calibrate_steps,
             )
@@ -466,13 +466,19 @@ def main(argv: list[str] | None = None) -> int:
                 args.checkpoints,
                 len(product),
                 max_samples,
-                cfg.schedule_unit() == "step",
+                cfg.pack_tokens() is None and cfg.train.micro_batch_tokens is None,  # count-based steps
             )
             budget.update(how="auto", calibration=cals, **fit)
         else:
             samples = int(args.samples)
             budget["how"] = "fixed"
         marks = quality_budget.marks(samples, args.checkpoints)
+
+        def _schedule(v, n: int) -> tuple[int, str]:
+            vcfg = load_config_dict(v.cfg)
+            steps = steps_to(data, inputs.records, cfg.run.seed, vcfg, n)
+            return quality_budget.schedule(vcfg, n, steps, args.schedule, len(data))
+
         budget.update(samples_per_run=samples, marks=list(marks), runs=runs)
         log.info(
             "budget: %d samples per run, tau at %s, %d runs on %d workers (%s)",
@@ -488,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
                 v,
                 s,
                 samples,
-                quality_budget.schedule(load_config_dict(v.cfg), samples, args.schedule, len(data)),
+                _schedule(v, samples),
                 marks,
             )
             for s in seeds

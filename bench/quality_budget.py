@@ -74,13 +74,14 @@ def marks(samples: int, checkpoints: int) -> tuple[int, ...]:
     return tuple(sorted({max(1, round(samples * k / checkpoints)) for k in range(1, checkpoints + 1)}))
 
 
-def schedule(cfg, samples: int, mode: str, n_train: int) -> tuple[int, str]:
-    """The LR schedule (length, unit) of a run of `samples`: "run" spans the run itself (samples,
-    or its optimizer steps when micro-batches are counted), "product" is the product run's own
-    (ds_config.schedule_span over its data), cut where the bench stops."""
-    t = cfg.train
+def schedule(cfg, samples: int, steps: int, mode: str, n_train: int) -> tuple[int, str]:
+    """The LR schedule (length, unit) of a run that sees `samples` samples in `steps` optimizer
+    steps: "run" spans the run itself (in samples when the trainer counts samples, else in steps:
+    count-based micro-batches, or a packed run whose train.max_steps fixes the schedule in steps),
+    "product" is the product run's own (ds_config.schedule_span over its data), cut where the
+    bench stops."""
     if mode == "product":
-        return schedule_span(cfg, t.world_size, cfg.data.max_train_samples or n_train)
+        return schedule_span(cfg, cfg.train.world_size, cfg.data.max_train_samples or n_train)
     if cfg.schedule_unit() == "sample":
         return samples, "sample"
-    return max(1, samples // (t.micro_batch_size * t.grad_accum * t.world_size)), "step"
+    return steps, "step"

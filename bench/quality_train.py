@@ -30,6 +30,7 @@ import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -83,6 +84,28 @@ class Shared:
 
 
 # --- micro-batches ----------------------------------------------------------------------------
+
+
+def steps_to(data: TrainSet, records: tuple[ShardRecord, ...], order_seed: int, cfg, samples: int) -> int:
+    """Optimizer steps a run of `cfg` takes to see `samples` samples: micro_batches' grouping (the
+    trainer's) over the sample lengths alone, so packed steps of varying sample counts are exact."""
+    t = cfg.train
+    pack = cfg.pack_tokens()
+    limit = BatchLimit(t.micro_batch_size, pack or t.micro_batch_tokens, pack is not None)
+    n_micro = t.grad_accum * t.world_size
+    seen = micro = in_step = steps = epoch = 0
+    while True:
+        order = epoch_order(records, data.keys, epoch, order_seed, t.shuffle)
+        lengths = ((SimpleNamespace(num_tokens=data.length(i)), {}) for i in order)
+        for group, _, complete in group_micro_batches(lengths, limit):
+            if not complete:
+                break
+            micro, in_step = micro + 1, in_step + len(group)
+            if micro % n_micro == 0:
+                steps, seen, in_step = steps + 1, seen + in_step, 0
+                if seen >= samples:
+                    return steps
+        epoch += 1
 
 
 def micro_batches(sh: Shared, cfg, seed: int, dtype: torch.dtype) -> Iterator[tuple[int, MicroBatch, list[int]]]:

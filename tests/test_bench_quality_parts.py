@@ -190,6 +190,10 @@ def test_variants_are_one_config_change_each(tmp_path):
     agree = quality_variants.resolve(["default", "mask_next"], config, target, 63,
                                      replace(facts, anchor_rules_agree=True))  # fmt: skip
     assert [r.name for r in agree] == ["default"] and agree[0].aliases == ("mask_next",)
+    # ...and SpecForge's recipe (gamma 7 = block 16's default) is then step_slots'
+    agree = quality_variants.resolve(["default", "step_slots", "peer_specforge"], config, target, 63,
+                                     replace(facts, anchor_rules_agree=True))  # fmt: skip
+    assert [(r.name, r.aliases) for r in agree] == [("default", ()), ("step_slots", ("peer_specforge",))]
     with pytest.raises(ValueError, match="fp8"):
         quality_variants.resolve(["default", "fp8_features"], config, target, 63, facts)
 
@@ -276,3 +280,22 @@ def test_the_budget_fits_every_run_in_the_time_left():
     assert quality_budget.fit_samples(cals, 1000.0, 9, 4, 4, 2, 100, True)[0] == 96  # capped, whole steps
     assert quality_budget.fit_samples(cals, 10.0, 9, 4, 4, 2, 100, False)[0] == 16  # no time: two steps
     assert quality_budget.marks(100, 4) == (25, 50, 75, 100) and quality_budget.marks(3, 4) == (1, 2, 3)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_steps_to_counts_the_runs_own_steps(run_dir, packing):
+    """The LR schedule of a run in steps needs its step count before it starts: steps_to counts
+    micro_batches' grouping (packed steps hold varying sample counts)."""
+    cfg = _cfg(micro_batch_size=3, num_anchors=4, packing=packing, micro_batch_tokens=48 if packing else None,
+               grad_accum=2)  # fmt: skip
+    data, _ = load_train_set(_inputs(run_dir), torch.device("cpu"))
+    sh = quality_train.Shared(data, [], _inputs(run_dir).records, 3, "", "cpu", (8,), "capped", "torch", 4, None, None)
+    stream = quality_train.micro_batches(sh, cfg, seed=0, dtype=torch.float32)
+    seen, steps, counts = 0, 0, {}
+    while seen < 60:  # past the first epoch (17 samples)
+        seen += sum(len(next(stream)[1].keys) for _ in range(2))
+        steps += 1
+        counts[seen] = steps
+    for target, want in [(1, 1), *[(s, n) for s, n in counts.items()], (seen - 1, steps)]:
+        got = quality_train.steps_to(data, _inputs(run_dir).records, 3, cfg, target)
+        assert got == min(n for s, n in counts.items() if s >= target) and (target != seen - 1 or got == want)

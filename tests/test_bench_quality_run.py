@@ -113,15 +113,18 @@ def here(bench):
     return sh, default, r
 
 
-def _spec(default, r: dict, seed: int) -> quality_train.RunSpec:
-    n = r["budget"]["samples_per_run"]
-    schedule = quality_budget.schedule(load_config_dict(default.cfg), n, "run", r["data"]["samples"])
+def _spec(sh, default, r: dict, seed: int) -> quality_train.RunSpec:
+    n, cfg = r["budget"]["samples_per_run"], load_config_dict(default.cfg)
+    steps = quality_train.steps_to(sh.data, sh.records, sh.order_seed, cfg, n)
+    schedule = quality_budget.schedule(cfg, n, steps, "run", r["data"]["samples"])
     return quality_train.RunSpec(default, seed, n, schedule, tuple(r["budget"]["marks"]))
 
 
 def test_a_seed_reproduces_the_invocations_run_point_for_point(here):
     sh, default, r = here
-    again = quality_train.train_run(sh, _spec(default, r, 0), worker=0)
+    spec = _spec(sh, default, r, 0)
+    again = quality_train.train_run(sh, spec, worker=0)
+    assert again["steps"] == spec.schedule[0]  # tiny.yaml counts steps: steps_to is the run's own count
     keys = ("samples", "step", "epoch", "loss", "lr", "tau_chain", "tau_ddtree", "rounds")
     assert [{k: p[k] for k in keys} for p in again["points"]] == [
         {k: p[k] for k in keys} for p in _run(r, "default", 0)["points"]
@@ -135,7 +138,7 @@ def test_a_stop_ends_the_run_at_a_step_boundary_with_a_last_measurement(here):
     sh, default, r = here
     sh.stop.set()
     try:
-        res = quality_train.train_run(sh, _spec(default, r, 0), worker=0)
+        res = quality_train.train_run(sh, _spec(sh, default, r, 0), worker=0)
     finally:
         sh.stop.clear()
     assert res["status"] == "stopped" and res["steps"] == 1
@@ -148,7 +151,7 @@ def test_the_gpu_precision_trains_on_the_cpu_too(here):
     sh, default, r = here
     sh.precision = "bf16"
     try:
-        res = quality_train.train_run(sh, _spec(default, r, 0), worker=0)
+        res = quality_train.train_run(sh, _spec(sh, default, r, 0), worker=0)
     finally:
         sh.precision = "fp32"
     assert res["status"] == "done" and res["dtype"] == "bfloat16"

@@ -332,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         inputs,
         args.eval_prompts or cfg.eval.num_prompts,
         args.eval_tokens or cfg.eval.max_new_tokens,
+        cfg.eval.count,
         extra,
         args.gen_batch,
     )
@@ -413,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         stop,
         ctx.Array("i", slots),
         precision,
+        tuple(ref_info["stop_ids"]),
     )
     pool = Pool(shared, workers, threads, ctx) if workers else InlinePool(shared, threads)
 

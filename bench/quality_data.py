@@ -125,7 +125,7 @@ def load_train_set(inputs: RunInputs, device: torch.device, threads: int = 4) ->
     t0 = time.monotonic()
 
     def read(record: ShardRecord):
-        samples = list(iter_shard_samples(shards / record.name))
+        samples = list(iter_shard_samples(shards / record.name, record=record))
         if [s.key for s in samples] != list(record.keys):
             raise BenchInputError(
                 f"{shards / record.name}: its samples are not the manifest's keys; the shard "
@@ -213,12 +213,14 @@ def epoch_order(
 
 
 def held_out_references(
-    inputs: RunInputs, num_prompts: int, max_new_tokens: int, extra_tokens: int, batch: int
+    inputs: RunInputs, num_prompts: int, max_new_tokens: int, count: str, extra_tokens: int, batch: int
 ) -> tuple[list[HeldOut], dict]:
-    """The evaluator's references (Evaluator.references) for the run's held-out prompts, generated
-    `batch` prompts at a time: the target loaded as the evaluator loads it, its kernel path and
-    provenance checked against the run plan, greedy continuations (`extra_tokens` more past each
-    end for uncapped counting, eval.count), features of prompt + continuation."""
+    """The evaluator's references (Evaluator.references, then `_usable` and `_counted` for
+    `count`) for the run's held-out prompts, generated `batch` prompts at a time: the target loaded
+    as the evaluator loads it, its kernel path and provenance checked against the run plan, greedy
+    continuations (`extra_tokens` more past each end for uncapped counting), features of prompt +
+    continuation; capped counting keeps the prompts whose continuation has 2+ tokens. The info
+    holds the stop tokens (uncapped replay stops after the round that drafts one)."""
     cfg, plan = inputs.cfg, inputs.plan
     t0 = time.monotonic()
     eval_jsonl = Path(plan.data.eval_jsonl) if plan.data and plan.data.eval_jsonl else ingested_paths(cfg, "eval")[0]
@@ -234,7 +236,7 @@ def held_out_references(
         )
     model, tokenizer = load_target(cfg, target_dir)
     check_kernel_path(model, cfg.target.allow_torch_gdn_on_cuda)
-    prov = provenance_for(ident, model, template_hash(tokenizer, cfg.data.enable_thinking))
+    prov = provenance_for(ident, model, template_hash(tokenizer, cfg.data.enable_thinking), cfg.capture.feature_dtype)
     check_compatible(plan.expected, prov, f"the bench's target {target_dir} as loaded here")
     prompts = eval_prompt_ids(eval_jsonl, tokenizer, num_prompts, cfg.data.enable_thinking)
     if len(prompts) < num_prompts:
@@ -253,7 +255,7 @@ def held_out_references(
             else [[] for _ in heads]
         )
         for prompt, head, tail in zip(group, heads, tails):
-            if len(head) - len(prompt) < 2:  # the first token comes from the prompt itself: no drafting round
+            if count == "capped" and len(head) - len(prompt) < 2:  # the first token comes from the prompt: no round
                 continue
             cap = capture_features(
                 model,
@@ -276,6 +278,8 @@ def held_out_references(
         "max_new_tokens": max_new_tokens,
         "continuation_tokens": sum(r.end - r.prompt_len for r in refs),
         "kernel_path": prov.kernel_path,
+        "count": count,
+        "stop_ids": list(stops),
         "device": str(dev),
         "seconds": round(time.monotonic() - t0, 1),
     }

@@ -19,6 +19,7 @@ counts with evaluator/batched_replay.py over the shared held-out references.
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import math
 import os
@@ -81,36 +82,36 @@ class Shared:
     active: Any  # multiprocessing Array('i', workers): 1 while that worker trains
     # the trainer's precision: "bf16" (GPU ranks: bf16 compute, fp32 master weights) or "fp32" (CPU ranks)
     precision: str = "fp32"
+    stop_ids: tuple[int, ...] = ()  # the target's stop tokens (uncapped replay stops after a round drafting one)
 
 
 # --- micro-batches ----------------------------------------------------------------------------
 
 
 def steps_to(data: TrainSet, records: tuple[ShardRecord, ...], order_seed: int, cfg, samples: int) -> int:
-    """Optimizer steps a run of `cfg` takes to see `samples` samples: micro_batches' grouping (the
-    trainer's) over the sample lengths alone, so packed steps of varying sample counts are exact."""
+    """Optimizer steps a run of `cfg` takes to see `samples` samples: `steps`' grouping (the
+    trainer's) over the sample lengths alone, so packed steps of varying sample counts and each
+    epoch's short last step are counted exactly."""
     t = cfg.train
     pack = cfg.pack_tokens()
     limit = BatchLimit(t.micro_batch_size, pack or t.micro_batch_tokens, pack is not None)
     n_micro = t.grad_accum * t.world_size
-    seen = micro = in_step = steps = epoch = 0
+    seen = n_steps = epoch = 0
     while True:
         order = epoch_order(records, data.keys, epoch, order_seed, t.shuffle)
         lengths = ((SimpleNamespace(num_tokens=data.length(i)), {}) for i in order)
-        for group, _, complete in group_micro_batches(lengths, limit):
-            if not complete:
-                break
-            micro, in_step = micro + 1, in_step + len(group)
-            if micro % n_micro == 0:
-                steps, seen, in_step = steps + 1, seen + in_step, 0
-                if seen >= samples:
-                    return steps
+        sizes = [len(group) for group, _, _ in group_micro_batches(lengths, limit, keep_short=True)]
+        for lo in range(0, len(sizes), n_micro):
+            n_steps, seen = n_steps + 1, seen + sum(sizes[lo : lo + n_micro])
+            if seen >= samples:
+                return n_steps
         epoch += 1
 
 
 def micro_batches(sh: Shared, cfg, seed: int, dtype: torch.dtype) -> Iterator[tuple[int, MicroBatch, list[int]]]:
     """(epoch, host micro-batch without features, its sample indices), epoch after epoch, as the
-    product trainer forms them at world size 1; an epoch's count-based remainder is dropped."""
+    product trainer forms them at world size 1: every sample of an epoch is trained, its last
+    count-based micro-batch kept even when short (trainer/step_source.py)."""
     t = cfg.train
     pack = cfg.pack_tokens()
     limit = BatchLimit(t.micro_batch_size, pack or t.micro_batch_tokens, pack is not None)
@@ -135,9 +136,7 @@ def micro_batches(sh: Shared, cfg, seed: int, dtype: torch.dtype) -> Iterator[tu
                     {},
                 )
 
-        for samples, _, complete in group_micro_batches(pairs(), limit):
-            if not complete:
-                break
+        for samples, _, _ in group_micro_batches(pairs(), limit, keep_short=True):
             mb = make_micro_batch(
                 samples,
                 {},
@@ -150,6 +149,22 @@ def micro_batches(sh: Shared, cfg, seed: int, dtype: torch.dtype) -> Iterator[tu
             )
             yield epoch, mb, [index[s.key] for s in samples]
         epoch += 1
+
+
+def steps(sh: Shared, cfg, seed: int, dtype: torch.dtype) -> Iterator[tuple[int, list[tuple[MicroBatch, list[int]]]]]:
+    """(epoch, its micro-batches) per optimizer step: grad_accum x world_size micro-batches (every
+    rank's slots, here from the one world-size-1 stream), a step never spanning two epochs: an
+    epoch's last step is short (step_source.py hands it out with empty slots)."""
+    n_micro = cfg.train.grad_accum * cfg.train.world_size
+    for epoch, items in itertools.groupby(micro_batches(sh, cfg, seed, dtype), key=lambda x: x[0]):
+        chunk: list[tuple[MicroBatch, list[int]]] = []
+        for _, mb, idx in items:
+            chunk.append((mb, idx))
+            if len(chunk) == n_micro:
+                yield epoch, chunk
+                chunk = []
+        if chunk:
+            yield epoch, chunk
 
 
 def batch_features(
@@ -177,7 +192,7 @@ def batch_features(
     rows = torch.cat([torch.arange(a, b) for a, b in spans]).to(dev)
     real = feats.index_select(0, rows)
     if codec is not None:
-        real = FEATURE_CODECS[codec](real)
+        real = FEATURE_CODECS[codec](real, len(layers))
     real = real.to(dtype)
     b, s_len = mb.input_ids.shape
     out = torch.zeros(b, s_len, real.shape[1], dtype=dtype, device=dev)
@@ -259,7 +274,7 @@ def _tau(sh: Shared, drafter: DFlashDrafter, layers: tuple[int, ...] | None = No
     drafter.set_kernels("torch")
     drafter.eval()
     try:
-        m = measure_replay_batched(drafter, refs, sh.budgets, sh.count, sh.kernel_path, sh.max_walks)
+        m = measure_replay_batched(drafter, refs, sh.budgets, sh.count, sh.kernel_path, sh.stop_ids, sh.max_walks)
     finally:
         drafter.set_kernels(kernels)
         drafter.train()
@@ -300,7 +315,7 @@ def train_run(sh: Shared, spec: RunSpec, worker: int) -> dict:
     n_micro = t.grad_accum * t.world_size  # one optimizer step = every rank's accumulated micro-batches
     gamma = v.drafter.loss_decay_gamma if t.gamma is None else t.gamma
     packed = cfg.pack_tokens() is not None
-    stream = micro_batches(sh, cfg, spec.seed, dtype)
+    stream = steps(sh, cfg, spec.seed, dtype)
     clock = _Clock(sh, worker)
     points: list[dict] = []
     losses: list[torch.Tensor] = []
@@ -314,8 +329,11 @@ def train_run(sh: Shared, spec: RunSpec, worker: int) -> dict:
             if _orphaned():
                 raise SystemExit(f"worker {worker}: the bench's main process is gone")
             t0 = time.monotonic()
-            gathered = [next(stream) for _ in range(n_micro)]
-            batches = [mb for _, mb, _ in gathered]
+            epoch, gathered = next(stream)  # n_micro micro-batches, fewer at an epoch's end
+            batches = [mb for mb, _ in gathered]
+            # the gradient is the mean over the step's real micro-batches (loop.Trainer.train_step scales
+            # a short step's losses); step_slots' denominators already sum the step's slot weights
+            divide = n_micro if t.loss_norm == "step_slots" else len(batches)
             denominator = None
             if t.loss_norm == "step_slots":  # trainer/loop.py Trainer._loss_denominators at world size 1
                 total = sum(
@@ -328,7 +346,7 @@ def train_run(sh: Shared, spec: RunSpec, worker: int) -> dict:
                 )
                 denominator = torch.tensor(max(total, 1e-6) / n_micro, dtype=torch.float32, device=dev)
             step_loss = torch.zeros((), dtype=torch.float64, device=dev)
-            for _, mb, idx in gathered:
+            for mb, idx in gathered:
                 feats = batch_features(sh.data, idx, mb, packed, v.feature_layers, v.codec, dtype)
                 b = mb.to(dev)
                 loss, out = module(
@@ -342,7 +360,7 @@ def train_run(sh: Shared, spec: RunSpec, worker: int) -> dict:
                     b.anchors.starts,
                     b.anchors.ends,
                 )
-                (loss / n_micro).backward()  # DeepSpeed divides by grad_accum and averages over ranks
+                (loss / divide).backward()  # DeepSpeed divides by grad_accum and averages over ranks
                 step_loss += out.loss.detach().to(torch.float64)
                 if mixed:  # accumulate into the fp32 master gradients
                     for m, w in pairs:
@@ -361,7 +379,7 @@ def train_run(sh: Shared, spec: RunSpec, worker: int) -> dict:
                 w.data.copy_(m.data)
             seen += samples
             step += 1
-            losses.append(step_loss)  # device scalars: read at the next measurement
+            losses.append(step_loss / len(batches))  # the step's mean loss (train_log.jsonl's); read when measured
             if spec.calibrate_steps:
                 _sync(dev)
             clock.add(time.monotonic() - t0)
@@ -372,13 +390,13 @@ def train_run(sh: Shared, spec: RunSpec, worker: int) -> dict:
                 clock.training(False)
                 tau, dt = _tau(sh, work, v.feature_layers)
                 eval_s += dt
-                window = torch.stack(losses).sum().item() / (len(losses) * n_micro)
+                window = torch.stack(losses).mean().item()
                 losses = []
                 points.append(
                     {
                         "samples": seen,
                         "step": step,
-                        "epoch": gathered[-1][0],
+                        "epoch": epoch,
                         "loss": window,
                         "lr": optimizer.param_groups[0]["lr"],
                         "train_s": clock.train_s(),

@@ -7,11 +7,10 @@ one `register(...)` line.
 block, micro-batching/packing and epochs. A variant whose resolved config equals an earlier
 one's (block16 when the run's block is 16) is not trained twice: it is listed as that one's alias.
 
-Feature codecs: a variant may train on the captured features passed through a codec (the shard
-encoding's round trip; evaluation stays on the target's own features, as serving). The fp8 round
-trip registers here once data_pipeline has it:
-    FEATURE_CODECS["fp8"] = <the shard fp8 encode+decode round trip, [T, k*H] -> [T, k*H]>
-and the `fp8_features` variant below then runs (until then it is listed as unavailable).
+Feature codecs: a variant may train on the captured features passed through a codec, e.g. the
+shard encoding's round trip (`fp8_features`: capture.feature_dtype fp8, data_pipeline/
+feature_codec.py); evaluation stays on the target's own features, as serving does. A codec is
+one line in FEATURE_CODECS: name -> (rows [N, k*H], k) -> rows, applied on the device.
 """
 
 from __future__ import annotations
@@ -22,12 +21,13 @@ from pathlib import Path
 
 import torch
 
+from data_pipeline.feature_codec import round_trip_fp8
 from dflash_dist.config import Config, load_config
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.target.loading import drafter_config_for
 
-# codec name -> round trip of one batch of feature rows ([N, k*H] -> [N, k*H], same dtype)
-FEATURE_CODECS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+# codec name -> round trip of feature rows ([N, k*H], k layers) -> [N, k*H] in the same dtype
+FEATURE_CODECS: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {"fp8": round_trip_fp8}
 
 
 @dataclass(frozen=True)

@@ -81,3 +81,18 @@ def fp8_error_bound(features: torch.Tensor, layers: int) -> torch.Tensor:
     e = torch.from_numpy(encode_fp8(features, layers)).reshape(t, layers, -1)[..., 0].contiguous()
     s = _pow2(e.view(torch.int8).to(torch.int32))[..., None]
     return torch.maximum(x.abs() / 16, s / 1024).reshape(t, width)
+
+
+def round_trip_fp8(features: torch.Tensor, layers: int) -> torch.Tensor:
+    """decode_fp8(encode_fp8(features)) computed on the features' own device (the quality bench
+    trains a variant on fp8-stored features without a trip through the host): the same exponent
+    choice and e4m3fn rounding, the result in the input's dtype."""
+    t, width = features.shape
+    if width % layers:
+        raise ValueError(f"features width {width} is not a multiple of the {layers} captured layers")
+    x = features.to(torch.float32).reshape(t, layers, width // layers)
+    amax = x.abs().amax(-1)
+    e = torch.ceil(torch.log2(amax / E4M3_MAX)).nan_to_num(0.0, posinf=0.0, neginf=0.0).clamp(_E_MIN, _E_MAX)
+    e = (e + (amax * _pow2(-e) > E4M3_MAX)).clamp(_E_MIN, _E_MAX)
+    q = (x * _pow2(-e)[..., None]).to(torch.float8_e4m3fn).to(torch.float32)
+    return (q * _pow2(e)[..., None]).reshape(t, width).to(features.dtype)

@@ -12,7 +12,7 @@ import torch
 from dflash_dist.evaluator.batched_replay import BatchingDrafter, _Request, measure_replay_batched
 from dflash_dist.evaluator.measure import HeldOut, measure_replay
 from dflash_dist.model.capture import capture_features
-from dflash_dist.model.replay import greedy_continuation
+from dflash_dist.target.generation import greedy_continuation
 from dflash_dist.tools.demo import DemoConfig, drafter_for, make_data, tiny_qwen35_target, train
 from tests.test_drafter import small_drafter
 
@@ -43,8 +43,9 @@ def trained_refs():
 @pytest.mark.parametrize("count", ["capped", "uncapped"])
 def test_batched_rounds_equal_sequential(trained_refs, count):
     drafter, refs = trained_refs
-    one = measure_replay(drafter, refs, (4, 8), count, "torch")
-    many = measure_replay_batched(drafter, refs, (4, 8), count, "torch", max_walks=3)  # 3 groups, the last of 1
+    stops = (int(refs[2].sequence[refs[2].end - 1]),)  # a token the continuations hold: uncapped stops after it
+    one = measure_replay(drafter, refs, (4, 8), count, "torch", stops)
+    many = measure_replay_batched(drafter, refs, (4, 8), count, "torch", stops, max_walks=3)  # 3 groups, the last of 1
     assert many.chain_rounds == one.chain_rounds
     assert many.tree_rounds == one.tree_rounds
     assert many.result.tau_chain == one.result.tau_chain and many.result.tau_chain > 1.3  # a drafter that drafts

@@ -115,9 +115,7 @@ def test_micro_batches_are_the_trainers(run_dir, packing):
     limit = BatchLimit(3, pack, pack is not None)
     for epoch in range(2):
         stream = with_positions(ShardStream(run_dir / "shards", PROV, 0, 1, epoch=epoch, seed=3, shuffle=True))
-        for samples, _, complete in group_micro_batches(stream, limit):
-            if not complete:
-                break
+        for samples, _, _ in group_micro_batches(stream, limit, keep_short=True):  # as step_source's feeder
             want = make_micro_batch(
                 samples, {}, dtype=torch.float32, num_anchors=4, seed=11, epoch=epoch, pack_tokens=pack
             )
@@ -137,7 +135,7 @@ def test_micro_batches_are_the_trainers(run_dir, packing):
 
 
 def test_a_codec_changes_only_the_real_rows(run_dir, monkeypatch):
-    monkeypatch.setitem(quality_variants.FEATURE_CODECS, "x2", lambda t: t * 2 + 1)
+    monkeypatch.setitem(quality_variants.FEATURE_CODECS, "x2", lambda t, k: t * 2 + 1)
     data, _ = load_train_set(_inputs(run_dir), torch.device("cpu"))
     cfg = _cfg(micro_batch_size=3, num_anchors=4, packing=False)
     sh = quality_train.Shared(data, [], _inputs(run_dir).records, 0, "", "cpu", (8,), "capped", "torch", 4, None, None)
@@ -151,7 +149,7 @@ def test_a_codec_changes_only_the_real_rows(run_dir, monkeypatch):
     assert torch.equal(coded[real], (plain[real].to(torch.bfloat16) * 2 + 1).float()) and not coded[~real].any()
 
 
-def test_variants_are_one_config_change_each(tmp_path):
+def test_variants_are_one_config_change_each(tmp_path, monkeypatch):
     """Each registered variant resolves to the run's config with its change only; duplicates fold
     into aliases; a codec not registered yet is refused by name."""
     target = tmp_path / "target"
@@ -168,7 +166,6 @@ def test_variants_are_one_config_change_each(tmp_path):
     base = load_config(config, check_files=False)
     facts = quality_variants.Facts(base, (1, 3, 5), median_supervised=40, window=32)
     names = [n for n in quality_variants.default_names()]
-    assert "fp8_features" not in names  # until its codec is registered
     got = {r.name: r for r in quality_variants.resolve(names, config, target, 63, facts)}
     d = got["default"]
     assert d.drafter.target_layer_ids == (1, 3, 5) and d.feature_layers == (0, 1, 2)
@@ -194,8 +191,13 @@ def test_variants_are_one_config_change_each(tmp_path):
     agree = quality_variants.resolve(["default", "step_slots", "peer_specforge"], config, target, 63,
                                      replace(facts, anchor_rules_agree=True))  # fmt: skip
     assert [(r.name, r.aliases) for r in agree] == [("default", ()), ("step_slots", ("peer_specforge",))]
-    with pytest.raises(ValueError, match="fp8"):
-        quality_variants.resolve(["default", "fp8_features"], config, target, 63, facts)
+    fp8 = got["fp8_features"]  # the same training but for the stored features' encoding
+    assert fp8.codec == "fp8" and fp8.drafter == d.drafter and fp8.cfg["train"] == d.cfg["train"]
+    odd = quality_variants.Variant("odd", "a codec nobody registered", lambda f: {}, codec="nope")
+    monkeypatch.setitem(quality_variants.REGISTRY, "odd", odd)
+    assert "odd" not in quality_variants.default_names()
+    with pytest.raises(ValueError, match="nope"):
+        quality_variants.resolve(["default", "odd"], config, target, 63, facts)
 
 
 class _FakePool:
@@ -285,17 +287,42 @@ def test_the_budget_fits_every_run_in_the_time_left():
 @pytest.mark.parametrize("packing", [False, True])
 def test_steps_to_counts_the_runs_own_steps(run_dir, packing):
     """The LR schedule of a run in steps needs its step count before it starts: steps_to counts
-    micro_batches' grouping (packed steps hold varying sample counts)."""
+    `steps`' grouping (packed steps hold varying sample counts; an epoch's last step is short and
+    never spans two epochs, as trainer/step_source.py hands it out)."""
     cfg = _cfg(micro_batch_size=3, num_anchors=4, packing=packing, micro_batch_tokens=48 if packing else None,
                grad_accum=2)  # fmt: skip
     data, _ = load_train_set(_inputs(run_dir), torch.device("cpu"))
     sh = quality_train.Shared(data, [], _inputs(run_dir).records, 3, "", "cpu", (8,), "capped", "torch", 4, None, None)
-    stream = quality_train.micro_batches(sh, cfg, seed=0, dtype=torch.float32)
-    seen, steps, counts = 0, 0, {}
-    while seen < 60:  # past the first epoch (17 samples)
-        seen += sum(len(next(stream)[1].keys) for _ in range(2))
-        steps += 1
-        counts[seen] = steps
-    for target, want in [(1, 1), *[(s, n) for s, n in counts.items()], (seen - 1, steps)]:
+    stream = quality_train.steps(sh, cfg, seed=0, dtype=torch.float32)
+    seen, n_steps, counts, epochs = 0, 0, {}, []
+    while seen < 60:  # past three epochs of 17 samples
+        epoch, chunk = next(stream)
+        assert 1 <= len(chunk) <= 2
+        epochs.append(epoch)
+        seen += sum(len(mb.keys) for mb, _ in chunk)
+        n_steps += 1
+        counts[seen] = n_steps
+        if epoch == 0:
+            assert seen <= 17  # the first epoch's steps hold only its samples
+    assert 17 in counts and 34 in counts  # every epoch ends with a step of its own (short if need be)
+    assert epochs == sorted(epochs)
+    for target in [1, *counts, seen - 1]:
         got = quality_train.steps_to(data, _inputs(run_dir).records, 3, cfg, target)
-        assert got == min(n for s, n in counts.items() if s >= target) and (target != seen - 1 or got == want)
+        assert got == min(n for s, n in counts.items() if s >= target)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_fp8_round_trip_on_the_device_is_the_shard_encodings(dtype):
+    """fp8_features trains on round_trip_fp8's features: bit for bit what a shard stored with
+    capture.feature_dtype fp8 decodes to (encode_fp8 then decode_fp8), zero rows and the large
+    values of a few tokens included."""
+    from data_pipeline.feature_codec import decode_fp8, encode_fp8, round_trip_fp8
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 3 * 16, generator=g) * torch.logspace(-3, 3, 40)[:, None]
+    x[5] = 0.0
+    x[7, :16] *= 1e4  # one layer of one token far larger than the rest
+    x = x.to(dtype)
+    want = decode_fp8(encode_fp8(x, 3), list(x.shape), dtype, 3)
+    got = round_trip_fp8(x, 3)
+    assert got.dtype == dtype and torch.equal(got, want) and not torch.equal(got, x)

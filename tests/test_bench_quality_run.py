@@ -103,13 +103,14 @@ def here(bench):
     run_dir, _, r = bench
     inputs = quality_data.load_run(run_dir)
     data, report = quality_data.load_train_set(inputs, torch.device("cpu"))
-    refs, _ = quality_data.held_out_references(inputs, 4, inputs.cfg.eval.max_new_tokens, 0, 64)
+    refs, info = quality_data.held_out_references(inputs, 4, inputs.cfg.eval.max_new_tokens, "capped", 0, 64)
     facts = quality_variants.Facts(inputs.cfg, data.layer_ids, report["median_supervised"], 128)
     (default,) = quality_variants.resolve(
         ["default"], inputs.config_path, Path(inputs.plan.target_dir), inputs.plan.drafter.mask_token_id, facts
     )
     sh = quality_train.Shared(data, refs, inputs.records, inputs.cfg.run.seed, inputs.plan.target_dir, "cpu", (8,),
-                              "capped", inputs.plan.expected.kernel_path, 64, threading.Event(), [0])  # fmt: skip
+                              "capped", inputs.plan.expected.kernel_path, 64, threading.Event(), [0], "fp32",
+                              tuple(info["stop_ids"]))  # fmt: skip
     return sh, default, r
 
 

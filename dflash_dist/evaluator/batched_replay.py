@@ -124,6 +124,7 @@ def measure_replay_batched(
     budgets: tuple[int, ...],
     count: str,
     kernel_path: str,
+    stop_ids: tuple[int, ...] = (),
     max_walks: int = 64,
 ) -> Measured:
     """measure_replay's result (same rounds, same aggregation) with up to `max_walks` prompts'
@@ -142,7 +143,14 @@ def measure_replay_batched(
             ref = refs[i]
             try:
                 chain, per_budget = replay_sequence(
-                    proxy, list(ref.sequence), ref.features, ref.prompt_len, budgets, end=ref.end, count=count
+                    proxy,
+                    list(ref.sequence),
+                    ref.features,
+                    ref.prompt_len,
+                    budgets,
+                    end=ref.end,
+                    count=count,
+                    stop_ids=stop_ids,
                 )
                 chains[i] = chain
                 for b in budgets:

@@ -125,7 +125,8 @@ def test_a_seed_reproduces_the_invocations_run_point_for_point(here):
     sh, default, r = here
     spec = _spec(sh, default, r, 0)
     again = quality_train.train_run(sh, spec, worker=0)
-    assert again["steps"] == spec.schedule[0]  # tiny.yaml counts steps: steps_to is the run's own count
+    cfg = load_config_dict(default.cfg)
+    assert again["steps"] == quality_train.steps_to(sh.data, sh.records, sh.order_seed, cfg, spec.samples)
     keys = ("samples", "step", "epoch", "loss", "lr", "tau_chain", "tau_ddtree", "rounds")
     assert [{k: p[k] for k in keys} for p in again["points"]] == [
         {k: p[k] for k in keys} for p in _run(r, "default", 0)["points"]

@@ -528,8 +528,9 @@ def main(argv: list[str] | None = None) -> int:
             stop,
             on_result,
         )
+        running = list(pool.busy.values())  # past the hard limit: close() ends them and records them killed
         for kind, payload in left_over:
-            if kind == "train":
+            if kind == "train" and (kind, payload) not in running:
                 results["runs"].append({"kind": kind, "status": "not_run", **_names(kind, payload)})
     finally:
         for kind, payload in pool.close():

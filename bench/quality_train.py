@@ -391,6 +391,8 @@ def train_run(sh: Shared, spec: RunSpec, worker: int) -> dict:
                 tau, dt = _tau(sh, work, v.feature_layers)
                 eval_s += dt
                 window = torch.stack(losses).mean().item()
+                if not math.isfinite(window):  # as the trainer fails a run whose logged loss is not finite
+                    raise FloatingPointError(f"{v.name} seed {spec.seed}: non-finite loss {window} by step {step}")
                 losses = []
                 points.append(
                     {

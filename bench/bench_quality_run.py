@@ -33,6 +33,7 @@ the machine), OUT/table.md (the markdown table), and the figure (--png; needs ma
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -54,7 +55,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import quality_budget  # noqa: E402
 from quality_data import held_out_references, load_run, load_train_set, product_checkpoints  # noqa: E402
 from quality_report import plot, table  # noqa: E402
-from quality_train import RunSpec, Shared, run_task, steps_to, worker_main  # noqa: E402
+from quality_train import RunSpec, Shared, run_task, steps, steps_to, worker_main  # noqa: E402
 from quality_variants import REGISTRY, Facts, available, default_names, resolve  # noqa: E402
 
 from data_pipeline.durable_files import write_text_atomic  # noqa: E402
@@ -341,10 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     product = [] if args.no_product else product_checkpoints(inputs.run_dir)
     trained = max((p["samples"] or 0 for p in product), default=0) or (cfg.train.epochs * len(data))
     max_samples = args.max_samples or trained
-    probe = variants[0].drafter
-    estimate = quality_budget.estimate(
-        probe, data_report["median_len"], min(cfg.train.num_anchors, data_report["median_supervised"])
-    )
+    probe = Shared(data, [], inputs.records, cfg.run.seed, plan.target_dir, "cpu", budgets, cfg.eval.count, "", 1,
+                   None, None)  # fmt: skip
+    first_steps = [mb for _, chunk in itertools.islice(steps(probe, load_config_dict(variants[0].cfg), seeds[0],
+                                                            torch.float32), 4) for mb, _ in chunk]  # fmt: skip
+    estimate = quality_budget.estimate(variants[0].drafter, first_steps)
     log.info(
         "cost model: %.3f TFLOP per training sample; at %.0f%% of %.0f TFLOP/s: %.0f samples/s on the device",
         estimate["tflop_per_sample"],
@@ -478,8 +480,8 @@ def main(argv: list[str] | None = None) -> int:
 
         def _schedule(v, n: int) -> tuple[int, str]:
             vcfg = load_config_dict(v.cfg)
-            steps = steps_to(data, inputs.records, cfg.run.seed, vcfg, n)
-            return quality_budget.schedule(vcfg, n, steps, args.schedule, len(data))
+            n_steps = steps_to(data, inputs.records, cfg.run.seed, vcfg, n)
+            return quality_budget.schedule(vcfg, n, n_steps, args.schedule, len(data))
 
         budget.update(samples_per_run=samples, marks=list(marks), runs=runs)
         log.info(

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+from bench_train_step import model_flops
+
 from dflash_dist.trainer.ds_config import schedule_span
 
 H200_BF16_TFLOPS = 790.0  # dense bf16 matmul rate measured on the H200 (../shared/SPEC.md section 6)
@@ -14,24 +16,17 @@ EVAL_SHRINK = 0.6  # a trained drafter needs fewer replay rounds than the untrai
 MARGIN = 0.9  # of the fitting samples, for what the model leaves out (new shapes compiling, Python)
 
 
-def cost_model(drafter, median_len: int, anchors: int) -> float:
-    """Training FLOP per sample by SPEC 6's cost model (forward + backward)."""
-    h, blk, n = drafter.hidden_size, drafter.block_size, drafter.num_hidden_layers
-    q, kv = drafter.num_attention_heads * drafter.head_dim, drafter.num_key_value_heads * drafter.head_dim
-    layer = h * q * 2 + h * kv * 2 + 3 * h * drafter.intermediate_size
-    tokens = anchors * blk
-    layers = 6 * layer * n * tokens
-    context = 6 * (drafter.num_context_layers * h * h + n * 2 * h * kv) * median_len
-    attention = 12 * tokens * (median_len / 2 + blk) * q * n
-    lm_head = 4 * h * drafter.vocab_size * anchors * (blk - 1)
-    return float(layers + context + attention + lm_head)
-
-
-def estimate(drafter, median_len: int, anchors: int) -> dict:
-    flop = cost_model(drafter, median_len, anchors)
+def estimate(drafter, batches: list) -> dict:
+    """The a-priori rate: SPEC 6's cost model (bench_train_step.model_flops) over real micro-batches
+    of the run (their anchors as drawn, packed rows' real tokens), per sample, at ASSUMED_MFU of the
+    H200's bf16 rate."""
+    flop = sum(model_flops(drafter, mb.input_ids.shape[1], mb.input_ids, mb.loss_mask, mb.anchors, mb.num_tokens)
+               for mb in batches)  # fmt: skip
+    samples = sum(len(mb.keys) for mb in batches)
     rate = H200_BF16_TFLOPS * ASSUMED_MFU
-    return {"tflop_per_sample": round(flop / 1e12, 4), "assumed_tflops": rate,
-            "samples_per_s": round(rate * 1e12 / flop, 1)}  # fmt: skip
+    per_sample = flop / max(1, samples)
+    return {"tflop_per_sample": round(per_sample / 1e12, 4), "assumed_tflops": rate,
+            "samples_per_s": round(rate * 1e12 / per_sample, 1) if per_sample else None}  # fmt: skip
 
 
 def reserve_s(eval_s: float) -> float:

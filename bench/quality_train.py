@@ -372,6 +372,7 @@ def train_run(sh: Shared, spec: RunSpec, worker: int) -> dict:
             samples = sum(len(b.keys) for b in batches)
             if spec.schedule[1] == "sample":
                 schedule.lr_lambdas[0].done += samples  # loop.Trainer._advance_schedule
+            lr = optimizer.param_groups[0]["lr"]  # the LR this step uses (train_log.jsonl's)
             optimizer.step()
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
@@ -400,7 +401,7 @@ def train_run(sh: Shared, spec: RunSpec, worker: int) -> dict:
                         "step": step,
                         "epoch": epoch,
                         "loss": window,
-                        "lr": optimizer.param_groups[0]["lr"],
+                        "lr": lr,
                         "train_s": clock.train_s(),
                         "gpu_s": clock.gpu_s(),
                         "eval_s": dt,

@@ -4,11 +4,14 @@ and capped at 32 samples a run): its results, table and figure; the all-layers a
 drafters differ in fc's input width; seeds differ; the run's own exports measure exactly as the
 run's evaluator measured them. In this process, with the bench's own pieces: the same seed
 reproduces the invocation's run point for point, and a stop (the time budget's, or a signal's)
-ends a run at a step boundary with a last measurement."""
+ends a run at a step boundary with a last measurement. And on a one-rank product run (the mid
+config at CPU size), the bench's default variant makes the product trainer's steps, loss and LR
+step for step."""
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -161,3 +164,50 @@ def test_the_gpu_precision_trains_on_the_cpu_too(here):
     for p, q in zip(res["points"], fp32, strict=True):
         assert p["samples"] == q["samples"] and p["loss"] == pytest.approx(q["loss"], rel=0.05)
         assert p["lr"] == q["lr"]  # the schedule is the same
+
+
+# ---- the bench's default trains as the product trains ----------------------------------------------
+
+SOLO = [  # configs/mid_gpu.yaml at CPU size (tests/test_mid_config.py), one rank, packed rows, 12 steps
+    "data.max_train_samples=48", "data.max_length=1024", "capture.max_new_tokens=24", "eval.mode=replay",
+    "eval.num_prompts=4", "train.packing=true", "train.micro_batch_tokens=2048", "train.max_steps=12",
+    "train.checkpoint_every=4",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def solo_run(tmp_path_factory) -> Path:
+    """The product path on one DeepSpeed rank (the bench emulates one rank exactly): the mid config
+    at CPU size on the test-size code_lm target, packed rows, the LR schedule over train.max_steps."""
+    from dflash_dist.target.code_target import build_code_target
+    from tests.test_mid_config import CONFIG, CPU_SIZE
+
+    root = tmp_path_factory.mktemp("solo")
+    target = build_code_target(root / "target", "test", log=lambda _: None)
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "run", str(CONFIG), "--out", str(root / "run"),
+                           f"target.path={target}", *CPU_SIZE, *SOLO], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return root / "run"
+
+
+def test_the_default_variant_is_the_products_training(solo_run, tmp_path):
+    """At the run's seed and sample count the bench's default variant (no DeepSpeed) makes the
+    product trainer's steps: the same samples per step, LR and loss at every step (its
+    train_log.jsonl), on a packed, max_steps-scheduled run of the code_lm target."""
+    steps = [json.loads(line) for line in (solo_run / "train_log.jsonl").read_text().splitlines()]
+    n = steps[-1]["samples"]
+    assert len(steps) == 12 and n > 12  # packed rows: more than one sample a step
+    out = tmp_path / "bench"
+    cmd = [sys.executable, str(BENCH), "--run", str(solo_run), "--out", str(out), "--device", "cpu", "--variants",
+           "default", "--seeds", "0", "--samples", str(n), "--checkpoints", str(n), "--workers", "0"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    assert run["status"] == "done" and run["steps"] == 12
+    got = [(p["step"], p["samples"], p["lr"], p["loss"]) for p in run["points"]]  # a point after every step
+    want = [(s["step"], s["samples"], s["lr"], s["loss"]) for s in steps]
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    for g, w in zip(got, want):
+        assert g[2] == pytest.approx(w[2], rel=1e-9) and g[3] == pytest.approx(w[3], rel=1e-5), (g, w)

@@ -14,7 +14,7 @@ from dflash_dist.evaluator.measure import HeldOut, measure_replay
 from dflash_dist.model.capture import capture_features
 from dflash_dist.target.generation import greedy_continuation
 from dflash_dist.tools.demo import DemoConfig, drafter_for, make_data, tiny_qwen35_target, train
-from tests.test_drafter import small_drafter
+from tests.helpers.drafter import small_drafter
 
 DEMO = replace(DemoConfig(), target_layers=4, k=2, num_prompts=7, prompt_len=12, new_tokens=24, steps=60)
 

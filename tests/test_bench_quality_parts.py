@@ -19,7 +19,7 @@ from data_pipeline.shard_writer import ShardWriter, mark_done
 from dflash_dist.config import load_config
 from dflash_dist.model.loss import sample_anchors
 from dflash_dist.trainer.batching import BatchLimit, group_micro_batches, make_micro_batch, with_positions
-from tests.test_shards import make_prov, make_sample
+from tests.helpers.shards import make_prov, make_sample
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import quality_train  # noqa: E402

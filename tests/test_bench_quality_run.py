@@ -180,12 +180,12 @@ def solo_run(tmp_path_factory) -> Path:
     """The product path on one DeepSpeed rank (the bench emulates one rank exactly): the mid config
     at CPU size on the test-size code_lm target, packed rows, the LR schedule over train.max_steps."""
     from dflash_dist.target.code_target import build_code_target
-    from tests.test_mid_config import CONFIG, CPU_SIZE
+    from tests.helpers.mid import CPU_SIZE, MID_CONFIG
 
     root = tmp_path_factory.mktemp("solo")
     target = build_code_target(root / "target", "test", log=lambda _: None)
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "run", str(CONFIG), "--out", str(root / "run"),
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "run", str(MID_CONFIG), "--out", str(root / "run"),
                            f"target.path={target}", *CPU_SIZE, *SOLO], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=900)  # fmt: skip
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

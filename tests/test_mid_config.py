@@ -25,6 +25,7 @@ from dflash_dist.target.lm_config import text_config
 from dflash_dist.target.loading import drafter_config_for
 from dflash_dist.target.stdlib_corpus import split_of
 from tests.conftest import REPO
+from tests.helpers.mid import CPU_SIZE
 
 CONFIG = REPO / "configs" / "mid_gpu.yaml"
 
@@ -53,21 +54,7 @@ def test_mid_gpu_loads_and_its_drafter_is_the_scaled_z_lab_shape(tmp_path: Path)
     assert exports == [200, 400, 600, 800] and live == [200, 800]
 
 
-# ---- the whole product path at CPU size ------------------------------------------------------------
-
-CPU_SIZE = [
-    "target.preset=test", "target.device=cpu", "target.dtype=float32",
-    "data.max_train_samples=16",
-    "capture.layer_ids=[1,2]", "capture.max_new_tokens=16", "capture.batch_size=8", "capture.sort_window=64",
-    "capture.token_budget=4096", "capture.shard_bytes=2000000", "capture.writers=0", "capture.cpus_per_actor=0.5",
-    "capture.gpus_per_actor=0",
-    "drafter.num_layers=1", "drafter.num_heads=2", "drafter.num_kv_heads=1", "drafter.head_dim=16",
-    "drafter.block_size=4",
-    "train.gpus_per_rank=0", "train.cpus_per_rank=0.5", "train.micro_batch_size=4", "train.micro_batch_tokens=null",
-    "train.max_steps=8", "train.checkpoint_every=2", "train.num_anchors=8", "train.log_every=2",
-    "eval.num_prompts=3", "eval.max_new_tokens=12", "eval.num_gpus=0", "eval.num_cpus=0.5",
-    "ray.num_cpus=2",
-]  # fmt: skip
+# ---- the whole product path at CPU size (tests/helpers/mid.py's CPU_SIZE) -----------------------------
 
 
 @pytest.mark.slow

@@ -172,6 +172,7 @@ SOLO = [  # configs/mid_gpu.yaml at CPU size (tests/test_mid_config.py), one ran
     "data.max_train_samples=48", "data.max_length=1024", "capture.max_new_tokens=24", "eval.mode=replay",
     "eval.num_prompts=4", "train.packing=true", "train.micro_batch_tokens=2048", "train.max_steps=12",
     "train.checkpoint_every=4",
+    "ray.address=local",  # a cluster of its own even when another test's Ray cluster runs on this machine
 ]  # fmt: skip
 
 

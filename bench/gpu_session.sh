@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# One H200 session, every GPU measurement of issues 20, 23 and 24 in one chain, from the repository
+# and the wheel set of launcher/offline_wheels.sh alone (the machine starts bare):
+#   1. install the wheels (and the slimmed Ray)
+#   2. preflight: the lean optimizer step on CUDA (pytest -m gpu); if it fails, the product run below
+#      falls back to train.optimizer_step=deepspeed
+#   3. build the learned code target (dflash-dist build-target configs/mid_gpu.yaml)
+#   4. the product run on it (configs/mid_gpu.yaml through tests/test_gpu_mid.py, which runs and checks it)
+#   5. the recipe-quality bench on that run's shards (bench/bench_quality_run.py, fp8 features among the variants)
+#   6. the trainer step at the 27B shape, the world-size cost model, and capture over 50 passes
+# Each step's output goes to LOG/<step>.log and one line to LOG/status (start, end, exit code, seconds);
+# a step that fails does not stop the ones that do not need it.
+#   setsid bench/gpu_session.sh /tmp/gpu >/dev/null 2>&1 < /dev/null &   (then read /tmp/gpu/status)
+set -u
+cd "$(dirname "$0")/.."
+LOG=${1:-/tmp/gpu}
+RUN=${RUN:-/tmp/mid_gpu}
+mkdir -p "$LOG"
+step() {  # step NAME TIMEOUT_S CMD...
+    local name=$1 limit=$2 t0 rc
+    shift 2
+    t0=$(date +%s)
+    echo "start $name $t0" >>"$LOG/status"
+    timeout "$limit" "$@" >"$LOG/$name.log" 2>&1
+    rc=$?
+    echo "end $name rc=$rc s=$(($(date +%s) - t0))" >>"$LOG/status"
+    return $rc
+}
+
+step install 180 bash -c 'python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && tar -C /tmp/site -xJf .whl/ray-2.60.0-cp312-slim.tar.xz \
+    && chmod +x /tmp/site/ray/core/src/ray/raylet/raylet /tmp/site/ray/core/src/ray/gcs/gcs_server'
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH DFLASH_CACHE=/tmp/dflash-cache PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$LOG/gpu.txt" 2>&1
+python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)" \
+    >>"$LOG/gpu.txt" 2>&1
+
+optimizer=()
+if ! step preflight 150 python3 -m pytest -m gpu -q -p no:cacheprovider \
+        "tests/test_zero_step.py::test_cuda_bf16_lean_step_matches_deepspeeds_step"; then
+    optimizer=(train.optimizer_step=deepspeed)
+    echo "preflight failed: the product run uses train.optimizer_step=deepspeed" >>"$LOG/status"
+fi
+
+step build 540 python3 -m launcher.cli build-target configs/mid_gpu.yaml
+cp "$DFLASH_CACHE"/code-lm-*/dflash_target.json "$LOG/target_record.json" 2>/dev/null
+
+if [ ${#optimizer[@]} -gt 0 ]; then  # the run with the fallback, then the test checks it (a finished run is only checked)
+    step mid_run 900 python3 -m launcher.cli run configs/mid_gpu.yaml --out "$RUN" --resume auto "${optimizer[@]}"
+fi
+DFLASH_MID_GPU_OUT=$RUN step mid 900 python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_gpu_mid.py
+cp "$RUN/gpu_summary.json" "$RUN/train_log.jsonl" "$RUN/run_plan.json" "$LOG/" 2>/dev/null
+cp -r "$RUN/eval" "$LOG/mid_eval" 2>/dev/null
+cp -r "$RUN/tb/eval" "$LOG/mid_tb_eval" 2>/dev/null
+tail -c 300000 "$RUN/cli.log" >"$LOG/mid_cli_tail.log" 2>/dev/null
+
+if [ -f "$RUN/shards/DONE" ]; then
+    step qbench "${QBENCH_LIMIT_S:-480}" python3 bench/bench_quality_run.py --run "$RUN" --out "$LOG/quality" \
+        --time-budget-s "${QBENCH_BUDGET_S:-360}" ${QBENCH_ARGS:-}
+fi
+
+step train 170 python3 bench/bench_train_step.py --loss chunked --kernels liger --steps 6 --warmup 2 --profile 2 \
+    --settings create+ds,create+ds+noovf,direct+ds+noovf,direct+lean,direct+lean+splitkv --json "$LOG/train.json"
+step cost 60 python3 bench/cost_model.py --train-json "$LOG/train.json" --setting "liger direct+lean" --measure-opt \
+    --world 9 --json "$LOG/cost.json"
+step capture 330 python3 bench/bench_capture.py --variants 32768:keep:fusedconv,32768:keep:fused2 --pool 256 \
+    --batches 2 --profile 32768:keep:fused2 --e2e 32768:keep:fused2 --sinks job --writers 4 --e2e-batches 50 \
+    --e2e-distinct 5 --disk-gib 2 --shard-dir /tmp/bench_shards/s --json "$LOG/capture.json"
+echo "done $(date +%s)" >>"$LOG/status"

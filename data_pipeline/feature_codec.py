@@ -81,3 +81,10 @@ def fp8_error_bound(features: torch.Tensor, layers: int) -> torch.Tensor:
     e = torch.from_numpy(encode_fp8(features, layers)).reshape(t, layers, -1)[..., 0].contiguous()
     s = _pow2(e.view(torch.int8).to(torch.int32))[..., None]
     return torch.maximum(x.abs() / 16, s / 1024).reshape(t, width)
+
+
+def feature_bytes_per_token(encoding: str, dtype_bytes: int, layers: int, hidden: int) -> int:
+    """Stored feature bytes per token: k*H values of the target's dtype (raw), or k*(H+1) (fp8)."""
+    if encoding not in FEATURE_ENCODINGS:
+        raise ValueError(f"unknown feature encoding {encoding!r} (known: {FEATURE_ENCODINGS})")
+    return layers * (hidden + 1) if encoding == FP8 else layers * hidden * dtype_bytes

@@ -189,12 +189,12 @@ def release_consumed(
 
 
 def _release_dir(shard_dir: Path, policy: BufferPolicy, consumed: set[str]) -> list[str]:
+    """Released shards are deleted (if the policy says so) before released.json names them, so a
+    producer's gate never counts a shard as released while its bytes are still on disk."""
     records = read_manifest(shard_dir)
     listed = {r.name for r in records}
     before = read_released(shard_dir)
     released = before | (consumed & listed)
-    if released != before:
-        write_text_atomic(shard_dir / RELEASED_NAME, json.dumps({"released": sorted(released)}) + "\n")
     deleted = []
     if policy.delete_consumed:
         for name in sorted(released):
@@ -204,6 +204,8 @@ def _release_dir(shard_dir: Path, policy: BufferPolicy, consumed: set[str]) -> l
                 deleted.append(name)
         if deleted:
             fsync_dir(shard_dir)
+    if released != before:
+        write_text_atomic(shard_dir / RELEASED_NAME, json.dumps({"released": sorted(released)}) + "\n")
     return deleted
 
 

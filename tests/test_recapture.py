@@ -317,3 +317,33 @@ def test_the_gate_counts_every_epoch_and_the_store_and_release_deletes_per_epoch
     assert left.unconsumed_bytes == per_epoch[1] - records1[0].n_bytes + per_epoch[2] + store
     gate()  # room again
     assert read_store(sequences_dir(root))  # the token store is kept for the whole run
+
+
+def test_the_run_plan_keeps_the_layout_of_a_recaptured_shard_tree(tmp_path):
+    from data_pipeline.epoch_dirs import RECAPTURE
+    from data_pipeline.shard_writer import mark_done
+    from dflash_dist.config import Config
+    from dflash_dist.orchestration.run_plan import PipelineError, plan_later_epochs, plan_stages
+
+    cfg = Config()
+    cfg.run.out_dir, cfg.target.kind, cfg.train.epochs = str(tmp_path / "run"), "tiny_stdlib", 3
+    cfg.capture.later_epochs = "recapture"
+    with pytest.raises(PipelineError, match="extract and train together"):
+        plan_stages(cfg, ("extract",), "auto")  # later epochs are captured while trainers consume
+    shards = cfg.out / "shards"
+    shards.mkdir(parents=True)
+    (shards / "manifest.jsonl").write_text("")
+    write_mode(shards, RECAPTURE)
+    mark_done(shards)  # epoch 0 captured, epochs 1 and 2 not yet
+    assert plan_stages(cfg, ("extract", "train"), "auto") == ("extract", "train")
+    with pytest.raises(PipelineError, match="not all of them are captured yet"):
+        plan_stages(cfg, ("train",), "auto")
+    for e in (1, 2):
+        epoch_dir(shards, e, True).mkdir()
+        mark_done(epoch_dir(shards, e, True))
+    assert plan_stages(cfg, ("extract", "train"), "auto") == ("train",)  # every epoch is complete
+    cfg.capture.later_epochs = "auto"  # auto follows the tree's record
+    assert plan_later_epochs(cfg, ("train",), None, 12, None, tmp_path) == (RECAPTURE, None)
+    cfg.capture.later_epochs = "keep"
+    with pytest.raises(PipelineError, match="captured with later_epochs=recapture"):
+        plan_later_epochs(cfg, ("train",), None, 12, None, tmp_path)

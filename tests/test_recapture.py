@@ -6,6 +6,7 @@ itself was resumed, per-epoch DONE with several actors, and the disk budget over
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 from pathlib import Path
 
@@ -347,3 +348,22 @@ def test_the_run_plan_keeps_the_layout_of_a_recaptured_shard_tree(tmp_path):
     cfg.capture.later_epochs = "keep"
     with pytest.raises(PipelineError, match="captured with later_epochs=recapture"):
         plan_later_epochs(cfg, ("train",), None, 12, None, tmp_path)
+
+
+def test_writer_processes_write_later_epochs_into_their_directory_behind_the_trees_gate(saved, tmp_path):
+    """capture.writers=2: each epoch's shards come from the writer processes (their own prefixes) into
+    that epoch's directory, gated on the tree's root with the recapture policy; features bit-identical."""
+    cfg = recapture_config(tmp_path / "run", saved, epochs=2, writers=2, max_buffer_bytes=1 << 30)
+    assert capture_all(cfg).samples == 2 * N
+    _, s0 = epoch_samples(cfg, 0)
+    order1, s1 = epoch_samples(cfg, 1)
+    assert sorted(order1) == sorted(saved["keys"])
+    names = [r.name for r in read_manifest(epoch_dir(cfg.out / "shards", 1, True))]
+    assert {n.rsplit("-", 1)[0] for n in names} <= {"t000-w0", "t000-w1"}
+    for key in saved["keys"]:
+        assert torch.equal(s1[key].features, s0[key].features), key
+    # the writers' gates count the tree at its root: their last buffer.json (before their last shard
+    # opened) already lists epoch 1's shards beside epoch 0's
+    buffer = json.loads((cfg.out / "shards" / "buffer.json").read_text())
+    epoch0 = len(read_manifest(cfg.out / "shards"))
+    assert epoch0 < buffer["shards_listed"] <= epoch0 + len(names)

@@ -150,3 +150,33 @@ def test_target_actor_and_trainer_rank_killed_in_epoch_2_resume_to_the_same_loss
     beat = json.loads((out / "heartbeat" / "target-0.json").read_text())
     assert beat["pid"] != result["killed"]["target"] and beat["state"] == "finished"  # Ray restarted it
     assert check_run(out, result) == uninterrupted  # the same per-step losses, bit for bit
+
+
+def test_target_actors_are_stopped_when_training_ends_before_the_later_epochs_are_captured(ray_cluster, tmp_path):
+    """train.max_steps (or a notice, or an error) can end training while the actors still capture
+    later epochs that nobody would consume: the driver stops them (a real Ray actor here), unless
+    every epoch is DONE (their results are then on the way and are waited for)."""
+    from dflash_dist.orchestration.pipeline import _InThread, _stop_capture_after
+
+    @ray_cluster.remote(num_cpus=0)
+    class Capturing:
+        def capture(self, seconds: float) -> str:
+            time.sleep(seconds)
+            return "done"
+
+    dirs = [tmp_path / "shards", tmp_path / "shards" / "epoch_1"]
+    for d in dirs:
+        d.mkdir(parents=True)
+    worker = Capturing.remote()
+    ref = worker.capture.remote(3600)
+    t0 = time.monotonic()
+    assert _stop_capture_after(ray_cluster, [worker], [ref], _InThread(lambda: None), dirs)
+    assert time.monotonic() - t0 < 30
+    with pytest.raises(ray_cluster.exceptions.RayActorError):
+        ray_cluster.get(ref, timeout=30)  # killed, not restarted
+    worker = Capturing.remote()
+    ref = worker.capture.remote(3)
+    for d in dirs:
+        (d / DONE_NAME).write_text("{}")  # every epoch captured: its result is waited for
+    assert not _stop_capture_after(ray_cluster, [worker], [ref], _InThread(lambda: None), dirs)
+    assert ray_cluster.get(ref) == "done"

@@ -61,12 +61,16 @@ class LaterEpochs:
     def lines(self) -> list[str]:
         """What the run plan prints before anything runs."""
         cap = "none" if self.cap_bytes is None else human_bytes(self.cap_bytes)
+        if not self.target_params:
+            keep_h = recapture_h = "unknown (target parameters not counted)"
+        else:
+            keep_h, recapture_h = f"{self.keep_gpu_hours:.3g}", f"{self.recapture_gpu_hours:.3g}"
         return [
             f"later epochs: {self.epochs} epoch(s) of {self.samples} samples, {self.tokens} tokens each "
             f"({self.tokens_source}); {self.bytes_per_token} feature bytes/token; one epoch's shards "
             f"{human_bytes(self.set_bytes)}; capture.max_buffer_bytes {cap}",
-            f"  keep:      disk {human_bytes(self.keep_disk_bytes)}, target {self.keep_gpu_hours:.3g} GPU-hours",
-            f"  recapture: disk {human_bytes(self.recapture_disk_bytes)}, target {self.recapture_gpu_hours:.3g} "
+            f"  keep:      disk {human_bytes(self.keep_disk_bytes)}, target {keep_h} GPU-hours",
+            f"  recapture: disk {human_bytes(self.recapture_disk_bytes)}, target {recapture_h} "
             f"GPU-hours (at {RATE_SOURCE}; target {self.target_params / 1e9:.3g}B params without embedding)",
             f"  capture.later_epochs={self.asked}: {self.mode} ({self.reason})",
         ]

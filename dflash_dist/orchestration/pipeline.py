@@ -131,7 +131,7 @@ def _run(cfg: Config, stages: tuple[str, ...], resume: str) -> PipelineResult:
 
         capture_refs, group = [], None
         if "extract" in stages:
-            capture_refs = _start_capture(cfg, plan, paths, where)
+            capture_workers, capture_refs = _start_capture(cfg, plan, paths, where)
         if "train" in stages:
             group = _start_trainers(cfg, plan, paths, plan.resume_from, where)
             # supervised in a thread of its own: a lost rank is replaced while capture still runs
@@ -143,8 +143,9 @@ def _run(cfg: Config, stages: tuple[str, ...], resume: str) -> PipelineResult:
             prompts = eval_prompt_ids(Path(plan.data.eval_jsonl), tokenizer, cfg.eval.num_prompts,
                                       cfg.data.enable_thinking)
             evaluator = _start_evaluator(cfg, plan, prompts, paths["shards"], where("evaluator", 0))
-        if capture_refs:
-            dirs = _capture_dirs(cfg, plan, paths["shards"])
+        outlived = group is not None and plan.later_epochs == "recapture"  # capture may outlive training
+        dirs = _capture_dirs(cfg, plan, paths["shards"])
+        if capture_refs and not (outlived and _stop_capture_after(ray, capture_workers, capture_refs, training, dirs)):
             capture = tuple(_finish_capture(ray, capture_refs, dirs, cfg.data.max_lost_fraction))
         final_step = None
         if group is not None:
@@ -174,6 +175,22 @@ def check_finished(result: PipelineResult) -> None:
     saved = last.checkpoints[-1] if last.checkpoints else "no new checkpoint"
     raise Preempted(f"the trainers stopped at {result.preempted} after saving {saved} (step {last.steps}): the run "
                     "is not finished; continue it with --resume auto")  # fmt: skip
+
+
+def _stop_capture_after(ray, workers: list, refs: list, training: _InThread, dirs: list[Path]) -> bool:
+    """Under recapture the actors capture every epoch; training can end first (train.max_steps, a
+    notice, an error), and nothing would consume what they still write: stop them then (True).
+    Their ledgers let --resume auto continue every epoch exactly. False: the capture finished."""
+    from data_pipeline.records import DONE_NAME
+
+    while len(ray.wait(refs, num_returns=len(refs), timeout=1.0)[0]) < len(refs):
+        if training.done() and not all((d / DONE_NAME).exists() for d in dirs):
+            for w in workers:
+                ray.kill(w, no_restart=True)
+            log.warning("training ended before the capture of later epochs did: the target actors were stopped "
+                        "(their ledgers let --resume auto continue)")
+            return True
+    return False
 
 
 def _capture_dirs(cfg: Config, plan: RunPlan, shard_dir: Path) -> list[Path]:
@@ -232,6 +249,9 @@ class _InThread:
         except BaseException as e:  # handed to result()
             self._error = e
 
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
     def result(self) -> Any:
         self._thread.join()
         if self._error is not None:
@@ -278,7 +298,7 @@ def _placement_group(ray, cfg: Config, plan):
         placement.release(pg)
 
 
-def _start_capture(cfg: Config, plan: RunPlan, paths: dict[str, Path], where) -> list:
+def _start_capture(cfg: Config, plan: RunPlan, paths: dict[str, Path], where) -> tuple[list, list]:
     """One TargetWorker per slice; Ray restarts a dead one (capture.max_restarts) and retries its
     call, which resumes from the ledger. No writer is alive yet, so unfinished shards left by an
     earlier attempt are removed first."""
@@ -297,7 +317,7 @@ def _start_capture(cfg: Config, plan: RunPlan, paths: dict[str, Path], where) ->
             for i, w in enumerate(workers)]
     log.info("%d target actor(s) capturing layers %s into %s%s", n, list(plan.identity.layer_ids), paths["shards"],
              f" (every epoch: {cfg.train.epochs})" if plan.later_epochs == "recapture" else "")
-    return refs
+    return workers, refs
 
 
 def _finish_capture(ray, refs, shard_dirs: list[Path], max_lost_fraction: float = 0.0) -> list:

@@ -17,6 +17,9 @@ INSTALL_REQUIRES = [
     "tensorboard==2.21.0",
     "openai==3.57.0",  # `dflash-dist regenerate` against an OpenAI-compatible server (SGLang, vLLM)
     "xxhash==4.1.0",  # shard member and checkpoint file checksums (data_pipeline/checksums.py)
+    "pydantic==2.14.4",  # the typed config (dflash_dist/config.py)
+    "typing_extensions==4.16.0",  # pydantic 2.14 needs >= 4.16 (`import pydantic` fails on 4.12)
+    "rich==15.0.0",  # `dflash-dist status` tables (launcher/status.py)
     "safetensors",
     "numpy",
     "pyyaml",

@@ -35,6 +35,7 @@ bf16 matmul rate measured on an H200, SPEC's convention) and the 989 TFLOP/s dat
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -44,6 +45,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dflash_dist.actors.rendezvous import rendezvous_store
 from dflash_dist.config import load_config
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.drafter import DFlashDrafter
@@ -441,7 +443,9 @@ def main() -> None:
     }.items():
         os.environ.setdefault(k, v)
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    # the store on 127.0.0.1 only (env:// would listen on every interface): actors/rendezvous.py
+    store = rendezvous_store(dict(os.environ), datetime.timedelta(minutes=10))
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
 
     dc = drafter_config(a)
     cfg, engine = build(a, dc)

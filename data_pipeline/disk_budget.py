@@ -34,7 +34,7 @@ from typing import Any
 
 from data_pipeline.durable_files import fsync_dir, write_text_atomic
 from data_pipeline.epoch_dirs import epoch_dirs, sequences_dir
-from data_pipeline.records import BUFFER_NAME, RELEASED_NAME, ShardRecord
+from data_pipeline.records import BUFFER_NAME, RELEASED_NAME, ShardRecord, check_shard_name
 from data_pipeline.shard_reader import ManifestFollower, read_manifest
 from data_pipeline.token_store import read_store
 
@@ -82,11 +82,14 @@ class BufferStatus:
 def read_released(shard_dir: str | os.PathLike[str]) -> set[str]:
     path = Path(shard_dir) / RELEASED_NAME
     try:
-        return set(json.loads(path.read_text())["released"])
+        names = json.loads(path.read_text())["released"]
     except FileNotFoundError:
         return set()
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a released-shards record ({e}); it is written only by the trainer") from None
+    if not isinstance(names, list):
+        raise ValueError(f"{path}: `released` must be a list of shard names; it is written only by the trainer")
+    return {check_shard_name(name, str(path)) for name in names}  # names it may delete: plain shard names only
 
 
 def buffer_status(

@@ -22,6 +22,7 @@ The sample's own key lives in meta.json, so keys may contain any characters.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,9 @@ TMP_PREFIX = ".tmp-"
 SKIPPED_NAME = "skipped.jsonl"
 RELEASED_NAME = "released.json"
 BUFFER_NAME = "buffer.json"
+# a complete shard's name: a plain file name `<prefix>-<NNNNNN>.tar` (no directory part, no
+# "..", no NUL); the prefix as ShardWriter accepts it
+SHARD_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*-[0-9]{6,}\.tar")
 
 TORCH_FEATURE_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -87,6 +91,17 @@ class Sample:
     @property
     def dtype_name(self) -> str:
         return DTYPE_NAMES[self.features.dtype]
+
+
+def check_shard_name(name: Any, where: str) -> str:
+    """`name` if it is a shard file name (SHARD_NAME_RE), else a ValueError naming `where`: names
+    come from files on shared storage, and the reader opens and the disk budget deletes them."""
+    if not isinstance(name, str) or not SHARD_NAME_RE.fullmatch(name):
+        raise ValueError(
+            f"{where}: shard name {name!r} is not a plain shard file name <prefix>-<NNNNNN>.tar (no directory part): "
+            "this file was not written by dflash-dist's shard writer; remove that entry or use a fresh shard directory"
+        )
+    return name
 
 
 def _check_tensor(key: str, name: str, t: Any, dtype: torch.dtype, dim: int) -> int:
@@ -189,7 +204,7 @@ class ShardRecord:
             raise ValueError(f"{where}: manifest line must have exactly {sorted(fields)}, got {got}")
         prov = Provenance.from_dict(d["provenance"], where)
         return cls(
-            name=d["name"],
+            name=check_shard_name(d["name"], where),
             n_samples=int(d["n_samples"]),
             n_tokens=int(d["n_tokens"]),
             n_bytes=int(d["n_bytes"]),

@@ -30,7 +30,8 @@ def _yaml_float(value):
     return value
 
 
-Float = Annotated[float, BeforeValidator(_yaml_float)]
+# every float finite: `.inf`/`.nan` (YAML) or "inf"/"nan" are refused naming the field
+Float = Annotated[float, BeforeValidator(_yaml_float), Field(allow_inf_nan=False)]
 PosInt = Annotated[int, Field(ge=1)]
 NonNegInt = Annotated[int, Field(ge=0)]
 PosFloat = Annotated[Float, Field(gt=0)]
@@ -48,7 +49,12 @@ class RunSection(_Section):
 
 
 class TargetSection(_Section):
-    kind: Literal["hf", "tiny_stdlib"] = "hf"  # hf: a local HF model directory; tiny_stdlib: the project's tiny target
+    # hf: a local HF model directory; tiny_stdlib: the project's tiny target; code_lm: the project's
+    # ~88M code LM (target/code_target.py). The project's own kinds are built on first use and cached
+    # (target.path: their directory instead of the cache's)
+    kind: Literal["hf", "tiny_stdlib", "code_lm"] = "hf"
+    # code_lm only: qwen3 (dense, the default) | qwen3_5 (hybrid) | test, test_qwen3_5 (test size, CPU, seconds)
+    preset: Literal["qwen3", "qwen3_5", "test", "test_qwen3_5"] = "qwen3"
     path: str | None = None
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
@@ -57,7 +63,8 @@ class TargetSection(_Section):
 
 
 class DataSection(_Section):
-    train_path: str | None = None  # JSONL, .parquet, or a `datasets` save_to_disk dir; tiny_stdlib makes its own
+    # JSONL, .parquet, or a `datasets` save_to_disk dir; the project's own targets (tiny_stdlib, code_lm) make their own
+    train_path: str | None = None
     eval_path: str | None = None  # held-out conversations (their prompts) for tau
     # auto (per record) | messages (OpenAI role/content) | sharegpt (conversations from/value)
     format: Literal["auto", "messages", "sharegpt"] = "auto"
@@ -149,7 +156,7 @@ class TrainSection(_Section):
     # of epochs after the first is permuted by (run.seed, epoch) either way
     shuffle: bool = True
     grad_accum: PosInt = 1
-    lr: PosFloat = 6e-4
+    lr: Annotated[Float, Field(gt=0, le=1)] = 6e-4
     warmup_frac: Annotated[Float, Field(ge=0, lt=1)] = 0.04
     weight_decay: NonNegFloat = 0.0
     grad_clip: NonNegFloat = 1.0  # 0: no clipping
@@ -307,6 +314,8 @@ def _describe(err: dict) -> str:
     ctx = err.get("ctx") or {}
     if kind == "extra_forbidden":
         return f"unknown key {path}"
+    if kind == "finite_number":
+        return f"{path} must be a finite number, got {got!r}"
     if kind == "literal_error":
         return f"{path}: {got!r} is not one of {ctx.get('expected', '')}"
     for bound, word in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
@@ -370,9 +379,17 @@ def load_config(path: str | Path | None, overrides: list[str] = (), out_dir: str
         if not path.is_file():
             raise ConfigError(f"config file {path} not found")
         try:
-            tree = yaml.safe_load(path.read_text()) or {}
+            tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start}): pass a YAML file") \
+                from None  # fmt: skip
+        except OSError as e:
+            raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections (run:, target:, ...) at the top, got "
+                              f"a YAML {type(tree).__name__}")  # fmt: skip
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key.path=value")
@@ -392,6 +409,9 @@ def _validate(cfg: Config, path, check_files: bool = True) -> None:
     where = path or "config"
     if cfg.target.kind == "hf" and not cfg.target.path:
         raise ConfigError(f"{where}: target.path is required when target.kind is 'hf'")
+    if cfg.target.preset != "qwen3" and cfg.target.kind != "code_lm":
+        raise ConfigError(f"{where}: target.preset={cfg.target.preset!r} applies to target.kind code_lm only (kind is "
+                          f"{cfg.target.kind!r}): remove it")
     _validate_drafter(cfg.drafter, where)
     if check_files and cfg.target.path and cfg.target.kind == "hf" and not Path(cfg.target.path).exists():
         raise ConfigError(f"{where}: target.path {cfg.target.path} does not exist")

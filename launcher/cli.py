@@ -7,6 +7,8 @@
       run/train --launcher slurm   inside a Slurm job (slurm/*.sbatch); extract --slice I/N   one slice, no Ray
   dflash-dist regenerate CONFIG [--out DIR] [--limit N] [overrides]
       the target's own responses to the input's prompts (regen.*), a new JSONL; a rerun resumes
+  dflash-dist build-target CONFIG [overrides]                  build (or find cached) the config's own target
+      (target.kind tiny_stdlib or code_lm) and print its build record
   dflash-dist status DIR [--json]                              shards, disk, trainer, tau, roles alive
   dflash-dist demo                                             the tiny core demo (no Ray)
   dflash-dist parity DIR [--device cuda]                       numerics against golden data
@@ -17,6 +19,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import tempfile
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 STAGES = {"run": ("extract", "train", "eval"), "extract": ("extract",), "train": ("train",), "eval": ("eval",)}
@@ -67,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         return parity_main(rest)
     if cmd == "regenerate":
         return _regenerate(rest)
+    if cmd == "build-target":
+        return _build_target(rest)
     if cmd not in STAGES:
         print(f"dflash-dist: unknown command {cmd!r}\n{__doc__.strip()}", file=sys.stderr)
         return 2
@@ -81,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"dflash-dist: config error: {e}", file=sys.stderr)
         return 2
+    problem = out_dir_problem(cfg.out)
+    if problem:
+        print(f"dflash-dist {cmd}: error: {problem}", file=sys.stderr)
+        return 1
     from dflash_dist.orchestration.pipeline import PipelineError, run_pipeline
 
     if getattr(args, "launcher", "ray") == "slurm" or getattr(args, "slice", None):
@@ -110,6 +120,19 @@ def failure_text(error: BaseException) -> str:
     if isinstance(cause, BaseException):
         error = cause
     return f"{type(error).__name__}: {str(error).strip() or '(no message)'}"
+
+
+def out_dir_problem(out: Path) -> str | None:
+    """Why the run cannot write into `out` (created if missing), or None: checked by writing (and
+    removing) a file there, so a read-only directory or file system is one clear line up front
+    instead of a traceback from whichever role writes first."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".dflash-write-check-"):
+            pass
+    except OSError as e:
+        return f"--out {out} is not writable ({e.strerror or e}): pass a directory this user can write"
+    return None
 
 
 def _role(cmd: str, args: argparse.Namespace) -> str:
@@ -171,6 +194,34 @@ def _regenerate(rest: list[str]) -> int:
     except (RegenError, DataError) as e:
         print(f"dflash-dist regenerate: error: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _build_target(rest: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="dflash-dist build-target")
+    ap.add_argument("config", help="YAML config whose target.kind is tiny_stdlib or code_lm")
+    ap.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. target.preset=qwen3_5")
+    args = ap.parse_intermixed_args(rest)
+    import json
+
+    from dflash_dist.config import ConfigError, load_config
+    from dflash_dist.logging_setup import setup_logging
+
+    setup_logging("build-target")
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"dflash-dist build-target: config error: {e}", file=sys.stderr)
+        return 2
+    if cfg.target.kind == "hf":
+        print(f"dflash-dist build-target: {args.config}: target.kind is hf (a model directory); only the project's "
+              "own targets (tiny_stdlib, code_lm) are built", file=sys.stderr)
+        return 2
+    from dflash_dist.target.build_cache import read_stamp
+    from dflash_dist.target.loading import resolve_target_dir
+
+    target_dir = resolve_target_dir(cfg)
+    print(json.dumps({"target_dir": str(target_dir), **read_stamp(target_dir)}, indent=2))
     return 0
 
 

@@ -19,7 +19,7 @@ get transformers==5.24.0 flash-linear-attention==0.6.0 fla-core==0.6.0 webdatase
 # their needs, at the versions a CPU install of this project resolves (pip freeze); tokenizers and
 # huggingface-hub come from the image (0.23.2 / 1.33 satisfy transformers 5.24)
 get braceexpand==0.1.7 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
-    typing-inspection==0.4.5 jsonschema==4.26.0 referencing==0.37.0 \
+    typing-extensions==4.16.0 typing-inspection==0.4.5 jsonschema==4.26.0 referencing==0.37.0 \
     jsonschema-specifications==2025.9.1 rpds-py==2026.9.1 jiter==0.19.0 sniffio==1.3.1 \
     anyio==4.16.0 httpx2==2.16.2 httpcore2==2.16.2 truststore \
     hjson==3.1.0

@@ -13,6 +13,7 @@ this exits 0 and the script requeues, and the requeued run continues with `--res
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -109,26 +110,83 @@ def _relay(proc: subprocess.Popen, up: threading.Event) -> None:
             up.set()
 
 
+def signal_refusal(beat: dict, now: float) -> str | None:
+    """Why the trainer named by heartbeat `beat` (on this host) must not be signalled, or None.
+    A heartbeat is a file on shared storage that anyone who can write there could forge, so the
+    pid is signalled only if the record is fresh (neither stale nor from the future), the pid is
+    not init's nor ours, and the live process is the one that wrote it (same kernel start time,
+    our user)."""
+    from dflash_dist.actors.heartbeat import INTERVAL_S, STALE_INTERVALS, process_start
+
+    pid, age = beat["pid"], now - beat["updated"]
+    window = STALE_INTERVALS * min(beat["interval_s"], INTERVAL_S)
+    if pid <= 1 or pid == os.getpid():
+        return f"pid {pid} cannot be a trainer rank"
+    if not -window <= age <= window:
+        return f"its heartbeat is not fresh (updated {age:.0f} s ago; a live rank's is under {window:.0f} s old)"
+    start = process_start(pid)
+    if start is None:
+        return f"pid {pid} does not exist"
+    if start != beat.get("proc_start"):
+        return f"pid {pid} is another process than the one that wrote the heartbeat (start time {start}, recorded " \
+               f"{beat.get('proc_start')!r})"  # fmt: skip
+    if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+        return f"pid {pid} belongs to another user"
+    return None
+
+
+def notify_local(beat: dict, signum: int, now: float | None = None) -> bool:
+    """Send `signum` to the trainer of heartbeat `beat` on this host if signal_refusal allows it;
+    False (logged) if not."""
+    why = signal_refusal(beat, time.time() if now is None else now)
+    if why is not None:
+        log.warning("not signalling trainer %s (pid %s): %s", beat["index"], beat["pid"], why)
+        return False
+    try:
+        os.kill(beat["pid"], signum)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def forward_notice(out: Path, signum: int, quiet: bool = False) -> list[str]:
-    """SIGUSR1 to every running trainer rank (from its heartbeat); returns whom it reached."""
-    from dflash_dist.actors.heartbeat import read_heartbeats
+    """SIGUSR1 to every running trainer rank (from its heartbeat); returns whom it reached. A rank
+    on another node is signalled there by the same checks (`python -m launcher.slurm_ray notify`)."""
+    from dflash_dist.actors.heartbeat import HEARTBEAT_DIR, read_heartbeats
 
     here, reached = socket.gethostname(), []
-    for beat in read_heartbeats(out):
-        if beat.get("role") != "trainer" or beat.get("state") != "running":
+    for beat in read_heartbeats(out, skip_bad=True):
+        if beat["role"] != "trainer" or beat["state"] != "running":
             continue
         who = f"trainer {beat['index']} (pid {beat['pid']} on {beat['host']})"
         if beat["host"] == here:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(beat["pid"]), signal.SIGUSR1)
+            if notify_local(beat, signal.SIGUSR1):
                 reached.append(who)
         else:
+            path = Path(out).resolve() / HEARTBEAT_DIR / f"trainer-{beat['index']}.json"
             subprocess.Popen(["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={beat['host']}",
-                              "kill", "-USR1", str(beat["pid"])])
+                              sys.executable, "-m", "launcher.slurm_ray", "notify", str(path)])  # fmt: skip
             reached.append(who)
     if reached or not quiet:
         log.info("%s: asked %s to save and stop", signal.Signals(signum).name, reached or "no running trainer (yet)")
     return reached
+
+
+def main(argv: list[str]) -> int:
+    """`python -m launcher.slurm_ray notify HEARTBEAT_FILE`: forward_notice's step on another
+    node: SIGUSR1 to the trainer that heartbeat names, if signal_refusal allows it there."""
+    from dflash_dist.actors.heartbeat import check_record
+
+    if len(argv) != 2 or argv[0] != "notify":
+        print("usage: python -m launcher.slurm_ray notify HEARTBEAT_FILE", file=sys.stderr)
+        return 2
+    path = Path(argv[1])
+    try:
+        beat = check_record(json.loads(path.read_text()), str(path))
+    except (OSError, ValueError) as e:
+        print(f"launcher.slurm_ray notify: {e}", file=sys.stderr)
+        return 1
+    return 0 if notify_local(beat, signal.SIGUSR1) else 1
 
 
 def run_on_slurm_ray(cfg: Config, pipeline_argv: list[str]) -> int:
@@ -168,3 +226,6 @@ def run_on_slurm_ray(cfg: Config, pipeline_argv: list[str]) -> int:
         log.info("stopped on %s: requeue to continue (--resume auto)", signal.Signals(notices[0]).name)
     return rc
 
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

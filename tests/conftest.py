@@ -1,7 +1,8 @@
-"""Shared fixtures. The golden fixtures the tests read are in-repository copies (tests/golden,
-tests/golden_swa: data files only) of ../shared/golden* (their source, with the READMEs that say
-what each tensor is); test_golden_copies checks the copies equal the source when it is there.
-DFLASH_GOLDEN_DIR overrides the full-attention set. A missing golden directory is an error, not a skip."""
+"""Shared fixtures; their builders and the other shared helpers are in tests/helpers/. The golden
+fixtures the tests read are in-repository copies (tests/golden, tests/golden_swa: data files only)
+of ../shared/golden* (their source, with the READMEs that say what each tensor is);
+test_golden_copies checks the copies equal the source when it is there. DFLASH_GOLDEN_DIR
+overrides the full-attention set. A missing golden directory is an error, not a skip."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ os.environ.setdefault("RAY_raylet_start_wait_time_s", "180")
 # pure logic and tiny in-process models). A plain `pytest` runs both, as CI does.
 SLOW_MODULES = {
     "test_capture_faults", "test_elastic", "test_faults", "test_launch_ray", "test_loss_curve", "test_multinode",
-    "test_pipeline", "test_recapture_run", "test_resume", "test_slurm", "test_step_source", "test_trainer",
+    "test_pipeline", "test_recapture_run", "test_rendezvous", "test_resume", "test_safe_load", "test_slurm",
+    "test_step_source", "test_trainer",
 }
 
 
@@ -109,6 +111,24 @@ def single_rank_gloo(monkeypatch):
     yield
     dist.destroy_process_group()
     reset_deepspeed_groups()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The trainer tests' tiny target: saved, its captured samples, provenance and drafter shape
+    (tests/helpers/tiny.py). One per test module."""
+    from tests.helpers.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("trainer"))
+
+
+@pytest.fixture(scope="module")
+def tiny_eval(tmp_path_factory):
+    """The evaluator tests' tiny target with a tokenizer, two drafter exports (random, trained)
+    and the eval config (tests/helpers/eval_target.py). One per test module."""
+    from tests.helpers.eval_target import make_tiny_eval
+
+    return make_tiny_eval(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """A real single-node Slurm cluster on 127.0.0.1 for tests: munged, slurmctld and slurmd from
 Debian's packages, with every file (config, keys, state, logs, sockets) in one private temp
-directory and nothing in /etc. Started and stopped by the test (by pid file); .ci/run installs
+directory and nothing in /etc. Started and stopped by the test (by pid file); tests/setup_and_run.sh installs
 the packages. Slurm without cgroups: proctrack/linuxproc, task/none (PLATFORM.md)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dflash_dist.actors.ports import free_ports
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sacct")
 INSTALL_HINT = (
     "Slurm is not installed: as root run `apt-get update && apt-get install -y slurmctld slurmd slurm-client munge` "
-    "(.ci/run does this)"
+    "(tests/setup_and_run.sh, the README's test command, does this)"
 )
 SBIN = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
 

@@ -17,7 +17,7 @@ from dflash_dist.model.loss import sample_anchors
 from dflash_dist.trainer.ds_config import build_optimizer, deepspeed_config
 from dflash_dist.trainer.engine import TrainForward
 from dflash_dist.trainer.zero_step import lean_step
-from tests.test_drafter import small_drafter
+from tests.helpers.drafter import small_drafter
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))

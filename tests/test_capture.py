@@ -10,6 +10,7 @@ import torch
 from dflash_dist.model.capture import capture_features, check_kernel_path, decoder_layers, gdn_kernel_path
 from dflash_dist.model.config import build_target_layer_ids
 from dflash_dist.tools.demo import DemoConfig, tiny_qwen35_target
+from tests.helpers.capture import capture_config, make_capture_target, run_capture, write_conversations
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -106,68 +107,6 @@ def test_kernel_path_policy_refuses_torch_gdn_on_cuda_unless_allowed():
 
 
 # ---------------------------------------------------------------------------- CaptureJob on a saved target
-def write_conversations(path, n: int, seed: int = 0) -> None:
-    """`n` code-continuation conversations of varied lengths, cut from a few stdlib files."""
-    import json
-    import random
-
-    from dflash_dist.target.stdlib_corpus import iter_sources, list_stdlib_files
-
-    files = list_stdlib_files(split="train")[:20]
-    lines = [ln[:60] for _, text in iter_sources(files) for ln in text.splitlines() if ln.strip()]
-    rng = random.Random(seed)
-    with open(path, "w") as f:
-        for _ in range(n):
-            a = rng.randrange(len(lines) - 60)
-            b = a + rng.randint(1, 8)
-            c = b + rng.randint(1, 10)
-            msgs = [{"role": "user", "content": "Continue:\n" + "\n".join(lines[a:b])},
-                    {"role": "assistant", "content": "\n".join(lines[b:c]) or "pass"}]
-            f.write(json.dumps({"messages": msgs}) + "\n")
-
-
-def make_capture_target(root, poison_token: int | None = None, hidden: int = 64):
-    """A tiny random Qwen3.5 target (4 layers, H=`hidden`) saved with a ChatML BPE tokenizer. With
-    `poison_token`, that token's embedding row is NaN: every sequence holding it captures NaN."""
-    from dflash_dist.target.stdlib_corpus import iter_sources, list_stdlib_files
-    from dflash_dist.target.tiny_tokenizer import train_tokenizer
-
-    root.mkdir(parents=True, exist_ok=True)
-    model = tiny_qwen35_target(DemoConfig(vocab_size=384, target_layers=4, target_hidden=hidden))
-    if poison_token is not None:
-        with torch.no_grad():
-            model.get_input_embeddings().weight[poison_token] = float("nan")
-    model.save_pretrained(root)
-    texts = [text for _, text in iter_sources(list_stdlib_files(split="train")[:20])]
-    train_tokenizer(texts, vocab_size=384).save_pretrained(root)
-    return root
-
-
-def capture_config(out, target_dir, train_jsonl, **capture):
-    from dflash_dist.config import Config
-
-    cfg = Config()
-    cfg.run.out_dir = str(out)
-    cfg.target.kind, cfg.target.path, cfg.target.dtype, cfg.target.device = "hf", str(target_dir), "float32", "cpu"
-    cfg.data.train_path, cfg.data.max_length = str(train_jsonl), 256
-    c = cfg.capture
-    c.layer_ids, c.regenerate, c.batch_size, c.shard_bytes = [1, 2], False, 4, 300_000
-    for k, v in capture.items():
-        setattr(c, k, v)
-    return cfg
-
-
-def run_capture(cfg, actor_index: int = 0, num_actors: int = 1):
-    from dflash_dist.capture.capture_job import CaptureJob
-    from dflash_dist.capture.data_prep import capture_data
-    from dflash_dist.target.loading import target_identity
-
-    target_dir = cfg.target.path
-    job = CaptureJob.load(cfg, target_dir, target_identity(cfg, target_dir), cfg.out / "shards", actor_index,
-                          num_actors)
-    return job.run(cfg.data.train_path, capture_data(cfg, cfg.data.train_path))
-
-
 @pytest.fixture(scope="module")
 def saved_target(tmp_path_factory):
     root = tmp_path_factory.mktemp("capture")
@@ -362,10 +301,9 @@ def pool_pass(rng: torch.Generator, keys: list[str], lengths: list[int], width: 
 def writer_pool(shard_dir, writers: int, min_group_tokens: int, shard_bytes: int):
     from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance
     from dflash_dist.capture.host_sink import WriterPool
-    from dflash_dist.config import Config
+    from tests.helpers.config import config_from
 
-    cfg = Config()
-    cfg.capture.shard_bytes = shard_bytes
+    cfg = config_from({"target": {"kind": "tiny_stdlib"}, "capture": {"shard_bytes": shard_bytes}})
     prov = Provenance(schema_version=SHARD_SCHEMA_VERSION, target_id="test:pool", target_hash="h", layer_ids=(1, 2),
                       hidden_size=16, dtype="bfloat16", kernel_path="torch", template_hash="none")
     return WriterPool(cfg, shard_dir, prov, "t000", 0, writers, min_group_tokens=min_group_tokens)

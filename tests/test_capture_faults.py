@@ -37,7 +37,7 @@ from data_pipeline.ledger import DataChanged, captured_keys, duplicate_keys
 from data_pipeline.records import BUFFER_NAME, DONE_NAME, TMP_PREFIX
 from data_pipeline.shard_reader import ShardStream, iter_shard_samples, read_manifest
 from data_pipeline.shard_writer import ShardWriter, mark_done
-from tests.test_capture import capture_config, make_capture_target, run_capture, write_conversations
+from tests.helpers.capture import capture_config, make_capture_target, run_capture, write_conversations
 
 N = 40
 

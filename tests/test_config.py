@@ -37,6 +37,14 @@ def test_tiny_config_loads_with_overrides():
         ("train.warmup_frac=1.5", "train.warmup_frac must be < 1"),
         ("train.lr=0", "train.lr must be > 0"),
         ("train.lr=-1e-3", "train.lr must be > 0"),
+        ("train.lr=.inf", "train.lr must be a finite number, got inf"),
+        ("train.lr=.nan", "train.lr must be a finite number, got nan"),
+        ("train.lr=-.inf", "train.lr must be a finite number, got -inf"),
+        ("train.lr=inf", "train.lr must be a finite number, got 'inf'"),
+        ("train.lr=2", "train.lr must be <= 1"),
+        ("train.grad_clip=.inf", "train.grad_clip must be a finite number"),
+        ("capture.buffer_stall_s=.inf", "capture.buffer_stall_s must be a finite number"),
+        ("eval.server_timeout_s=.nan", "eval.server_timeout_s must be a finite number"),
         ("eval.budgets=[8, 0]", "eval.budgets.1 must be >= 1"),
         ("capture.layer_ids=[1, -2]", "capture.layer_ids.1 must be >= 0"),
         ("drafter.head_dim=33", "drafter.head_dim must be a multiple of 2"),
@@ -92,3 +100,45 @@ def test_unknown_key_lists_the_section_keys_and_assignment_is_checked():
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
     with pytest.raises(ValueError, match="log_every"):
         cfg.train.log_every = 0
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"- train\n- eval\n", "expected a mapping of sections (run:, target:, ...) at the top, got a YAML list"),
+        (b"just words\n", "at the top, got a YAML str"),
+        (bytes(range(255, -1, -1)), "not a UTF-8 text file"),
+        (b"\x00\x01\x02binary", "not valid YAML"),
+    ],
+)
+def test_cli_config_that_is_no_mapping_exits_nonzero_naming_the_file(content, message, tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(content)
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "train", str(path), "--out", str(tmp_path / "o")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"dflash-dist: config error: {path}: ") and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "o").exists()
+
+
+def test_cli_read_only_out_is_one_line_naming_it(tmp_path):
+    """A directory the user cannot write: one line naming --out, exit 1, before any role starts.
+    As root (CI) the command runs without the capabilities that override file modes (util-linux
+    setpriv), so the mode bits hold for it as for any user."""
+    import os
+
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o555)
+    ro.chmod(0o555)
+    as_user = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"] if os.geteuid() == 0 else []
+    out = ro / "run"
+    try:
+        proc = subprocess.run([*as_user, sys.executable, "-m", "launcher.cli", "train",
+                               str(REPO / "configs" / "tiny.yaml"), "--out", str(out)], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+    finally:
+        ro.chmod(0o755)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr == f"dflash-dist train: error: --out {out} is not writable (Permission denied): pass a " \
+                          "directory this user can write\n"  # fmt: skip
+    assert not out.exists()

@@ -10,28 +10,13 @@ from dflash_dist.model.attention import block_mask_dense, block_mask_flex
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.drafter import DFlashDrafter
 from dflash_dist.model.loss import Anchors, dflash_loss, sample_anchors
-
-
-def small_drafter(k: int = 3, block: int = 4, vocab: int = 64, seed: int = 0, layer_types: tuple[str, ...] = (),
-                  sliding_window: int | None = None) -> DFlashDrafter:
-    torch.manual_seed(seed)
-    cfg = DrafterConfig(hidden_size=32, num_hidden_layers=len(layer_types) or 2, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=8, intermediate_size=64, vocab_size=vocab,
-                        target_layer_ids=tuple(range(1, 1 + k)), num_target_layers=k + 2, block_size=block,
-                        mask_token_id=vocab - 1, layer_types=layer_types, sliding_window=sliding_window)
-    d = DFlashDrafter(cfg)
-    d.set_target_weights(torch.randn(vocab, 32), torch.randn(vocab, 32) * 0.3)
-    return d.eval()
-
-
-def _features(d, b, s):
-    return torch.randn(b, s, d.config.num_context_layers * d.config.hidden_size)
+from tests.helpers.drafter import context_features, small_drafter
 
 
 def test_fc_uses_all_k_layers():
     d = small_drafter(k=5)
     assert d.fc.in_features == 5 * 32
-    f = _features(d, 1, 10)
+    f = context_features(d, 1, 10)
     base = d.draft_block(f[0], 3, 10)
     h = d.config.hidden_size
     for layer in range(5):  # changing any one captured layer, the last included, changes the drafts
@@ -44,7 +29,7 @@ def test_training_block_sees_context_strictly_before_anchor():
     d = small_drafter()
     s = 20
     ids = torch.randint(0, 60, (1, s))
-    f = _features(d, 1, s)
+    f = context_features(d, 1, s)
     lm = torch.ones(1, s)
     anchors = Anchors(torch.tensor([[5, 11]]), torch.tensor([[True, True]]))
     base = dflash_loss(d, ids, f, lm, anchors, return_logits=True).logits
@@ -63,7 +48,7 @@ def test_no_leak_between_blocks_and_bidirectional_within():
     d = small_drafter()
     s = 24
     ids = torch.randint(0, 60, (1, s))
-    f = _features(d, 1, s)
+    f = context_features(d, 1, s)
     lm = torch.ones(1, s)
     a = Anchors(torch.tensor([[4, 6, 15]]), torch.tensor([[True, True, True]]))
     base = dflash_loss(d, ids, f, lm, a, return_logits=True).logits
@@ -79,7 +64,7 @@ def test_training_logits_equal_inference_per_block():
     d = small_drafter(block=4)
     s = 30
     ids = torch.randint(0, 60, (2, s))
-    f = _features(d, 2, s)
+    f = context_features(d, 2, s)
     lm = torch.ones(2, s)
     anchors = sample_anchors(lm, 6, torch.Generator().manual_seed(1))
     logits = dflash_loss(d, ids, f, lm, anchors, return_logits=True).logits
@@ -107,7 +92,7 @@ def test_flex_and_dense_masks_agree():
 def test_flex_and_dense_forward_agree():
     d = small_drafter()
     ids = torch.randint(0, 60, (2, 26))
-    f = _features(d, 2, 26)
+    f = context_features(d, 2, 26)
     lm = torch.ones(2, 26)
     lm[1, :20] = 0
     a = sample_anchors(lm, 5, torch.Generator().manual_seed(3))
@@ -123,7 +108,7 @@ def test_target_parts_frozen_and_not_exported():
     d = small_drafter().train()
     ids = torch.randint(0, 60, (1, 16))
     lm = torch.ones(1, 16)
-    out = dflash_loss(d, ids, _features(d, 1, 16), lm, sample_anchors(lm, 4))
+    out = dflash_loss(d, ids, context_features(d, 1, 16), lm, sample_anchors(lm, 4))
     out.loss.backward()
     assert d.embed_tokens.weight.grad is None and d.lm_head.weight.grad is None
     assert d.fc.weight.grad is not None and d.layers[0].self_attn.k_proj.weight.grad is not None
@@ -184,7 +169,7 @@ def test_split_kv_projection_gives_the_same_loss_and_gradients():
     same math as projecting cat(context, block): loss and every gradient within fp32 rounding."""
     d = small_drafter(layer_types=("sliding_attention", "full_attention"), sliding_window=6).train()
     ids = torch.randint(0, 60, (2, 30))
-    f = _features(d, 2, 30)
+    f = context_features(d, 2, 30)
     lm = torch.ones(2, 30)
     a = sample_anchors(lm, 6, torch.Generator().manual_seed(1))
     ref_loss, ref = _loss_and_grads(d, ids, f, lm, a)

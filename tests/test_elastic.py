@@ -9,7 +9,7 @@ weight decay. Then training continues, every sample is trained exactly once per 
 the world-size changes, and the epoch remainder is counted once (globally).
 
 Real DeepSpeed over gloo: 1 rank in this process, 2 ranks as subprocesses of this module
-(`python -m tests.test_elastic SPEC`), on the tiny target of tests/test_trainer.py.
+(`python -m tests.test_elastic SPEC`), on the tiny target of tests/helpers/tiny.py.
 """
 
 from __future__ import annotations
@@ -36,11 +36,10 @@ from dflash_dist.trainer.loop import SAMPLE_LOG, TRAIN_LOG, TrainJob
 from dflash_dist.trainer.resume import ResumeDecision, check_resumable, decide
 from dflash_dist.trainer.state import STATE_VERSION
 from dflash_dist.trainer.step_source import StepSource
-from tests import test_trainer
 from tests.conftest import REPO, reset_deepspeed_groups
-from tests.test_trainer import free_port, make_cfg, write_shards
-
-tiny = test_trainer.tiny  # the module fixture: a saved tiny target, its captured samples, provenance
+from tests.helpers.procs import free_port
+from tests.helpers.runs import read_jsonl
+from tests.helpers.tiny import make_cfg, write_shards
 
 NUM = 16  # 8 shards of 2 samples; a step trains 2 samples per rank
 TOTAL = 13  # the LR schedule's length, the same in every attempt (the run's 13 steps)
@@ -259,10 +258,6 @@ def main(spec_path: str) -> None:
         dump.with_name(f"{dump.name}.result{dist.get_rank()}.json").write_text(json.dumps(dataclasses.asdict(result)))
     finally:
         dist.destroy_process_group()
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")

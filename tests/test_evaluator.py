@@ -4,21 +4,16 @@ provenance refusal, restart, and the Ray actor following exports as they appear.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models
-from transformers import PreTrainedTokenizerFast
 
 from data_pipeline.provenance import ProvenanceMismatch
 from data_pipeline.records import Sample
 from data_pipeline.shard_writer import ShardWriter
-from dflash_dist.config import load_config_dict
 from dflash_dist.evaluator import (
     EvalRequest,
     EvalResult,
@@ -27,14 +22,11 @@ from dflash_dist.evaluator import (
     pending_steps,
     should_stop,
 )
-from dflash_dist.model.export import export_drafter
 from dflash_dist.target.generation import stop_token_ids
-from dflash_dist.tools.demo import DemoConfig, drafter_for, make_data, tiny_qwen35_target, train
-
-DEMO = replace(DemoConfig(), target_layers=4, k=2, num_prompts=6, prompt_len=12, new_tokens=24, steps=60)
-BUDGETS = [4, 8]
-SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")  # ids 252..255; the mask is vocab-1
-
+from tests.helpers.authors_loop import authors_loop
+from tests.helpers.config import config_from
+from tests.helpers.eval_target import BUDGETS, DEMO, publish, word_tokenizer
+from tests.helpers.fake_engine import PROMPTS, FakeEngine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -94,50 +86,19 @@ def test_list_exports_sees_only_complete_step_directories(tmp_path):
     assert list_exports(tmp_path / "missing") == {}
 
 
-def _tokenizer(tokens: list[str], **specials) -> PreTrainedTokenizerFast:
-    vocab = {t: i for i, t in enumerate(tokens)}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token=tokens[0])), **specials)
-
-
 def test_stop_token_ids_are_the_turn_end_and_the_eos():
     words = [f"t{i}" for i in range(8)]
-    assert stop_token_ids(_tokenizer(words + ["<|endoftext|>", "<|im_end|>"], eos_token="<|endoftext|>")) == (8, 9)
-    assert stop_token_ids(_tokenizer(words + ["<|endoftext|>", "<|im_end|>"])) == (9,)
-    assert stop_token_ids(_tokenizer(words + ["<|endoftext|>"], eos_token="<|endoftext|>")) == (8,)
-    assert stop_token_ids(_tokenizer(words)) == ()
-
-
-# ---- a tiny target and two exports of its drafter ---------------------------------------------
+    assert stop_token_ids(word_tokenizer(words + ["<|endoftext|>", "<|im_end|>"], eos_token="<|endoftext|>")) == (8, 9)
+    assert stop_token_ids(word_tokenizer(words + ["<|endoftext|>", "<|im_end|>"])) == (9,)
+    assert stop_token_ids(word_tokenizer(words + ["<|endoftext|>"], eos_token="<|endoftext|>")) == (8,)
+    assert stop_token_ids(word_tokenizer(words)) == ()
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny random Qwen3.5 target saved as an HF directory (with a word-level tokenizer), and
-    two exports of its drafter: random, and trained on the target's responses to the prompts
-    that are also the eval prompts (so a few dozen steps raise tau clearly)."""
-    root = tmp_path_factory.mktemp("tiny")
-    target = tiny_qwen35_target(DEMO)
-    target.save_pretrained(root / "target")
-    words = [f"t{i}" for i in range(DEMO.vocab_size - len(SPECIALS))] + list(SPECIALS)
-    _tokenizer(words, eos_token="<|endoftext|>", mask_token="<|mask|>").save_pretrained(root / "target")
-    drafter = drafter_for(target, DEMO)
-    export_drafter(drafter, root / "random")
-    prompts, _, ids, loss_mask, cap = make_data(target, DEMO, drafter.config.mask_token_id)
-    train(drafter, ids, cap.features, loss_mask, DEMO, log_every=0)
-    export_drafter(drafter, root / "trained")
-    cfg = load_config_dict({
-        "target": {"path": str(root / "target"), "dtype": "float32", "device": "cpu"},
-        "capture": {"num_layers": DEMO.k},
-        "eval": {"num_prompts": 3, "max_new_tokens": DEMO.new_tokens, "budgets": BUDGETS},
-    })
-    return {"root": root, "target_dir": root / "target", "cfg": cfg, "prompts": prompts[:3]}
-
-
-def publish(tiny, out: Path, which: str, step: int) -> None:
-    """Like the trainer: a complete copy under a temp name, renamed into place."""
-    tmp = out / "export" / f".tmp-step_{step}-x"
-    shutil.copytree(tiny["root"] / which, tmp)
-    os.rename(tmp, out / "export" / f"step_{step}")
+def tiny(tiny_eval):
+    """This module's name for the evaluator's tiny setting (tests/conftest.py `tiny_eval`): a tiny
+    target with a tokenizer, two exports of its drafter, the eval config."""
+    return tiny_eval
 
 
 def read_scalars(tb_dir: Path) -> dict[str, dict[int, float]]:
@@ -309,13 +270,24 @@ def test_run_until_does_not_wait_forever_for_a_missing_final_export(tiny, tmp_pa
         ev.run_until(lambda: (True, 5), poll_s=0.01, final_export_timeout_s=0.05)
 
 
+def test_run_until_computes_the_references_while_waiting_for_the_first_export(tiny, tmp_path):
+    """The greedy continuations and features of the held-out prompts do not depend on a checkpoint:
+    made while the trainer has exported nothing yet, they are off the first evaluation's path."""
+    ev = Evaluator(tiny["cfg"], tmp_path / "run", tiny["target_dir"], tiny["prompts"], expected=None)
+    calls = iter([(False, None), (False, None), (True, None)])
+    assert ev.run_until(lambda: next(calls), poll_s=0.01) == []
+    assert ev._refs and all(ref.prompt in [list(p) for p in tiny["prompts"]] for ref in ev._refs)
+    finished_at_once = Evaluator(tiny["cfg"], tmp_path / "run2", tiny["target_dir"], tiny["prompts"], expected=None)
+    assert finished_at_once.run_until(lambda: (True, None), poll_s=0.01) == [] and finished_at_once._refs is None
+
+
 # ---- modes: live, server, the count convention, a reference drafter, images, status --------------
 
 
 def _cfg(tiny, **eval_fields):
     tree = tiny["cfg"].to_dict()
     tree["eval"].update(eval_fields)
-    return load_config_dict(tree)
+    return config_from(tree)
 
 
 def read_images(tb_dir: Path) -> dict[str, dict[int, tuple[int, int]]]:
@@ -405,9 +377,7 @@ def test_uncapped_count_is_recorded_and_counts_at_least_as_much(tiny, tmp_path):
 
 def test_uncapped_rounds_of_the_evaluator_equal_the_authors_loop(tiny, tmp_path):
     """The evaluator's uncapped rounds (replay, and live in live mode) are the authors' loop's
-    (tests/test_live.authors_loop), the round at the last position included."""
-    from tests.test_live import authors_loop
-
+    (tests/helpers/authors_loop.py), the round at the last position included."""
     edge = 0
     for max_new in (5, 7):
         out = tmp_path / f"new{max_new}"
@@ -436,7 +406,6 @@ def test_asking_for_another_mode_measures_it_for_every_evaluated_export(tiny, tm
     import threading
 
     from dflash_dist.evaluator.policy import lacks_mode
-    from tests.test_server_eval import FakeEngine
 
     out = tmp_path / "run"
     (out / "export").mkdir(parents=True)
@@ -500,8 +469,6 @@ def test_asking_for_another_mode_measures_it_for_every_evaluated_export(tiny, tm
 def test_server_mode_logs_the_engines_tau(tiny, tmp_path):
     import threading
 
-    from tests.test_server_eval import PROMPTS, FakeEngine
-
     srv = FakeEngine("sglang", fail_first=1)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
@@ -527,8 +494,6 @@ def test_a_failed_server_keeps_the_replay_tau_and_records_the_failure(tiny, tmp_
     written (eval/step_N.json, TensorBoard) and the server's failure is recorded beside it."""
     import socket
     import threading
-
-    from tests.test_server_eval import FakeEngine
 
     srv = None
     if answer == "down":

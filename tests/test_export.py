@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_dist.model.export import export_drafter, load_drafter
-from tests.test_drafter import small_drafter
+from tests.helpers.drafter import small_drafter
 
 
 def test_round_trip_identical_logits(tmp_path):

@@ -5,7 +5,7 @@ stopped here): a trainer rank SIGKILLed mid-run is replaced by a new group that 
 the latest complete checkpoint, and the run ends with every sample trained exactly once per
 epoch; an error the trainer code raises twice from the same checkpoint stops the run; an
 evaluator SIGKILLed mid-run is restarted by Ray and measures every export exactly once.
-Real DeepSpeed over gloo on the tiny targets of tests/test_trainer.py and tests/test_evaluator.py.
+Real DeepSpeed over gloo on the tiny targets of tests/helpers/tiny.py and tests/helpers/eval_target.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import dataclasses
 import json
 import os
 import signal
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -26,18 +25,17 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from data_pipeline.records import DONE_NAME, MANIFEST_NAME
 from dflash_dist.actors.faults import DIED, ERROR, Decision, Failure, RestartPolicy, decide_restart, restart_resume
-from dflash_dist.config import ConfigError, load_config, load_config_dict
+from dflash_dist.config import ConfigError, load_config
 from dflash_dist.orchestration.pipeline import PipelineError, supervise_training, wait_evaluator
 from dflash_dist.trainer import checkpoint
 from dflash_dist.trainer.checkpoint import ResumeError
 from dflash_dist.trainer.loop import TRAIN_LOG
-from tests import test_evaluator, test_trainer
 from tests.conftest import REPO
-from tests.test_resume import consumed_per_epoch, read_jsonl
-from tests.test_trainer import make_cfg, write_shards
-
-tiny = test_trainer.tiny  # module fixture: a saved tiny target, its captured samples, provenance
-tiny_eval = test_evaluator.tiny  # module fixture: a tiny target with a tokenizer, two drafter exports
+from tests.helpers.config import config_from
+from tests.helpers.eval_target import publish
+from tests.helpers.procs import kill_when
+from tests.helpers.runs import consumed_per_epoch, read_jsonl
+from tests.helpers.tiny import make_cfg, write_shards
 
 NUM = 16  # 8 shards of 2: 4 steps of 2 ranks x 2 samples per epoch, nothing dropped
 EPOCHS = 2
@@ -99,20 +97,6 @@ def test_restart_resume_and_config_fields():
 
 
 # ---------------------------------------------------------------------------- trainer: a rank killed
-def kill_when(path: Path, lines: int, pid_of, timeout_s: float = 240) -> threading.Thread:
-    """SIGKILL pid_of() once `path` has `lines` lines (in a thread: the caller blocks meanwhile)."""
-
-    def watch() -> None:
-        deadline = time.time() + timeout_s
-        while not (path.exists() and len(path.read_text().splitlines()) >= lines) and time.time() < deadline:
-            time.sleep(0.02)
-        os.kill(pid_of(), signal.SIGKILL)
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
-
-
 @pytest.fixture(scope="module")
 def shards(tiny, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("faults") / "shards"
@@ -177,15 +161,14 @@ def test_killed_evaluator_is_restarted_and_measures_every_export_once(tiny_eval,
     from dflash_dist.actors.evaluator_actor import EvaluatorActor, EvaluatorTask, evaluator_actor_options
     from dflash_dist.evaluator import EvalResult
     from dflash_dist.target.loading import expected_provenance, target_identity
-    from tests.test_evaluator import publish
 
     ray = ray_cluster
-    cfg, target_dir = load_config_dict(tiny_eval["cfg"].to_dict()), tiny_eval["target_dir"]
-    cfg.eval.num_cpus, cfg.eval.max_restarts, cfg.eval.poll_s = 0.5, 1, 0.1
+    out = tmp_path / "run"
+    cfg = config_from(tiny_eval["cfg"].to_dict(), "eval.num_cpus=0.5", "eval.max_restarts=1", "eval.poll_s=0.1",
+                      f"run.out_dir={json.dumps(str(out))}")  # fmt: skip
+    target_dir = tiny_eval["target_dir"]
     expected = expected_provenance(cfg, target_dir, target_identity(cfg, target_dir),
                                    AutoTokenizer.from_pretrained(target_dir))
-    out = tmp_path / "run"
-    cfg.run.out_dir = str(out)
     (out / "export").mkdir(parents=True)
     task = EvaluatorTask(cfg.to_dict(), str(target_dir), tuple(tuple(p) for p in tiny_eval["prompts"]),
                          expected=expected)

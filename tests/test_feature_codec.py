@@ -14,7 +14,7 @@ from data_pipeline.feature_codec import E4M3_MAX, FP8, RAW, decode_fp8, encode_f
 from data_pipeline.provenance import ProvenanceMismatch
 from data_pipeline.shard_reader import ShardStream, iter_shard_samples, read_manifest
 from data_pipeline.shard_writer import ShardWriter, mark_done, round_trip_features
-from tests.test_shards import make_prov, make_sample, stream_keys
+from tests.helpers.shards import make_prov, make_sample, stream_keys
 
 
 def spread_features(t: int, k: int, h: int, seed: int = 0) -> torch.Tensor:
@@ -89,13 +89,15 @@ def test_the_config_names_the_encoding_trainers_expect(tmp_path: Path) -> None:
 
     from dflash_dist.config import load_config_dict
     from dflash_dist.target.loading import expected_provenance, target_identity
-    from tests.test_capture import make_capture_target
+    from tests.helpers.capture import make_capture_target
+    from tests.helpers.config import UNREAD_TRAIN_PATH, config_from
 
     target = make_capture_target(tmp_path / "target")
     tokenizer = AutoTokenizer.from_pretrained(target)
     for feature_dtype, encoding in (("bf16", RAW), ("fp8", FP8)):
-        cfg = load_config_dict({"target": {"path": str(target), "dtype": "float32", "device": "cpu"},
-                                "capture": {"layer_ids": [1, 2], "feature_dtype": feature_dtype}})  # fmt: skip
+        cfg = config_from({"target": {"path": str(target), "dtype": "float32", "device": "cpu"},
+                           "data": {"train_path": UNREAD_TRAIN_PATH},
+                           "capture": {"layer_ids": [1, 2], "feature_dtype": feature_dtype}})  # fmt: skip
         ident = target_identity(cfg, target)
         assert expected_provenance(cfg, target, ident, tokenizer).feature_encoding == encoding
     with pytest.raises(ValueError, match="feature_dtype"):

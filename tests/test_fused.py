@@ -11,7 +11,7 @@ from dflash_dist.model import fused
 from dflash_dist.model.drafter import DFlashDrafter
 from dflash_dist.model.loss import Anchors, dflash_loss
 from dflash_dist.model.vocab_loss import lm_head_cross_entropy
-from tests.test_drafter import small_drafter
+from tests.helpers.drafter import small_drafter
 
 
 def _batch(d: DFlashDrafter, seed: int = 7, s: int = 24, device: str = "cpu"):

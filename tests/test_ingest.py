@@ -15,6 +15,7 @@ from data_pipeline.chat_data import ChatEncoder, parse_record, read_chat_jsonl
 from data_pipeline.ingest import DataError, IngestPolicy, ingest
 from dflash_dist.capture.data_prep import ingested_paths, prepare_data
 from dflash_dist.config import ConfigError, load_config
+from dflash_dist.orchestration.run_lock import LOCK_NAME
 from dflash_dist.target.stdlib_corpus import iter_sources, list_stdlib_files
 from dflash_dist.target.tiny_tokenizer import CHAT_TEMPLATE, train_tokenizer
 
@@ -377,5 +378,5 @@ def test_cli_extract_exits_nonzero_on_a_bad_line_and_writes_no_data(tmp_path: Pa
     assert proc.returncode == 1, proc.stderr
     assert f"{src}:3: messages[0].role is an unknown role 'tool'" in proc.stderr
     assert "data.on_bad_record=skip" in proc.stderr and "Traceback" not in proc.stderr
-    written = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
-    assert written in ([], ["config.yaml"])  # no shard, manifest, or ingested data
+    written = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and p.name != LOCK_NAME)
+    assert written in ([], ["config.yaml"])  # no shard, manifest, or ingested data (the run lock aside)

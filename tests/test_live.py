@@ -22,6 +22,7 @@ from dflash_dist.model.replay import aggregate_rounds, replay_sequence
 from dflash_dist.target.generation import greedy_continuation
 from dflash_dist.tools.demo import DemoConfig, drafter_for, make_data, tiny_qwen35_target, train
 from dflash_dist.tools.live_check import live_vs_replay, trained_on_device
+from tests.helpers.authors_loop import authors_loop
 
 DEMO = replace(DemoConfig(), target_layers=4, k=2, num_prompts=6, prompt_len=12, new_tokens=24, steps=60)
 BUDGETS = (4, 8)
@@ -142,53 +143,6 @@ def test_uncapped_count_counts_past_the_end(trained):
         sum(live_decode(target, drafter, p, short, count="uncapped").taus)
         > sum(live_decode(target, drafter, p, short).taus) for p in prompts
     )
-
-
-@torch.no_grad()
-def authors_loop(target, drafter, prompt: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = (),
-                 budget: int | None = None) -> tuple[list[int], list[int]]:
-    """The reference for eval.count=uncapped, written after the authors' generate loops (z-lab's
-    dflash `dflash_generate` in its benchmark form, DDTree's `ddtree_generate`), greedy, with full
-    forwards instead of a cache. Returns (acceptance lengths, output tokens).
-
-        max_length = n + max_new_tokens; output[n] = argmax of the prefill; start = n
-        while start < max_length:
-            draft from output[start] and the target features of positions < start
-            verify: the target's argmax after each drafted position; accepted = matching prefix
-            output[start+1 ..] = accepted drafts + bonus; start += accepted + 1
-            acceptance_lengths.append(accepted + 1)
-            if a stop token is anywhere in output[n : start + 1]: break
-    """
-    n, layers, blk = len(prompt), drafter.config.target_layer_ids, drafter.config.block_size
-    out = list(prompt) + [int(target(torch.tensor([prompt])).logits[0, -1].argmax())]
-    max_length, start, lengths = n + max_new_tokens, n, []
-    while start < max_length:
-        feats = capture_features(target, torch.tensor([out[:start]]), layers, with_argmax=False).features[0]
-        logits = drafter.draft_block(None, out[start], start, context=drafter.fuse_context(feats[None]))
-        if budget is None:
-            drafts = logits.argmax(-1).tolist()
-            posterior = target(torch.tensor([out[:start] + [out[start], *drafts]])).logits[0, start:].argmax(-1)
-            acc = next((i for i in range(blk - 1) if drafts[i] != int(posterior[i])), blk - 1)
-            new = [*drafts[:acc], int(posterior[acc])]
-        else:
-            tree = build_ddtree(logits, budget)
-            posterior = [0] * len(tree.parents)
-            for path in tree_paths(tree):  # each root-to-leaf path in one full forward
-                ids = [out[start] if i == 0 else tree.node_token_ids[i - 1] for i in path]
-                row = target(torch.tensor([out[:start] + ids])).logits[0, start:].argmax(-1).tolist()
-                for depth, i in enumerate(path):
-                    posterior[i] = row[depth]
-            accepted, bonus = follow_verified_tree(tree.child_maps, posterior)
-            acc = len(accepted) - 1
-            new = [*(tree.node_token_ids[i - 1] for i in accepted[1:]), bonus]
-        out = out[: start + 1] + new
-        start += acc + 1
-        lengths.append(acc + 1)
-        if any(t in stop_ids for t in out[n : start + 1]):
-            break
-    tokens = out[n:max_length]
-    first_stop = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
-    return lengths, tokens if first_stop is None else tokens[: first_stop + 1]
 
 
 def test_uncapped_rounds_equal_the_authors_loop(trained):

@@ -17,7 +17,7 @@ from dflash_dist.model.loss import (
     loss_weights,
     sample_anchors,
 )
-from tests.test_drafter import small_drafter
+from tests.helpers.drafter import small_drafter
 
 
 def test_sample_anchors_rules():

@@ -12,26 +12,14 @@ from __future__ import annotations
 import json
 import math
 import os
-from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import pytest
 
 from dflash_dist.trainer.loop import TRAIN_LOG
-from tests import test_trainer
-from tests.test_trainer import make_cfg, write_shards
-
-tiny = test_trainer.tiny  # the module fixture: a saved tiny random target and its captured samples
-
-PINNED = Path(__file__).parent / "data" / "loss_curve_zero2.json"
-NUM = 18  # the tiny fixture's 18 samples in 9 shards of 2: rank 0 reads 5 shards, rank 1 reads 4
-# 5 steps (micro 1 x accumulation 2) per epoch: in the 5th rank 0 trains its last 2 samples while rank 1
-# fills its slots with empty batches (trainer/step_source.py: nothing is dropped); 5 epochs
-STEPS = 25
-# Two identical runs agree bit for bit; fp32 noise from a reordered sum is ~1e-7 relative at step 1
-# and grows with the steps, so 1e-6 relative catches it while a rebuild of the same math passes.
-RTOL = 1e-6
+from tests.helpers.loss_curve import NUM, PINNED, RTOL, STEPS  # the pinned run's file, size, tolerance
+from tests.helpers.tiny import make_cfg, write_shards
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,8 @@ def test_warmup_then_cosine_to_the_floor_and_held() -> None:
 
 
 def test_every_training_loop_follows_it() -> None:
-    from dflash_dist.target.tiny_target import DEFAULT_SETTINGS, _lr_at
+    from dflash_dist.target.lm_training import lr_at as _lr_at
+    from dflash_dist.target.tiny_target import DEFAULT_SETTINGS
     from dflash_dist.tools import demo
     from dflash_dist.trainer.ds_config import WarmupCosine
 

@@ -3,7 +3,7 @@
 actor runs on its node (node id asked from inside the actor), and the run survives a trainer
 rank's worker process on the trainer node being killed: the group restarts there from the latest
 checkpoint and trains every sample exactly once per epoch. Real Ray, DeepSpeed over gloo, on the
-tiny target of tests/test_trainer.py.
+tiny target of tests/helpers/tiny.py.
 """
 
 from __future__ import annotations
@@ -23,11 +23,9 @@ from dflash_dist.config import Config
 from dflash_dist.orchestration.pipeline import supervise_training
 from dflash_dist.orchestration.placement import actor_placement, plan_placement, release, reserve
 from dflash_dist.trainer.loop import TRAIN_LOG
-from tests import test_trainer
-from tests.test_faults import consumed_per_epoch, kill_when, read_jsonl
-from tests.test_trainer import make_cfg, write_shards
-
-tiny = test_trainer.tiny  # module fixture: a saved tiny target, its captured samples, provenance
+from tests.helpers.procs import kill_when
+from tests.helpers.runs import consumed_per_epoch, read_jsonl
+from tests.helpers.tiny import make_cfg, write_shards
 
 NUM = 16  # 8 shards of 2: 4 steps of 2 ranks x 2 samples per epoch
 EPOCHS = 2
@@ -58,11 +56,9 @@ def cluster():
 
 
 def multinode_cfg(out: Path, target_dir: Path) -> Config:
-    cfg = make_cfg(out, target_dir, epochs=EPOCHS, checkpoint_every=2, log_sample_keys=True, max_restarts=1)
-    cfg.capture.cpus_per_actor, cfg.eval.num_cpus = 0.5, 0.5
-    for role, resource in NODE_OF.items():
-        setattr(cfg.ray.node_resources, role, resource)
-    return cfg
+    nodes = [f"ray.node_resources.{role}={resource}" for role, resource in NODE_OF.items()]
+    return make_cfg(out, target_dir, "capture.cpus_per_actor=0.5", "eval.num_cpus=0.5", *nodes, epochs=EPOCHS,
+                    checkpoint_every=2, log_sample_keys=True, max_restarts=1)  # fmt: skip
 
 
 @ray.remote(num_cpus=0.5)

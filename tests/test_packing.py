@@ -9,7 +9,7 @@ import torch
 
 from dflash_dist.model.attention import block_mask_dense, block_mask_flex
 from dflash_dist.model.loss import Anchors, dflash_loss
-from tests.test_drafter import small_drafter
+from tests.helpers.drafter import small_drafter
 
 BLOCK = 4
 

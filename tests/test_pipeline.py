@@ -97,12 +97,11 @@ def test_run_plan_is_computed_once_and_read_back_by_the_other_tasks(tmp_path):
     from data_pipeline.ingest import content_hash, sample_keys
     from data_pipeline.provenance import hash_weight_files
     from dflash_dist.orchestration.run_plan import PipelineError, RunPlan, plan_path, share_plan
-    from tests.test_capture import capture_config, make_capture_target, write_conversations
+    from tests.helpers.capture import capture_config, make_capture_target, write_conversations
 
     write_conversations(tmp_path / "train.jsonl", 6)
     target = make_capture_target(tmp_path / "target")
-    cfg = capture_config(tmp_path / "run", target, tmp_path / "train.jsonl")
-    cfg.eval.enabled = False
+    cfg = capture_config(tmp_path / "run", target, tmp_path / "train.jsonl", "eval.enabled=false")
     weights_hash = hash_weight_files(target)
     lead = share_plan(cfg, ("extract", "train"), "auto", key="job-1", leader=True)
     assert lead.stages == ("extract", "train") and lead.resume_from is None and lead.num_samples == 6

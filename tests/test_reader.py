@@ -2,7 +2,7 @@
 epoch, exact resume (the same stream, and merged states at another world size), skipped
 corrupt/truncated/missing shards and non-finite samples, and micro-batches by token budget.
 
-Small shards written by the real ShardWriter into tmp dirs (helpers of tests/test_shards.py).
+Small shards written by the real ShardWriter into tmp dirs (helpers in tests/helpers/shards.py).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from dflash_dist.trainer.batching import (
     make_micro_batch,
     with_positions,
 )
-from tests.test_shards import flip_member_byte, make_prov, make_sample, stream_keys
+from tests.helpers.shards import flip_member_byte, make_prov, make_sample, stream_keys
 
 PROV = make_prov()
 

@@ -20,7 +20,7 @@ from data_pipeline.ledger import duplicate_keys
 from data_pipeline.records import DONE_NAME
 from data_pipeline.shard_reader import iter_shard_samples, read_manifest
 from data_pipeline.token_store import SequenceStore, read_sequences, read_store, write_sequences
-from tests.test_capture import capture_config, make_capture_target, write_conversations
+from tests.helpers.capture import capture_config, make_capture_target, write_conversations
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 N = 16

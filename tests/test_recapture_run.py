@@ -28,7 +28,7 @@ from data_pipeline.records import DONE_NAME, MANIFEST_NAME
 from data_pipeline.shard_reader import read_manifest
 from dflash_dist.trainer.loop import TRAIN_LOG
 from tests.conftest import REPO
-from tests.test_resume import consumed_per_epoch, read_jsonl
+from tests.helpers.runs import consumed_per_epoch, read_jsonl
 
 CAP = 650_000  # about 3 shards: one sample each, ~210 kB on average (~130 tokens x 3 layers x H=128 x 4 B)
 RUN = [

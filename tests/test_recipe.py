@@ -11,7 +11,7 @@ from dflash_dist.config import ConfigError, load_config
 from dflash_dist.model.loss import dflash_loss, label_targets, loss_weights, sample_anchors
 from dflash_dist.trainer.batching import make_micro_batch
 from tests.conftest import REPO
-from tests.test_drafter import small_drafter
+from tests.helpers.drafter import small_drafter
 
 TINY = REPO / "configs" / "tiny.yaml"
 

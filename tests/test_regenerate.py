@@ -230,6 +230,37 @@ def test_the_checkpoints_generation_config_does_not_shape_greedy_output(target_d
         assert list(ref) == p + y[:end]
 
 
+def test_greedy_generation_sets_no_conflicting_length_fields(target_dir) -> None:
+    """generate_responses's config sets one minimum-length field, so transformers' `Both
+    min_new_tokens and min_length seem to have been set` warning (once per call) never comes."""
+    import logging
+
+    from dflash_dist.target.generation import generate_responses, pad_token_id, stop_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": u}], add_generation_prompt=True, tokenize=True,
+                                      return_dict=True)["input_ids"]
+        for u in USER[:2]
+    ]  # fmt: skip
+    stops = stop_token_ids(tokenizer)
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    handler = Collect(level=logging.WARNING)
+    logging.getLogger("transformers").addHandler(handler)  # transformers' own loggers do not propagate to root
+    try:
+        out = generate_responses(model, prompts, MAX_NEW, stops, pad_token_id(tokenizer, stops))
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert len(out) == 2 and all(g.tokens for g in out)
+    assert not [m for m in seen if "min_length" in m or "min_new_tokens" in m], seen
+
+
 def contents(cfg) -> list[str]:
     return [line["messages"][-1]["content"] for line in read_lines(regen_output_path(cfg))]
 

@@ -5,7 +5,7 @@ every sample exactly once per epoch; a crash inside a checkpoint save leaves the
 checkpoint as `latest`, and the run resumes from it.
 
 Real DeepSpeed over gloo (2 Ray-actor ranks, and 1 rank in this process for the save crash) and
-a local Ray cluster started and stopped here, on the tiny target of tests/test_trainer.py.
+a local Ray cluster started and stopped here, on the tiny target of tests/helpers/tiny.py.
 Set DFLASH_TEST_KILL_STEP / DFLASH_TEST_KILL_RANK to replay a particular kill.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -33,22 +34,16 @@ from dflash_dist.orchestration.run_plan import PipelineError, decide_training, p
 from dflash_dist.trainer import checkpoint, resume
 from dflash_dist.trainer.checkpoint import ResumeError
 from dflash_dist.trainer.ds_config import planned_schedule
-from dflash_dist.trainer.loop import SAMPLE_LOG, TRAIN_LOG
+from dflash_dist.trainer.loop import TRAIN_LOG
 from dflash_dist.trainer.resume import check_resumable, decide, training_config_hash
 from dflash_dist.trainer.state import STATE_VERSION
-from tests import test_trainer
 from tests.conftest import REPO
-from tests.test_trainer import make_cfg, write_shards
-
-tiny = test_trainer.tiny  # the module fixture: a saved tiny target, its captured samples, provenance
+from tests.helpers.runs import consumed_per_epoch, read_jsonl
+from tests.helpers.tiny import make_cfg, write_shards
 
 NUM = 16  # 8 shards of 2: 4 per rank, 4 steps of 2x2 samples per epoch, nothing dropped
 STEPS = 16  # 4 epochs
 EVERY = 4  # checkpoint_every
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def fake_tag(ckpt_dir: Path, step: int, cfg: Config, world: int = 2, complete: bool = True) -> Path:
@@ -94,6 +89,27 @@ def test_latest_names_only_complete_tags_and_pruning_keeps_n(tmp_path):
     assert checkpoint.read_latest(ckpt) == "step_10"
     assert [p.name for p in checkpoint.tag_dirs(ckpt)] == ["step_6", "step_10"]  # old, torn and broken ones gone
     assert not list(ckpt.glob(".latest.tmp*"))
+
+
+def test_truncated_checkpoint_file_is_named_in_the_refusal(tmp_path):
+    """A file shorter than the marker records: `--resume auto` and `--resume PATH` name that file
+    and both sizes (a missing file too), not only the tag."""
+    cfg = Config()
+    cfg.run.out_dir = str(tmp_path)
+    ckpt = tmp_path / "checkpoints"
+    tag = fake_tag(ckpt, 2, cfg)
+    checkpoint.publish_latest(ckpt, tag.name)
+    states = tag / "mp_rank_00_model_states.pt"
+    states.write_bytes(b"x" * 40)
+    for mode in ("auto", str(tag)):
+        with pytest.raises(ResumeError, match=re.escape(f"{states} has 40 bytes, {checkpoint.MARKER} records 100")):
+            checkpoint.plan_resume(mode, ckpt)
+    states.unlink()
+    with pytest.raises(ResumeError, match=re.escape(f"{states} is listed in {checkpoint.MARKER} but cannot be read")):
+        checkpoint.plan_resume("auto", ckpt)
+    (tag / checkpoint.MARKER).write_text("{torn")
+    with pytest.raises(ResumeError, match=re.escape(f"{tag / checkpoint.MARKER} cannot be read")):
+        checkpoint.plan_resume("auto", ckpt)
 
 
 def test_resume_modes(tmp_path):
@@ -279,14 +295,6 @@ def start(cfg, tiny, shards, resume):
     return start_trainer_group(
         cfg, tiny["target_dir"], shards, tiny["prov"], tiny["drafter"], num_samples=NUM, resume=resume
     )
-
-
-def consumed_per_epoch(out: Path) -> dict[int, Counter]:
-    per: dict[int, Counter] = {}
-    for log in sorted((out / SAMPLE_LOG).glob("rank_*.jsonl")):
-        for row in read_jsonl(log):
-            per.setdefault(row["epoch"], Counter()).update(row["keys"])
-    return per
 
 
 @pytest.fixture(scope="module")

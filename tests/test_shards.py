@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import re
 import tarfile
 import threading
 import time
@@ -14,7 +15,6 @@ import pytest
 import torch
 
 from data_pipeline.provenance import (
-    SHARD_SCHEMA_VERSION,
     Provenance,
     ProvenanceMismatch,
     check_compatible,
@@ -23,51 +23,8 @@ from data_pipeline.provenance import (
 from data_pipeline.records import MANIFEST_NAME, TMP_PREFIX, Sample
 from data_pipeline.shard_reader import ShardStream, iter_shard_samples, read_manifest
 from data_pipeline.shard_writer import ShardWriter, mark_done
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def make_prov(**overrides) -> Provenance:
-    fields = dict(
-        schema_version=SHARD_SCHEMA_VERSION,
-        target_id="tiny-qwen3_5",
-        target_hash="ab" * 32,
-        layer_ids=(1, 2),
-        hidden_size=16,
-        dtype="bfloat16",
-        kernel_path="torch",
-        template_hash="tmpl-1",
-        torch_version="2.13.0",
-    )
-    fields.update(overrides)
-    return Provenance(**fields)
-
-
-def random_bits(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
-    """Arbitrary bit patterns (NaN payloads, -0, subnormals included) viewed as `dtype`."""
-    int_dtype = {2: torch.int16, 4: torch.int32}[torch.empty(0, dtype=dtype).element_size()]
-    info = torch.iinfo(int_dtype)
-    raw = torch.randint(info.min, info.max + 1, shape, dtype=torch.int64, generator=g)
-    return raw.to(int_dtype).view(dtype)
-
-
-def make_sample(key: str, prov: Provenance, T: int = 12, seed: int = 0, finite: bool = False, **meta) -> Sample:
-    """Random bits as features (NaN/Inf included: round trips), or with `finite` numbers the
-    stream hands out (it skips samples with NaN/Inf features)."""
-    g = torch.Generator().manual_seed(seed)
-    width = prov.feature_width
-    if finite:
-        features = torch.randn(T, width, generator=g).to(DTYPES[prov.dtype])
-    else:
-        features = random_bits((T, width), DTYPES[prov.dtype], g)
-    return Sample(
-        key=key,
-        input_ids=torch.randint(0, 250_000, (T,), dtype=torch.int32, generator=g),
-        loss_mask=torch.randint(0, 2, (T,), dtype=torch.uint8, generator=g),
-        features=features,
-        target_argmax=torch.randint(0, 250_000, (T,), dtype=torch.int32, generator=g),
-        meta=meta,
-    )
+from dflash_dist.config import Config
+from tests.helpers.shards import flip_member_byte, make_prov, make_sample, stream_keys
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -93,15 +50,6 @@ def write_shards(out: Path, prov: Provenance, prefix: str, n_shards: int, per_sh
                 keys.append(key)
             w.flush()
     return keys
-
-
-def stream_keys(stream: ShardStream, limit: int | None = None) -> list[str]:
-    out = []
-    for sample in stream:
-        out.append(sample.key)
-        if limit is not None and len(out) == limit:
-            break
-    return out
 
 
 def deadline(seconds: float):
@@ -423,17 +371,6 @@ def test_bytes_per_token_at_the_bench_shape(tmp_path: Path) -> None:
 # --- checksums ------------------------------------------------------------------------------
 
 
-def flip_member_byte(shard: Path, member: str) -> None:
-    """XOR the lowest bit of a member's last array element (little-endian: its low byte), in
-    place: the size stays, the value stays finite, only the checksum can tell."""
-    with tarfile.open(shard) as tar:
-        info = tar.getmember(member)
-    data = bytearray(shard.read_bytes())
-    itemsize = 2 if member.endswith("features.npy") else 4
-    data[info.offset_data + info.size - itemsize] ^= 0x01
-    shard.write_bytes(bytes(data))
-
-
 def test_manifest_lists_every_members_checksum(tmp_path: Path) -> None:
     from data_pipeline.checksums import digest_bytes
 
@@ -471,3 +408,49 @@ def test_flipped_byte_is_named_by_iter_shard_samples(tmp_path: Path, member: str
         next(samples)
     with pytest.raises(ChecksumMismatch, match=f"00000001.{member}"):
         list(iter_shard_samples(path, skip=1, record=record))
+
+
+@pytest.mark.parametrize("bad", ["../victim.txt", "/etc/passwd", "sub/m-000001.tar", "..", "m-000001.tar\x00x",
+                                 "m-000001.txt", "-000001.tar"])  # fmt: skip
+def test_manifest_name_outside_the_shard_pattern_is_refused_before_any_delete(tmp_path: Path, bad: str) -> None:
+    """A forged manifest line (the attacker also fixed its byte count) naming a file outside
+    shards/: with consumed_shards=delete after one epoch, the release refuses it naming
+    manifest.jsonl:line, and the file it names survives."""
+    from data_pipeline.disk_budget import BufferPolicy, release_consumed
+
+    shards = tmp_path / "shards"
+    write_shards(shards, make_prov(), "m", n_shards=2, per_shard=1)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not a shard")
+    line = json.loads((shards / MANIFEST_NAME).read_text().splitlines()[0])
+    line.update(name=bad, n_bytes=victim.stat().st_size)
+    with open(shards / MANIFEST_NAME, "a") as f:
+        f.write(json.dumps(line) + "\n")
+    cfg = Config()
+    cfg.capture.consumed_shards, cfg.train.epochs = "delete", 1
+    policy = BufferPolicy.from_config(cfg)
+    assert policy.delete_consumed
+    where = re.escape(f"{shards / MANIFEST_NAME}:3")
+    with pytest.raises(ValueError, match=rf"{where}: shard name .* is not a plain shard file name"):
+        release_consumed(shards, policy, [None], epoch=1)  # after the epoch: every listed shard is consumed
+    assert victim.read_text() == "not a shard"
+    assert sorted(p.name for p in shards.glob("*.tar")) == ["m-000000.tar", "m-000001.tar"]  # nothing deleted
+    with pytest.raises(ValueError, match=r":3: shard name"):
+        read_manifest(shards)  # and no reader opens it
+
+
+def test_released_record_names_are_validated_before_deleting(tmp_path: Path) -> None:
+    """released.json (what the trainer released) is read back before deleting: a forged name in it
+    is refused too, naming the file."""
+    from data_pipeline.disk_budget import BufferPolicy, release_consumed
+    from data_pipeline.records import RELEASED_NAME
+
+    shards = tmp_path / "shards"
+    write_shards(shards, make_prov(), "m", n_shards=1, per_shard=1)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not a shard")
+    (shards / RELEASED_NAME).write_text(json.dumps({"released": ["../victim.txt"]}) + "\n")
+    policy = BufferPolicy(cap_bytes=1 << 30, delete_consumed=True, stall_s=60.0)
+    with pytest.raises(ValueError, match=re.escape(f"{shards / RELEASED_NAME}: shard name '../victim.txt'")):
+        release_consumed(shards, policy, [None], epoch=1)
+    assert victim.exists() and (shards / "m-000000.tar").exists()

@@ -15,7 +15,7 @@ from dflash_dist.model.attention import FULL, SLIDING, block_mask_dense, block_m
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.export import export_drafter, load_drafter
 from dflash_dist.model.loss import Anchors, dflash_loss, sample_anchors
-from tests.test_drafter import _features, small_drafter
+from tests.helpers.drafter import context_features, small_drafter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 MIXED = (SLIDING, SLIDING, FULL)
@@ -51,7 +51,7 @@ def test_sliding_flex_and_dense_masks_agree():
 
 def test_window_cuts_context_and_block_is_causal():
     d = small_drafter(layer_types=(SLIDING, SLIDING), sliding_window=3)
-    f = _features(d, 1, 12)
+    f = context_features(d, 1, 12)
     base = d.draft_block(f[0], 3, 12)
     g = f.clone()
     g[0, 12 - 3] += 5.0  # position a-w: outside every slot's window (slot 0 sees a-2, a-1)
@@ -77,7 +77,7 @@ def test_training_logits_equal_inference_per_block():
     d = small_drafter(block=4, layer_types=MIXED, sliding_window=3)
     s = 30
     ids = torch.randint(0, 60, (2, s))
-    f = _features(d, 2, s)
+    f = context_features(d, 2, s)
     lm = torch.ones(2, s)
     anchors = sample_anchors(lm, 6, torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -100,7 +100,7 @@ def test_training_logits_equal_inference_per_block():
 
 def test_a_single_mask_is_refused_for_a_sliding_drafter():
     d = small_drafter(layer_types=MIXED, sliding_window=3)
-    f = _features(d, 1, 8)
+    f = context_features(d, 1, 8)
     mask = block_mask_dense(torch.tensor([[4]]), torch.tensor([[True]]), 8, 4)
     with pytest.raises(ValueError, match="one mask per layer type"):
         d(torch.zeros(1, 4, dtype=torch.long), torch.arange(4, 8)[None], d.fuse_context(f), torch.arange(8)[None], mask)
@@ -112,7 +112,7 @@ def test_sliding_drafter_trains_exports_and_reimports(tmp_path):
     d = small_drafter(block=4, layer_types=MIXED, sliding_window=3).train()
     s = 24
     ids = torch.randint(0, 60, (4, s))
-    f = _features(d, 4, s)
+    f = context_features(d, 4, s)
     lm = torch.ones(4, s)
     anchors = sample_anchors(lm, 6, torch.Generator().manual_seed(0))
     opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=3e-3)

@@ -18,7 +18,7 @@ from dflash_dist.actors.heartbeat import STALE_INTERVALS, Heartbeat, liveness, r
 from dflash_dist.trainer.metrics import Metrics
 from launcher import cli
 from launcher.status import collect
-from tests.test_shards import make_prov
+from tests.helpers.shards import make_prov
 
 
 def _sample(i: int, t: int = 24) -> Sample:
@@ -197,6 +197,25 @@ def test_a_failing_progress_callback_does_not_take_the_role_down(tmp_path):
         pass
     record = json.loads(beat.path.read_text())
     assert record["state"] == "finished" and "ZeroDivisionError" in record["info"]["info_error"]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"role": "trainer", "index": 0}', "heartbeat field 'pid' is None"),
+        ('["a", "list"]', "not a heartbeat record (a JSON list"),
+        ("\x00\x01 not json", "not a readable heartbeat record"),
+        (None, "heartbeat field 'updated' is 'yesterday'"),
+    ],
+)
+def test_status_names_a_malformed_heartbeat_and_exits_nonzero(run_dir, capsys, content, message):
+    path = run_dir / "heartbeat" / "trainer-0.json"
+    if content is None:  # every field there, one of the wrong type
+        content = json.dumps(json.loads(path.read_text()) | {"updated": "yesterday"})
+    path.write_text(content)
+    assert cli.main(["status", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"dflash-dist status: {path}: ") and message in err, err
 
 
 def test_status_shows_the_epoch_captured_and_the_epoch_trained_under_recapture(run_dir):

@@ -45,13 +45,10 @@ def write_samples(shard_dir: Path, per_shard: list[int]) -> list[str]:
 
 
 def source_cfg(out: Path, epochs: int, grad_accum: int):
-    from dflash_dist.config import Config
+    from tests.helpers.config import config_from
 
-    cfg = Config()
-    cfg.run.out_dir, cfg.run.seed = str(out), 0
-    cfg.train.epochs, cfg.train.grad_accum, cfg.train.micro_batch_size, cfg.train.num_anchors = epochs, grad_accum, 1, 4
-    cfg.train.packing = False
-    return cfg
+    train = {"epochs": epochs, "grad_accum": grad_accum, "micro_batch_size": 1, "num_anchors": 4, "packing": False}
+    return config_from({"run": {"out_dir": str(out), "seed": 0}, "target": {"kind": "tiny_stdlib"}, "train": train})
 
 
 def rank_main(spec_path: str) -> None:

@@ -23,126 +23,20 @@ import torch
 
 from data_pipeline.records import Sample
 from data_pipeline.shard_writer import ShardWriter, mark_done
-from dflash_dist.actors.ports import free_ports
-from dflash_dist.actors.trainer_group import WorkerInfo, default_extensions_dir, rank_environment
-from dflash_dist.config import Config
-from dflash_dist.model.capture import capture_features
-from dflash_dist.model.config import build_target_layer_ids
+from dflash_dist.actors.trainer_group import WorkerInfo, rank_environment
 from dflash_dist.model.drafter import DFlashDrafter
 from dflash_dist.model.export import load_drafter
-from dflash_dist.target.loading import drafter_config_for, load_embeddings, provenance_for, target_identity
-from dflash_dist.tools.demo import DemoConfig, tiny_qwen35_target
+from dflash_dist.target.loading import load_embeddings
 from dflash_dist.trainer.batching import batch_anchors, collate
 from dflash_dist.trainer.ds_config import WarmupCosine, deepspeed_config, total_train_steps
 from tests.conftest import reset_deepspeed_groups
-
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())  # the shm op compiles once
-
-NUM_SAMPLES = 18  # 9 shards of 2: rank 0 gets 5 shards, rank 1 gets 4 -> rank 0 trains its last 2 alone
-PER_SHARD = 2
-DEMO = DemoConfig(num_prompts=NUM_SAMPLES, prompt_len=12, new_tokens=20, k=3)
-
-
-def make_cfg(out: Path, target_dir: Path, **train) -> Config:
-    cfg = Config()
-    cfg.run.out_dir = str(out)
-    cfg.run.seed = 0
-    cfg.target.kind, cfg.target.path, cfg.target.dtype = "hf", str(target_dir), "float32"
-    cfg.capture.num_layers = DEMO.k
-    d = cfg.drafter
-    d.num_layers, d.num_heads, d.num_kv_heads, d.head_dim, d.block_size = 1, 4, 2, 16, 4
-    t = cfg.train
-    t.world_size, t.zero_stage, t.micro_batch_size, t.lr, t.warmup_frac = 2, 2, 2, 5e-3, 0.1
-    t.epochs, t.num_anchors, t.checkpoint_every, t.keep_checkpoints, t.log_every = 3, 16, 4, 2, 1
-    t.cpus_per_rank = 0.5
-    for k, v in train.items():
-        setattr(t, k, v)
-    return cfg
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A saved tiny target, its captured samples (variable lengths), provenance and drafter shape."""
-    root = tmp_path_factory.mktemp("trainer")
-    target = tiny_qwen35_target(DEMO)
-    target_dir = root / "target"
-    target.save_pretrained(target_dir)
-    mask_id = DEMO.vocab_size - 1
-    # equal-length prompts and one batched greedy generate (demo.make_data goes prompt by prompt)
-    g = torch.Generator().manual_seed(DEMO.seed + 2)
-    prompts = torch.randint(0, mask_id, (NUM_SAMPLES, DEMO.prompt_len), generator=g)
-    with torch.no_grad():
-        ids = target.generate(
-            prompts,
-            attention_mask=torch.ones_like(prompts),
-            max_new_tokens=DEMO.new_tokens,
-            min_new_tokens=DEMO.new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-        )
-    loss_mask = torch.zeros_like(ids)
-    loss_mask[:, DEMO.prompt_len :] = 1
-    cap = capture_features(target, ids, build_target_layer_ids(DEMO.target_layers, DEMO.k))
-    samples = []
-    for i in range(NUM_SAMPLES):
-        t = ids.shape[1] - 3 * (i % 3)  # unequal lengths exercise padding
-        samples.append(
-            Sample(
-                key=f"s{i:03d}",
-                input_ids=ids[i, :t].int(),
-                loss_mask=loss_mask[i, :t].to(torch.uint8),
-                features=cap.features[i, :t].contiguous(),
-                target_argmax=cap.target_argmax[i, :t].int(),
-            )
-        )
-    cfg = make_cfg(root / "unused", target_dir)
-    prov = provenance_for(target_identity(cfg, target_dir), target, template_hash="test-template")
-    dc = drafter_config_for(cfg, target_dir, mask_token_id=mask_id)
-    return {"root": root, "target_dir": target_dir, "samples": samples, "prov": prov, "drafter": dc}
-
-
-def write_shards(shard_dir: Path, prov, samples, done: bool) -> None:
-    with ShardWriter(shard_dir, prov, prefix="cap") as w:
-        for i, s in enumerate(samples):
-            w.write(s)
-            if i % PER_SHARD == PER_SHARD - 1:
-                w.flush()
-    if done:
-        mark_done(shard_dir)
-
-
-def free_port() -> int:
-    return free_ports(1, "127.0.0.1")[0]
-
-
-def histograms(tb_dir: Path) -> dict[str, list[tuple[int, float, float, float]]]:
-    """tag -> [(step, count, min, max)] of every TensorBoard histogram."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(tb_dir), size_guidance={"histograms": 0})
-    acc.Reload()
-    return {
-        tag: [
-            (e.step, e.histogram_value.num, e.histogram_value.min, e.histogram_value.max)
-            for e in acc.Histograms(tag)
-        ]
-        for tag in acc.Tags()["histograms"]
-    }
+from tests.helpers.procs import free_port
+from tests.helpers.tb import histograms, scalars
+from tests.helpers.tiny import NUM_SAMPLES, PER_SHARD, make_cfg, write_shards
 
 
 def trainable_count(drafter_cfg) -> int:
     return sum(1 for n, _ in DFlashDrafter(drafter_cfg).named_parameters() if n not in DFlashDrafter.TARGET_KEYS)
-
-
-def scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 # ---------------------------------------------------------------------------- pure pieces
@@ -280,9 +174,9 @@ def test_packed_run_follows_an_lr_schedule_over_samples_and_resumes_it(tiny, tmp
     shards = tmp_path / "shards"
     write_shards(shards, tiny["prov"], tiny["samples"], done=True)
     out = tmp_path / "run"
-    cfg = make_cfg(out, tiny["target_dir"], world_size=1, micro_batch_size=1, packing=True, micro_batch_tokens=64,
-                   epochs=3, checkpoint_every=8, keep_checkpoints=10, lr=5e-3, warmup_frac=0.1)  # fmt: skip
-    cfg.data.max_length = 32
+    cfg = make_cfg(out, tiny["target_dir"], "data.max_length=32", world_size=1, micro_batch_size=1, packing=True,
+                   micro_batch_tokens=64, epochs=3, checkpoint_every=8, keep_checkpoints=10, lr=5e-3,
+                   warmup_frac=0.1)  # fmt: skip
     assert cfg.pack_tokens() == 64 and cfg.schedule_unit() == "sample"
     job = train_job(cfg, tiny["target_dir"], shards, tiny["prov"], tiny["drafter"], num_samples=NUM_SAMPLES)
     assert (job.total_steps, job.schedule_unit) == (3 * NUM_SAMPLES, "sample")
@@ -480,8 +374,8 @@ def test_unreadable_shard_fails_the_run_or_is_accounted_within_the_allowed_fract
     assert not (out / "checkpoints" / "latest").exists()  # failed before its first checkpoint
 
     out = tmp_path / "run2"
-    cfg = make_cfg(out, tiny["target_dir"], zero_stage=2, epochs=2, checkpoint_every=100, log_every=2)
-    cfg.data.max_lost_fraction = 0.25  # 4 of 36 planned samples are lost
+    cfg = make_cfg(out, tiny["target_dir"], "data.max_lost_fraction=0.25", zero_stage=2, epochs=2,
+                   checkpoint_every=100, log_every=2)  # 4 of 36 planned samples are lost
     group = start_trainer_group(cfg, tiny["target_dir"], shards, tiny["prov"], tiny["drafter"], num_samples=NUM_SAMPLES)
     results = group.wait(timeout_s=300)
     assert all(r.epochs_completed == 2 for r in results)

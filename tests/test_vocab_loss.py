@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_flatten
 
 from dflash_dist.model.loss import Anchors, dflash_loss
 from dflash_dist.model.vocab_loss import ChunkedLMHeadCE, default_chunk_rows, lm_head_cross_entropy
-from tests.test_drafter import small_drafter
+from tests.helpers.drafter import small_drafter
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -17,9 +17,6 @@ from torch import nn
 from dflash_dist.config import load_config
 from dflash_dist.trainer import zero_step
 from dflash_dist.trainer.ds_config import build_lr_schedule, build_optimizer, deepspeed_config
-from tests import test_trainer
-
-tiny = test_trainer.tiny  # the module fixture of the 2-rank test: a saved tiny target and its samples
 
 CLIP = 0.05  # far below the gradient norm of the first steps: the clip is active
 
@@ -204,8 +201,8 @@ def test_two_rank_zero2_run_with_the_lean_step_follows_the_pinned_curve(tiny, tm
     train.optimizer_step=lean: the pinned losses within the gate's 1e-6 (the norm sums in fp32, not fp64)."""
     from dflash_dist.actors.trainer_group import start_trainer_group
     from dflash_dist.trainer.loop import TRAIN_LOG
-    from tests import test_loss_curve as lc
-    from tests.test_trainer import make_cfg, write_shards
+    from tests.helpers import loss_curve as lc
+    from tests.helpers.tiny import make_cfg, write_shards
 
     shards = tmp_path / "shards"
     write_shards(shards, tiny["prov"], tiny["samples"][: lc.NUM], done=True)

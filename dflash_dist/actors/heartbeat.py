@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import math
 import os
 import socket
 import threading
@@ -21,6 +23,7 @@ from typing import Any
 
 from data_pipeline.durable_files import write_text_atomic
 
+log = logging.getLogger(__name__)
 HEARTBEAT_DIR = "heartbeat"
 INTERVAL_S = 5.0
 STALE_INTERVALS = 3  # a running record older than this many intervals is "lost"
@@ -48,6 +51,7 @@ class Heartbeat:
             "role": role,
             "index": index,
             "pid": os.getpid(),
+            "proc_start": process_start(os.getpid()),  # with the pid, names this process (forward_notice checks it)
             "host": socket.gethostname(),
             "started": time.time(),
             "interval_s": interval_s,
@@ -85,17 +89,64 @@ class Heartbeat:
             write_text_atomic(self.path, json.dumps(record, sort_keys=True) + "\n")
 
 
-def read_heartbeats(out_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every role's last record, ordered by role then index (unreadable files are skipped: a
-    record is replaced atomically, so that means someone else's file)."""
+def process_start(pid: int) -> str | None:
+    """The kernel's start time of process `pid` (clock ticks after boot: /proc/<pid>/stat field
+    22), which with the pid names one process for the whole boot (a reused pid starts later).
+    None: no such process (or no /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # after the command name, which may hold spaces
+
+
+_FIELDS: dict[str, tuple[type, ...]] = {
+    "role": (str,), "index": (int,), "pid": (int,), "host": (str,), "state": (str,),
+    "updated": (int, float), "interval_s": (int, float), "info": (dict,), "error": (str, type(None)),
+}  # fmt: skip
+STATES = ("running", "finished", "failed")
+
+
+def check_record(record: Any, where: str) -> dict[str, Any]:
+    """`record` if it has a heartbeat's shape (the fields status and the preemption forwarder
+    read, with their types and ranges), else a ValueError naming `where` and the field."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: not a heartbeat record (a JSON {type(record).__name__}, expected an object)")
+    for name, types in _FIELDS.items():
+        value = record.get(name)
+        if name not in record or not isinstance(value, types) or isinstance(value, bool):
+            expected = " or ".join(t.__name__ for t in types)
+            raise ValueError(f"{where}: heartbeat field {name!r} is {value!r}, expected {expected}")
+    if record["role"] not in ROLES or record["state"] not in STATES:
+        raise ValueError(
+            f"{where}: heartbeat role/state {record['role']!r}/{record['state']!r} is not one of {ROLES}/{STATES}"
+        )
+    if record["index"] < 0 or not math.isfinite(record["updated"]) or not 0 < record["interval_s"] < math.inf:
+        raise ValueError(
+            f"{where}: heartbeat index, updated or interval_s out of range "
+            f"({record['index']!r}, {record['updated']!r}, {record['interval_s']!r})"
+        )
+    return record
+
+
+def read_heartbeats(out_dir: str | os.PathLike[str], skip_bad: bool = False) -> list[dict[str, Any]]:
+    """Every role's last record, ordered by role then index. A record is replaced atomically, so
+    an unreadable or malformed one was not written by a role: a ValueError naming the file
+    (`skip_bad`: logged and left out, for the preemption forwarder, which must reach the rest)."""
     records = []
     for f in sorted((Path(out_dir) / HEARTBEAT_DIR).glob("*.json")):
         try:
-            records.append(json.loads(f.read_text()))
-        except (OSError, ValueError):
-            continue
+            try:
+                record = json.loads(f.read_text())
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{f}: not a readable heartbeat record ({e}); remove the file") from None
+            records.append(check_record(record, str(f)))
+        except ValueError as e:
+            if not skip_bad:
+                raise
+            log.warning("%s", e)
     order = {r: i for i, r in enumerate(ROLES)}
-    return sorted(records, key=lambda r: (order.get(r.get("role"), len(ROLES)), r.get("index", 0)))
+    return sorted(records, key=lambda r: (order[r["role"]], r["index"]))
 
 
 def liveness(record: dict[str, Any], now: float | None = None) -> str:

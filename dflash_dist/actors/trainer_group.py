@@ -118,7 +118,6 @@ def run_rank(cfg_dict: dict, job: TrainJob, env: dict[str, str], extensions_dir:
     and an srun task (launcher/slurm_train.py) both call it."""
     os.environ.update(env)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir)
-    import deepspeed
     import torch
     import torch.distributed as dist
 
@@ -128,9 +127,7 @@ def run_rank(cfg_dict: dict, job: TrainJob, env: dict[str, str], extensions_dir:
     on_gpu = env["DS_ACCELERATOR"] == "cuda"
     if not on_gpu:
         torch.set_num_threads(1)
-    deepspeed.init_distributed(
-        dist_backend="nccl" if on_gpu else "gloo", auto_mpi_discovery=False, dist_init_required=True
-    )
+    join_group(env, on_gpu)
     from dflash_dist.logging_setup import setup_logging
 
     setup_logging("trainer", rank)  # the trainer's INFO lines (steps, epochs, resume, preemption) reach the driver
@@ -146,6 +143,19 @@ def run_rank(cfg_dict: dict, job: TrainJob, env: dict[str, str], extensions_dir:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def join_group(env: dict[str, str], on_gpu: bool) -> None:
+    """Join the ranks' process group (gloo on CPU, NCCL on GPU) through our own rendezvous, whose
+    store listens on MASTER_ADDR only (rendezvous.py), then let DeepSpeed adopt the group."""
+    import deepspeed
+    from deepspeed.constants import default_pg_timeout
+
+    from dflash_dist.actors.rendezvous import init_process_group
+
+    backend = "nccl" if on_gpu else "gloo"
+    init_process_group(env, backend, default_pg_timeout)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
 
 class TrainerGroupError(RuntimeError):

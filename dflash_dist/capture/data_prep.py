@@ -1,9 +1,10 @@
 """Resolve and ingest the run's conversations before anything else runs: the user's source
 (JSONL, Parquet or a saved HF dataset; OpenAI `messages` or ShareGPT `conversations`), or for
-the tiny_stdlib target the project's own stdlib-code conversations. Each split is validated,
-length-checked with the target's tokenizer under the data.* policies, and written as a
-normalized `messages` JSONL plus a counts file under <out>/data/; a bad input stops the run
-here (a ConfigError naming file and line or row) before any shard is written."""
+the project's own targets their code conversations (tiny_stdlib: from the stdlib; code_lm: from
+its corpus, cut longer). Each split is validated, length-checked with the target's tokenizer
+under the data.* policies, and written as a normalized `messages` JSONL plus a counts file under
+<out>/data/; a bad input stops the run here (a ConfigError naming file and line or row) before
+any shard is written."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 from data_pipeline.ledger import CaptureData
 from dflash_dist.config import Config, ConfigError
 
-DEFAULT_TINY_TRAIN_SAMPLES = 400
+DEFAULT_OWN_TRAIN_SAMPLES = 400  # the project's own targets' chats when data.max_train_samples is unset
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,8 @@ def ingest_data(cfg: Config, tokenizer=None) -> dict[str, tuple[list, Any]]:
     from data_pipeline.ingest import DataError, IngestPolicy, ingest
 
     train, heldout = data_sources(cfg)
-    if cfg.target.kind == "tiny_stdlib":
-        train, heldout = _tiny_stdlib_sources(cfg, train, heldout)
+    if cfg.target.kind != "hf":
+        train, heldout = _generated_sources(cfg, train, heldout)
     if train is None:
         raise ConfigError("data.train_path is not set")
     if cfg.eval.enabled and heldout is None:
@@ -104,15 +105,22 @@ def write_data(cfg: Config, splits: dict[str, tuple[list, Any]]) -> tuple[Path, 
     return outputs["train"], outputs.get("eval")
 
 
-def _tiny_stdlib_sources(cfg: Config, train: Path | None, heldout: Path | None) -> tuple[Path, Path]:
-    """The project's generated stdlib conversations where the config gives none (written once)."""
-    from dflash_dist.target.stdlib_corpus import write_chat_jsonl
+def _generated_sources(cfg: Config, train: Path | None, heldout: Path | None) -> tuple[Path, Path]:
+    """The project's generated code conversations where the config gives none (written once):
+    train from the target corpus' train split, held-out prompts from its held-out files."""
+    if cfg.target.kind == "code_lm":
+        from dflash_dist.target.code_corpus import corpus_chat_writer
+        from dflash_dist.target.code_target import preset_settings
+
+        write_chat_jsonl = corpus_chat_writer(preset_settings(cfg.target.preset).max_files)
+    else:
+        from dflash_dist.target.stdlib_corpus import write_chat_jsonl
 
     data_dir = cfg.out / "data"
     if train is None:
         train = data_dir / "train.jsonl"
         if not train.exists():
-            write_chat_jsonl(train, "train", cfg.data.max_train_samples or DEFAULT_TINY_TRAIN_SAMPLES, cfg.run.seed)
+            write_chat_jsonl(train, "train", cfg.data.max_train_samples or DEFAULT_OWN_TRAIN_SAMPLES, cfg.run.seed)
     if heldout is None:
         heldout = data_dir / "eval.jsonl"
         if not heldout.exists():

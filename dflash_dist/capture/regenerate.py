@@ -37,7 +37,7 @@ from dflash_dist.config import Config, ConfigError
 from dflash_dist.logging_setup import progress
 from dflash_dist.model.capture import check_kernel_path
 from dflash_dist.target.generation import generate_responses, pad_token_id, stop_token_ids
-from dflash_dist.target.loading import load_target, resolve_target_dir
+from dflash_dist.target.loading import load_target, resolve_target_dir, target_id
 
 PROVENANCE_SCHEMA = 1
 log = logging.getLogger(__name__)
@@ -469,7 +469,7 @@ def _input_path(cfg: Config) -> Path:
     train, _ = data_sources(cfg)
     if train is not None:
         return train
-    if cfg.target.kind == "tiny_stdlib":  # the project's own stdlib conversations, made and ingested once
+    if cfg.target.kind != "hf":  # the project's own code conversations, made and ingested once
         return prepare_data(cfg)[0]
     raise ConfigError("regen.input (or data.train_path) is not set: which conversations to regenerate")
 
@@ -486,7 +486,7 @@ def _target_generator(cfg: Config, sampling: Sampling) -> tuple[TargetGenerator,
         raise RegenError(f"target {target_dir}: {err}") from None
     generator = TargetGenerator(model, tokenizer, encoder, sampling, cfg.regen.batch_size)
     identity = {
-        "id": cfg.target.path if cfg.target.kind == "hf" else f"tiny_stdlib:{target_dir.name}",
+        "id": target_id(cfg, target_dir),
         "weights_sha256": hash_weight_files(target_dir),
         "template_hash": template_hash(tokenizer, cfg.data.enable_thinking),
         "eos_token_ids": generator.eos_ids,

@@ -11,7 +11,8 @@ is loaded once, the way capture loads it, so its Provenance (target, layers, dty
 path, template) is computed, not assumed: a drafter trained on features of another origin is
 refused instead of scored. The target's greedy continuation of every held-out prompt and the
 target features of prompt+continuation do not depend on the checkpoint, so they are computed
-once and reused; each checkpoint then costs only drafter forwards.
+once (while the evaluator waits for the first export) and reused; each checkpoint then costs only
+drafter forwards.
 
 Files under the run directory `<out>`:
   export/step_N/{config.json, model.safetensors}  read: written atomically by the trainer
@@ -416,6 +417,9 @@ class Evaluator:
                 continue
             if should_stop(finished, final_step, set(self.done)):
                 return evaluated
+            if not finished and self._refs is None:
+                self.references()  # idle before the first export: the work no checkpoint changes, now
+                continue
             if finished and final_step is not None:
                 missing_since = missing_since or time.time()
                 if time.time() - missing_since > final_export_timeout_s:

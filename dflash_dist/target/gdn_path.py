@@ -12,6 +12,10 @@ one that sends CPU tensors to transformers' own torch reference (the function it
 everything else to the implementation transformers picked. Accelerator forwards are unchanged and
 `model.capture.gdn_kernel_path` still reads the picked implementation (the `implementation` name
 of the closure, as transformers' own wrapper has it).
+
+Training a hybrid target on a GPU is the other case: fla 0.6.0 with Triton 3.6 refuses its GDN
+backward on Hopper. `fla_gdn_backward_error` asks fla on the device, and `torch_gdn_kernels()`
+sends every call to transformers' torch code while the training loop runs (code_target.py).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from dflash_dist.model.capture import _resolved_impl
 
@@ -108,3 +113,48 @@ def selected_implementation(module, name: str = "torch_chunk_gated_delta_rule") 
     "transformers..."), looking through our CPU routing."""
     impl = _resolved_impl(module.__dict__[name])
     return getattr(impl, "__module__", "") or ""
+
+
+@contextmanager
+def torch_gdn_kernels() -> Iterator[list[str]]:
+    """Inside: every GDN/conv kernel transformers selected, in every loaded modeling module, is
+    its torch reference for all tensors, CUDA ones too; restored on exit. For training a hybrid
+    target on a GPU where fla refuses its backward (PLATFORM.md: fla 0.6.0 with Triton 3.6 on
+    Hopper); the forward-only users (capture, evaluation) keep fla. Yields the swapped names."""
+    saved = []
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not mod_name.startswith("transformers.models.") or ".modeling_" not in mod_name:
+            continue
+        for name in ROUTED_NAMES:
+            fn = mod.__dict__.get(name)
+            reference = _reference_of(fn) if callable(fn) else None
+            if reference is not None and reference is not fn:
+                saved.append((mod, name, fn))
+                setattr(mod, name, reference)
+    try:
+        yield [f"{mod.__name__}.{name}" for mod, name, _ in saved]
+    finally:
+        for mod, name, fn in reversed(saved):
+            setattr(mod, name, fn)
+
+
+def fla_gdn_backward_error(device) -> str | None:
+    """None when fla's chunked Gated DeltaNet runs forward and backward on `device`, else why not
+    (fla missing, no Triton, or fla's own refusal of its backward on this GPU and Triton)."""
+    import torch
+    import torch.nn.functional as F
+
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        shape = (1, 64, 2, 64)  # batch, time, heads, head dim
+        q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        g = F.logsigmoid(torch.randn(shape[:3], device=device)).requires_grad_()
+        beta = torch.rand(shape[:3], device=device, dtype=torch.bfloat16).requires_grad_()
+        out, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        out.float().sum().backward()
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as err:  # noqa: BLE001 (any failure means: do not train through fla here)
+        return f"{type(err).__name__}: {err}"[:500]
+    return None

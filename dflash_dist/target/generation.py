@@ -69,8 +69,7 @@ def greedy_generation_config(max_new_tokens: int, stop_ids: tuple[int, ...], pad
     explicitly (None would be filled from the checkpoint)."""
     return GenerationConfig(
         max_new_tokens=max_new_tokens,
-        min_length=0,
-        min_new_tokens=0,
+        min_length=0,  # no minimum; min_new_tokens stays unset (both set: transformers warns on every call)
         do_sample=False,
         num_beams=1,
         num_beam_groups=1,

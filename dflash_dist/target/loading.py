@@ -5,6 +5,7 @@ it, and the provenance every shard and evaluator compares."""
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,12 +23,22 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def resolve_target_dir(cfg: Config) -> Path:
-    """The target's HF directory; the tiny_stdlib target is built (once, cached) on first use."""
+    """The target's HF directory; the project's own targets (tiny_stdlib, code_lm) are built
+    (once, cached) on first use."""
     if cfg.target.kind == "tiny_stdlib":
         from dflash_dist.target.tiny_target import build_tiny_target
 
         return build_tiny_target(cfg.target.path)
+    if cfg.target.kind == "code_lm":
+        from dflash_dist.target.code_target import build_code_target
+
+        return build_code_target(cfg.target.path, cfg.target.preset, log=logging.getLogger(__name__).info)
     return Path(cfg.target.path)
+
+
+def target_id(cfg: Config, target_dir: Path) -> str:
+    """How shards, plans and regenerated data name the target: its path, or `<kind>:<directory name>`."""
+    return str(cfg.target.path) if cfg.target.kind == "hf" else f"{cfg.target.kind}:{Path(target_dir).name}"
 
 
 def target_device(cfg: Config) -> torch.device:
@@ -158,8 +169,7 @@ class TargetIdentity:
 
 def target_identity(cfg: Config, target_dir: Path) -> TargetIdentity:
     t = target_config_dict(target_dir)
-    target_id = cfg.target.path if cfg.target.kind == "hf" else f"tiny_stdlib:{Path(target_dir).name}"
-    return TargetIdentity(str(target_dir), str(target_id), hash_weight_files(target_dir),
+    return TargetIdentity(str(target_dir), target_id(cfg, target_dir), hash_weight_files(target_dir),
                           tuple(layer_ids_for(cfg, t["num_hidden_layers"])), t["hidden_size"], cfg.target.dtype)
 
 

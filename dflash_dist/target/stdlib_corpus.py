@@ -1,9 +1,12 @@
-"""The Python standard library's own source as a corpus present on every machine.
+"""The Python standard library's own source as a corpus present on every machine, and the
+source-corpus pieces the project's learned targets share (file records, the split, chat samples).
 
-The tiny default target (``tiny_target.py``) is trained on it and its chat data is cut from it,
-so a fresh checkout can train and evaluate a drafter without downloading anything. Everything
-here is deterministic: the file list is sorted, the train/heldout split hashes the relative path,
-and sampling uses a seeded ``random.Random``.
+The tiny default target (``tiny_target.py``) is trained on the stdlib and its chat data is cut
+from it, so a fresh checkout can train and evaluate a drafter without downloading anything; the
+mid-size code target (``code_corpus.py``, ``code_target.py``) adds installed packages' sources
+and cuts longer chats with the same code. Everything here is deterministic: file lists are
+sorted, the train/heldout split hashes the relative path, and sampling uses a seeded
+``random.Random``.
 """
 
 from __future__ import annotations
@@ -43,19 +46,30 @@ EXCLUDED_DIRS = frozenset(
 EXCLUDED_NAME_PREFIXES = ("_sysconfigdata", "test_")
 HELDOUT_PER_MILLE = 100  # 10% of files are held out
 
-# Chat sample shape: a prompt of whole source lines, then the next lines as the response.
-# Character caps (and ASCII only) keep prompt + response around 64-200 tokens of the tiny tokenizer.
-PROMPT_LINES = (4, 12)
-RESPONSE_LINES = (2, 8)
-PROMPT_MAX_CHARS = 260
-RESPONSE_MAX_CHARS = 160
-MIN_RESPONSE_CHARS = 40
-WINDOW_STRIDE_LINES = 16
+
+@dataclass(frozen=True)
+class ChatShape:
+    """How a code-continuation chat is cut: a prompt of whole source lines, then the next lines
+    as the response; line counts drawn from the ranges, then capped by characters."""
+
+    prompt_lines: tuple[int, int]
+    response_lines: tuple[int, int]
+    prompt_max_chars: int
+    response_max_chars: int
+    min_response_chars: int
+    window_stride_lines: int = 16  # a window may start every this many lines of a file
+
+
+# The tiny target's: caps (and ASCII only) keep prompt + response around 64-200 tokens of the tiny tokenizer.
+TINY_CHAT = ChatShape(
+    prompt_lines=(4, 12), response_lines=(2, 8), prompt_max_chars=260, response_max_chars=160, min_response_chars=40
+)
 
 
 @dataclass(frozen=True)
-class StdlibFile:
-    """One corpus file: ``relpath`` (posix, relative to the stdlib root) names it everywhere."""
+class SourceFile:
+    """One corpus file: ``relpath`` (posix; relative to the stdlib root, or to the directory
+    holding an installed package) names it everywhere, the split included."""
 
     relpath: str
     path: Path
@@ -83,10 +97,14 @@ def _excluded(relparts: tuple[str, ...]) -> bool:
     return any(part in EXCLUDED_DIRS or part.startswith("config-") for part in relparts[:-1])
 
 
-def list_stdlib_files(root: Path | None = None, split: Split | None = None) -> list[StdlibFile]:
-    """All corpus ``.py`` files under ``root`` sorted by relpath, optionally one split only."""
+def check_split(split: Split | None) -> None:
     if split is not None and split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+
+
+def list_stdlib_files(root: Path | None = None, split: Split | None = None) -> list[SourceFile]:
+    """All corpus ``.py`` files under ``root`` sorted by relpath, optionally one split only."""
+    check_split(split)
     root = stdlib_root() if root is None else Path(root)
     if not root.is_dir():
         raise ValueError(f"stdlib directory {root} does not exist")
@@ -102,12 +120,12 @@ def list_stdlib_files(root: Path | None = None, split: Split | None = None) -> l
                 continue
             relpath = "/".join(relparts)
             if split is None or split_of(relpath) == split:
-                files.append(StdlibFile(relpath=relpath, path=path))
+                files.append(SourceFile(relpath=relpath, path=path))
     files.sort(key=lambda f: f.relpath)
     return files
 
 
-def read_source(file: StdlibFile) -> str | None:
+def read_source(file: SourceFile) -> str | None:
     """The file's text, or None if it is not UTF-8 (a few legacy files are not)."""
     try:
         return file.path.read_text(encoding="utf-8")
@@ -115,7 +133,7 @@ def read_source(file: StdlibFile) -> str | None:
         return None
 
 
-def iter_sources(files: list[StdlibFile]) -> Iterator[tuple[StdlibFile, str]]:
+def iter_sources(files: list[SourceFile]) -> Iterator[tuple[SourceFile, str]]:
     """(file, text) for every readable file, in the given order."""
     for file in files:
         text = read_source(file)
@@ -123,7 +141,7 @@ def iter_sources(files: list[StdlibFile]) -> Iterator[tuple[StdlibFile, str]]:
             yield file, text
 
 
-def corpus_hash(files: list[StdlibFile]) -> str:
+def corpus_hash(files: list[SourceFile]) -> str:
     """sha256 over relpaths and contents: names the exact corpus a model was trained on."""
     digest = hashlib.sha256()
     for file in files:
@@ -145,28 +163,36 @@ def _take_lines(lines: list[str], start: int, count: int, max_chars: int) -> lis
 
 
 def code_chat_samples(split: Split, max_samples: int, seed: int) -> list[dict]:
-    """Chat conversations continuing stdlib code: user shows lines, assistant gives the next.
+    """The tiny target's chats: ``chat_samples`` over the stdlib files of ``split``."""
+    check_split(split)
+    sources = [(f.relpath, text) for f, text in iter_sources(list_stdlib_files(split=split))]
+    return chat_samples(sources, max_samples, seed, TINY_CHAT)
 
-    Windows start every WINDOW_STRIDE_LINES lines of every file of the split; a seeded shuffle
-    picks which ones (and their lengths), so the samples spread over the whole split.
+
+def chat_samples(sources: list[tuple[str, str]], max_samples: int, seed: int, shape: ChatShape) -> list[dict]:
+    """Chat conversations continuing code: user shows lines, assistant gives the next.
+
+    ``sources`` are (relpath, text) pairs. Windows start every ``shape.window_stride_lines``
+    lines of every file; a seeded shuffle picks which ones (and their lengths), so the samples
+    spread over all the files.
     """
     if max_samples < 0:
         raise ValueError(f"max_samples must be >= 0, got {max_samples}")
     rng = random.Random(seed)
-    sources = [(f.relpath, text.splitlines(keepends=True)) for f, text in iter_sources(list_stdlib_files(split=split))]
+    lined = [(relpath, text.splitlines(keepends=True)) for relpath, text in sources]
     windows = [
-        (i, start) for i, (_, lines) in enumerate(sources) for start in range(0, len(lines), WINDOW_STRIDE_LINES)
+        (i, start) for i, (_, lines) in enumerate(lined) for start in range(0, len(lines), shape.window_stride_lines)
     ]
     rng.shuffle(windows)
     samples: list[dict] = []
     for file_index, start in windows:
         if len(samples) >= max_samples:
             break
-        relpath, lines = sources[file_index]
-        prompt = _take_lines(lines, start, rng.randint(*PROMPT_LINES), PROMPT_MAX_CHARS)
-        response = _take_lines(lines, start + len(prompt), rng.randint(*RESPONSE_LINES), RESPONSE_MAX_CHARS)
+        relpath, lines = lined[file_index]
+        prompt = _take_lines(lines, start, rng.randint(*shape.prompt_lines), shape.prompt_max_chars)
+        response = _take_lines(lines, start + len(prompt), rng.randint(*shape.response_lines), shape.response_max_chars)
         prompt_text, response_text = "".join(prompt).rstrip("\n"), "".join(response).rstrip("\n")
-        if not prompt_text.strip() or len(response_text.strip()) < MIN_RESPONSE_CHARS:
+        if not prompt_text.strip() or len(response_text.strip()) < shape.min_response_chars:
             continue
         if not (prompt_text.isascii() and response_text.isascii()):
             continue  # non-ASCII text costs several byte tokens per character
@@ -178,10 +204,14 @@ def code_chat_samples(split: Split, max_samples: int, seed: int) -> list[dict]:
     return samples
 
 
-def write_chat_jsonl(path: str | os.PathLike, split: Split, max_samples: int, seed: int) -> int:
-    """Write ``code_chat_samples`` as JSONL atomically (temp file + rename); returns the count."""
+def write_samples_jsonl(path: str | os.PathLike, samples: list[dict]) -> int:
+    """Write chat samples as JSONL atomically (temp file + rename); returns the count."""
     path = Path(path)
-    samples = code_chat_samples(split, max_samples, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, "".join(json.dumps(sample, ensure_ascii=False) + "\n" for sample in samples))
     return len(samples)
+
+
+def write_chat_jsonl(path: str | os.PathLike, split: Split, max_samples: int, seed: int) -> int:
+    """Write ``code_chat_samples`` as JSONL atomically (temp file + rename); returns the count."""
+    return write_samples_jsonl(path, code_chat_samples(split, max_samples, seed))

@@ -65,20 +65,31 @@ def tag_dirs(ckpt_dir: Path) -> list[Path]:
 
 def read_marker(tag_dir: Path) -> dict[str, Any] | None:
     """The tag's completion marker if the tag is complete (marker valid, every listed file
-    present with its recorded size), else None."""
+    present with its recorded size), else None (`marker_problem` says why)."""
+    meta, _ = _check_marker(tag_dir)
+    return meta
+
+
+def marker_problem(tag_dir: Path) -> str | None:
+    """Why `tag_dir` is not a complete checkpoint, naming the file at fault; None if it is."""
+    return _check_marker(tag_dir)[1]
+
+
+def _check_marker(tag_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
     try:
         meta = json.loads((tag_dir / MARKER).read_text())
-    except (OSError, ValueError):
-        return None
+    except (OSError, ValueError) as e:
+        return None, f"{tag_dir / MARKER} cannot be read ({e.strerror if isinstance(e, OSError) else e})"
     if not isinstance(meta, dict) or meta.get("version") != MARKER_VERSION:
-        return None
+        return None, f"{tag_dir / MARKER} is not a version-{MARKER_VERSION} completion marker"
     for name, size in meta.get("files", {}).items():
         try:
-            if (tag_dir / name).stat().st_size != size:
-                return None
-        except OSError:
-            return None
-    return meta
+            actual = (tag_dir / name).stat().st_size
+        except OSError as e:
+            return None, f"{tag_dir / name} is listed in {MARKER} but cannot be read ({e.strerror})"
+        if actual != size:
+            return None, f"{tag_dir / name} has {actual} bytes, {MARKER} records {size} (truncated or replaced)"
+    return meta, None
 
 
 def verify_checksums(
@@ -209,10 +220,11 @@ def plan_resume(mode: str, ckpt_dir: Path) -> Path | None:
             complete = complete_tags(ckpt_dir)
             return complete[-1] if complete else None
         path = ckpt_dir / latest
-        if read_marker(path) is None:
+        problem = marker_problem(path)
+        if problem is not None:
             raise ResumeError(
-                f"{ckpt_dir}/{LATEST} names {latest!r}, which is not a complete checkpoint (no valid {MARKER}; "
-                "written by another tool?): pass --resume PATH of a complete tag, or use another --out"
+                f"{ckpt_dir}/{LATEST} names {latest!r}, which is not a complete checkpoint: {problem}. Pass "
+                "--resume PATH of a complete tag, or use another --out"
             )
         return path
     path = Path(mode)
@@ -221,10 +233,11 @@ def plan_resume(mode: str, ckpt_dir: Path) -> Path | None:
             f"--resume {mode}: no such checkpoint directory (expected auto, never or a tag directory "
             f"such as {ckpt_dir}/step_500)"
         )
-    if read_marker(path) is None:
+    problem = marker_problem(path)
+    if problem is not None:
         raise ResumeError(
-            f"--resume {mode}: not a complete checkpoint (no valid {MARKER}: a save that did not finish, or not "
-            f"a tag directory); complete tags under {path.parent}: {[p.name for p in complete_tags(path.parent)]}"
+            f"--resume {mode}: not a complete checkpoint ({problem}: a save that did not finish, or not a tag "
+            f"directory); complete tags under {path.parent}: {[p.name for p in complete_tags(path.parent)]}"
         )
     if path.parent.resolve() != ckpt_dir.resolve() and has_checkpoints(ckpt_dir):
         raise ResumeError(
@@ -260,12 +273,14 @@ def data_fingerprint_matches(saved: dict[str, Any], shard_dir: str | Path) -> bo
 
 # ---------------------------------------------------------------------------- RNG
 def rng_state(on_gpu: bool) -> dict[str, Any]:
-    """This process's RNG states (torch CPU and current CUDA device, Python, NumPy)."""
+    """This process's RNG states (torch CPU and current CUDA device, Python, NumPy), as plain
+    data (tensors, tuples, lists, numbers): a checkpoint loads weights-only (safe_load.py)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if on_gpu else None,
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": [str(name), [int(k) for k in keys], int(pos), int(has_gauss), float(cached)],
     }
 
 
@@ -287,7 +302,8 @@ def load_rng_state(state: dict[str, Any]) -> None:
     if state.get("cuda") is not None:
         torch.cuda.set_rng_state(state["cuda"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
 # ---------------------------------------------------------------------------- step logs

@@ -22,6 +22,7 @@ from dflash_dist.model.loss import Anchors, dflash_loss
 from dflash_dist.target.loading import load_embeddings
 from dflash_dist.trainer import checkpoint, universal, zero_step
 from dflash_dist.trainer.ds_config import build_lr_schedule, build_optimizer, deepspeed_config
+from dflash_dist.trainer.safe_load import weights_only_loads
 
 
 class TrainForward(nn.Module):
@@ -153,7 +154,8 @@ def load_checkpoint(engine, path: Path, elastic: bool, group: Any = None) -> dic
         load_dir, tag = path, universal.ensure_universal(path, group=group).name
     groups = [dict(g) for g in engine.optimizer.param_groups]
     # strict=False: the frozen target weights are not in the checkpoint (set from the target)
-    loaded, client = engine.load_checkpoint(str(load_dir), tag=tag, load_module_strict=False)
+    with weights_only_loads():  # DeepSpeed's torch.load calls unpickle nothing (safe_load.py)
+        loaded, client = engine.load_checkpoint(str(load_dir), tag=tag, load_module_strict=False)
     if loaded is None:
         raise checkpoint.ResumeError(f"{path} could not be loaded by DeepSpeed")
     if elastic:

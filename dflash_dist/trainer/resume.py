@@ -28,6 +28,7 @@ from dflash_dist.trainer.checkpoint import (
     MARKER,
     ResumeError,
     data_fingerprint_matches,
+    marker_problem,
     plan_resume,
     read_marker,
 )
@@ -200,5 +201,5 @@ def verify(decision: ResumeDecision) -> dict[str, Any]:
         raise ResumeError(f"{path}/{MARKER} changed after the resume was decided: restart the run (--resume auto)")
     meta = read_marker(path)
     if meta is None:
-        raise ResumeError(f"{path} is no longer a complete checkpoint (a file listed in its {MARKER} changed size)")
+        raise ResumeError(f"{path} is no longer a complete checkpoint: {marker_problem(path)}")
     return meta

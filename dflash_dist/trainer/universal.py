@@ -41,6 +41,7 @@ import torch.distributed as dist
 from data_pipeline.checksums import file_checksums, mismatched_files
 from data_pipeline.durable_files import fsync_dir, write_text_atomic
 from dflash_dist.trainer.checkpoint import fsync_tree
+from dflash_dist.trainer.safe_load import weights_only_loads
 
 UNIVERSAL = "universal"  # the converted copy, inside the tag directory
 UNIVERSAL_MARKER = "dflash_universal.json"
@@ -93,8 +94,12 @@ def convert(tag_dir: Path) -> Path:
     )
     t0 = time.perf_counter()
     try:
-        with open(tmp / "conversion.log", "w") as console, contextlib.redirect_stdout(console), \
-                contextlib.redirect_stderr(console):  # fmt: skip
+        with (
+            open(tmp / "conversion.log", "w") as console,
+            contextlib.redirect_stdout(console),
+            contextlib.redirect_stderr(console),
+            weights_only_loads(),  # the converter's torch.load calls unpickle nothing (safe_load.py)
+        ):
             ds_to_universal.main(args)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

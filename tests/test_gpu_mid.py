@@ -1,0 +1,119 @@
+"""configs/mid_gpu.yaml on one GPU: the whole product path on the learned code_lm target. Marked
+gpu: `pytest -m gpu tests/test_gpu_mid.py` on a CUDA machine (README, "The mid-size code target").
+
+Build the target first, in its own command (about 6 minutes: `dflash-dist build-target
+configs/mid_gpu.yaml`); this run takes about 8 more. DFLASH_MID_GPU_OUT names the run directory
+(default: a temp directory) and keeps it for later readers (the quality bench): the run goes there
+with --resume auto, so repeating the command after an interrupted run continues it, and a directory
+holding the finished run is only checked. The CLI's output is appended to <out>/cli.log and a
+summary written to <out>/gpu_summary.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_pipeline.chat_data import read_chat_jsonl
+from data_pipeline.records import DONE_NAME
+from data_pipeline.shard_reader import iter_shard_samples, read_manifest
+from dflash_dist.config import load_config
+from dflash_dist.target.build_cache import read_stamp
+from dflash_dist.target.loading import expected_kernel_path
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.gpu
+
+CONFIG = "configs/mid_gpu.yaml"
+
+
+def _finished(out: Path, final_step: int) -> bool:
+    return (out / "eval" / f"step_{final_step}.json").is_file() and (out / "cli.log").is_file()
+
+
+@pytest.fixture(scope="module")
+def mid_run(tmp_path_factory) -> tuple[Path, str]:
+    """(run directory, the CLI's output over every attempt)."""
+    if not torch.cuda.is_available():
+        pytest.fail("pytest -m gpu needs a CUDA GPU")
+    out = Path(os.environ.get("DFLASH_MID_GPU_OUT") or tmp_path_factory.mktemp("mid_gpu") / "run").resolve()
+    cfg = load_config(REPO / CONFIG, out_dir=str(out))
+    if not _finished(out, cfg.train.max_steps):
+        out.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", NCCL_DEBUG="INFO", NCCL_NVLS_ENABLE="0",
+                   RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")  # fmt: skip
+        t0 = time.time()
+        with open(out / "cli.log", "a") as logf:
+            proc = subprocess.run([sys.executable, "-m", "launcher.cli", "run", CONFIG, "--out", str(out), "--resume",
+                                   "auto"], cwd=REPO, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                  timeout=1500)  # fmt: skip
+            logf.write(f"\n[test_gpu_mid] exit {proc.returncode} after {time.time() - t0:.0f}s\n")
+        if proc.returncode != 0:
+            tail = (out / "cli.log").read_text()[-8000:]
+            pytest.fail(f"dflash-dist run {CONFIG} failed ({proc.returncode}):\n{tail}")
+    return out, (out / "cli.log").read_text()
+
+
+def test_mid_gpu_run_captures_trains_over_nccl_and_tau_rises(mid_run) -> None:
+    out, logs = mid_run
+    cfg = load_config(REPO / CONFIG, out_dir=str(out))
+    plan = json.loads((out / "run_plan.json").read_text())
+    target_dir = Path(plan["target_dir"])
+    stamp = read_stamp(target_dir)
+    assert stamp["kind"] == "code_lm" and stamp["tokens_trained"] >= 100_000_000
+    assert 80e6 < stamp["num_params"] < 110e6 and stamp["device"] != "cpu"
+
+    # capture: every sample, bf16 features on the target's own kernels (a dense target: sdpa, path "torch")
+    records = read_manifest(out / "shards")
+    assert (out / "shards" / DONE_NAME).exists() and len(records) >= 10
+    path = expected_kernel_path(cfg, target_dir)
+    assert {r.provenance.kernel_path for r in records} == {path}
+    assert {(r.provenance.dtype, r.provenance.layer_ids) for r in records} == {("bfloat16", (1, 3, 5, 7, 9))}
+    assert sum(len(r.keys) for r in records) == len(read_chat_jsonl(out / "data" / "train.ingested.jsonl")) == 3000
+    sample = next(iter_shard_samples(out / "shards" / records[0].name))
+    assert sample.features.dtype == torch.bfloat16 and sample.features.shape[1] == 5 * 768
+    assert torch.isfinite(sample.features.float()).all() and sample.loss_mask.sum() > 0
+    assert "NCCL INFO" in logs, "the trainer did not start NCCL"
+
+    # evaluation: replay at every checkpoint, live chain + DDTree-8 at the first and the last, 64 prompts
+    assert len(read_chat_jsonl(out / "data" / "eval.ingested.jsonl")) == cfg.eval.num_prompts >= 64
+    evals = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in (out / "eval").glob("step_*.json")}
+    steps = sorted(evals)
+    assert steps == [200, 400, 600, 800], steps
+    assert all(evals[s]["kernel_path"] == path and evals[s]["prompts"] >= 60 for s in steps)
+    live_steps = [s for s in steps if evals[s]["live"]]
+    assert live_steps[0] == 200 and live_steps[-1] == 800, live_steps
+    for s in live_steps:
+        assert "8" in evals[s]["live"]["tau_ddtree"] and evals[s]["live"]["prompts"] >= 60
+    taus = [evals[s]["tau_chain"] for s in steps]
+    assert taus[-1] > taus[0] + 0.2 and taus[-1] > 2.0, taus
+
+    # tau per checkpoint in TensorBoard
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tb" / "eval"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert sorted(e.step for e in acc.Scalars("eval/tau_chain")) == steps
+    assert sorted(e.step for e in acc.Scalars("eval/tau_live_ddtree_8")) == live_steps
+
+    summary = {
+        "target": {k: stamp[k] for k in ("num_params", "tokens_trained", "heldout_loss", "heldout_chat_loss",
+                                         "degenerate_share", "continuations", "tokens_per_s", "build_time_s",
+                                         "times_s", "compiled", "corpus_hash")},  # fmt: skip
+        "shards": len(records),
+        "tau_chain": dict(zip(steps, taus)),
+        "tau_ddtree_8": {s: evals[s]["tau_ddtree"]["8"] for s in steps},
+        "live": {s: {"tau_chain": evals[s]["live"]["tau_chain"], "tau_ddtree_8": evals[s]["live"]["tau_ddtree"]["8"],
+                     "rounds_equal": evals[s]["live"]["rounds_equal"],
+                     "rounds_compared": evals[s]["live"]["rounds_compared"]} for s in live_steps},  # fmt: skip
+        "eval_seconds": {s: round(evals[s]["seconds"], 1) for s in steps},
+        "run_lines": [line for line in logs.splitlines() if line.startswith(("done in", "[test_gpu_mid]"))],
+    }
+    (out / "gpu_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"mid GPU run: {json.dumps(summary)}")

@@ -1,0 +1,98 @@
+"""configs/mid_gpu.yaml: it loads and validates, its drafter is z-lab's shape scaled to the code_lm
+target, its layout fills one GPU and its schedule measures live at the first and last checkpoint;
+and (slow tier) the same config at CPU size runs the whole product path on the test-size code_lm
+target: regenerate, capture, DeepSpeed training, replay + live evaluation."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_pipeline.chat_data import read_chat_jsonl
+from data_pipeline.records import DONE_NAME
+from data_pipeline.shard_reader import read_manifest
+from dflash_dist.config import load_config
+from dflash_dist.model.config import build_target_layer_ids
+from dflash_dist.model.drafter import DFlashDrafter
+from dflash_dist.target.code_target import PRESETS, build_code_target
+from dflash_dist.target.lm_config import text_config
+from dflash_dist.target.loading import drafter_config_for
+from dflash_dist.target.stdlib_corpus import split_of
+from tests.conftest import REPO
+
+CONFIG = REPO / "configs" / "mid_gpu.yaml"
+
+
+def test_mid_gpu_loads_and_its_drafter_is_the_scaled_z_lab_shape(tmp_path: Path) -> None:
+    cfg = load_config(CONFIG)
+    assert cfg.target.kind == "code_lm" and cfg.target.preset == "qwen3" and cfg.target.device == "cuda"
+    assert cfg.target.dtype == "bfloat16" and cfg.capture.regenerate and cfg.data.max_train_samples == 3000
+    settings = PRESETS[cfg.target.preset]
+    text_config("qwen3", settings, 0).save_pretrained(tmp_path)  # the built target's config.json, without building
+    dc = drafter_config_for(cfg, tmp_path, mask_token_id=settings.vocab_size - 1)
+    assert (dc.hidden_size, dc.head_dim, dc.num_key_value_heads) == (768, settings.head_dim, settings.num_kv_heads)
+    assert dc.block_size == 16 and 3 <= dc.num_hidden_layers <= 5 and dc.intermediate_size == 2048
+    assert dc.target_layer_ids == (1, 3, 5, 7, 9) == tuple(build_target_layer_ids(12, 5))
+    with torch.device("meta"):
+        DFlashDrafter(dc)
+    # every role on the one GPU; shards kept for the later epochs
+    used = cfg.capture.gpus_per_actor + cfg.train.world_size * cfg.train.gpus_per_rank + cfg.eval.num_gpus
+    assert used == 1.0 and cfg.train.epochs > 1 and cfg.capture.consumed_shards == "auto"
+    assert cfg.pack_tokens() == 8192 and cfg.data.max_length >= 672 + cfg.capture.max_new_tokens
+    # replay at every checkpoint, live (chain + DDTree-8) at the first and the last, on 64+ prompts
+    e, t = cfg.eval, cfg.train
+    assert e.mode == "live" and e.num_prompts >= 64 and 8 in e.budgets
+    exports = list(range(t.checkpoint_every, t.max_steps + 1, t.checkpoint_every))
+    live = [s for i, s in enumerate(exports) if i % e.live_every == 0]
+    assert exports == [200, 400, 600, 800] and live == [200, 800]
+
+
+# ---- the whole product path at CPU size ------------------------------------------------------------
+
+CPU_SIZE = [
+    "target.preset=test", "target.device=cpu", "target.dtype=float32",
+    "data.max_train_samples=16",
+    "capture.layer_ids=[1,2]", "capture.max_new_tokens=16", "capture.batch_size=8", "capture.sort_window=64",
+    "capture.token_budget=4096", "capture.shard_bytes=2000000", "capture.writers=0", "capture.cpus_per_actor=0.5",
+    "capture.gpus_per_actor=0",
+    "drafter.num_layers=1", "drafter.num_heads=2", "drafter.num_kv_heads=1", "drafter.head_dim=16",
+    "drafter.block_size=4",
+    "train.gpus_per_rank=0", "train.cpus_per_rank=0.5", "train.micro_batch_size=4", "train.micro_batch_tokens=null",
+    "train.max_steps=8", "train.checkpoint_every=2", "train.num_anchors=8", "train.log_every=2",
+    "eval.num_prompts=3", "eval.max_new_tokens=12", "eval.num_gpus=0", "eval.num_cpus=0.5",
+    "ray.num_cpus=2",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_mid_gpu_at_cpu_size_runs_the_product_path(tmp_path: Path) -> None:
+    """mid_gpu.yaml with only sizes and devices overridden (the eval schedule is the config's)."""
+    target = build_code_target(tmp_path / "target", "test", log=lambda _: None)
+    out = tmp_path / "run"
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "run", str(CONFIG), "--out", str(out), f"target.path={target}",
+         *CPU_SIZE], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    plan = json.loads((out / "run_plan.json").read_text())
+    assert plan["target_dir"] == str(target) and plan["identity"]["target_id"] == "code_lm:target"
+    records = read_manifest(out / "shards")
+    assert (out / "shards" / DONE_NAME).exists() and records
+    assert {(r.provenance.kernel_path, r.provenance.layer_ids, r.provenance.target_id) for r in records} == {
+        ("torch", (1, 2), "code_lm:target")}
+    train = read_chat_jsonl(out / "data" / "train.ingested.jsonl")
+    held = read_chat_jsonl(out / "data" / "eval.ingested.jsonl")
+    assert len(train) == 16 and len(held) == 3
+    assert all(split_of(json.loads(line)["source"]) == "heldout"
+               for line in (out / "data" / "eval.jsonl").read_text().splitlines())  # fmt: skip
+    evals = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in (out / "eval").glob("step_*.json")}
+    assert sorted(evals) == [2, 4, 6, 8]
+    assert [s for s, r in sorted(evals.items()) if r["live"]] == [2, 8]  # live_every 3 of the config
+    assert all(r["mode"] == "live" and r["prompts"] == 3 and "8" in r["tau_ddtree"] for r in evals.values())
+    assert "8" in evals[8]["live"]["tau_ddtree"] and evals[8]["live"]["prompts"] == 3

@@ -1,0 +1,121 @@
+"""The trainers' process group listens on MASTER_ADDR only: rank 0's rendezvous store (and, on one
+node, gloo's pair listeners) on 127.0.0.1, never on every interface; on several nodes the store
+on the master address as given.
+
+Two real ranks (subprocesses of this module: `python -m tests.test_rendezvous`) join through
+trainer_group.join_group, the call run_rank makes; rank 0 reports its listening sockets, read
+from /proc (the kernel's table, as `ss -ltn` shows it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_dist.actors.ports import free_ports
+from dflash_dist.actors.rendezvous import is_loopback
+from dflash_dist.actors.trainer_group import default_extensions_dir
+from tests.conftest import REPO
+
+
+def _hex_address(field: str) -> tuple[str, int]:
+    """A /proc/net/tcp{,6} `ADDR:PORT` (kernel byte order) as (address, port)."""
+    addr, port = field.split(":")
+    raw = bytes.fromhex(addr)
+    if len(raw) == 4:
+        host = socket.inet_ntop(socket.AF_INET, raw[::-1])
+    else:  # four 32-bit words, each in host (little-endian) order
+        host = socket.inet_ntop(socket.AF_INET6, b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4)))
+    return host, int(port, 16)
+
+
+def listening_sockets(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket process `pid` holds in state LISTEN."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        path = Path(f"/proc/{pid}/net/{table}")
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A: TCP_LISTEN
+                found.append(_hex_address(cols[1]))
+    return found
+
+
+def rank_main(rank: str, master: str, port: str, report: str) -> None:
+    import torch.distributed as dist
+
+    from dflash_dist.actors.trainer_group import join_group
+
+    env = {"MASTER_ADDR": master, "MASTER_PORT": port, "RANK": rank, "WORLD_SIZE": "2", "LOCAL_RANK": rank,
+           "DS_ACCELERATOR": "cpu"}  # fmt: skip
+    os.environ.update(env)
+    join_group(env, on_gpu=False)
+    dist.barrier()  # every gloo pair is connected
+    if rank == "0":
+        Path(report).write_text(json.dumps(listening_sockets(os.getpid())))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_group(tmp_path: Path, master: str) -> tuple[int, list[tuple[str, int]]]:
+    port = free_ports(1, master)[0]
+    report = tmp_path / "listening.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    env.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())  # DeepSpeed's shm op compiles once
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.test_rendezvous", str(rank), master, str(port), str(report)],
+            cwd=REPO,
+            env=env | {"OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    return port, [tuple(x) for x in json.loads(report.read_text())]
+
+
+def test_single_node_group_listens_on_loopback_only(tmp_path):
+    port, sockets = run_group(tmp_path, "127.0.0.1")
+    assert (("127.0.0.1", port)) in sockets, sockets  # the rendezvous store, on the address given
+    assert len(sockets) >= 2, sockets  # the store and gloo's listener(s)
+    assert all(is_loopback(host) for host, _ in sockets), f"listening beyond loopback: {sockets}"
+
+
+def test_store_listens_on_the_given_master_address(tmp_path):
+    """Several nodes: MASTER_ADDR is rank 0's address, and the store binds exactly it (127.0.0.2
+    stands in for a node's address: another address of this machine, not 127.0.0.1)."""
+    try:
+        free_ports(1, "127.0.0.2")
+    except OSError:
+        pytest.fail("this Linux machine should accept binds on 127.0.0.2 (all of 127/8 is loopback)")
+    port, sockets = run_group(tmp_path, "127.0.0.2")
+    assert [s for s in sockets if s[1] == port] == [("127.0.0.2", port)], sockets
+
+
+if __name__ == "__main__":
+    rank_main(*sys.argv[1:])

@@ -1,0 +1,190 @@
+"""Checkpoints never run code: every file DeepSpeed reads on resume is loaded weights-only
+(dflash_dist/trainer/safe_load.py).
+
+A real ZeRO checkpoint of the tiny trainer (1 rank in this process, gloo), then an attacker's
+edit: a pickle whose `__reduce__` would create a file replaces one of the tag's files, its size
+fixed in the completion marker. Resuming refuses, naming the file, and the payload never runs:
+on the same-size path, on the elastic path that converts the tag (ds_to_universal), and on the
+elastic path that loads an already converted universal copy. A truncated file is named too.
+The allow-list is checked against
+real ZeRO-1/2/3 checkpoints (types found by torch's own scan), which then resume weights-only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_dist.trainer import checkpoint, universal
+from dflash_dist.trainer.safe_load import (
+    DamagedCheckpointError,
+    UnsafeCheckpointError,
+    deepspeed_safe_globals,
+    weights_only_loads,
+)
+from tests.helpers.tiny import make_cfg, write_shards
+
+NUM = 8  # 4 shards of 2 samples; 1 rank trains 2 samples a step
+STEPS = 2  # saved at step 2 of an LR schedule of TOTAL steps; a resume trains step 3
+TOTAL = 3
+
+
+class Payload:
+    """What an attacker plants: unpickling it runs `touch <flag>`."""
+
+    def __init__(self, flag: Path) -> None:
+        self.flag = flag
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.flag}",))
+
+
+@pytest.fixture(scope="module")
+def shards(tiny, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("safe_load") / "shards"
+    write_shards(path, tiny["prov"], tiny["samples"][:NUM], done=True)
+    return path
+
+
+def cfg_for(out: Path, tiny, stage: int = 2, max_steps: int = STEPS):
+    return make_cfg(out, tiny["target_dir"], world_size=1, zero_stage=stage, max_steps=max_steps,
+                    checkpoint_every=STEPS)  # fmt: skip
+
+
+def job_for(tiny, shards: Path, resume_from: Path | None = None, cfg=None):
+    from dflash_dist.trainer.loop import TrainJob
+    from dflash_dist.trainer.resume import decide
+    from dflash_dist.trainer.state import STATE_VERSION
+
+    decision = None if resume_from is None else decide(str(resume_from), cfg, shards, (TOTAL, "step"), STATE_VERSION)
+    return TrainJob(str(tiny["target_dir"]), str(shards), tiny["prov"], tiny["drafter"], total_steps=TOTAL,
+                    resume=decision)  # fmt: skip
+
+
+def train(out: Path, tiny, shards: Path, stage: int = 2) -> Path:
+    """A real checkpoint: 1 rank trains STEPS steps and saves step_STEPS."""
+    from dflash_dist.trainer.loop import Trainer
+
+    Trainer(cfg_for(out, tiny, stage), job_for(tiny, shards)).run()
+    tag = out / "checkpoints" / checkpoint.tag_name(STEPS)
+    assert checkpoint.read_marker(tag) is not None
+    return tag
+
+
+def forge_marker(tag: Path, name: str) -> None:
+    """What an attacker who can write the run directory does after changing `tag/name`: fix its
+    size and its checksum in the marker, so only the weights-only load stands in the way."""
+    from data_pipeline.checksums import digest_file
+
+    marker = json.loads((tag / checkpoint.MARKER).read_text())
+    if name in marker["files"]:
+        marker["files"][name] = (tag / name).stat().st_size
+        sums = marker["checksums"]
+        sums["files"][name] = digest_file(tag / name, sums["algorithm"])
+        (tag / checkpoint.MARKER).write_text(json.dumps(marker))
+
+
+def plant(tag: Path, name: str, flag: Path) -> Path:
+    """Replace `tag/name` by a pickle payload; fix its size and checksum in the marker when the
+    marker lists it."""
+    path = tag / name
+    torch.save({"optimizer_state_dict": Payload(flag)}, path)
+    forge_marker(tag, name)
+    return path
+
+
+def pretend_saved_by_two_ranks(tag: Path) -> None:
+    """The marker says 2 ranks saved it, so a 1-rank resume takes the elastic (universal) path."""
+    marker = json.loads((tag / checkpoint.MARKER).read_text())
+    marker["world_size"] = 2
+    (tag / checkpoint.MARKER).write_text(json.dumps(marker))
+
+
+def resume(out: Path, tiny, shards: Path, tag: Path, stage: int = 2):
+    from dflash_dist.trainer.loop import Trainer
+
+    cfg = cfg_for(out, tiny, stage, max_steps=TOTAL)
+    return Trainer(cfg, job_for(tiny, shards, tag, cfg)).run()
+
+
+def test_planted_pickle_in_a_checkpoint_is_refused_and_never_runs(tiny, shards, tmp_path, single_rank_gloo):
+    out, flag = tmp_path / "run", tmp_path / "pwned"
+    tag = train(out, tiny, shards)
+    (optim,) = tag.glob("*optim_states.pt")
+    plant(tag, optim.name, flag)
+    assert checkpoint.read_marker(tag) is not None  # the marker vouches for the planted file
+    with pytest.raises(UnsafeCheckpointError, match=rf"{optim}: refused to load: .*GLOBAL (posix|os).system"):
+        resume(out, tiny, shards, tag)
+    assert not flag.exists(), "the planted payload ran"
+
+
+def test_planted_pickle_is_refused_by_the_universal_conversion(tiny, shards, tmp_path, single_rank_gloo):
+    """Elastic resume: rank 0 converts the tag with DeepSpeed's ds_to_universal, which reads the
+    planted file: refused, named, not run, and no converted copy is left."""
+    out, flag = tmp_path / "run", tmp_path / "pwned"
+    tag = train(out, tiny, shards)
+    (model,) = tag.glob("*model_states.pt")
+    plant(tag, model.name, flag)
+    pretend_saved_by_two_ranks(tag)
+    with pytest.raises(RuntimeError, match=rf"converting .* failed on rank 0: .*{model}: refused to load"):
+        resume(out, tiny, shards, tag)
+    assert not flag.exists(), "the planted payload ran"
+    assert not universal.is_converted(tag)
+
+
+def test_planted_pickle_in_a_universal_copy_is_refused_on_load(tiny, shards, tmp_path, single_rank_gloo):
+    """Elastic resume from an already converted copy (`<tag>/universal/zero/<param>/*.pt`, read by
+    DeepSpeed's universal loader): a planted file there is refused too."""
+    out, flag = tmp_path / "run", tmp_path / "pwned"
+    tag = train(out, tiny, shards)
+    universal.convert(tag)
+    fp32 = sorted(universal.universal_dir(tag).glob("zero/*/fp32.pt"))[0]
+    torch.save(Payload(flag), fp32)
+    copy = universal.universal_dir(tag)
+    record = json.loads((copy / universal.UNIVERSAL_MARKER).read_text())  # the copy's own checksums: forged too
+    from data_pipeline.checksums import digest_file
+
+    name = str(fp32.relative_to(copy))
+    record["checksums"]["files"][name] = digest_file(fp32, record["checksums"]["algorithm"])
+    (copy / universal.UNIVERSAL_MARKER).write_text(json.dumps(record))
+    pretend_saved_by_two_ranks(tag)
+    with pytest.raises(UnsafeCheckpointError, match=rf"{fp32}: refused to load"):
+        resume(out, tiny, shards, tag)
+    assert not flag.exists(), "the planted payload ran"
+
+
+def test_truncated_file_with_a_matching_marker_is_named(tiny, shards, tmp_path, single_rank_gloo):
+    """A checkpoint file cut short after the marker was fixed to its size (so the marker check
+    passes): the load fails naming the file, not with the zip reader's bare message."""
+    out = tmp_path / "run"
+    tag = train(out, tiny, shards)
+    (optim,) = tag.glob("*optim_states.pt")
+    optim.write_bytes(optim.read_bytes()[: optim.stat().st_size // 2])
+    forge_marker(tag, optim.name)
+    with pytest.raises(DamagedCheckpointError, match=rf"{optim}: cannot be read .*damaged \(truncated\?\)"):
+        resume(out, tiny, shards, tag)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_allow_list_covers_what_deepspeed_saves_and_checkpoints_resume(tiny, shards, tmp_path, single_rank_gloo,
+                                                                       stage):  # fmt: skip
+    """Torch's scan of real checkpoints (and of their universal copies) finds no type outside
+    the allow-list, and the checkpoint resumes weights-only at the same world size."""
+    out = tmp_path / "run"
+    tag = train(out, tiny, shards, stage)
+    if stage in checkpoint.ELASTIC_STAGES:
+        universal.convert(tag)
+    allowed = {f"{t.__module__}.{t.__qualname__}" for t in deepspeed_safe_globals()}
+    files = sorted(tag.rglob("*.pt"))
+    assert files
+    for f in files:
+        unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(f))
+        assert unsafe <= allowed, (f, unsafe - allowed)
+        with weights_only_loads():
+            torch.load(f, map_location="cpu")
+    result = resume(out, tiny, shards, tag, stage)
+    assert result.resumed_from == str(tag) and result.steps == TOTAL

@@ -69,8 +69,9 @@ def ray_session(cfg: Config):
     kwargs: dict = {"log_to_driver": True}
     if address:
         kwargs["address"] = address
-    else:
-        kwargs.update(num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.dashboard,
+    else:  # "local": a new cluster, never one that happens to run on this host (ray.init's default joins
+        # the last one `ray start` or another process started, named in /tmp/ray/ray_current_cluster)
+        kwargs.update(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.dashboard,
                       dashboard_host=cfg.ray.dashboard_host, _node_ip_address="127.0.0.1")
     ray.init(**kwargs)
     try:

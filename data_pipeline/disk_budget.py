@@ -12,6 +12,13 @@ producer. A gate that waits `stall_s` without any release raises BufferStalled (
 cannot reach its next checkpoint on what the cap lets through) instead of hanging.
 `buffer.json` (cap, unconsumed, on-disk bytes, shard counts) is rewritten by both sides for
 `dflash-dist status`.
+
+The cap is over the whole shard tree (epoch_dirs.py): the root and, under `later_epochs:
+recapture`, every `epoch_<e>/` directory plus the token store (never released: it is read by
+every later epoch), so the tree stays within the cap plus one shard per producer for any number
+of epochs. Under recapture every released shard is deleted (no later epoch re-reads it): a
+checkpoint at epoch e releases all of the earlier epochs' shards and those of epoch e that any
+rank's reader finished.
 """
 
 from __future__ import annotations
@@ -26,8 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from data_pipeline.durable_files import fsync_dir, write_text_atomic
+from data_pipeline.epoch_dirs import epoch_dirs, sequences_dir
 from data_pipeline.records import BUFFER_NAME, RELEASED_NAME, ShardRecord, check_shard_name
 from data_pipeline.shard_reader import ManifestFollower, read_manifest
+from data_pipeline.token_store import read_store
 
 WRITE, WAIT, STALLED = "write", "wait", "stalled"
 
@@ -42,17 +51,21 @@ class BufferPolicy:
     delete_consumed: bool
     stall_s: float
     poll_s: float = 0.5
+    recapture: bool = False  # later epochs captured again into epoch_<e>/ (released shards always deleted)
 
     @classmethod
-    def from_config(cls, cfg: Any) -> BufferPolicy:
-        """From a run config (`capture.max_buffer_bytes`, `capture.consumed_shards`, `train.epochs`).
-        auto deletes released shards only under a cap and for a single epoch."""
+    def from_config(cls, cfg: Any, recapture: bool = False) -> BufferPolicy:
+        """From a run config (`capture.max_buffer_bytes`, `capture.consumed_shards`, `train.epochs`) and
+        the run's resolved later-epochs mode. auto deletes released shards under a cap for a single
+        epoch, and always when later epochs are captured again."""
         c = cfg.capture
-        if c.consumed_shards == "auto":
+        if recapture:
+            delete = True
+        elif c.consumed_shards == "auto":
             delete = c.max_buffer_bytes is not None and cfg.train.epochs == 1
         else:
             delete = c.consumed_shards == "delete"
-        return cls(c.max_buffer_bytes, delete, float(c.buffer_stall_s))
+        return cls(c.max_buffer_bytes, delete, float(c.buffer_stall_s), recapture=recapture)
 
 
 @dataclass(frozen=True)
@@ -83,7 +96,7 @@ def buffer_status(
     shard_dir: Path, policy: BufferPolicy, records: Iterable[ShardRecord], released: set[str]
 ) -> BufferStatus:
     unconsumed = on_disk = listed = n_released = deleted = 0
-    present = set(os.listdir(shard_dir))
+    present = set(os.listdir(shard_dir)) if shard_dir.is_dir() else set()
     for r in records:
         listed += 1
         if r.name in released:
@@ -95,6 +108,27 @@ def buffer_status(
         else:
             deleted += 1
     return BufferStatus(policy.cap_bytes, unconsumed, on_disk, listed, n_released, deleted, policy.delete_consumed)
+
+
+def _summed(parts: list[BufferStatus], policy: BufferPolicy) -> BufferStatus:
+    total = [
+        sum(getattr(p, f) for p in parts)
+        for f in ("unconsumed_bytes", "on_disk_bytes", "shards_listed", "shards_released", "shards_deleted")
+    ]
+    return BufferStatus(policy.cap_bytes, *total, policy.delete_consumed)
+
+
+def store_status(root: Path, policy: BufferPolicy) -> BufferStatus:
+    """The token store (recapture): counted against the cap, never released."""
+    nbytes = sum(r.n_bytes for r in read_store(sequences_dir(root)))
+    return BufferStatus(policy.cap_bytes, nbytes, nbytes, 0, 0, 0, policy.delete_consumed)
+
+
+def tree_status(root: str | os.PathLike[str], policy: BufferPolicy) -> BufferStatus:
+    """The buffer over every epoch directory under `root` and the token store."""
+    root = Path(root)
+    parts = [buffer_status(d, policy, read_manifest(d), read_released(d)) for _, d in epoch_dirs(root)]
+    return _summed([*parts, store_status(root, policy)], policy)
 
 
 def write_buffer_json(shard_dir: Path, status: BufferStatus) -> None:
@@ -110,16 +144,22 @@ def room_decision(unconsumed_bytes: int, cap_bytes: int | None, waited_s: float,
 
 
 def consumed_shards(
-    reader_states: Iterable[dict[str, Any] | None], epoch: int, records: Iterable[ShardRecord]
+    reader_states: Iterable[dict[str, Any] | None],
+    epoch: int,
+    records: Iterable[ShardRecord],
+    reader_epoch: int | None = None,
 ) -> set[str]:
-    """Shards a checkpoint at `epoch` no longer needs: after the first epoch every shard (the
-    first epoch read them all); inside it, those any rank's reader finished."""
+    """Shards of one directory a checkpoint at `epoch` no longer needs: after the directory's
+    first reading every shard (it read them all); inside it, those any rank's reader finished
+    (`reader_epoch`: the readers' epoch when it is not `epoch`, an epoch directory of recapture
+    read once, as epoch 0 is)."""
     if epoch >= 1:
         return {r.name for r in records}
     names: set[str] = set()
     for state in reader_states:
         if state is not None:
-            assert state["epoch"] == epoch, (state["epoch"], epoch)
+            want = epoch if reader_epoch is None else reader_epoch
+            assert state["epoch"] == want, (state["epoch"], want)
             names.update(state["consumed"])
     return names
 
@@ -129,18 +169,35 @@ def release_consumed(
 ) -> list[str]:
     """After a checkpoint is published: add its consumed shards to released.json, delete the
     released ones still on disk if the policy says so, rewrite buffer.json. Returns the deleted
-    names. Idempotent (a crash between the record and the deletes is repaired next time).
-    Without a cap and with shards kept there is nothing to account: a no-op (the shard
-    directory may then be read-only to the trainer)."""
+    names (under recapture as `epoch_<e>/<name>` for later epochs). Idempotent (a crash between the
+    record and the deletes is repaired next time). Without a cap and with shards kept there is
+    nothing to account: a no-op (the shard directory may then be read-only to the trainer).
+    `shard_dir`: the tree's root; `epoch` and `reader_states`: the checkpoint's."""
     if policy.cap_bytes is None and not policy.delete_consumed:
         return []
-    shard_dir = Path(shard_dir)
+    root = Path(shard_dir)
+    if not policy.recapture:
+        deleted = _release_dir(root, policy, consumed_shards(reader_states, epoch, read_manifest(root)))
+        write_buffer_json(root, buffer_status(root, policy, read_manifest(root), read_released(root)))
+        return deleted
+    deleted = []
+    for e, d in epoch_dirs(root):
+        if e > epoch:
+            continue
+        records = read_manifest(d)
+        names = {r.name for r in records} if e < epoch else consumed_shards(reader_states, 0, records, e)
+        deleted += [name if e == 0 else f"{d.name}/{name}" for name in _release_dir(d, policy, names)]
+    write_buffer_json(root, tree_status(root, policy))
+    return deleted
+
+
+def _release_dir(shard_dir: Path, policy: BufferPolicy, consumed: set[str]) -> list[str]:
+    """Released shards are deleted (if the policy says so) before released.json names them, so a
+    producer's gate never counts a shard as released while its bytes are still on disk."""
     records = read_manifest(shard_dir)
     listed = {r.name for r in records}
     before = read_released(shard_dir)
-    released = before | (consumed_shards(reader_states, epoch, records) & listed)
-    if released != before:
-        write_text_atomic(shard_dir / RELEASED_NAME, json.dumps({"released": sorted(released)}) + "\n")
+    released = before | (consumed & listed)
     deleted = []
     if policy.delete_consumed:
         for name in sorted(released):
@@ -150,33 +207,46 @@ def release_consumed(
                 deleted.append(name)
         if deleted:
             fsync_dir(shard_dir)
-    write_buffer_json(shard_dir, buffer_status(shard_dir, policy, records, released))
+    if released != before:
+        write_text_atomic(shard_dir / RELEASED_NAME, json.dumps({"released": sorted(released)}) + "\n")
     return deleted
 
 
 class BufferGate:
     """A producer's `ShardWriter(before_open=...)`: returns when the buffer has room, waits
-    while it is full, raises BufferStalled after `policy.stall_s` without a release."""
+    while it is full, raises BufferStalled after `policy.stall_s` without a release. It counts the
+    whole tree under `shard_dir` (the root): every epoch directory and the token store."""
 
     def __init__(self, shard_dir: str | os.PathLike[str], policy: BufferPolicy) -> None:
         self.shard_dir, self.policy = Path(shard_dir), policy
-        self._follower = ManifestFollower(self.shard_dir)
-        self._records: list[ShardRecord] = []
+        self._followers: dict[Path, ManifestFollower] = {}
+        self._records: dict[Path, list[ShardRecord]] = {}
         self.waited_s = 0.0  # total time this producer spent waiting for room
         self.waiting = False
 
     def status(self) -> BufferStatus:
-        self._records += self._follower.poll()
-        return buffer_status(self.shard_dir, self.policy, self._records, read_released(self.shard_dir))
+        parts = []
+        for _, d in epoch_dirs(self.shard_dir):
+            if d not in self._followers:
+                self._followers[d], self._records[d] = ManifestFollower(d), []
+            self._records[d] += self._followers[d].poll()
+            parts.append(buffer_status(d, self.policy, self._records[d], read_released(d)))
+        if self.policy.recapture:
+            parts.append(store_status(self.shard_dir, self.policy))
+        return parts[0] if len(parts) == 1 else _summed(parts, self.policy)
 
-    def __call__(self) -> None:
+    def __call__(self, pending: int = 0) -> None:
+        """Return once the unconsumed bytes plus `pending` (a small file about to be written and
+        listed whole, e.g. a token-store tar) are under the cap."""
         status = self.status()
         write_buffer_json(self.shard_dir, status)
         since = last = time.monotonic()
         released = status.shards_released
         while True:
             now = time.monotonic()
-            decision = room_decision(status.unconsumed_bytes, self.policy.cap_bytes, now - since, self.policy.stall_s)
+            decision = room_decision(
+                status.unconsumed_bytes + pending, self.policy.cap_bytes, now - since, self.policy.stall_s
+            )
             if decision == WRITE:
                 self.waiting = False
                 return

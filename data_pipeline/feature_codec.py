@@ -96,3 +96,10 @@ def round_trip_fp8(features: torch.Tensor, layers: int) -> torch.Tensor:
     e = (e + (amax * _pow2(-e) > E4M3_MAX)).clamp(_E_MIN, _E_MAX)
     q = (x * _pow2(-e)[..., None]).to(torch.float8_e4m3fn).to(torch.float32)
     return (q * _pow2(e)[..., None]).reshape(t, width).to(features.dtype)
+
+
+def feature_bytes_per_token(encoding: str, dtype_bytes: int, layers: int, hidden: int) -> int:
+    """Stored feature bytes per token: k*H values of the target's dtype (raw), or k*(H+1) (fp8)."""
+    if encoding not in FEATURE_ENCODINGS:
+        raise ValueError(f"unknown feature encoding {encoding!r} (known: {FEATURE_ENCODINGS})")
+    return layers * (hidden + 1) if encoding == FP8 else layers * hidden * dtype_bytes

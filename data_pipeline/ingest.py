@@ -58,6 +58,7 @@ class IngestReport:
     read: int = 0
     kept: int = 0
     truncated: int = 0
+    tokens: int = 0  # of the kept records as capture will see them, truncated (0: not measured)
     skipped: Counter = field(default_factory=Counter)
     first_skip: dict[str, str] = field(default_factory=dict)
 
@@ -82,6 +83,7 @@ class IngestReport:
                     "read": self.read,
                     "kept": self.kept,
                     "truncated": self.truncated,
+                    "tokens": self.tokens,
                     "skipped": dict(sorted(self.skipped.items())),
                     "first_skip": self.first_skip,
                 },
@@ -195,7 +197,7 @@ def ingest(
             if isinstance(obj, BadRecord):
                 raise obj
             record = parse_record(obj, where, policy.fmt)
-            truncated = _check_length(record, policy, measure)
+            truncated, length = _check_length(record, policy, measure)
         except BadRecord as bad:
             if policy.on_bad_record == "error" and bad.reason != "overlong":
                 raise DataError(f"{bad} (or set data.on_bad_record=skip to skip and count such records)") from None
@@ -204,6 +206,7 @@ def ingest(
         records.append(record)
         report.kept += 1
         report.truncated += truncated
+        report.tokens += length
     if not records:
         raise DataError(
             f"{path}: no usable conversation ({report.counts()}); "
@@ -216,13 +219,14 @@ def ingest(
     return records, report
 
 
-def _check_length(record: ChatRecord, policy: IngestPolicy, measure: Measure | None) -> bool:
-    """True when the record will be truncated; BadRecord when it cannot or may not be."""
+def _check_length(record: ChatRecord, policy: IngestPolicy, measure: Measure | None) -> tuple[bool, int]:
+    """(whether the record will be truncated, its tokens after truncation, 0 when not measured);
+    BadRecord when it cannot or may not be truncated."""
     if measure is None or policy.max_length is None:
-        return False
+        return False, 0
     length, untrained = measure(record)
     if length <= policy.max_length:
-        return False
+        return False, length
     what = f"{record.where}: {length} tokens is over data.max_length={policy.max_length}"
     if policy.on_overlong == "error":
         raise DataError(f"{what}; raise data.max_length, or set data.on_overlong to truncate or skip")
@@ -234,7 +238,7 @@ def _check_length(record: ChatRecord, policy: IngestPolicy, measure: Measure | N
             f"{what} and its prompt alone takes {untrained}, so truncation would "
             "leave no assistant token; shorten the prompt or raise data.max_length",
         )
-    return True
+    return True, policy.max_length
 
 
 def write_ingested(records: list[ChatRecord], report: IngestReport, jsonl_path: Path, report_path: Path) -> None:

@@ -224,7 +224,8 @@ def assigned_shards(
 class ShardStream:
     """Yields one (rank, worker)'s samples of one epoch from a shard directory that may still grow.
 
-    Order: `shard_order` (epoch 0 follows the manifest as it grows; a later epoch waits for the
+    Order: `shard_order` (epoch 0, and any epoch with `follow` (a directory captured for that epoch
+    alone), follows the manifest as it grows; a later epoch of a re-read capture waits for the
     DONE marker, then permutes the final manifest), and within a shard `sample_order` (storage
     order, or with `shuffle` a permutation seeded by (seed, epoch, shard name)).
     Assignment: the shard at position i of the epoch's order belongs to rank `i % world_size`
@@ -274,6 +275,7 @@ class ShardStream:
         shuffle: bool = False,
         worker_id: int = 0,
         num_workers: int = 1,
+        follow: bool = False,
     ):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"ShardStream: need 0 <= rank < world_size, got {rank=} {world_size=}")
@@ -287,7 +289,7 @@ class ShardStream:
         self.expected = expected_provenance
         self.rank, self.world_size = rank, world_size
         self.worker_id, self.num_workers = worker_id, num_workers
-        self.epoch, self.seed, self.shuffle = epoch, seed, bool(shuffle)
+        self.epoch, self.seed, self.shuffle, self.follow = epoch, seed, bool(shuffle), follow
         self.poll_s = poll_s
         self.stop_when = stop_when
         self.skipped: dict[str, int] = {}
@@ -299,7 +301,7 @@ class ShardStream:
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Sample]:
-        if self.epoch == 0:
+        if self.epoch == 0 or self.follow:
             yield from self._iter_growing()
         else:
             yield from self._iter_final()

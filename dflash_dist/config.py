@@ -93,8 +93,15 @@ class CaptureSection(_Section):
     # unconsumed (not yet trained-and-checkpointed) shard bytes at which capture pauses; the
     # directory then holds at most this plus one shard in flight per actor. None: unbounded
     max_buffer_bytes: PosInt | None = None
-    # shards released by a checkpoint: auto deletes them under a cap with train.epochs == 1, else keeps
+    # shards released by a checkpoint: auto deletes them under a cap with train.epochs == 1 or when later
+    # epochs are captured again, else keeps
     consumed_shards: Literal["auto", "keep", "delete"] = "auto"
+    # epochs after the first: keep re-reads epoch 0's shards (the whole set stays on disk); recapture runs
+    # the target forward again over the conversations fixed in epoch 0 (kept as tokens under
+    # shards/sequences/) into shards/epoch_<e>/, deleted once trained, so disk stays at the cap for any
+    # train.epochs at the cost of epochs x the capture's GPU time; auto: recapture when one epoch's shards
+    # would not fit capture.max_buffer_bytes (the run plan prints both costs; orchestration/later_epochs.py)
+    later_epochs: Literal["keep", "recapture", "auto"] = "keep"
     buffer_stall_s: PosFloat = 3600.0  # paused this long with no shard released: an error, not a hang
     max_restarts: NonNegInt = 3  # Ray restarts a dead target actor this often; its capture resumes from the ledger
     cpus_per_actor: NonNegFloat = 1.0
@@ -465,10 +472,16 @@ def _validate_capture(cfg: Config, where) -> None:
             f"{cfg.train.world_size * c.shard_bytes}: every trainer rank reads its own shards, so the buffer must "
             "hold at least one per rank; raise max_buffer_bytes or lower shard_bytes"
         )
-    if c.consumed_shards == "delete" and cfg.train.epochs > 1:
+    if c.consumed_shards == "delete" and cfg.train.epochs > 1 and c.later_epochs == "keep":
         raise ConfigError(
             f"{where}: capture.consumed_shards=delete with train.epochs={cfg.train.epochs}: later epochs re-read "
-            "every shard; use keep (or auto) for several epochs from one capture"
+            "every shard; use keep (or auto) for several epochs from one capture, or capture.later_epochs=recapture"
+        )
+    if c.consumed_shards == "keep" and c.later_epochs != "keep":
+        raise ConfigError(
+            f"{where}: capture.consumed_shards=keep with capture.later_epochs={c.later_epochs}: a re-captured "
+            "epoch's shards are read once, and keeping them would hold every epoch's shards on disk; use "
+            "consumed_shards auto (or delete), or later_epochs=keep to re-read one capture"
         )
 
 

@@ -121,7 +121,7 @@ def _train(cfg: Config, resume: str, env: dict[str, str], rank: int, world: int,
 
         write_text_atomic(cfg.out / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     job = train_job(cfg, plan.target_dir, cfg.out / "shards", plan.expected, plan.drafter, resume=plan.resume_from,
-                    num_samples=plan.num_samples)  # the plan's decision, made once for the job attempt
+                    num_samples=plan.num_samples, later_epochs=plan.later_epochs)  # the plan's, made once per attempt
     if rank == 0:
         if plan.resume_from is not None:
             changes = f" (changed since: {'; '.join(plan.resume_from.changes)})" if plan.resume_from.changes else ""

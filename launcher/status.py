@@ -1,8 +1,11 @@
 """`dflash-dist status DIR [--json]`: where a run stands, read from its files alone (no Ray
 connection, so it works from any host that mounts DIR, during the run or after it).
 
-  shards      produced (manifest.jsonl, DONE) and consumed (the trainer ranks' heartbeats)
-  disk        bytes of shard files under DIR/shards vs the configured max_buffer_bytes
+  shards      produced (manifest.jsonl, DONE) and consumed (the trainer ranks' heartbeats), over every
+              epoch's directory (capture.later_epochs: recapture captures each epoch into its own)
+  epochs      the epoch being captured (the first whose directory is not DONE) and the one being trained
+  disk        bytes of shard files under DIR/shards (every epoch directory and the token store) vs the
+              configured max_buffer_bytes
   trainer     step, epoch, loss (train_log.jsonl), tokens/s (TensorBoard, as of its last flush)
   eval        the newest eval/step_N.json: tau of the chain and of each DDTree budget
   roles       driver, target actors, trainer ranks, evaluator: alive, finished, failed, lost
@@ -62,21 +65,32 @@ def _tokens_per_s(tb_train: Path) -> dict | None:
 
 
 def _shards(out: Path, cfg: dict, beats: list[dict]) -> tuple[dict, dict]:
-    from data_pipeline.records import BUFFER_NAME, DONE_NAME, MANIFEST_NAME, TMP_PREFIX
+    from data_pipeline.epoch_dirs import RECAPTURE, epoch_dir, epoch_dirs, read_mode, sequences_dir
+    from data_pipeline.records import BUFFER_NAME, DONE_NAME, TMP_PREFIX
     from data_pipeline.shard_reader import read_manifest
 
     shard_dir = out / "shards"
-    records = read_manifest(shard_dir) if (shard_dir / MANIFEST_NAME).exists() else []
-    present = {p.name: p.stat().st_size for p in shard_dir.glob("*.tar")} if shard_dir.is_dir() else {}
-    in_flight = sum(p.stat().st_size for p in shard_dir.glob(f"{TMP_PREFIX}*")) if shard_dir.is_dir() else 0
+    dirs = [d for _, d in epoch_dirs(shard_dir)] if shard_dir.is_dir() else []
+    records = [(d, r) for d in dirs for r in read_manifest(d)]
+    files = [p for d in [*dirs, sequences_dir(shard_dir)] for p in (d.glob("*.tar") if d.is_dir() else ())]
+    present = {p: p.stat().st_size for p in files}
+    temps = [p for d in [*dirs, sequences_dir(shard_dir)] for p in (d.glob(f"{TMP_PREFIX}*") if d.is_dir() else ())]
+    in_flight = sum(p.stat().st_size for p in temps)
     trainers = [b for b in beats if b.get("role") == "trainer"]
+    mode = read_mode(shard_dir) if shard_dir.is_dir() else None
+    epochs = _config_value(cfg, "train.epochs") or 1
+    captured_per_dir = range(epochs) if mode == RECAPTURE else range(1)
+    pending = [e for e in captured_per_dir if not (epoch_dir(shard_dir, e, mode == RECAPTURE) / DONE_NAME).exists()]
     shards = {
         "produced": len(records),
-        "samples": sum(r.n_samples for r in records),
-        "tokens": sum(r.n_tokens for r in records),
-        "bytes": sum(r.n_bytes for r in records),
-        "capture_done": (shard_dir / DONE_NAME).exists(),
-        "deleted": sum(1 for r in records if r.name not in present),
+        "samples": sum(r.n_samples for _, r in records),
+        "tokens": sum(r.n_tokens for _, r in records),
+        "bytes": sum(r.n_bytes for _, r in records),
+        "capture_done": not pending,
+        "later_epochs": mode,
+        "epochs": epochs,
+        "capture_epoch": pending[0] if pending else None,  # the epoch being captured; None: all captured
+        "deleted": sum(1 for d, r in records if d / r.name not in present),
         # ShardStream positions: shards every rank finished in its current epoch
         "consumed_this_epoch": sum(b["info"].get("shards_consumed", 0) for b in trainers) if trainers else None,
         "epoch": max((b["info"].get("epoch", 0) for b in trainers), default=None),
@@ -206,7 +220,14 @@ def render(s: dict) -> tuple[list[tuple[str, str]], list[list[str]]]:
     tps = tr["tokens_per_s"]
     cap = f"of {_bytes(disk['cap_bytes'])} ({disk['used_frac']:.0%})" if disk["cap_bytes"] else "(no cap)"
     taus = "  ".join(f"DDTree-{b} {v:.2f}" for b, v in sorted(ev["tau_ddtree"].items(), key=lambda x: int(x[0])))
+    if sh["later_epochs"] == "recapture":
+        capturing = f"capturing {sh['capture_epoch']}" if sh["capture_epoch"] is not None else "all captured"
+    else:
+        capturing = "capturing 0" if sh["capture_epoch"] is not None else "captured once"
+    later = sh["later_epochs"] or "-"
+    epochs = f"{capturing}, training {_f(tr['epoch'], 'd')} (of {sh['epochs']}; later epochs: {later})"
     summary = [
+        ("epochs", epochs),
         (
             "shards produced",
             f"{sh['produced']} ({sh['samples']} samples, {sh['tokens']} tokens, "

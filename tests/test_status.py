@@ -216,3 +216,31 @@ def test_status_names_a_malformed_heartbeat_and_exits_nonzero(run_dir, capsys, c
     assert cli.main(["status", str(run_dir)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"dflash-dist status: {path}: ") and message in err, err
+
+
+def test_status_shows_the_epoch_captured_and_the_epoch_trained_under_recapture(run_dir):
+    """capture.later_epochs: recapture, train.epochs 3: epoch 0 DONE in shards/, epoch 1 being
+    captured into shards/epoch_1/ (one shard listed, one in flight), the trainer in epoch 0."""
+    from data_pipeline.epoch_dirs import RECAPTURE, epoch_dir, write_mode
+    from launcher.status import render
+
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    cfg["train"]["epochs"] = 3
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
+    shards = run_dir / "shards"
+    write_mode(shards, RECAPTURE)
+    with ShardWriter(epoch_dir(shards, 1, True), make_prov(), max_shard_bytes=1, prefix="t000") as w:
+        w.write(_sample(0))
+    (epoch_dir(shards, 1, True) / ".tmp-t000-000001.tar").write_bytes(b"x" * 500)
+    s = collect(run_dir)
+    sh = s["shards"]
+    assert (sh["later_epochs"], sh["epochs"], sh["capture_epoch"], sh["capture_done"]) == (RECAPTURE, 3, 1, False)
+    assert (sh["produced"], sh["samples"]) == (4, 4)  # over both epochs' directories
+    assert s["disk"]["in_flight_bytes"] == 1500
+    summary = dict(render(s)[0])
+    assert summary["epochs"] == "capturing 1, training 0 (of 3; later epochs: recapture)"
+    for e in (1, 2):
+        epoch_dir(shards, e, True).mkdir(exist_ok=True)
+        mark_done(epoch_dir(shards, e, True))
+    assert collect(run_dir)["shards"]["capture_epoch"] is None
+    assert dict(render(collect(run_dir))[0])["epochs"].startswith("all captured, training 0")

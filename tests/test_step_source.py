@@ -63,7 +63,8 @@ def rank_main(spec_path: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{spec['store']}", rank=rank, world_size=world)
     try:
         cfg = load_config_dict(spec["cfg"])
-        source = StepSource(cfg, spec["shards"], PROV, rank, world, torch.float32, planned_samples=spec["planned"])
+        source = StepSource(cfg, spec["shards"], PROV, rank, world, torch.float32, planned_samples=spec["planned"],
+                            recapture=spec.get("recapture", False))
         if spec.get("state") is not None:
             source.load_state_dict(spec["state"][rank])
         steps, halt, states = [], None, []
@@ -167,6 +168,50 @@ def test_a_resume_at_another_world_size_goes_through_the_source(tmp_path):
     assert third[0]["halt"]["ends"][-1] == {"epoch": 1, "trained": 9, "lost": 0, "total": 9}
     ends = [e for d in second + third[:1] for s in d["steps"] for e in s["ends"]]
     assert {"epoch": 0, "trained": 9, "lost": 0, "total": 9} in ends  # the carried count closes epoch 0 right
+
+
+def test_recaptured_epochs_are_read_from_their_own_growing_directories(tmp_path):
+    """capture.later_epochs: recapture: epoch e >= 1 is read from shards/epoch_<e>/ in its manifest
+    order as it grows (the rank assignment of epoch 0), not as a permutation of the root's shards;
+    the trainers wait for a directory that does not exist yet. Every sample once per epoch."""
+    import threading
+    import time
+
+    from data_pipeline.epoch_dirs import epoch_dir
+
+    shards = tmp_path / "shards"
+    keys = write_samples(shards, [1] * 6)
+    g = torch.Generator().manual_seed(1)
+
+    def write_epoch(e: int, order: list[str]) -> None:
+        with ShardWriter(epoch_dir(shards, e, True), PROV, prefix="cap") as w:
+            for key in order:
+                w.write(Sample(key, torch.randint(0, 50, (12,), generator=g, dtype=torch.int32),
+                               torch.ones(12, dtype=torch.uint8), torch.randn(12, K * H, generator=g),
+                               torch.zeros(12, dtype=torch.int32)))  # fmt: skip
+                w.flush()
+        mark_done(epoch_dir(shards, e, True))
+
+    orders = {1: keys[::-1], 2: keys[3:] + keys[:3]}
+    write_epoch(1, orders[1])
+    def after_ranks_started() -> None:  # the ranks read epochs 0 and 1, then wait for epoch 2's directory
+        while not (tmp_path / "a.store").exists():
+            time.sleep(0.1)
+        time.sleep(5)
+        write_epoch(2, orders[2])
+
+    later = threading.Thread(target=after_ranks_started)
+    later.start()
+    cfg = source_cfg(tmp_path / "out", epochs=3, grad_accum=1)
+    cfg.train.shuffle = False
+    dumps = run_ranks(tmp_path, "a", 2, cfg, shards, planned=6, recapture=True)
+    later.join()
+    assert per_epoch(dumps) == {e: Counter(keys) for e in range(3)}
+    for e in (1, 2):  # manifest order, shard i to rank i % 2: not the root's permutation
+        for rank, d in enumerate(dumps):
+            got = [k for s in d["steps"] if s["epoch"] == e for ks in s["keys"] for k in ks]
+            assert got == orders[e][rank::2], (e, rank, got)
+    assert dumps[0]["halt"]["ends"][-1] == {"epoch": 2, "trained": 6, "lost": 0, "total": 6}
 
 
 if __name__ == "__main__":

@@ -29,14 +29,16 @@ class CaptureTask:
     shard_dir: str
     actor_index: int
     num_actors: int
+    later_epochs: str = "keep"  # the run plan's resolved capture.later_epochs: recapture captures every epoch
 
 
 @ray.remote
 class TargetWorker:
     def capture(self, task: CaptureTask) -> CaptureResult:
-        """Runs one actor's slice under a heartbeat."""
+        """Runs one actor's slice (of every epoch under recapture) under a heartbeat."""
         from dflash_dist.actors.heartbeat import Heartbeat
         from dflash_dist.capture.capture_job import CaptureJob
+        from dflash_dist.capture.recapture import capture_epochs
         from dflash_dist.config import load_config_dict
         from dflash_dist.logging_setup import setup_logging
 
@@ -45,9 +47,11 @@ class TargetWorker:
         if not torch.cuda.is_available():
             torch.set_num_threads(max(1, int(os.environ.get("DFLASH_THREADS_PER_ACTOR", "1"))))
         with Heartbeat(cfg.out, "target", task.actor_index) as beat:
+            recapture = task.later_epochs == "recapture"
             job = CaptureJob.load(cfg, task.target_dir, task.identity, task.shard_dir, task.actor_index,
-                                  task.num_actors)
+                                  task.num_actors, recapture)
             beat.info = job.progress
-            result = job.run(task.train_jsonl, task.data)
+            run = capture_epochs if recapture else CaptureJob.run
+            result = run(job, task.train_jsonl, task.data)
             beat.info = lambda: dict(result.__dict__)
         return result

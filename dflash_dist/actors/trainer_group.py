@@ -246,6 +246,7 @@ def train_job(
     num_samples: int | None = None,
     total_steps: int | None = None,
     resume: ResumeDecision | None = None,
+    later_epochs: str = "keep",
 ) -> TrainJob:
     """The TrainJob every rank gets: the LR schedule spans `total_steps` optimizer steps, or else
     what train.max_steps / `num_samples` per epoch (default data.max_train_samples) give
@@ -253,7 +254,7 @@ def train_job(
     samples = num_samples if num_samples is not None else cfg.data.max_train_samples
     total, unit = planned_schedule(cfg, samples, total_steps)
     return TrainJob(str(target_dir), str(shard_dir), expected, drafter_cfg, total, resume=resume, schedule_unit=unit,
-                    num_samples=samples)  # fmt: skip
+                    num_samples=samples, later_epochs=later_epochs)  # fmt: skip
 
 
 def start_trainer_group(
@@ -267,6 +268,7 @@ def start_trainer_group(
     total_steps: int | None = None,
     resume: str | ResumeDecision | None = "auto",
     placement: list[dict] | None = None,
+    later_epochs: str = "keep",
 ) -> TrainerGroup:
     """Start cfg.train.world_size TrainerWorker actors forming one DeepSpeed group and run the
     trainer on each (Ray must be initialised by the caller).
@@ -275,11 +277,12 @@ def start_trainer_group(
     (train_job). `resume` is a decision made before (the run plan's), or a mode (auto, never or a
     checkpoint tag directory) decided here, once, before any actor starts (resume.decide: world
     size, training config, shards, schedule), raising checkpoint.ResumeError.
-    `placement`: each rank's extra Ray options (placement.actor_placement).
+    `placement`: each rank's extra Ray options (placement.actor_placement). `later_epochs`: the run
+    plan's resolved capture.later_epochs (recapture: epochs >= 1 are read from epoch_<e>/).
     """
     world = cfg.train.world_size
     job = train_job(cfg, target_dir, shard_dir, expected, drafter_cfg, num_samples=num_samples,
-                    total_steps=total_steps)
+                    total_steps=total_steps, later_epochs=later_epochs)
     if isinstance(resume, str):
         resume = decide(resume, cfg, shard_dir, (job.total_steps, job.schedule_unit), STATE_VERSION)
     job = dataclasses.replace(job, resume=resume)

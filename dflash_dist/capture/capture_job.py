@@ -5,7 +5,10 @@ padded tokens, and write webdataset shards with provenance.
 
 Restartable: the slice minus the keys already settled in the shard directory (ledger.py) is
 what remains, so an actor restarted by Ray redoes exactly its unfinished work. Bounded: a new
-shard is opened only while the disk buffer has room (disk_budget.py)."""
+shard is opened only while the disk buffer has room (disk_budget.py). With `recapture` (later
+epochs captured again, capture/recapture.py) each sort window's sequences are first put in the
+token store (the stored ones reused, never regenerated), so every key the ledger holds has the
+exact sequence its features came from."""
 
 from __future__ import annotations
 
@@ -18,9 +21,11 @@ import torch
 
 from data_pipeline.chat_data import ChatEncoder, ChatRecord, read_chat_jsonl, template_hash
 from data_pipeline.disk_budget import BufferGate, BufferPolicy
+from data_pipeline.epoch_dirs import sequences_dir
 from data_pipeline.ingest import sample_keys
 from data_pipeline.ledger import CaptureData, captured_keys, check_capture_data, remove_stale_tmp
 from data_pipeline.provenance import Provenance
+from data_pipeline.token_store import SequenceStore, estimate_bytes, write_sequences
 from dflash_dist.capture.fused_target import KERNEL_PATH_OF, fuse_target
 from dflash_dist.capture.host_sink import ThreadWriter, WriterPool, open_writers
 from dflash_dist.config import Config
@@ -73,21 +78,22 @@ class CaptureJob:
     or the capture thread for 0: host_sink.open_writers)."""
 
     def __init__(self, cfg: Config, model, provenance: Provenance, shard_dir: Path, actor_index: int = 0,
-                 num_actors: int = 1, tokenizer=None) -> None:
+                 num_actors: int = 1, tokenizer=None, recapture: bool = False) -> None:
         self.cfg, self.model, self.provenance = cfg, model, provenance
         self.kernel_path = provenance.kernel_path
-        self.shard_dir = Path(shard_dir)
+        self.shard_dir = Path(shard_dir)  # epoch 0's, the shard tree's root
         self.actor_index, self.num_actors = actor_index, num_actors
         self.prefix = f"t{actor_index:03d}"
         self.tokenizer = tokenizer  # for run(): the conversations' chat template, regeneration
         self.encoder = None if tokenizer is None else ChatEncoder(tokenizer, enable_thinking=cfg.data.enable_thinking)
         self.writers: ThreadWriter | WriterPool | None = None
-        self.gate = BufferGate(self.shard_dir, BufferPolicy.from_config(cfg))
-        self.counts = {"todo": 0, "resumed": 0, "samples": 0, "skipped": 0, "tokens": 0}
+        self.gate = BufferGate(self.shard_dir, BufferPolicy.from_config(cfg, recapture))  # over the whole tree
+        self.store = SequenceStore(sequences_dir(self.shard_dir)) if recapture else None  # the token store
+        self.counts = {"epoch": 0, "todo": 0, "resumed": 0, "samples": 0, "skipped": 0, "tokens": 0}
 
     @classmethod
     def load(cls, cfg: Config, target_dir: str | Path, ident: TargetIdentity, shard_dir: str | Path,
-             actor_index: int, num_actors: int) -> CaptureJob:
+             actor_index: int, num_actors: int, recapture: bool = False) -> CaptureJob:
         """The job of one target actor: its target loaded here (the identity, with the weight hash,
         comes from the run plan), its kernel path checked, fused if capture.kernels says so."""
         model, tokenizer = load_target(cfg, Path(target_dir))
@@ -101,7 +107,7 @@ class CaptureJob:
                                  "triton installed)")
             fuse_target(model, layers=cfg.capture.kernels == "fused2")
             provenance = dataclasses.replace(provenance, kernel_path=KERNEL_PATH_OF[cfg.capture.kernels])
-        return cls(cfg, model, provenance, Path(shard_dir), actor_index, num_actors, tokenizer)
+        return cls(cfg, model, provenance, Path(shard_dir), actor_index, num_actors, tokenizer, recapture)
 
     def progress(self) -> dict:
         """For the heartbeat: counts of this attempt and whether it waits for disk room."""
@@ -153,29 +159,57 @@ class CaptureJob:
         cfg = self.cfg
         for start in range(0, len(todo), cfg.capture.sort_window):
             window = todo[start : start + cfg.capture.sort_window]
-            seqs = self._sequences([records[i] for i in window])
+            if self.store is None:
+                seqs = self._sequences([records[i] for i in window])
+            else:  # recapture: through the token store
+                seqs = self._stored(records, window)
             for group in pack_by_tokens([len(ids) for ids, _ in seqs], cfg.capture.token_budget,
                                         cfg.capture.batch_size):
                 yield [(window[j], seqs[j], records[window[j]]) for j in group]
 
-    def writer_pool(self) -> ThreadWriter | WriterPool:
-        """The writers of this job's shard directory: capture.writers processes (started, ready),
-        or for 0 the capture thread's own ShardWriter."""
+    def _stored(self, records: list[ChatRecord], window: list[int]) -> list[tuple[list[int], list[int]]]:
+        """The window's sequences through the token store: stored ones as they were (an earlier
+        attempt's, never regenerated), the others made and stored (one tar, behind the disk gate)
+        before any of them is captured."""
+        assert self.store is not None
+        new = [i for i in window if self.keys[i] not in self.store]
+        if new:
+            seqs = self._sequences([records[i] for i in new])
+            self.gate(pending=estimate_bytes(len(ids) for ids, _ in seqs))
+            write_sequences(self.store.dir, self.prefix, [(self.keys[i], *q) for i, q in zip(new, seqs)])
+            self.store.refresh()
+        return self.store.get([self.keys[i] for i in window])
+
+    def writer_pool(self, shard_dir: Path | None = None) -> ThreadWriter | WriterPool:
+        """The writers of a shard directory (default this job's; a later epoch's under recapture):
+        capture.writers processes (started, ready), or for 0 the capture thread's own ShardWriter."""
         cfg = self.cfg
-        return open_writers(cfg, self.shard_dir, self.provenance, self.prefix, self.actor_index, cfg.capture.writers,
-                            gate=self.gate, device=next(self.model.parameters()).device,
+        return open_writers(cfg, shard_dir or self.shard_dir, self.provenance, self.prefix, self.actor_index,
+                            cfg.capture.writers, gate=self.gate, device=next(self.model.parameters()).device,
                             tokens_hint=cfg.capture.token_budget or 0)
 
-    def capture_passes(self, passes, on_pass=None, pool: ThreadWriter | WriterPool | None = None):
+    def capture_passes(self, passes, on_pass=None, pool: ThreadWriter | WriterPool | None = None,
+                       settled: frozenset[str] = frozenset()):
         """Capture each pass [(key, ids, loss mask, meta)] and submit it to the writers (`pool`,
         else writer_pool()): written on this thread, or by writer processes through pinned host
         buffers (capture/host_sink.py) while the GPU runs the next pass; returns the writers'
-        SinkCounts once every shard is listed. An error aborts the writers (no unfinished shard)."""
+        SinkCounts once every shard is listed. An error aborts the writers (no unfinished shard).
+        Rows whose key is `settled` are captured with their pass (its composition, and so every
+        row's rounding, stays that of the whole pass) but not written; a pass of only settled
+        rows is not run."""
         self.writers = pool = pool or self.writer_pool()
         try:
             for items in passes:
+                rows = [r for r, item in enumerate(items) if item[0] not in settled]
+                if not rows:
+                    continue
                 cap, attn = self._capture_padded([(ids, mask) for _, ids, mask, _ in items])
-                pool.submit(cap.features, cap.target_argmax, attn, items)
+                features, argmax = cap.features, cap.target_argmax
+                if len(rows) < len(items):
+                    index = torch.tensor(rows, device=attn.device)
+                    features, argmax, attn = features[index], argmax[index], attn[index]
+                    items = [items[r] for r in rows]
+                pool.submit(features, argmax, attn, items)
                 self._sync_counts()
                 if on_pass is not None:
                     on_pass(items)

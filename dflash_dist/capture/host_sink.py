@@ -23,6 +23,7 @@ GPU's launch thread cost the GPU time.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import multiprocessing as mp
@@ -194,7 +195,7 @@ def open_writers(cfg, shard_dir: Path, provenance, prefix: str, actor_index: int
     if writers == 0:
         return ThreadWriter(cfg, shard_dir, provenance, prefix, actor_index, gate)
     return WriterPool(cfg, shard_dir, provenance, prefix, actor_index, writers, device=device, gate=gate is not None,
-                      tokens_hint=tokens_hint)
+                      tokens_hint=tokens_hint, gate_at=gate)
 
 
 def _writer_main(conn, spec: dict) -> None:
@@ -208,7 +209,8 @@ def _writer_main(conn, spec: dict) -> None:
     writer = None
     try:
         cfg = load_config_dict(spec["cfg"])
-        gate = BufferGate(spec["shard_dir"], BufferPolicy.from_config(cfg))
+        gate_dir, policy = spec["gate_at"] or (spec["shard_dir"], dataclasses.asdict(BufferPolicy.from_config(cfg)))
+        gate = BufferGate(gate_dir, BufferPolicy(**policy))  # the tree's root: every epoch directory counts
         writer = ShardWriter(spec["shard_dir"], Provenance.from_dict(spec["provenance"]), cfg.capture.shard_bytes,
                              spec["prefix"], before_open=gate if spec["gate"] else None)
         bufs: dict[str, HostBuffer] = {}
@@ -250,7 +252,7 @@ class WriterPool:
 
     def __init__(self, cfg, shard_dir: Path, provenance, prefix: str, actor_index: int, writers: int,
                  spare_buffers: int = 1, device: torch.device | str = "cpu", gate: bool = True,
-                 tokens_hint: int = 0, min_group_tokens: int | None = None) -> None:
+                 tokens_hint: int = 0, min_group_tokens: int | None = None, gate_at: BufferGate | None = None) -> None:
         self.counts, self.lock = SinkCounts(), threading.Lock()
         self.tokens_hint = tokens_hint  # first size of each buffer (capture.token_budget)
         self.device = torch.device(device)
@@ -269,8 +271,9 @@ class WriterPool:
             self.free.put(i)
         self.jobs: queue.Queue = queue.Queue()
         ctx = mp.get_context("spawn")
+        at = None if gate_at is None else [str(gate_at.shard_dir), dataclasses.asdict(gate_at.policy)]
         spec = {"cfg": cfg.to_dict(), "shard_dir": str(shard_dir), "provenance": provenance.to_dict(),
-                "actor": actor_index, "gate": gate}
+                "actor": actor_index, "gate": gate, "gate_at": at}  # gate_at: the capture's gate (root, policy)
         self.procs, self.threads = [], []
         env_threads = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"  # the children's OpenMP pools: one thread (module docstring)

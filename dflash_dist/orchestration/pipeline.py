@@ -69,8 +69,9 @@ def ray_session(cfg: Config):
     kwargs: dict = {"log_to_driver": True}
     if address:
         kwargs["address"] = address
-    else:
-        kwargs.update(num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.dashboard,
+    else:  # "local": a new cluster, never one that happens to run on this host (ray.init's default joins
+        # the last one `ray start` or another process started, named in /tmp/ray/ray_current_cluster)
+        kwargs.update(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.dashboard,
                       dashboard_host=cfg.ray.dashboard_host, _node_ip_address="127.0.0.1")
     ray.init(**kwargs)
     try:
@@ -131,7 +132,7 @@ def _run(cfg: Config, stages: tuple[str, ...], resume: str) -> PipelineResult:
 
         capture_refs, group = [], None
         if "extract" in stages:
-            capture_refs = _start_capture(cfg, plan, paths, where)
+            capture_workers, capture_refs = _start_capture(cfg, plan, paths, where)
         if "train" in stages:
             group = _start_trainers(cfg, plan, paths, plan.resume_from, where)
             # supervised in a thread of its own: a lost rank is replaced while capture still runs
@@ -143,8 +144,10 @@ def _run(cfg: Config, stages: tuple[str, ...], resume: str) -> PipelineResult:
             prompts = eval_prompt_ids(Path(plan.data.eval_jsonl), tokenizer, cfg.eval.num_prompts,
                                       cfg.data.enable_thinking)
             evaluator = _start_evaluator(cfg, plan, prompts, paths["shards"], where("evaluator", 0))
-        if capture_refs:
-            capture = tuple(_finish_capture(ray, capture_refs, paths["shards"], cfg.data.max_lost_fraction))
+        outlived = group is not None and plan.later_epochs == "recapture"  # capture may outlive training
+        dirs = _capture_dirs(cfg, plan, paths["shards"])
+        if capture_refs and not (outlived and _stop_capture_after(ray, capture_workers, capture_refs, training, dirs)):
+            capture = tuple(_finish_capture(ray, capture_refs, dirs, cfg.data.max_lost_fraction))
         final_step = None
         if group is not None:
             results = tuple(training.result())
@@ -155,7 +158,8 @@ def _run(cfg: Config, stages: tuple[str, ...], resume: str) -> PipelineResult:
             if final_step is None:  # eval alone: everything exported so far (None: nothing to wait for)
                 final_step = max(_export_steps(paths["export"]), default=None)
             evals = tuple(wait_evaluator(ray, evaluator, final_step, cfg.eval.max_restarts))
-    lost = _capture_lost(paths["shards"]) + (results[0].samples_lost if results else 0)
+    lost = sum(_capture_lost(d) for d in _capture_dirs(cfg, plan, paths["shards"])) + (
+        results[0].samples_lost if results else 0)
     result = PipelineResult(str(cfg.out), tuple(stages), capture, results, evals, lost,
                             results[0].preempted if results else None, time.time() - t0)  # fmt: skip
     _print_summary(cfg, paths, result)
@@ -172,6 +176,30 @@ def check_finished(result: PipelineResult) -> None:
     saved = last.checkpoints[-1] if last.checkpoints else "no new checkpoint"
     raise Preempted(f"the trainers stopped at {result.preempted} after saving {saved} (step {last.steps}): the run "
                     "is not finished; continue it with --resume auto")  # fmt: skip
+
+
+def _stop_capture_after(ray, workers: list, refs: list, training: _InThread, dirs: list[Path]) -> bool:
+    """Under recapture the actors capture every epoch; training can end first (train.max_steps, a
+    notice, an error), and nothing would consume what they still write: stop them then (True).
+    Their ledgers let --resume auto continue every epoch exactly. False: the capture finished."""
+    from data_pipeline.records import DONE_NAME
+
+    while len(ray.wait(refs, num_returns=len(refs), timeout=1.0)[0]) < len(refs):
+        if training.done() and not all((d / DONE_NAME).exists() for d in dirs):
+            for w in workers:
+                ray.kill(w, no_restart=True)
+            log.warning("training ended before the capture of later epochs did: the target actors were stopped "
+                        "(their ledgers let --resume auto continue)")
+            return True
+    return False
+
+
+def _capture_dirs(cfg: Config, plan: RunPlan, shard_dir: Path) -> list[Path]:
+    """The shard directories a capture fills: the root, and under recapture one per later epoch."""
+    from data_pipeline.epoch_dirs import epoch_dir
+
+    recapture = plan.later_epochs == "recapture"
+    return [epoch_dir(shard_dir, e, recapture) for e in range(cfg.train.epochs if recapture else 1)]
 
 
 def _capture_lost(shard_dir: Path) -> int:
@@ -222,6 +250,9 @@ class _InThread:
         except BaseException as e:  # handed to result()
             self._error = e
 
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
     def result(self) -> Any:
         self._thread.join()
         if self._error is not None:
@@ -268,7 +299,7 @@ def _placement_group(ray, cfg: Config, plan):
         placement.release(pg)
 
 
-def _start_capture(cfg: Config, plan: RunPlan, paths: dict[str, Path], where) -> list:
+def _start_capture(cfg: Config, plan: RunPlan, paths: dict[str, Path], where) -> tuple[list, list]:
     """One TargetWorker per slice; Ray restarts a dead one (capture.max_restarts) and retries its
     call, which resumes from the ledger. No writer is alive yet, so unfinished shards left by an
     earlier attempt are removed first."""
@@ -283,13 +314,16 @@ def _start_capture(cfg: Config, plan: RunPlan, paths: dict[str, Path], where) ->
                                     **where("target", i)).remote() for i in range(n)]
     cfg_dict = cfg.to_dict()
     refs = [w.capture.remote(CaptureTask(cfg_dict, plan.target_dir, plan.identity, plan.data.train_jsonl,
-                                         plan.data.capture, str(paths["shards"]), i, n)) for i, w in enumerate(workers)]
-    log.info("%d target actor(s) capturing layers %s into %s", n, list(plan.identity.layer_ids), paths["shards"])
-    return refs
+                                         plan.data.capture, str(paths["shards"]), i, n, plan.later_epochs))
+            for i, w in enumerate(workers)]
+    log.info("%d target actor(s) capturing layers %s into %s%s", n, list(plan.identity.layer_ids), paths["shards"],
+             f" (every epoch: {cfg.train.epochs})" if plan.later_epochs == "recapture" else "")
+    return workers, refs
 
 
-def _finish_capture(ray, refs, shard_dir: Path, max_lost_fraction: float = 0.0) -> list:
-    """Wait for every actor, check the ledger (no key twice), mark the directory DONE. Totals
+def _finish_capture(ray, refs, shard_dirs: list[Path], max_lost_fraction: float = 0.0) -> list:
+    """Wait for every actor, check each directory's ledger (no key twice) and mark it DONE (under
+    recapture the actors mark each epoch's as they finish it; this final check stays). Totals
     come from the manifest: a restarted actor's result covers only its last attempt."""
     from data_pipeline.ledger import duplicate_keys, read_skipped
     from data_pipeline.shard_reader import read_manifest
@@ -299,22 +333,24 @@ def _finish_capture(ray, refs, shard_dir: Path, max_lost_fraction: float = 0.0) 
         results = ray.get(refs)
     except Exception as e:  # the actor's own error names the file/line/field
         raise PipelineError(f"target capture failed: {e}") from e
-    twice = duplicate_keys(shard_dir)
-    if twice:
-        raise PipelineError(f"{shard_dir}: samples captured twice ({twice[:5]}...): the shards are not usable; "
-                            "re-extract into another --out")
-    mark_done(shard_dir)
-    records, skipped = read_manifest(shard_dir), read_skipped(shard_dir)
-    captured = sum(r.n_samples for r in records)
-    log.info("capture: %d samples, %d tokens in %d shards, %d skipped as non-finite (kernel path %s)",
-             captured, sum(r.n_tokens for r in records), len(records), len(skipped), results[0].kernel_path)
-    allowed = math.floor(max_lost_fraction * (captured + len(skipped)))
-    if len(skipped) > allowed:
-        keys = ", ".join(str(r.get("key")) for r in skipped[:5])
-        raise PipelineError(f"capture: {len(skipped)} sample(s) had non-finite features and were not written "
-                            f"(first: {keys}; see {shard_dir}/skipped.jsonl), more than data.max_lost_fraction="
-                            f"{max_lost_fraction} allows: check the target's dtype and kernels, or raise "
-                            "data.max_lost_fraction")  # fmt: skip
+    for shard_dir in shard_dirs:
+        twice = duplicate_keys(shard_dir)
+        if twice:
+            raise PipelineError(f"{shard_dir}: samples captured twice ({twice[:5]}...): the shards are not usable; "
+                                "re-extract into another --out")
+        mark_done(shard_dir)
+        records, skipped = read_manifest(shard_dir), read_skipped(shard_dir)
+        captured = sum(r.n_samples for r in records)
+        log.info("capture %s: %d samples, %d tokens in %d shards, %d skipped as non-finite (kernel path %s)",
+                 shard_dir.name, captured, sum(r.n_tokens for r in records), len(records), len(skipped),
+                 results[0].kernel_path)
+        allowed = math.floor(max_lost_fraction * (captured + len(skipped)))
+        if len(skipped) > allowed:
+            keys = ", ".join(str(r.get("key")) for r in skipped[:5])
+            raise PipelineError(f"capture: {len(skipped)} sample(s) had non-finite features and were not written "
+                                f"(first: {keys}; see {shard_dir}/skipped.jsonl), more than data.max_lost_fraction="
+                                f"{max_lost_fraction} allows: check the target's dtype and kernels, or raise "
+                                "data.max_lost_fraction")  # fmt: skip
     return list(results)
 
 
@@ -326,7 +362,8 @@ def _start_trainers(cfg: Config, plan: RunPlan, paths: dict[str, Path], resume, 
     try:
         return start_trainer_group(cfg, target_dir=plan.target_dir, shard_dir=paths["shards"], expected=plan.expected,
                                    drafter_cfg=plan.drafter, resume=resume, num_samples=plan.num_samples,
-                                   placement=[where("trainer", r) for r in range(cfg.train.world_size)])
+                                   placement=[where("trainer", r) for r in range(cfg.train.world_size)],
+                                   later_epochs=plan.later_epochs)
     except ResumeError as e:
         raise PipelineError(str(e)) from None
 

@@ -27,12 +27,13 @@ from data_pipeline.ledger import CaptureData
 from data_pipeline.provenance import Provenance
 from dflash_dist.config import Config
 from dflash_dist.model.config import DrafterConfig
+from dflash_dist.orchestration.later_epochs import LaterEpochs
 from dflash_dist.target.loading import TargetIdentity
 from dflash_dist.trainer.resume import ResumeDecision
 
 log = logging.getLogger(__name__)
 
-PLAN_SCHEMA = 2
+PLAN_SCHEMA = 3
 PLANS_DIR = "plans"
 PLAN_NAME = "run_plan.json"  # the plan of the latest Ray run, for the record (<out>/run_plan.json)
 PLAN_WAIT_S = 1800.0  # a task waiting for another's plan gives up after this (that task failed)
@@ -49,6 +50,7 @@ class DataPlan:
     train_jsonl: str
     eval_jsonl: str | None
     capture: CaptureData  # source, data.max_train_samples, records, content hash (the ledger's record)
+    tokens: int = 0  # the records' tokens as capture builds them (responses at capture.max_new_tokens if regenerated)
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ class RunPlan:
     data: DataPlan | None  # None when no stage reads the conversations (training alone)
     num_samples: int | None  # samples per epoch the run trains (its LR schedule's and lost fraction's base)
     made_by: str  # who computed it (for a person reading the file)
+    later_epochs: str = "keep"  # capture.later_epochs resolved: keep | recapture (later_epochs.py)
+    epoch_costs: LaterEpochs | None = None  # the estimates behind it (when this run captures)
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -77,14 +81,16 @@ class RunPlan:
                 raise ValueError(f"schema is not {PLAN_SCHEMA}")
             data = d.pop("data")
             decision = d.pop("resume_from")
+            costs = d.pop("epoch_costs")
             return cls(
+                epoch_costs=None if costs is None else LaterEpochs(**costs),
                 resume_from=None if decision is None else ResumeDecision.from_dict(decision),
                 stages=tuple(d.pop("stages")),
                 identity=TargetIdentity(**_tuples(d.pop("identity"))),
                 expected=Provenance.from_dict(d.pop("expected"), where),
                 drafter=DrafterConfig(**_tuples(d.pop("drafter"))),
                 data=None if data is None else DataPlan(data["train_jsonl"], data["eval_jsonl"],
-                                                        CaptureData(**data["capture"])),
+                                                        CaptureData(**data["capture"]), data["tokens"]),
                 **d,
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -103,6 +109,7 @@ def plan_stages(cfg: Config, stages: tuple[str, ...], resume: str) -> tuple[str,
     complete (DONE) shards are reused instead of re-extracted and an unfinished capture is resumed:
     its complete shards are kept and only the samples missing from them are captured
     (data_pipeline/ledger.py)."""
+    from data_pipeline.epoch_dirs import RECAPTURE, epoch_dir, read_mode
     from data_pipeline.ledger import captured_keys
     from data_pipeline.records import DONE_NAME, MANIFEST_NAME
     from dflash_dist.trainer.checkpoint import ResumeError, plan_resume
@@ -111,15 +118,25 @@ def plan_stages(cfg: Config, stages: tuple[str, ...], resume: str) -> tuple[str,
     try:
         if "train" in stages:
             plan_resume(resume, cfg.out / "checkpoints")
-    except ResumeError as e:
+        recapture = (read_mode(shards) or cfg.capture.later_epochs) == RECAPTURE
+    except (ResumeError, ValueError) as e:
         raise PipelineError(str(e)) from None
+    # every epoch's directory that will be captured (under recapture one per epoch) is complete
+    epochs = range(cfg.train.epochs if recapture else 1)
+    complete = all((epoch_dir(shards, e, recapture) / DONE_NAME).exists() for e in epochs)
+    if "extract" in stages and "train" not in stages and recapture:
+        raise PipelineError("capture.later_epochs=recapture captures each later epoch while the trainers consume the "
+                            "one before: use `dflash-dist run` (extract and train together)")
+    if "train" in stages and "extract" not in stages and recapture and not complete:
+        raise PipelineError(f"{shards}: later epochs are captured again (later_epochs.json: recapture) and not all "
+                            "of them are captured yet: continue with `dflash-dist run --resume auto`")
     if "extract" in stages and (shards / MANIFEST_NAME).exists():
         if resume == "never":
             raise PipelineError(
                 f"{shards} already holds shards: pass --resume auto to reuse complete shards (and continue the "
                 "training run there, if any), or use another --out"
             )
-        if (shards / DONE_NAME).exists():
+        if complete:
             log.info("extract skipped: %s is complete (%s), reusing its shards", shards, DONE_NAME)
             stages = tuple(s for s in stages if s != "extract")
         else:
@@ -194,8 +211,54 @@ def make_plan(cfg: Config, stages: tuple[str, ...], resume: str, made_by: str = 
              ident.target_hash[:12])
     expected = expected_provenance(cfg, target_dir, ident, tokenizer)
     drafter = drafter_config_for(cfg, target_dir, tokenizer_mask_id(tokenizer))
+    mode, costs = plan_later_epochs(cfg, stages, data, num_samples, expected, target_dir)
     return RunPlan(tuple(stages), resume, resume_from, str(target_dir), ident, expected, drafter, data, num_samples,
-                   made_by or f"pid {os.getpid()} on {os.uname().nodename}")
+                   made_by or f"pid {os.getpid()} on {os.uname().nodename}", mode, costs)
+
+
+def plan_later_epochs(cfg: Config, stages: tuple[str, ...], data: DataPlan | None, num_samples: int | None,
+                      expected: Provenance, target_dir: Path) -> tuple[str, LaterEpochs | None]:
+    """The run's later-epochs mode (later_epochs.py) and, when this run captures, its estimates,
+    printed before anything runs; recorded in the shard tree (epoch_dirs.write_mode), where a
+    resumed run finds it."""
+    from data_pipeline.epoch_dirs import KEEP, read_mode, write_mode
+    from data_pipeline.feature_codec import feature_bytes_per_token
+    from data_pipeline.records import DONE_NAME
+    from data_pipeline.shard_reader import read_manifest
+    from dflash_dist.orchestration import later_epochs
+    from dflash_dist.target.loading import DTYPES, target_matmul_params
+
+    shards = cfg.out / "shards"
+    asked = cfg.capture.later_epochs
+    try:
+        recorded = read_mode(shards)
+        if "extract" not in stages:
+            later_epochs.check_recorded(asked, recorded)
+            return recorded or (KEEP if asked == "auto" else asked), None
+        if (shards / DONE_NAME).exists():  # epoch 0 is captured: its real size
+            records = read_manifest(shards)
+            samples, tokens, source = sum(r.n_samples for r in records), sum(r.n_tokens for r in records), "captured"
+        else:
+            samples, tokens = num_samples or 0, data.tokens if data is not None else 0
+            source = ("ingested; responses counted at capture.max_new_tokens, an upper bound" if cfg.capture.regenerate
+                      else "ingested")
+            if not tokens:
+                tokens, source = samples * cfg.data.max_length, "samples x data.max_length, an upper bound"
+        width = feature_bytes_per_token(expected.feature_encoding, DTYPES[expected.dtype].itemsize,
+                                        len(expected.layer_ids), expected.hidden_size)
+        try:
+            params = target_matmul_params(target_dir)
+        except Exception as e:  # a config transformers cannot build on the meta device: no GPU-hours estimate
+            log.warning("target parameters not counted (%s: %s): GPU-hours not estimated", type(e).__name__, e)
+            params = 0
+        costs = later_epochs.decide(cfg, samples, tokens, source, width, params, recorded)
+    except ValueError as e:
+        raise PipelineError(str(e)) from None
+    for line in costs.lines():
+        log.info("%s", line)
+    if recorded is None:
+        write_mode(shards, costs.mode)
+    return costs.mode, costs
 
 
 def _plan_data(cfg: Config, tokenizer) -> tuple[dict, DataPlan]:
@@ -215,7 +278,8 @@ def _plan_data(cfg: Config, tokenizer) -> tuple[dict, DataPlan]:
             raise PipelineError(str(e)) from None
     train_jsonl = ingested_paths(cfg, "train")[0]
     eval_jsonl = ingested_paths(cfg, "eval")[0] if "eval" in splits else None
-    return splits, DataPlan(str(train_jsonl), str(eval_jsonl) if eval_jsonl else None, capture)
+    return splits, DataPlan(str(train_jsonl), str(eval_jsonl) if eval_jsonl else None, capture,
+                            splits["train"][1].tokens)
 
 
 def plan_path(out: Path, key: str) -> Path:

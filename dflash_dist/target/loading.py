@@ -60,6 +60,18 @@ def load_target(cfg: Config, target_dir: Path, device: torch.device | None = Non
     return model.to(device).eval(), tokenizer
 
 
+def target_matmul_params(target_dir: Path) -> int:
+    """Parameters a token's forward multiplies by: all but the input embedding (a lookup; a tied
+    lm_head still counts), from the target's config.json alone, built on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(target_dir))
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embed.weight
+    return sum(p.numel() for p in model.parameters()) - (0 if tied else embed.weight.numel())
+
+
 def target_config_dict(target_dir: Path) -> dict:
     d = json.loads((Path(target_dir) / "config.json").read_text())
     return d.get("text_config", d) if "num_hidden_layers" not in d else d

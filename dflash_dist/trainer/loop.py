@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from data_pipeline.disk_budget import BufferPolicy, release_consumed
 from data_pipeline.provenance import Provenance
 from dflash_dist.config import Config
 from dflash_dist.model.config import DrafterConfig
@@ -60,6 +59,7 @@ class TrainJob:
     resume: ResumeDecision | None = None  # where to start, decided once (resume.decide); None: step 0
     schedule_unit: str = "step"  # "step", or "sample": token-budget micro-batches (Config.schedule_unit)
     num_samples: int | None = None  # samples per epoch the run planned for (data.max_lost_fraction's base)
+    later_epochs: str = "keep"  # the run plan's resolved capture.later_epochs: keep | recapture
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class Trainer:
         self.gamma = job.drafter.loss_decay_gamma if cfg.train.gamma is None else cfg.train.gamma
         self.state = TrainState()  # everything a restart carries over
         self.source = StepSource(cfg, job.shard_dir, job.provenance, self.rank, self.world, dtype, self._ctrl,
-                                 planned_samples=job.num_samples)  # fmt: skip
+                                 planned_samples=job.num_samples, recapture=job.later_epochs == "recapture")
         # this run only
         self.samples_consumed = 0
         self.checkpoints: list[str] = []
@@ -342,8 +342,7 @@ class Trainer:
         dist.barrier(group=self._ctrl)  # every rank's files are durable
         if self.rank == 0:
             checkpoint.commit(self.ckpt_dir, tag, meta, self.cfg.train.keep_checkpoints)
-            release_consumed(self.job.shard_dir, BufferPolicy.from_config(self.cfg),
-                             [s["source"]["reader"] for s in ranks], self.source.epoch)  # fmt: skip
+            self.source.release([s["source"]["reader"] for s in ranks])
         self.checkpoints.append(tag)
         self._last_saved = step
         self._export(tag)  # ends in a barrier: no rank runs ahead of the commit

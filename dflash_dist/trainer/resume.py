@@ -50,6 +50,8 @@ MAY_CHANGE: dict[str, str] = {
     "data.max_lost_fraction": "a failure threshold for unreadable samples, not what is trained",
     **{f"capture.{k}": _DATA for k in ("regenerate", "max_new_tokens")},
     "capture.kernels": _SHARDS,
+    "capture.later_epochs": "the shard tree records the mode its epochs were captured in (later_epochs.json) and "
+                            "the run plan refuses another explicit one, so auto and the recorded mode are the same",
     **{f"capture.{k}": _RESOURCE for k in ("num_actors", "batch_size", "token_budget", "sort_window", "shard_bytes",
                                             "max_buffer_bytes", "consumed_shards", "buffer_stall_s", "max_restarts",
                                             "cpus_per_actor", "gpus_per_actor", "writers")},  # fmt: skip

@@ -27,7 +27,10 @@ samples than `data.max_lost_fraction` of the run's planned samples raise `DataLo
 at the same slot, naming what this rank could not read.
 
 Epoch 0 follows the manifest while capture still writes it; later epochs re-read the finished
-manifest in a shard order seeded by (run.seed, epoch) (shard_reader.ShardStream).
+manifest in a shard order seeded by (run.seed, epoch) (shard_reader.ShardStream), or, when they
+are captured again (`capture.later_epochs: recapture`), follow their own directory
+`epoch_<e>/` as epoch 0 follows the root (data_pipeline/epoch_dirs.py). The source also releases
+what a published checkpoint covers (`release`: the disk budget of every epoch's directory).
 """
 
 from __future__ import annotations
@@ -38,11 +41,14 @@ import math
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from data_pipeline.disk_budget import BufferPolicy, release_consumed
+from data_pipeline.epoch_dirs import epoch_dir
 from data_pipeline.shard_reader import ShardStream, merge_reader_states, read_manifest
 from dflash_dist.config import Config
 from dflash_dist.trainer.batching import (
@@ -114,9 +120,10 @@ class StepSource:
 
     def __init__(
         self, cfg: Config, shard_dir: str, provenance: Any, rank: int, world: int, dtype: torch.dtype,
-        group: Any = None, planned_samples: int | None = None,
+        group: Any = None, planned_samples: int | None = None, recapture: bool = False,
     ) -> None:  # fmt: skip
-        self.cfg, self.shard_dir, self.provenance = cfg, shard_dir, provenance
+        self.cfg, self.shard_dir, self.provenance = cfg, shard_dir, provenance  # shard_dir: the tree's root
+        self.recapture = recapture  # epochs >= 1 in epoch_<e>/, each read once as it is captured
         self.rank, self.world, self.dtype, self.group = rank, world, dtype, group
         self.grad_accum = cfg.train.grad_accum
         self.pack_tokens = cfg.pack_tokens()  # train.packing: one row of this many tokens per micro-batch
@@ -168,8 +175,8 @@ class StepSource:
             return self._feeder
         stop = threading.Event()
         stream = ShardStream(
-            self.shard_dir, self.provenance, self.rank, self.world, poll_s=0.5, stop_when=stop.is_set,
-            epoch=self.epoch, seed=self.cfg.run.seed, shuffle=self.cfg.train.shuffle,
+            self.epoch_dir(), self.provenance, self.rank, self.world, poll_s=0.5, stop_when=stop.is_set,
+            epoch=self.epoch, seed=self.cfg.run.seed, shuffle=self.cfg.train.shuffle, follow=self.recapture,
         )  # fmt: skip
         if self.reader is not None:  # resuming inside this epoch
             stream.load_state_dict(self.reader)
@@ -238,17 +245,27 @@ class StepSource:
         counts = own.clone()
         dist.all_reduce(counts, group=self.group)
         trained, lost = int(counts[0]) + self.carried, int(counts[1])
-        manifest = read_manifest(self.shard_dir)  # final: every stream saw DONE
+        manifest = read_manifest(self.epoch_dir())  # final: every stream saw DONE
         total = sum(r.n_samples for r in manifest)
         end = EpochEnd(self.epoch, trained, lost, total)
         if trained + lost != total:
             raise RuntimeError(f"epoch {self.epoch}: {trained} trained + {lost} lost != {total} samples in "
-                               f"{self.shard_dir}/manifest.jsonl: a sample was trained twice or never")  # fmt: skip
+                               f"{self.epoch_dir()}/manifest.jsonl: a sample was trained twice or never")  # fmt: skip
         self.epoch += 1
         self.reader, self.trained, self.carried = None, 0, 0
         self.lost_before += lost
         self.lost_epoch = 0
         return end
+
+    def epoch_dir(self) -> Path:
+        """The directory the open epoch's shards are in."""
+        return epoch_dir(self.shard_dir, self.epoch, self.recapture)
+
+    def release(self, reader_states: list[dict[str, Any] | None]) -> list[str]:
+        """After a checkpoint is published (rank 0, with every rank's reader state at it): release
+        the shards it covers to the disk budget (deleted where the policy says; disk_budget.py)."""
+        policy = BufferPolicy.from_config(self.cfg, self.recapture)
+        return release_consumed(self.shard_dir, policy, reader_states, self.epoch)
 
     def close(self) -> None:
         """Stop the reader thread (at an epoch end, and when training stops)."""

@@ -7,7 +7,8 @@
 #   3. build the learned code target (dflash-dist build-target configs/mid_gpu.yaml)
 #   4. the product run on it (configs/mid_gpu.yaml through tests/test_gpu_mid.py, which runs and checks it)
 #   5. the recipe-quality bench on that run's shards (bench/bench_quality_run.py, fp8 features among the variants)
-#   6. the trainer step at the 27B shape, the world-size cost model, and capture over 50 passes
+#   (before 3: the trainer step at the 27B shape and the world-size cost model, so a short lease still measures them)
+#   6. the other gpu tests (golden parity on cuda among them), then capture over 50 passes
 # Each step's output goes to LOG/<step>.log and one line to LOG/status (start, end, exit code, seconds);
 # a step that fails does not stop the ones that do not need it.
 #   setsid bench/gpu_session.sh /tmp/gpu >/dev/null 2>&1 < /dev/null &   (then read /tmp/gpu/status)
@@ -43,6 +44,11 @@ if ! step preflight 150 python3 -m pytest -m gpu -q -p no:cacheprovider \
     echo "preflight failed: the product run uses train.optimizer_step=deepspeed" >>"$LOG/status"
 fi
 
+step train 170 python3 bench/bench_train_step.py --loss chunked --kernels liger --steps 6 --warmup 2 --profile 2 \
+    --settings create+ds,create+ds+noovf,direct+ds+noovf,direct+lean,direct+lean+splitkv --json "$LOG/train.json"
+step cost 60 python3 bench/cost_model.py --train-json "$LOG/train.json" --setting "liger direct+lean" --measure-opt \
+    --world 9 --json "$LOG/cost.json"
+
 step build 540 python3 -m launcher.cli build-target configs/mid_gpu.yaml
 cp "$DFLASH_CACHE"/code-lm-*/dflash_target.json "$LOG/target_record.json" 2>/dev/null
 
@@ -60,10 +66,8 @@ if [ -f "$RUN/shards/DONE" ]; then
         --time-budget-s "${QBENCH_BUDGET_S:-360}" ${QBENCH_ARGS:-}
 fi
 
-step train 170 python3 bench/bench_train_step.py --loss chunked --kernels liger --steps 6 --warmup 2 --profile 2 \
-    --settings create+ds,create+ds+noovf,direct+ds+noovf,direct+lean,direct+lean+splitkv --json "$LOG/train.json"
-step cost 60 python3 bench/cost_model.py --train-json "$LOG/train.json" --setting "liger direct+lean" --measure-opt \
-    --world 9 --json "$LOG/cost.json"
+step gpu_tests 240 python3 -m pytest -m gpu -q -rA -p no:cacheprovider tests \
+    --deselect tests/test_gpu_mid.py --deselect tests/test_gpu_pipeline.py
 step capture 330 python3 bench/bench_capture.py --variants 32768:keep:fusedconv,32768:keep:fused2 --pool 256 \
     --batches 2 --profile 32768:keep:fused2 --e2e 32768:keep:fused2 --sinks job --writers 4 --e2e-batches 50 \
     --e2e-distinct 5 --disk-gib 2 --shard-dir /tmp/bench_shards/s --json "$LOG/capture.json"

@@ -140,7 +140,7 @@ def test_killed_trainer_rank_group_restarts_from_checkpoint_each_sample_once(tin
 
     # a checkpoint this run cannot continue (another LR schedule length) is refused once, by the
     # driver's decision, before any rank starts
-    with pytest.raises(ResumeError, match=rf"spans {STEPS} steps, this run's {STEPS + 1} steps"):
+    with pytest.raises(ResumeError, match=rf"spans {EPOCHS * NUM} samples, this run.s {STEPS + 1} steps"):
         start("auto", STEPS + 1)
     # an error the trainer code raises is reported as such; one that replaying the same checkpoint
     # and data raises again (here every rank refuses shards of another target) spends no restart

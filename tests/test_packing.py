@@ -189,3 +189,31 @@ def test_cuda_packed_row_through_flex_trains_each_sample_as_alone():
     assert p_w == pytest.approx(a_w, rel=1e-6)  # the same supervised slots and weights
     assert p_wce == pytest.approx(a_wce, rel=2e-2)  # bf16 noise
     assert ((p_grad - a_grad).norm() / a_grad.norm()).item() < 5e-2
+
+
+def test_packed_rows_take_few_anchor_shapes_and_flex_compiles_past_dynamos_default_limit():
+    """A packed row's anchor slots (a flex_attention shape each) come from a small set, padded by
+    under num_anchors or 25%, whatever the row holds; the compiled flex_attention accepts that many shapes
+    (past dynamo's default of 8 it would run eagerly and materialise the scores: an OOM on the
+    H200 at the mid config)."""
+    import torch._dynamo
+
+    from dflash_dist.model import attention
+    from dflash_dist.trainer.batching import anchor_slots, make_micro_batch
+
+    shapes = set()
+    for k in range(1, 64 * 128 + 1):
+        n = anchor_slots(k, 128)
+        assert n >= k and n % 128 == 0 and (n - k < 128 or (n - k) / k < 0.25)
+        shapes.add(n)
+    assert len(shapes) == 20
+    d = small_drafter(block=BLOCK)
+    kw = dict(dtype=torch.float32, num_anchors=2, seed=0, epoch=0, pack_tokens=9 * 24)
+    rows = [make_micro_batch(_samples(d, [9] * c), {}, **kw) for c in range(1, 25)]
+    for row in rows:
+        k = int(row.anchors.keep.sum())
+        assert row.anchors.positions.shape[1] == anchor_slots(k, 2)
+    assert len({row.anchors.positions.shape[1] for row in rows}) < len({int(r.anchors.keep.sum()) for r in rows})
+    attention._compiled_flex.cache_clear()
+    attention._compiled_flex()
+    assert torch._dynamo.config.recompile_limit >= max(len(shapes), attention.FLEX_RECOMPILE_LIMIT)

@@ -165,8 +165,21 @@ def inference_sliding_mask(block_len: int, context_positions: torch.Tensor, bloc
     return torch.cat([ctx_ok, blk_ok], dim=-1)
 
 
+# Compiled flex_attention is specialised to its shapes (dynamic=False: the fastest kernels), and
+# dynamo's default limit of 8 shapes per function is below what training sees (packed rows:
+# batching.anchor_slots' ~20 anchor counts; unpacked: each padded length). Past the limit dynamo
+# would run flex_attention eagerly, which materialises the [Q, K] scores (98 GiB for one packed
+# row of the mid run on the H200) instead of raising.
+FLEX_RECOMPILE_LIMIT = 64
+
+
 @functools.cache
 def _compiled_flex():
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, FLEX_RECOMPILE_LIMIT)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * FLEX_RECOMPILE_LIMIT)
     return torch.compile(flex_attention, dynamic=False)
 
 

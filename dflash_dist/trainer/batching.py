@@ -118,12 +118,25 @@ def batch_anchors(
     return Anchors(positions, keep)
 
 
+def anchor_slots(k: int, num_anchors: int) -> int:
+    """The anchor slots of a packed row holding k anchors: m x num_anchors where m = ceil(k /
+    num_anchors) rounded up to 1..7 or 4..7 x 2^e (3 significant bits). Each slot count is a new
+    flex_attention shape, and the compiled kernel is specialised to its shape (a row of 20 samples
+    can hold 1 to ~25 x num_anchors anchors): this keeps the shapes to ~4 per doubling (20 up to
+    m = 64), padded by under num_anchors or 25% (slots with keep False, weight 0)."""
+    m = max(1, -(-k // num_anchors))
+    if m > 7:
+        e = m.bit_length() - 3
+        m = -(-m >> e) << e
+    return m * num_anchors
+
+
 def pack(
     samples: list[Sample], dtype: torch.dtype, row_tokens: int, anchors: Anchors, num_anchors: int
 ) -> tuple[dict[str, torch.Tensor], Anchors]:
     """One row of max(row_tokens, total) tokens holding the samples back to back (zeros after), and
     their anchors ([len(samples), N] as batch_anchors draws them) in row coordinates with document
-    bounds, padded to a multiple of `num_anchors` (few shapes)."""
+    bounds, padded to `anchor_slots(k, num_anchors)` (few shapes)."""
     lengths = [s.num_tokens for s in samples]
     row = max(row_tokens, sum(lengths))
     widths = {s.features.shape[1] for s in samples}
@@ -148,7 +161,7 @@ def pack(
         off += n
     pos, starts, ends = torch.cat(pos), torch.cat(starts), torch.cat(ends)
     k = pos.numel()
-    n_pad = max(num_anchors, -(-k // num_anchors) * num_anchors) - k
+    n_pad = anchor_slots(k, num_anchors) - k
     keep = torch.cat([torch.ones(k, dtype=torch.bool), torch.zeros(n_pad, dtype=torch.bool)])
     pos, starts, ends = (torch.cat([x, x.new_zeros(n_pad)])[None] for x in (pos, starts, ends))
     return out, Anchors(pos, keep[None], starts, ends)

@@ -4,6 +4,7 @@ real writers (shards, heartbeats, train log, TensorBoard, eval results), read ba
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -77,7 +78,8 @@ def run_dir(tmp_path) -> Path:
     write_buffer_json(shards, BufferStatus(1 << 20, 777, 555, 3, 1, 1, True))  # the trainer's account
     _beat(out, "driver", 0, "running", 1.0, {"stages": ["extract", "train", "eval"]})
     _beat(out, "target", 0, "finished", 60.0, {"samples": 3})
-    _beat(out, "trainer", 0, "running", 2.0, {"step": 7, "epoch": 0, "samples": 2, "shards_consumed": 2})
+    _beat(out, "trainer", 0, "running", 2.0, {"step": 7, "epoch": 0, "samples": 2, "shards_consumed": 2,
+                                                    "samples_lost": 4})
     _beat(out, "trainer", 1, "running", 5.0 * STALE_INTERVALS + 30, {"step": 6, "epoch": 0, "shards_consumed": 1})
     _beat(out, "evaluator", 0, "failed", 10.0, {"evaluated": 2}, "ProvenanceMismatch: kernel_path torch != fla")
     (out / "train_log.jsonl").write_text(
@@ -114,6 +116,7 @@ def test_status_reads_every_part_of_a_run_from_its_files(run_dir):
     assert tr["step"] == 7  # rank 0's heartbeat is ahead of the last complete train_log line (6)
     assert tr["loss"] == pytest.approx(4.4) and tr["samples"] == 48 and tr["latest_checkpoint"] == "step_4"
     assert tr["tokens_per_s"] == {"value": pytest.approx(2345.5), "step": 6}
+    assert tr["samples_lost"] == 4  # from the trainer heartbeats (rank 1's older one has none)
     assert s["eval"] == {"evaluated": 2, "step": 4, "tau_chain": 2.25, "tau_ddtree": {"4": 2.75, "8": 3.25}}
     states = {(r["role"], r["index"]): r["state"] for r in s["roles"]}
     assert states == {
@@ -151,6 +154,7 @@ def test_status_command_prints_a_table_and_json(run_dir, capsys):
         "failed",
     ):
         assert needle in text, (needle, text)
+    assert re.search(r"samples lost\W+4\b", text), text
     assert cli.main(["status", str(run_dir), "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["trainer"]["step"] == 7 and s["eval"]["tau_ddtree"]["8"] == 3.25

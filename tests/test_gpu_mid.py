@@ -75,7 +75,10 @@ def test_mid_gpu_run_captures_trains_over_nccl_and_tau_rises(mid_run) -> None:
     path = expected_kernel_path(cfg, target_dir)
     assert {r.provenance.kernel_path for r in records} == {path}
     assert {(r.provenance.dtype, r.provenance.layer_ids) for r in records} == {("bfloat16", (1, 3, 5, 7, 9))}
-    assert sum(len(r.keys) for r in records) == len(read_chat_jsonl(out / "data" / "train.ingested.jsonl")) == 3000
+    ingest = json.loads((out / "data" / "train.ingest.json").read_text())  # on_bad_record: skip counts here
+    assert ingest["read"] == 3000 == ingest["kept"] + sum(ingest["skipped"].values()) and ingest["kept"] >= 2990
+    assert sum(len(r.keys) for r in records) == len(read_chat_jsonl(out / "data" / "train.ingested.jsonl"))
+    assert len(read_chat_jsonl(out / "data" / "train.ingested.jsonl")) == ingest["kept"]
     sample = next(iter_shard_samples(out / "shards" / records[0].name))
     assert sample.features.dtype == torch.bfloat16 and sample.features.shape[1] == 5 * 768
     assert torch.isfinite(sample.features.float()).all() and sample.loss_mask.sum() > 0

@@ -16,6 +16,12 @@ REPO = Path(__file__).resolve().parents[1]
 # A loaded 2-core machine can take longer than Ray's default to start a raylet; the tests' Ray
 # heads (in-process and in the CLIs they start) wait up to 3 minutes instead of failing.
 os.environ.setdefault("RAY_raylet_start_wait_time_s", "180")
+# Every Ray cluster of the tests lives on 127.0.0.1. Ray reads this once, when `ray` is first
+# imported (ray_constants.ENABLE_RAY_CLUSTER): set after that import, `ray.init(address=
+# "127.0.0.1:P")` resolves the address to the host's external IP, where the GCS (bound to 127.0.0.1)
+# never answers, and hangs. Test modules set it too, but collection imports some of them after
+# another module has imported ray, so it is set here, before any test module is imported.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 # The slow tier: modules that start Ray clusters, DeepSpeed process groups, Slurm daemons or

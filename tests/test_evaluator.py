@@ -228,7 +228,7 @@ def test_evaluator_actor_follows_exports_as_they_appear(tiny, tmp_path, monkeypa
     prompts = tuple(tuple(p) for p in tiny["prompts"])
     (out / "export").mkdir(parents=True)
     assert not ray.is_initialized()
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         task = EvaluatorTask(cfg.to_dict(), str(target_dir), prompts, expected=expected)
         actor = EvaluatorActor.options(**evaluator_actor_options(cfg)).remote(task)

@@ -104,16 +104,16 @@ def single_rank_gloo(monkeypatch):
     """A one-rank gloo process group (DeepSpeed's init) for an in-process Trainer; after the test
     it is destroyed and DeepSpeed's cached groups are forgotten. The env is undone by monkeypatch,
     so later subprocesses do not inherit a stale port."""
-    import deepspeed
     import torch.distributed as dist
 
     from dflash_dist.actors.ports import free_ports
+    from dflash_dist.actors.trainer_group import join_group
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_ports(1, "127.0.0.1")[0]))
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(k, v)
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    join_group(dict(os.environ), on_gpu=False)  # the product's rendezvous: the store on MASTER_ADDR only
     yield
     dist.destroy_process_group()
     reset_deepspeed_groups()
@@ -148,6 +148,7 @@ def ray_cluster():
         address="local",
         num_cpus=2,
         include_dashboard=False,
+        _node_ip_address="127.0.0.1",  # every agent of the node on loopback, whatever ray read at import
         log_to_driver=True,
         runtime_env={
             "env_vars": {

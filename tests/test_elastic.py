@@ -182,14 +182,14 @@ def job_for(tiny, shards: Path, cfg: Config, resume_from: Path | None) -> TrainJ
 def run_in_process(cfg: Config, job: TrainJob, dump: Path):
     """One rank here: the trainer's state right after it resumed (`<dump>_resumed`) and after its
     run (`<dump>_final`)."""
-    import deepspeed
     import torch.distributed as dist
 
+    from dflash_dist.actors.trainer_group import join_group
     from dflash_dist.trainer.loop import Trainer
 
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
     os.environ.update(env, LOCAL_RANK="0")
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    join_group(dict(os.environ), on_gpu=False)  # the product's rendezvous: the store on MASTER_ADDR only
     try:
         trainer = Trainer(cfg, job)
         if job.resume is not None:
@@ -236,9 +236,9 @@ def run_two_ranks(cfg: Config, job: TrainJob, dump: Path) -> list[dict]:
 
 def main(spec_path: str) -> None:
     """A rank of run_two_ranks: its process group from the environment, the trainer, dumps."""
-    import deepspeed
     import torch.distributed as dist
 
+    from dflash_dist.actors.trainer_group import join_group
     from dflash_dist.trainer.loop import Trainer
 
     torch.set_num_threads(1)
@@ -248,7 +248,7 @@ def main(spec_path: str) -> None:
     resume = None if j["resume"] is None else ResumeDecision.from_dict(j["resume"])
     job = TrainJob(**(j | {"provenance": Provenance.from_dict(j["provenance"]), "drafter": drafter, "resume": resume}))
     dump = Path(spec["dump"])
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    join_group(dict(os.environ), on_gpu=False)  # the product's rendezvous: the store on MASTER_ADDR only
     try:
         trainer = Trainer(load_config_dict(spec["cfg"]), job)
         assert trainer.engine.load_universal_checkpoint() == (job.resume is not None)

@@ -85,9 +85,9 @@ def test_collate_pads_and_anchors_are_per_sample(tiny):
 
 # ---------------------------------------------------------------------------- (a) settings reach DeepSpeed
 def test_deepspeed_config_reaches_engine(tiny, tmp_path, monkeypatch):
-    import deepspeed
     import torch.distributed as dist
 
+    from dflash_dist.actors.trainer_group import join_group
     from dflash_dist.trainer.engine import build_engine
 
     cfg = make_cfg(
@@ -108,7 +108,7 @@ def test_deepspeed_config_reaches_engine(tiny, tmp_path, monkeypatch):
     for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1").items():
         monkeypatch.setenv(key, value)  # undone after the test: later subprocesses must not inherit a stale port
     monkeypatch.setenv("LOCAL_RANK", "0")
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    join_group(dict(os.environ), on_gpu=False)  # the product's rendezvous: the store on MASTER_ADDR only
     try:
         total = 8
         engine = build_engine(cfg, tiny["drafter"], tiny["target_dir"], total, world_size=1, on_gpu=False)
@@ -398,12 +398,12 @@ def _capture_step_grads(spec_path: str) -> None:
     `python -m tests.test_trainer SPEC`): for each loss_norm, one real Trainer step, with the
     full gradient of every trainable parameter taken at the accumulation boundary, before the
     step clips and applies it (rank 0 saves it)."""
-    import deepspeed
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_grad
     from safetensors.torch import save_file
 
     from data_pipeline.provenance import Provenance
+    from dflash_dist.actors.trainer_group import join_group
     from dflash_dist.config import load_config_dict
     from dflash_dist.model.config import DrafterConfig
     from dflash_dist.trainer.loop import Trainer, TrainJob
@@ -413,7 +413,7 @@ def _capture_step_grads(spec_path: str) -> None:
     j = spec["job"]
     drafter = DrafterConfig(**(j["drafter"] | {"target_layer_ids": tuple(j["drafter"]["target_layer_ids"])}))
     job = TrainJob(**(j | {"provenance": Provenance.from_dict(j["provenance"]), "drafter": drafter}))
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    join_group(dict(os.environ), on_gpu=False)  # the product's rendezvous: the store on MASTER_ADDR only
     try:
         for mode, cfg_dict in spec["cfgs"].items():
             trainer = Trainer(load_config_dict(cfg_dict), job)

@@ -4,9 +4,9 @@
 Rank, world size and local rank come from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID; the
 master is 127.0.0.1 when the step has one node, else its first host (`scontrol show
 hostnames`); the port derives from the job id (MASTER_PORT overrides). A preemption notice
-(SIGTERM, SIGUSR1) makes every rank save at the next step boundary and return: the process exits
-75 (not finished) so slurm/train.sbatch requeues the job, whose `--resume auto` continues from that
-checkpoint. Rank 0 holds the output directory's run lock (orchestration/run_lock.py).
+(SIGTERM, SIGUSR1) makes every rank save at the next step boundary and return: rank 0 exits 75
+(not finished; the others 0, see _train) so slurm/train.sbatch requeues the job, whose `--resume
+auto` continues from that checkpoint. Rank 0 holds the output directory's run lock (orchestration/run_lock.py).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def tasks_per_node(env: Mapping[str, str]) -> list[int]:
 
 
 def run_slurm_trainer(cfg: Config, resume: str) -> int:
-    """This task's rank of the DeepSpeed group; 0 when it finished, 75 when it saved after a notice. Rank 0
+    """This task's rank of the DeepSpeed group; 0 when it finished, 75 (rank 0) when it saved after a notice. Rank 0
     computes the run plan (the resume decision, the target's weight hash, provenance, drafter
     shape) for this job attempt and writes it; the other ranks read it (run_plan.share_plan)."""
     from dflash_dist.orchestration.run_lock import RunLock, RunLocked
@@ -133,4 +133,7 @@ def _train(cfg: Config, resume: str, env: dict[str, str], rank: int, world: int,
     if rank == 0:
         how = f"stopped by {result.preempted} after saving" if result.preempted else "finished"
         log.info("training %s at step %d", how, result.steps)
-    return EXIT_PREEMPTED if result.preempted else 0  # 75: not finished, a requeue continues it
+    # 75 (not finished, a requeue continues it) from rank 0 only: srun --kill-on-bad-exit=1 ends the
+    # other tasks when one exits nonzero, and a task it ends makes srun's status 143, not 75; a rank
+    # exiting 0 never ends rank 0 while it completes the checkpoint's marker.
+    return EXIT_PREEMPTED if result.preempted and rank == 0 else 0

@@ -15,8 +15,6 @@ import threading
 import time
 from pathlib import Path
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
 import pytest
 
 from data_pipeline.chat_data import read_chat_jsonl

@@ -210,8 +210,7 @@ def test_an_fp8_run_is_evaluated_on_the_targets_own_features(tiny, tmp_path):
     assert taus["fp8"] == taus["bf16"] and len(taus["fp8"]) == 1
 
 
-def test_evaluator_actor_follows_exports_as_they_appear(tiny, tmp_path, monkeypatch):
-    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+def test_evaluator_actor_follows_exports_as_they_appear(tiny, tmp_path):
     import ray
     from transformers import AutoTokenizer
 

@@ -18,8 +18,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -13,8 +13,6 @@ import json
 import math
 import os
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
 import pytest
 
 from dflash_dist.trainer.loop import TRAIN_LOG

@@ -12,7 +12,6 @@ import os
 from collections import Counter
 from pathlib import Path
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before any node starts: 127.0.0.1 stays local
 os.environ.setdefault("RAY_raylet_start_wait_time_s", "180")  # three raylets on a busy 2-core machine
 
 import pytest

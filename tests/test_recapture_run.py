@@ -19,8 +19,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
 import pytest
 
 from data_pipeline.epoch_dirs import epoch_dir, sequences_dir

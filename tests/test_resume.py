@@ -22,8 +22,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
 import pytest
 import torch
 from safetensors.torch import load_file

@@ -16,8 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
 import pytest
 import torch
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
 import torch
 
 from data_pipeline.records import Sample

@@ -114,6 +114,12 @@ def _args(argv):
     ap.add_argument("--max-walks", type=int, default=64, help="held-out prompts replayed in one batched forward")
     ap.add_argument("--gen-batch", type=int, default=64, help="held-out prompts per greedy-generation batch")
     ap.add_argument("--no-product", action="store_true", help="do not measure the run's own exports")
+    ap.add_argument(
+        "--no-align",
+        action="store_true",
+        help="tau at --checkpoints evenly spaced marks, not at the product run's checkpoints (whose sample "
+        "counts otherwise become the marks, the largest that fits the budget the run's length)",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
         "--precision",
@@ -476,7 +482,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             samples = int(args.samples)
             budget["how"] = "fixed"
-        marks = quality_budget.marks(samples, args.checkpoints)
+        aligned = None if args.no_align else quality_budget.product_marks(samples, [p["samples"] for p in product])
+        if aligned is not None:  # the product's checkpoints as marks: bench and product compared at equal samples
+            samples, marks = aligned
+            budget["marks_from"] = "product checkpoints"
+        else:
+            marks = quality_budget.marks(samples, args.checkpoints)
+            budget["marks_from"] = "evenly spaced"
 
         def _schedule(v, n: int) -> tuple[int, str]:
             vcfg = load_config_dict(v.cfg)

@@ -6,9 +6,11 @@
 #      falls back to train.optimizer_step=deepspeed
 #   3. build the learned code target (dflash-dist build-target configs/mid_gpu.yaml)
 #   4. the product run on it (configs/mid_gpu.yaml through tests/test_gpu_mid.py, which runs and checks it)
-#   5. the recipe-quality bench on that run's shards (bench/bench_quality_run.py, fp8 features among the variants)
-#   (before 3: the trainer step at the 27B shape and the world-size cost model, so a short lease still measures them)
-#   6. the other gpu tests (golden parity on cuda among them), then capture over 50 passes
+#   5. the recipe-quality bench on that run's shards (bench/bench_quality_run.py, fp8 features among the
+#      variants; 7 workers, so 7 variants x 3 seeds train in 3 rounds)
+#   6. the other gpu tests (golden parity on cuda among them)
+#   7. (unless SKIP_TRAIN is set) the trainer step at the 27B shape and the world-size cost model
+#   8. capture over 50 passes
 # Each step's output goes to LOG/<step>.log and one line to LOG/status (start, end, exit code, seconds);
 # a step that fails does not stop the ones that do not need it.
 #   setsid bench/gpu_session.sh /tmp/gpu >/dev/null 2>&1 < /dev/null &   (then read /tmp/gpu/status)
@@ -44,11 +46,6 @@ if ! step preflight 150 python3 -m pytest -m gpu -q -p no:cacheprovider \
     echo "preflight failed: the product run uses train.optimizer_step=deepspeed" >>"$LOG/status"
 fi
 
-step train 170 python3 bench/bench_train_step.py --loss chunked --kernels liger --steps 6 --warmup 2 --profile 2 \
-    --settings create+ds,create+ds+noovf,direct+ds+noovf,direct+lean,direct+lean+splitkv --json "$LOG/train.json"
-step cost 60 python3 bench/cost_model.py --train-json "$LOG/train.json" --setting "liger direct+lean" --measure-opt \
-    --world 9 --json "$LOG/cost.json"
-
 step build 540 python3 -m launcher.cli build-target configs/mid_gpu.yaml
 cp "$DFLASH_CACHE"/code-lm-*/dflash_target.json "$LOG/target_record.json" 2>/dev/null
 
@@ -62,12 +59,18 @@ cp -r "$RUN/tb/eval" "$LOG/mid_tb_eval" 2>/dev/null
 tail -c 300000 "$RUN/cli.log" >"$LOG/mid_cli_tail.log" 2>/dev/null
 
 if [ -f "$RUN/shards/DONE" ]; then
-    step qbench "${QBENCH_LIMIT_S:-480}" python3 bench/bench_quality_run.py --run "$RUN" --out "$LOG/quality" \
-        --time-budget-s "${QBENCH_BUDGET_S:-360}" ${QBENCH_ARGS:-}
+    step qbench "${QBENCH_LIMIT_S:-600}" python3 bench/bench_quality_run.py --run "$RUN" --out "$LOG/quality" \
+        --time-budget-s "${QBENCH_BUDGET_S:-480}" ${QBENCH_ARGS:---workers 7}
 fi
 
 step gpu_tests 240 python3 -m pytest -m gpu -q -rA -p no:cacheprovider tests \
     --deselect tests/test_gpu_mid.py --deselect tests/test_gpu_pipeline.py
+if [ -z "${SKIP_TRAIN:-}" ]; then
+    step train 170 python3 bench/bench_train_step.py --loss chunked --kernels liger --steps 6 --warmup 2 --profile 2 \
+        --settings create+ds,create+ds+noovf,direct+ds+noovf,direct+lean,direct+lean+splitkv --json "$LOG/train.json"
+    step cost 60 python3 bench/cost_model.py --train-json "$LOG/train.json" --setting "liger direct+lean" --measure-opt \
+        --world 9 --json "$LOG/cost.json"
+fi
 step capture 330 python3 bench/bench_capture.py --variants 32768:keep:fusedconv,32768:keep:fused2 --pool 256 \
     --batches 2 --profile 32768:keep:fused2 --e2e 32768:keep:fused2 --sinks job --writers 4 --e2e-batches 50 \
     --e2e-distinct 5 --disk-gib 2 --shard-dir /tmp/bench_shards/s --json "$LOG/capture.json"

@@ -69,6 +69,19 @@ def marks(samples: int, checkpoints: int) -> tuple[int, ...]:
     return tuple(sorted({max(1, round(samples * k / checkpoints)) for k in range(1, checkpoints + 1)}))
 
 
+def product_marks(samples: int, product_samples: list[int | None]) -> tuple[int, tuple[int, ...]] | None:
+    """(samples, marks) at the product run's own checkpoints: the largest product checkpoint that
+    fits `samples` becomes the run's budget and every product checkpoint up to it a mark, so each
+    bench point has a product export trained on exactly as many samples (the default variant at
+    the run's seed replays the product's sample order: equal samples are equal steps). None when
+    no product checkpoint with a known sample count fits."""
+    known = sorted({n for n in product_samples if n})
+    fitting = [n for n in known if n <= samples]
+    if not fitting:
+        return None
+    return fitting[-1], tuple(fitting)
+
+
 def schedule(cfg, samples: int, steps: int, mode: str, n_train: int) -> tuple[int, str]:
     """The LR schedule (length, unit) of a run that sees `samples` samples in `steps` optimizer
     steps: "run" spans the run itself (in samples when the trainer counts samples, else in steps:

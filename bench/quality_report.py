@@ -133,7 +133,41 @@ def table(results: dict) -> str:
                 f"- step {p['step']} ({p['samples']} samples): chain {mine['tau_chain']:.3f}, "
                 f"DDTree-{budget} {mine['tau_ddtree'][str(budget)]:.3f}{theirs}"
             )
+        for c in product_vs_bench(results):
+            notes.append(
+                f"- at {c['samples']} samples the product's DDTree-{budget} is {c['product']:.3f}: "
+                f"{c['vs_default_pct']:+.1f}% against the bench's default ({c['default']:.3f}, seed "
+                f"{c['default_seed']}, the product's own recipe and order), {c['vs_best_pct']:+.1f}% against "
+                f"the best variant, {c['best']} ({c['best_tau']:.3f} over seeds {c['best_seeds']})"
+            )
     return "\n".join([head, "", *lines, "", *notes])
+
+
+def product_vs_bench(results: dict) -> list[dict]:
+    """At every product checkpoint the bench also measured at equal samples (product-aligned marks):
+    the product's DDTree tau against the bench's default at the run's seed (the product's own recipe,
+    order and seed without DeepSpeed: a gap is a product defect) and against the variant with the
+    highest mean over seeds at that sample count, in percent."""
+    budget = str(results["budgets"][0])
+    seed = results["seeds"][0] if results.get("seeds") else None
+    out = []
+    for p in results.get("product", []):
+        mine = p.get("bench_eval") or {}
+        if "tau_ddtree" not in mine or not p.get("samples"):
+            continue
+        at: dict[str, dict[int, float]] = {}
+        for r in results["runs"]:
+            for pt in r.get("points") or []:
+                if pt["samples"] == p["samples"]:
+                    at.setdefault(r["variant"], {})[r["seed"]] = pt["tau_ddtree"][budget]
+        if seed not in at.get("default", {}):
+            continue
+        best = max(at, key=lambda v: statistics.mean(at[v].values()))
+        prod, dflt, top = mine["tau_ddtree"][budget], at["default"][seed], statistics.mean(at[best].values())
+        out.append({"samples": p["samples"], "step": p["step"], "product": prod, "default": dflt, "default_seed": seed,
+                    "vs_default_pct": 100 * (prod / dflt - 1), "best": best, "best_tau": top,
+                    "best_seeds": sorted(at[best]), "vs_best_pct": 100 * (prod / top - 1)})  # fmt: skip
+    return out
 
 
 def _curves(results: dict, name: str, x_key: str, y_key: str, budget: str):

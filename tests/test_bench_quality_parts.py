@@ -284,6 +284,33 @@ def test_the_budget_fits_every_run_in_the_time_left():
     assert quality_budget.marks(100, 4) == (25, 50, 75, 100) and quality_budget.marks(3, 4) == (1, 2, 3)
 
 
+def test_marks_at_the_product_checkpoints_compare_product_and_bench_at_equal_samples():
+    import quality_budget
+    import quality_report
+
+    # the largest product checkpoint that fits the budget is the run's length, every one up to it a mark
+    assert quality_budget.product_marks(9000, [4010, 8032, None, 12050]) == (8032, (4010, 8032))
+    assert quality_budget.product_marks(4000, [4010, 8032]) is None  # none fits: evenly spaced marks instead
+    assert quality_budget.product_marks(9000, []) is None
+
+    def run(variant, seed, taus):
+        pts = [{"samples": n, "tau_ddtree": {"8": t}} for n, t in zip((4010, 8032), taus)]
+        return {"variant": variant, "seed": seed, "points": pts}
+
+    results = {"budgets": [8], "seeds": [0, 1, 2],
+               "runs": [run("default", 0, (2.0, 3.0)), run("default", 1, (9.0, 9.0)), run("dpace", 0, (2.1, 3.4)),
+                        run("dpace", 1, (2.3, 3.2))],
+               "product": [{"step": 200, "samples": 4010, "bench_eval": {"tau_ddtree": {"8": 1.9}}},
+                           {"step": 400, "samples": 8032, "bench_eval": {"tau_ddtree": {"8": 2.97}}},
+                           {"step": 600, "samples": 12050, "bench_eval": {"tau_ddtree": {"8": 4.0}}}]}  # fmt: skip
+    got = quality_report.product_vs_bench(results)
+    assert [c["samples"] for c in got] == [4010, 8032]  # 12050: no bench point at equal samples
+    # against the default at the product's seed (0), not the mean over seeds; best = highest mean over seeds
+    assert got[1]["default"] == 3.0 and got[1]["vs_default_pct"] == pytest.approx(-1.0)
+    assert got[1]["best"] == "default" and got[1]["best_tau"] == 6.0  # (3.0 + 9.0) / 2
+    assert got[0]["best"] == "default" and got[0]["vs_best_pct"] == pytest.approx(100 * (1.9 / 5.5 - 1))
+
+
 @pytest.mark.parametrize("packing", [False, True])
 def test_steps_to_counts_the_runs_own_steps(run_dir, packing):
     """The LR schedule of a run in steps needs its step count before it starts: steps_to counts

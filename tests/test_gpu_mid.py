@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,35 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.gpu
 
 CONFIG = "configs/mid_gpu.yaml"
+
+
+_STAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+
+
+def _checkpoint_times(logs: str, steps: list[int]) -> dict:
+    """Seconds from the run's first log line (the last attempt's, after a resume) and from the
+    trainer group's (last) start to each checkpoint step's (last) log line; log_every divides
+    every checkpoint."""
+
+    def stamp(line: str) -> float | None:
+        m = _STAMP.search(line)
+        return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() if m else None
+
+    marker = "[test_gpu_mid] exit"
+    lines = logs.split(marker)[-2 if marker in logs else -1].splitlines()
+    start = next((t for t in map(stamp, lines) if t is not None), None)
+    train0, out = None, {}
+    want = {rf"trainer\.loop: step {s} ": s for s in steps}
+    for line in lines:
+        t = stamp(line)
+        if t is None:
+            continue
+        if "DeepSpeed rank(s)" in line:
+            train0 = t
+        for pat, s in want.items():
+            if re.search(pat, line):
+                out[s] = {"from_start": round(t - start, 1), "from_train": round(t - train0, 1) if train0 else None}
+    return out
 
 
 def _finished(out: Path, final_step: int) -> bool:
@@ -116,6 +147,7 @@ def test_mid_gpu_run_captures_trains_over_nccl_and_tau_rises(mid_run) -> None:
                      "rounds_equal": evals[s]["live"]["rounds_equal"],
                      "rounds_compared": evals[s]["live"]["rounds_compared"]} for s in live_steps},  # fmt: skip
         "eval_seconds": {s: round(evals[s]["seconds"], 1) for s in steps},
+        "wall_s": _checkpoint_times(logs, steps),  # time to tau: seconds from the CLI's start and the trainer's
         "run_lines": [line for line in logs.splitlines() if line.startswith(("done in", "[test_gpu_mid]"))],
     }
     (out / "gpu_summary.json").write_text(json.dumps(summary, indent=1) + "\n")

@@ -216,6 +216,10 @@ class EvalSection(_Section):
     # cache (exact GDN rollback); server: also the serving engine's own count from eval.server_url
     mode: Literal["replay", "live", "server"] = "replay"
     live_every: PosInt = 1  # live/server: at every N-th evaluated checkpoint (and the first); replay runs at every one
+    # live: processes decoding prompts side by side, each with its own copy of the target and drafter (live
+    # decoding is one prompt at a time and launch-bound on a small target; keep 1 where the target fills the GPU)
+    live_workers: PosInt = 1
+    reference_batch: PosInt = 32  # held-out prompts per greedy-generation batch of the references (left-padded)
     # capped: a round stops at the continuation's end; uncapped: the authors' count
     count: Literal["capped", "uncapped"] = "capped"
     # a z-lab-format drafter directory, measured once beside the run's checkpoints

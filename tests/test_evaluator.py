@@ -359,6 +359,29 @@ def test_live_mode_every_n_checkpoints_against_a_reference_drafter(tiny, tmp_pat
     assert rows["tau vs reference"].startswith("chain 1.00x")
 
 
+def test_live_workers_decode_the_prompts_side_by_side_with_the_same_rounds(tiny, tmp_path):
+    """eval.live_workers=2: the prompts are decoded live in two spawned processes, each with its own
+    target and drafter; every prompt's rounds and tokens are the one-process run's. The references
+    come from batched greedy generation: each is the prompt's one-at-a-time greedy continuation."""
+    from dflash_dist.target.generation import greedy_continuation
+
+    rounds = {}
+    for workers in (1, 2):
+        out = tmp_path / f"run{workers}"
+        (out / "export").mkdir(parents=True)
+        cfg = _cfg(tiny, mode="live", live_workers=workers, reference_batch=2)
+        ev = Evaluator(cfg, out, tiny["target_dir"], tiny["prompts"], expected=None)
+        publish(tiny, out, "trained", 10)
+        (result,) = ev.run_until(lambda: (True, 10), poll_s=0.05)
+        assert result.live["continuations_equal"] == result.prompts == 3
+        rounds[workers] = json.loads((out / "eval" / "rounds" / "step_10.json").read_text())["live"]
+        if workers == 1:
+            for prompt, ref in zip(tiny["prompts"], ev.references()):
+                assert ref.continuation == greedy_continuation(ev.model, prompt, cfg.eval.max_new_tokens, ev.stop_ids)
+        ev.close()
+    assert rounds[2] == rounds[1] and len(rounds[1]["chain"]) == 3 and sorted(map(int, rounds[1]["ddtree"])) == sorted(BUDGETS)
+
+
 def test_uncapped_count_is_recorded_and_counts_at_least_as_much(tiny, tmp_path):
     capped, uncapped = [], []
     for count, into in (("capped", capped), ("uncapped", uncapped)):

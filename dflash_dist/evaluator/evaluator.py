@@ -45,7 +45,7 @@ from data_pipeline.durable_files import write_text_atomic
 from data_pipeline.provenance import Provenance, check_compatible
 from data_pipeline.shard_reader import read_manifest
 from dflash_dist.config import Config
-from dflash_dist.evaluator.measure import HeldOut, measure_live, measure_replay, rounds_agreement
+from dflash_dist.evaluator.measure import HeldOut, measure_live, measure_live_workers, measure_replay, rounds_agreement
 from dflash_dist.evaluator.policy import (
     EvalRequest,
     EvalResult,
@@ -115,6 +115,7 @@ class Evaluator:
         self.budgets = tuple(int(b) for b in cfg.eval.budgets)
 
         target_dir = Path(target_dir)
+        self.target_dir = target_dir
         self.identity = identity if identity is not None else target_identity(cfg, target_dir)
         self.model, self.tokenizer = load_target(cfg, target_dir)
         check_kernel_path(self.model, cfg.target.allow_torch_gdn_on_cuda)
@@ -207,11 +208,18 @@ class Evaluator:
         if self._refs is None:
             t0 = time.time()
             refs = []
-            for prompt in self.eval_prompts:
-                (gen,) = generate_responses(self.model, [prompt], self.cfg.eval.max_new_tokens, self.stop_ids,
-                                            self.pad_id)
-                y = list(gen.tokens)
-                seq = prompt + y
+            # greedy continuations in left-padded batches of similar lengths (one prompt at a time took
+            # 133 s for 64 prompts on the H200, launch-bound); features one sequence at a time, unpadded
+            order = sorted(range(len(self.eval_prompts)), key=lambda i: len(self.eval_prompts[i]))
+            size = self.cfg.eval.reference_batch
+            gens: dict[int, list[int]] = {}
+            for k in range(0, len(order), size):
+                batch = order[k : k + size]
+                out = generate_responses(self.model, [self.eval_prompts[i] for i in batch],
+                                         self.cfg.eval.max_new_tokens, self.stop_ids, self.pad_id)  # fmt: skip
+                gens.update((i, list(g.tokens)) for i, g in zip(batch, out))
+            for i, prompt in enumerate(self.eval_prompts):
+                seq = prompt + gens[i]
                 ids = torch.tensor([seq], device=self.device)
                 cap = capture_features(self.model, ids, self.identity.layer_ids, with_argmax=False,
                                        allow_torch_gdn_on_cuda=self.cfg.target.allow_torch_gdn_on_cuda)
@@ -264,8 +272,12 @@ class Evaluator:
         """live/server run at the first evaluated checkpoint and every eval.live_every-th after."""
         return self.cfg.eval.mode != "replay" and len(self.done) % self.cfg.eval.live_every == 0
 
-    def _measure_live(self, drafter, refs):
+    def _measure_live(self, drafter, refs, export_dir: Path):
         e = self.cfg.eval
+        if e.live_workers > 1:
+            return measure_live_workers(e.live_workers, self.cfg.to_dict(), self.target_dir, export_dir, refs,
+                                        self.budgets, e.count, self.stop_ids, e.max_new_tokens,
+                                        self.provenance.kernel_path, drafter.config.block_size)  # fmt: skip
         return measure_live(self.model, drafter, refs, self.budgets, e.count, self.stop_ids, e.max_new_tokens,
                             self.provenance.kernel_path)
 
@@ -304,7 +316,7 @@ class Evaluator:
             ref = {"dir": key["dir"], "tau_chain": replay.result.tau_chain,
                    "tau_ddtree": {b: replay.result.tau_ddtree(b) for b in self.budgets}}
             if e.mode == "live":
-                live = self._measure_live(drafter, refs).result
+                live = self._measure_live(drafter, refs, Path(e.reference_drafter)).result
                 ref.update(live_tau_chain=live.tau_chain,
                            live_tau_ddtree={b: live.tau_ddtree(b) for b in self.budgets})
             del drafter
@@ -327,7 +339,7 @@ class Evaluator:
         rounds: dict = {"step": step, "count": e.count, "replay": replay.rounds_json()}
         live = server = None
         if self._live_now() and e.mode == "live":
-            measured = self._measure_live(drafter, refs)
+            measured = self._measure_live(drafter, refs, export_dir)
             same, total = rounds_agreement(replay, measured)
             live = {**measured.record(self.budgets), "rounds_equal": same, "rounds_compared": total,
                     "continuations_equal": measured.tokens_equal, "prompts": len(refs)}

@@ -6,6 +6,7 @@ with each prompt's per-round tau kept so replay and live can be compared round b
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,6 +75,62 @@ def measure_live(target: nn.Module, drafter: DFlashDrafter, refs: list[HeldOut],
         for b in budgets:
             trees[b].append(list(live_decode(target, drafter, ref.prompt, max_new_tokens, stop_ids, b, count).taus))
     return Measured(aggregate_rounds(drafter.config.block_size, chains, trees, kernel_path), chains, trees, equal)
+
+
+_WORKER: dict[str, Any] = {}  # a live worker process's target and drafter (live_worker_init)
+
+
+def live_worker_init(cfg_dict: dict, target_dir: str, export_dir: str, kernel_path: str, threads: int) -> None:
+    """A live worker: its own copy of the target (on the kernels the evaluator checked: the same
+    path is required) and of the drafter export."""
+    from dflash_dist.config import load_config_dict
+    from dflash_dist.model.capture import check_kernel_path
+    from dflash_dist.model.export import load_drafter
+    from dflash_dist.target.loading import load_target
+
+    torch.set_num_threads(threads)
+    cfg = load_config_dict(cfg_dict)
+    model, _ = load_target(cfg, Path(target_dir))
+    path = check_kernel_path(model, cfg.target.allow_torch_gdn_on_cuda)
+    if path != kernel_path:
+        raise RuntimeError(f"live worker: the target in {target_dir} loaded on kernel path {path!r}, the "
+                           f"evaluator's is {kernel_path!r}")
+    dev = next(model.parameters()).device
+    drafter = load_drafter(export_dir, model.get_input_embeddings().weight, model.get_output_embeddings().weight,
+                           device=dev)
+    _WORKER.update(model=model, drafter=drafter)
+
+
+def live_worker_prompt(prompt: list[int], budgets: tuple[int, ...], count: str, stop_ids: tuple[int, ...],
+                       max_new_tokens: int) -> tuple[list[int], list[int], dict[int, list[int]]]:
+    """One prompt decoded live in a worker: (chain tokens, chain taus, taus per DDTree budget)."""
+    model, drafter = _WORKER["model"], _WORKER["drafter"]
+    run = live_decode(model, drafter, prompt, max_new_tokens, stop_ids, None, count)
+    trees = {b: list(live_decode(model, drafter, prompt, max_new_tokens, stop_ids, b, count).taus) for b in budgets}
+    return list(run.tokens), list(run.taus), trees
+
+
+def measure_live_workers(workers: int, cfg_dict: dict, target_dir: str | Path, export_dir: str | Path,
+                         refs: list[HeldOut], budgets: tuple[int, ...], count: str, stop_ids: tuple[int, ...],
+                         max_new_tokens: int, kernel_path: str, block_size: int) -> Measured:
+    """measure_live with the prompts spread over `workers` spawned processes (eval.live_workers),
+    each decoding one prompt at a time as measure_live does; the per-prompt rounds come back in
+    prompt order, so the result is measure_live's."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=live_worker_init,
+                             initargs=(cfg_dict, str(target_dir), str(export_dir), kernel_path, threads)) as pool:
+        futures = [pool.submit(live_worker_prompt, ref.prompt, budgets, count, stop_ids, max_new_tokens)
+                   for ref in refs]  # fmt: skip
+        done = [f.result() for f in futures]
+    chains = [taus for _, taus, _ in done]
+    trees = {b: [t[b] for _, _, t in done] for b in budgets}
+    equal = sum(tokens == ref.continuation for (tokens, _, _), ref in zip(done, refs))
+    return Measured(aggregate_rounds(block_size, chains, trees, kernel_path), chains, trees, equal)
 
 
 def rounds_agreement(a: Measured, b: Measured) -> tuple[int, int]:

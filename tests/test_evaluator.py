@@ -321,6 +321,10 @@ def test_live_mode_every_n_checkpoints_against_a_reference_drafter(tiny, tmp_pat
         for b in BUDGETS:
             assert live["tau_ddtree"][b] == pytest.approx(r.tau_ddtree[b], rel=0.02)
         assert live["rounds_equal"] >= 0.9 * live["rounds_compared"] and live["continuations_equal"] == 3
+        # replay over live's own continuations: here they are the references', so its tau is replay's
+        own = live["replay_own"]
+        assert own["prompts"] == 3 and own["tau_chain"] == pytest.approx(r.tau_chain)
+        assert own["tau_ddtree"] == pytest.approx(r.tau_ddtree)
         rounds = json.loads((out / "eval" / "rounds" / f"step_{step}.json").read_text())
         for replay_rounds, live_rounds in zip(rounds["replay"]["chain"], rounds["live"]["chain"]):
             assert len(replay_rounds) >= 1 and abs(len(replay_rounds) - len(live_rounds)) <= 1
@@ -380,6 +384,31 @@ def test_live_workers_decode_the_prompts_side_by_side_with_the_same_rounds(tiny,
                 assert ref.continuation == greedy_continuation(ev.model, prompt, cfg.eval.max_new_tokens, ev.stop_ids)
         ev.close()
     assert rounds[2] == rounds[1] and len(rounds[1]["chain"]) == 3 and sorted(map(int, rounds[1]["ddtree"])) == sorted(BUDGETS)
+
+
+def test_replay_over_lives_own_continuations_separates_the_loop_from_reference_drift(tiny, tmp_path):
+    """When the references are not what live decoding produces (here: their continuations
+    reversed, as bf16 near-ties or batched generation can make them differ), replay over the
+    references no longer matches live, and replay over live's own continuations still does."""
+    from dflash_dist.evaluator.measure import HeldOut
+    from dflash_dist.model.capture import capture_features
+
+    out = tmp_path / "run"
+    (out / "export").mkdir(parents=True)
+    ev = Evaluator(_cfg(tiny, mode="live"), out, tiny["target_dir"], tiny["prompts"], expected=None)
+    drifted = []
+    for ref in ev.references():
+        seq = ref.prompt + ref.continuation[::-1]
+        cap = capture_features(ev.model, torch.tensor([seq]), ev.identity.layer_ids, with_argmax=False)
+        drifted.append(HeldOut(ref.prompt_len, len(seq), tuple(seq), cap.features[0]))
+    ev._refs = drifted
+    publish(tiny, out, "trained", 10)
+    (r,) = ev.run_until(lambda: (True, 10), poll_s=0.05)
+    ev.close()
+    live, own = r.live, r.live["replay_own"]
+    assert live["continuations_equal"] == 0 and r.tau_chain < live["tau_chain"] - 0.5  # replay sees the drift
+    assert own["tau_chain"] == pytest.approx(live["tau_chain"], rel=0.02)
+    assert read_scalars(out / "tb" / "eval")["eval/tau_replay_own_chain"][10] == pytest.approx(own["tau_chain"])
 
 
 def test_uncapped_count_is_recorded_and_counts_at_least_as_much(tiny, tmp_path):

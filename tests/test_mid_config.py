@@ -33,7 +33,7 @@ CONFIG = REPO / "configs" / "mid_gpu.yaml"
 def test_mid_gpu_loads_and_its_drafter_is_the_scaled_z_lab_shape(tmp_path: Path) -> None:
     cfg = load_config(CONFIG)
     assert cfg.target.kind == "code_lm" and cfg.target.preset == "qwen3" and cfg.target.device == "cuda"
-    assert cfg.target.dtype == "bfloat16" and cfg.capture.regenerate and cfg.data.max_train_samples == 3000
+    assert cfg.target.dtype == "bfloat16" and cfg.capture.regenerate and cfg.data.max_train_samples == 6000
     settings = PRESETS[cfg.target.preset]
     text_config("qwen3", settings, 0).save_pretrained(tmp_path)  # the built target's config.json, without building
     dc = drafter_config_for(cfg, tmp_path, mask_token_id=settings.vocab_size - 1)
@@ -51,7 +51,8 @@ def test_mid_gpu_loads_and_its_drafter_is_the_scaled_z_lab_shape(tmp_path: Path)
     assert e.mode == "live" and e.num_prompts >= 64 and 8 in e.budgets
     exports = list(range(t.checkpoint_every, t.max_steps + 1, t.checkpoint_every))
     live = [s for i, s in enumerate(exports) if i % e.live_every == 0]
-    assert exports == [200, 400, 600, 800] and live == [200, 800]
+    assert exports == [400, 800, 1200, 1600] and live == [400, 1600]
+    assert e.live_workers > 1 and e.reference_batch >= e.num_prompts  # live side by side, references in one batch
 
 
 # ---- the whole product path at CPU size (tests/helpers/mid.py's CPU_SIZE) -----------------------------
@@ -83,3 +84,5 @@ def test_mid_gpu_at_cpu_size_runs_the_product_path(tmp_path: Path) -> None:
     assert [s for s, r in sorted(evals.items()) if r["live"]] == [2, 8]  # live_every 3 of the config
     assert all(r["mode"] == "live" and r["prompts"] == 3 and "8" in r["tau_ddtree"] for r in evals.values())
     assert "8" in evals[8]["live"]["tau_ddtree"] and evals[8]["live"]["prompts"] == 3
+    # live decoded in the config's worker processes (two here), with replay over live's own continuations
+    assert all(evals[s]["live"]["replay_own"]["prompts"] >= 1 for s in (2, 8))

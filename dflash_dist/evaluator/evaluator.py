@@ -262,6 +262,27 @@ class Evaluator:
         self._refs = out
         return out
 
+    def _replay_own(self, drafter, refs: list[HeldOut], measured) -> dict | None:
+        """Greedy replay over live decoding's own continuations (their features computed here as
+        the references' are): live tau against it separates the decoding loop from any drift
+        between the references' and live's sequences (bf16 near-ties, batched generation).
+        Capped counting only (uncapped would need the target's tokens past each end)."""
+        if self.cfg.eval.count != "capped" or measured.sequences is None:
+            return None
+        own = []
+        for ref, tokens in zip(refs, measured.sequences):
+            if len(tokens) < 2:  # no round to replay (as _usable drops such references)
+                continue
+            seq = ref.prompt + list(tokens)
+            cap = capture_features(self.model, torch.tensor([seq], device=self.device), self.identity.layer_ids,
+                                   with_argmax=False, allow_torch_gdn_on_cuda=self.cfg.target.allow_torch_gdn_on_cuda)
+            own.append(HeldOut(ref.prompt_len, len(seq), tuple(seq), cap.features[0]))
+        if not own:
+            return None
+        res = measure_replay(drafter, own, self.budgets, "capped", self.provenance.kernel_path, self.stop_ids).result
+        return {"tau_chain": res.tau_chain, "tau_ddtree": {b: res.tau_ddtree(b) for b in self.budgets},
+                "prompts": len(own)}
+
     def _load_drafter(self, export_dir: Path):
         drafter = load_drafter(export_dir, self.model.get_input_embeddings().weight,
                                self.model.get_output_embeddings().weight, device=self.device)
@@ -342,7 +363,8 @@ class Evaluator:
             measured = self._measure_live(drafter, refs, export_dir)
             same, total = rounds_agreement(replay, measured)
             live = {**measured.record(self.budgets), "rounds_equal": same, "rounds_compared": total,
-                    "continuations_equal": measured.tokens_equal, "prompts": len(refs)}
+                    "continuations_equal": measured.tokens_equal, "prompts": len(refs),
+                    "replay_own": self._replay_own(drafter, refs, measured)}
             rounds["live"] = measured.rounds_json()
         elif self._live_now() and e.mode == "server":
             server = self._measure_server(step, refs, drafter.config.block_size)

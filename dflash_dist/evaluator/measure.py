@@ -43,6 +43,7 @@ class Measured:
     chain_rounds: list[list[int]]
     tree_rounds: dict[int, list[list[int]]]
     tokens_equal: int | None = None  # live: continuations equal to the reference continuation
+    sequences: list[list[int]] | None = None  # live: each prompt's own continuation (the chain's)
 
     def record(self, budgets: tuple[int, ...]) -> dict[str, Any]:
         r = self.result
@@ -67,14 +68,16 @@ def measure_replay(drafter: DFlashDrafter, refs: list[HeldOut], budgets: tuple[i
 
 def measure_live(target: nn.Module, drafter: DFlashDrafter, refs: list[HeldOut], budgets: tuple[int, ...],
                  count: str, stop_ids: tuple[int, ...], max_new_tokens: int, kernel_path: str) -> Measured:
-    chains, trees, equal = [], {b: [] for b in budgets}, 0
+    chains, trees, equal, sequences = [], {b: [] for b in budgets}, 0, []
     for ref in refs:
         run = live_decode(target, drafter, ref.prompt, max_new_tokens, stop_ids, None, count)
         chains.append(list(run.taus))
+        sequences.append(list(run.tokens))
         equal += list(run.tokens) == ref.continuation
         for b in budgets:
             trees[b].append(list(live_decode(target, drafter, ref.prompt, max_new_tokens, stop_ids, b, count).taus))
-    return Measured(aggregate_rounds(drafter.config.block_size, chains, trees, kernel_path), chains, trees, equal)
+    return Measured(aggregate_rounds(drafter.config.block_size, chains, trees, kernel_path), chains, trees, equal,
+                    sequences)
 
 
 _WORKER: dict[str, Any] = {}  # a live worker process's target and drafter (live_worker_init)
@@ -130,7 +133,8 @@ def measure_live_workers(workers: int, cfg_dict: dict, target_dir: str | Path, e
     chains = [taus for _, taus, _ in done]
     trees = {b: [t[b] for _, _, t in done] for b in budgets}
     equal = sum(tokens == ref.continuation for (tokens, _, _), ref in zip(done, refs))
-    return Measured(aggregate_rounds(block_size, chains, trees, kernel_path), chains, trees, equal)
+    return Measured(aggregate_rounds(block_size, chains, trees, kernel_path), chains, trees, equal,
+                    [tokens for tokens, _, _ in done])
 
 
 def rounds_agreement(a: Measured, b: Measured) -> tuple[int, int]:

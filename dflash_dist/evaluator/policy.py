@@ -186,4 +186,6 @@ def tau_record_from_json(d: dict[str, Any] | None) -> dict[str, Any] | None:
     for key, value in d.items():
         if key.endswith("tau_ddtree") and isinstance(value, dict):
             out[key] = {int(b): float(t) for b, t in value.items()}
+        elif key == "replay_own" and isinstance(value, dict):  # live: replay over live's own continuations
+            out[key] = tau_record_from_json(value)
     return out

@@ -31,6 +31,10 @@ def scalars_of(result: EvalResult) -> dict[str, float]:
         out.update({f"eval/tau_live_ddtree_{b}": t for b, t in live["tau_ddtree"].items()})
         out.update({f"eval/slot_acceptance_live_{j}": a for j, a in enumerate(live["slot_acceptance"], start=1)})
         out["eval/live_rounds_equal"] = live["rounds_equal"] / max(live["rounds_compared"], 1)
+        own = live.get("replay_own")
+        if own:  # replay over live's own continuations (the like-for-like comparison with live)
+            out["eval/tau_replay_own_chain"] = own["tau_chain"]
+            out.update({f"eval/tau_replay_own_ddtree_{b}": t for b, t in own["tau_ddtree"].items()})
     if result.server_error is not None:
         out["eval/server_failed"] = 1.0
     elif result.server:

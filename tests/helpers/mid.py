@@ -19,5 +19,6 @@ CPU_SIZE = [
     "train.gpus_per_rank=0", "train.cpus_per_rank=0.5", "train.micro_batch_size=4", "train.micro_batch_tokens=null",
     "train.max_steps=8", "train.checkpoint_every=2", "train.num_anchors=8", "train.log_every=2",
     "eval.num_prompts=3", "eval.max_new_tokens=12", "eval.num_gpus=0", "eval.num_cpus=0.5",
+    "eval.live_workers=2",  # the config's live worker processes, two of them on 2 cores
     "ray.num_cpus=2",
 ]  # fmt: skip

@@ -1,6 +1,7 @@
 """The evaluator's two slow parts at the mid target's shape, through the evaluator itself: the
 held-out references (greedy continuations, one prompt at a time vs eval.reference_batch) and live
-speculative decoding (one process vs eval.live_workers). On the H200 the mid run's evaluator took
+speculative decoding (one process vs eval.live_workers; and the feed-again rollback against keeping
+the verify's positions, which plain attention KV caches do since 2026-12-04). On the H200 the mid run's evaluator took
 133 s for 64 references and 503 s for one live measurement (docs/BENCHMARKS.md).
 
     python bench/bench_eval_speed.py                          # GPU: code_lm's qwen3 shape, 64 prompts
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_dist.config import load_config  # noqa: E402
 from dflash_dist.evaluator.evaluator import Evaluator  # noqa: E402
+from dflash_dist.evaluator.live import live_decode  # noqa: E402
 from dflash_dist.model.config import DrafterConfig, build_target_layer_ids  # noqa: E402
 from dflash_dist.model.drafter import DFlashDrafter  # noqa: E402
 from dflash_dist.model.export import export_drafter  # noqa: E402
@@ -128,6 +130,18 @@ def main() -> int:
                                               "tau_chain": measured.result.tau_chain}  # fmt: skip
             print(f"live, {workers} worker(s): {dt:.1f} s for {len(live_refs)} prompts, {rounds} rounds "
                   f"({1e3 * dt / rounds:.1f} ms a round), tau chain {measured.result.tau_chain:.3f}", flush=True)
+        # one process, the rollback live used before plain-KV targets kept the verify's positions
+        ev = evaluator("refeed")
+        drafter = ev._load_drafter(export)
+        t0, rounds = time.perf_counter(), 0
+        for ref in live_refs:
+            for budget in (None, 8):
+                run = live_decode(ev.model, drafter, ref.prompt, args.new_tokens, ev.stop_ids, budget,
+                                  rollback="refeed")  # fmt: skip
+                rounds += len(run.taus)
+        dt = time.perf_counter() - t0
+        out["live_refeed_1"] = {"s": round(dt, 2), "rounds": rounds, "ms_per_round": round(1e3 * dt / rounds, 2)}
+        print(f"live, 1 process, feed-again rollback: {dt:.1f} s, {rounds} rounds ({1e3 * dt / rounds:.1f} ms a round)")
     ws = [int(w) for w in args.workers.split(",")]
     if len(ws) > 1:
         base, best = out[f"live_workers_{ws[0]}"]["s"], out[f"live_workers_{ws[-1]}"]["s"]

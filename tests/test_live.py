@@ -39,6 +39,51 @@ def trained():
     return target, drafter, prompts, responses
 
 
+@pytest.fixture(scope="module")
+def trained_dense():
+    """A tiny dense Qwen3 target (plain attention KV cache: live keeps the verify's accepted
+    positions instead of feeding them again) and a drafter trained on its responses."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(DEMO.seed)
+    config = Qwen3Config(vocab_size=DEMO.vocab_size, hidden_size=DEMO.target_hidden,
+                         intermediate_size=2 * DEMO.target_hidden, num_hidden_layers=DEMO.target_layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                         initializer_range=DEMO.init_std, eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    config._attn_implementation = "sdpa"
+    target = Qwen3ForCausalLM(config).eval()
+    drafter = drafter_for(target, DEMO)
+    prompts, responses, ids, loss_mask, cap = make_data(target, DEMO, drafter.config.mask_token_id)
+    train(drafter, ids, cap.features, loss_mask, DEMO, log_every=0)
+    return target, drafter, prompts
+
+
+def test_a_plain_kv_target_keeps_the_verifys_positions_and_equals_the_authors_loop(trained_dense, trained):
+    """On a dense target the verify forward is also the accepted tokens' forward (their KV kept,
+    the rest dropped; DDTree: the accepted path gathered out of the tree pass). Every round equals
+    the authors' loop (full forwards, no cache) and the feed-again rollback, chain and DDTree, with
+    partial accepts among them; the hybrid target's cache is not plain KV and keeps the rollback."""
+    target, drafter, prompts = trained_dense
+    cache = TargetCache(target, tuple(drafter.config.target_layer_ids))
+    cache.step(prompts[0])
+    assert cache.plain_kv
+    hybrid = TargetCache(trained[0], tuple(trained[1].config.target_layer_ids))
+    hybrid.step(prompts[0])
+    assert not hybrid.plain_kv
+    with pytest.raises(ValueError, match="plain attention KV"):
+        hybrid.keep(3, [0])
+    partial = 0
+    for prompt in prompts[:4]:
+        for budget in (None, 4):
+            want, tokens = authors_loop(target, drafter, prompt, 20, (), budget)
+            fast = live_decode(target, drafter, prompt, 20, (), budget, count="uncapped")
+            slow = live_decode(target, drafter, prompt, 20, (), budget, count="uncapped", rollback="refeed")
+            assert list(fast.taus) == want == list(slow.taus), (budget, fast.taus, slow.taus, want)
+            assert list(fast.tokens) == tokens == list(slow.tokens)
+            partial += sum(1 < t < drafter.config.block_size for t in want)
+    assert partial >= 4  # rounds that accepted some drafts and rejected the rest: the kept prefix/path matters
+
+
 def _gdn(cache: TargetCache):
     return cache.gdn_states()
 

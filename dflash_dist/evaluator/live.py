@@ -4,13 +4,17 @@ Each round: the drafter proposes a block from the target features of the accepte
 target verifies it in one forward through its cache; the longest matching prefix plus the
 target's bonus token is accepted; the cache is rolled back exactly to the accepted tokens,
 Gated DeltaNet state included (target_cache.py owns that: snapshot/restore, then the accepted
-tokens are fed again, which also yields their features for the next draft).
+tokens are fed again, which also yields their features for the next draft). A target whose cache
+is plain attention KV (a dense Qwen3, say) instead keeps the verify forward's accepted positions
+and drops the rest, as the authors' loops crop theirs: one target forward a round, not two.
 
-DDTree: the tree is verified without touching the cache. On a target with GDN layers a tree
-attention mask is not enough (those layers ignore it, so a node's recurrent state would fold in
-its siblings); `verify_tree_rows` runs each root-to-leaf path as its own batch row of a copy of
-the cache, so every node's state comes from its ancestors only. A pure-attention target uses the
-one-row tree-masked pass (`verify_tree_masked`), exact there and cheaper.
+DDTree: the tree is verified without touching the cache (plain KV: through the cache itself, then
+only the accepted root-to-node path is kept; its positions are start, start+1, ... as fed). On a
+target with GDN layers a tree attention mask is not enough (those layers ignore it, so a node's
+recurrent state would fold in its siblings); `verify_tree_rows` runs each root-to-leaf path as its
+own batch row of a copy of the cache, so every node's state comes from its ancestors only. A
+pure-attention target uses the one-row tree-masked pass (`verify_tree_masked`), exact there and
+cheaper.
 
 Counting (eval.count): "capped" stops a round at the continuation's end (a stop token or
 max_new_tokens), as greedy replay does; "uncapped" is the authors' loop (z-lab's
@@ -78,10 +82,9 @@ def verify_tree_rows(cache: TargetCache, tree: DraftTree, anchor: int) -> list[i
 
 
 @torch.no_grad()
-def verify_tree_masked(cache: TargetCache, tree: DraftTree, anchor: int) -> list[int]:
-    """One row in flat order with a tree attention mask (node at start + depth sees the context,
-    its ancestors and itself). Exact on a pure-attention target; on a hybrid target the GDN
-    layers ignore the mask and siblings leak into each other, so its logits are wrong there."""
+def _tree_pass(cache: TargetCache, tree: DraftTree, anchor: int):
+    """The tree in flat order through `cache` with a tree attention mask (node at start + depth
+    sees the context, its ancestors and itself)."""
     n = len(tree.parents)
     past = cache.length
     dev = cache.device
@@ -89,9 +92,15 @@ def verify_tree_masked(cache: TargetCache, tree: DraftTree, anchor: int) -> list
     mask[0, 0, :, past:] = tree.visibility().to(dev)
     positions = torch.tensor([past + d for d in tree.position_offsets()], device=dev)[None]
     ids = [anchor, *tree.node_token_ids]
-    out = cache.rows(1).step(ids, position_ids=positions,
-                             attention_mask={"full_attention": mask, "linear_attention": None})
-    return out.logits[0].argmax(-1).tolist()
+    return cache.step(ids, position_ids=positions, attention_mask={"full_attention": mask, "linear_attention": None})
+
+
+@torch.no_grad()
+def verify_tree_masked(cache: TargetCache, tree: DraftTree, anchor: int) -> list[int]:
+    """One row in flat order with a tree attention mask, on a copy of the cache. Exact on a
+    pure-attention target; on a hybrid target the GDN layers ignore the mask and siblings leak
+    into each other, so its logits are wrong there."""
+    return _tree_pass(cache.rows(1), tree, anchor).logits[0].argmax(-1).tolist()
 
 
 def verify_tree(cache: TargetCache, tree: DraftTree, anchor: int) -> list[int]:
@@ -99,15 +108,27 @@ def verify_tree(cache: TargetCache, tree: DraftTree, anchor: int) -> list[int]:
     return verify_tree_rows(cache, tree, anchor) if cache.has_gdn else verify_tree_masked(cache, tree, anchor)
 
 
+ROLLBACKS = ("auto", "refeed")
+
+
 @torch.no_grad()
 def live_decode(target: nn.Module, drafter: DFlashDrafter, prompt: list[int], max_new_tokens: int,
-                stop_ids: tuple[int, ...] = (), budget: int | None = None, count: str = "capped") -> LiveRun:
-    """Decode `prompt` greedily with speculative rounds: the chain (budget None) or DDTree-`budget`."""
+                stop_ids: tuple[int, ...] = (), budget: int | None = None, count: str = "capped",
+                rollback: str = "auto") -> LiveRun:
+    """Decode `prompt` greedily with speculative rounds: the chain (budget None) or DDTree-`budget`.
+
+    rollback "auto": on a plain attention KV cache the verify forward is also the accepted
+    tokens' forward (the rejected positions are dropped from the cache, the accepted ones' features
+    taken from it: the authors' crop; one target forward a round instead of two); elsewhere, and
+    with "refeed", the cache is restored and the accepted tokens fed again (exact for GDN state)."""
     if count not in COUNTS:
         raise ValueError(f"count must be one of {COUNTS}, got {count!r}")
+    if rollback not in ROLLBACKS:
+        raise ValueError(f"rollback must be one of {ROLLBACKS}, got {rollback!r}")
     cache = TargetCache(target, tuple(drafter.config.target_layer_ids))
     dev = drafter.fc.weight.device
     out = cache.step(list(prompt), last_logits_only=True)
+    in_place = rollback == "auto" and cache.plain_kv
     context = [drafter.fuse_context(out.features.to(dev))]
     anchor = int(out.logits[0, -1].argmax())
     tokens, taus = [anchor], []
@@ -126,17 +147,26 @@ def live_decode(target: nn.Module, drafter: DFlashDrafter, prompt: list[int], ma
             posterior = verified.logits[0].argmax(-1).tolist()
             acc = chain_acceptance(drafts, posterior)
             accepted, bonus = drafts[:acc], posterior[acc]
-            if acc < len(drafts):  # roll back to the accepted tokens and feed them again
+            if acc == len(drafts):
+                features = verified.features
+            elif in_place:  # drop the rejected positions; the accepted ones' features are the verify's
+                cache.keep(p, list(range(acc + 1)))
+                features = verified.features[:, : acc + 1]
+            else:  # roll back to the accepted tokens and feed them again
                 cache.restore(snap)
                 features = cache.step([anchor, *accepted]).features
-            else:
-                features = verified.features
         else:
             tree = build_ddtree(logits, budget)
-            path, bonus = follow_verified_tree(tree.child_maps, verify_tree(cache, tree, anchor))
+            if in_place:  # the tree through the cache itself, then only the accepted path kept
+                verified = _tree_pass(cache, tree, anchor)
+                path, bonus = follow_verified_tree(tree.child_maps, verified.logits[0].argmax(-1).tolist())
+                cache.keep(p, list(path))
+                features = verified.features[:, list(path)]
+            else:
+                path, bonus = follow_verified_tree(tree.child_maps, verify_tree(cache, tree, anchor))
+                features = cache.step([anchor, *(tree.node_token_ids[i - 1] for i in path[1:])]).features
             accepted = [tree.node_token_ids[i - 1] for i in path[1:]]
             acc = len(accepted)
-            features = cache.step([anchor, *accepted]).features  # the verify left the cache untouched
         if first_stops:  # uncapped: the one round the authors' loop runs on a stop from the prefill
             taus.append(acc + 1)
             break

@@ -93,6 +93,25 @@ class TargetCache:
 
     # ---- rollback -------------------------------------------------------------------------
 
+    @property
+    def plain_kv(self) -> bool:
+        """Every layer a plain attention KV cache (no GDN state, no sliding window): a forward's
+        rejected positions can be dropped afterwards (`keep`), as the authors' loops crop theirs."""
+        return bool(self.cache.layers) and all(type(layer) is DynamicLayer for layer in self.cache.layers)
+
+    def keep(self, start: int, offsets: list[int]) -> None:
+        """Of the positions fed since `start` keep only start + offsets, in that order (a plain-KV
+        cache: each entry's key was rotated at its own position, so the kept ones must be the
+        positions start, start+1, ... they end up at: a prefix, or a tree's root-to-node path)."""
+        if not self.plain_kv:
+            raise ValueError("keep() needs a plain attention KV cache; restore a snapshot on this target")
+        idx = torch.tensor(offsets, dtype=torch.long, device=self.device) + start
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                layer.keys = torch.cat([layer.keys[..., :start, :], layer.keys.index_select(-2, idx)], dim=-2)
+                layer.values = torch.cat([layer.values[..., :start, :], layer.values.index_select(-2, idx)], dim=-2)
+        self.length = start + len(offsets)
+
     def snapshot(self) -> CacheSnapshot:
         gdn = {}
         for i, layer in enumerate(self.cache.layers):

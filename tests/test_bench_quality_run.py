@@ -26,6 +26,7 @@ from tests.conftest import REPO
 sys.path.insert(0, str(REPO / "bench"))
 import quality_budget  # noqa: E402
 import quality_data  # noqa: E402
+import quality_report  # noqa: E402
 import quality_train  # noqa: E402
 import quality_variants  # noqa: E402
 
@@ -212,3 +213,12 @@ def test_the_default_variant_is_the_products_training(solo_run, tmp_path):
     assert [g[:2] for g in got] == [w[:2] for w in want]
     for g, w in zip(got, want):
         assert g[2] == pytest.approx(w[2], rel=1e-9) and g[3] == pytest.approx(w[3], rel=1e-5), (g, w)
+    # the product's exports (every 4 steps) are measured by the bench at equal samples: the default
+    # at the run's seed is the product's training, so their tau agree (item 5's check, in the report)
+    results = json.loads((out / "results.json").read_text())
+    assert results["budget"]["marks_from"] == "evenly spaced and product checkpoints"
+    compared = quality_report.product_vs_bench(results)
+    assert [c["step"] for c in compared] == [4, 8, 12] and [c["samples"] for c in compared] == [
+        s["samples"] for s in steps if s["step"] in (4, 8, 12)]
+    assert all(abs(c["vs_default_pct"]) < 0.5 for c in compared), compared
+    assert "the product's DDTree-8 is" in (out / "table.md").read_text()

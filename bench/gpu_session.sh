@@ -63,7 +63,7 @@ if [ -f "$RUN/shards/DONE" ]; then
         --time-budget-s "${QBENCH_BUDGET_S:-480}" ${QBENCH_ARGS:---workers 7}
 fi
 
-step gpu_tests 240 python3 -m pytest -m gpu -q -rA -p no:cacheprovider tests \
+step gpu_tests 420 python3 -m pytest -m gpu -v -rA --durations=0 -p no:cacheprovider tests \
     --deselect tests/test_gpu_mid.py --deselect tests/test_gpu_pipeline.py
 if [ -z "${SKIP_TRAIN:-}" ]; then
     step train 170 python3 bench/bench_train_step.py --loss chunked --kernels liger --steps 6 --warmup 2 --profile 2 \

@@ -7,12 +7,29 @@ overrides the full-attention set. A missing golden directory is an error, not a 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+# Bytecode is cached. With PYTHONDONTWRITEBYTECODE set (this machine's image sets it) and the venv
+# installed with --no-compile, no .pyc is ever written, and every Python process the tests start
+# (CLI runs, Ray workers and actors, DeepSpeed ranks, srun tasks, bench workers: hundreds) compiled
+# torch, transformers, deepspeed and ray from source again: ~8 s of a core each (import of the four:
+# 13 s without the cache, 5 s with it, on the loaded 2-core machine). Cleared here, before any test
+# starts a process, the first import of each module writes its __pycache__ (.gitignore'd) and the
+# rest read it. Nothing a test checks depends on it.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+# One ninja for every process. DeepSpeed JIT-compiles its shm comm op into one TORCH_EXTENSIONS_DIR
+# per venv, with the `ninja` first on PATH: the venv's (pip's, a DeepSpeed dependency: 1.13) or the
+# system's (Debian's 1.11). The two do not take each other's build log as up to date, so every switch
+# rebuilt the op (40-120 s on 2 cores): the tests that put the venv on PATH (the README's Ray head,
+# the Slurm jobs) alternated with those that did not (pytest run as .venv/bin/pytest, CI's way), three
+# rebuilds a run. With the venv's bin first everywhere, as in an activated venv, it is built once.
+os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 # A loaded 2-core machine can take longer than Ray's default to start a raylet; the tests' Ray
 # heads (in-process and in the CLIs they start) wait up to 3 minutes instead of failing.
 os.environ.setdefault("RAY_raylet_start_wait_time_s", "180")

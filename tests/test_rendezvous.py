@@ -119,3 +119,17 @@ def test_store_listens_on_the_given_master_address(tmp_path):
 
 if __name__ == "__main__":
     rank_main(*sys.argv[1:])
+
+
+def test_a_rank_builds_deepspeed_ops_with_its_environments_ninja(monkeypatch):
+    """run_rank puts the interpreter's bin first on PATH (as an activated venv does): the venv's
+    ninja builds DeepSpeed's JIT ops whether the rank came from Ray or srun, so the build log one
+    launcher wrote is up to date for the other (a system ninja of another version rebuilt them)."""
+    from dflash_dist.actors.trainer_group import interpreter_bin_first
+
+    bin_dir = str(Path(sys.executable).parent)
+    monkeypatch.setenv("PATH", os.pathsep.join(["/usr/local/bin", "/usr/bin", bin_dir, "/bin"]))
+    interpreter_bin_first()
+    assert os.environ["PATH"].split(os.pathsep) == [bin_dir, "/usr/local/bin", "/usr/bin", "/bin"]
+    interpreter_bin_first()  # idempotent: nothing added twice
+    assert os.environ["PATH"].split(os.pathsep) == [bin_dir, "/usr/local/bin", "/usr/bin", "/bin"]

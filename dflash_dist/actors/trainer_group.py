@@ -91,6 +91,17 @@ def default_extensions_dir() -> str:
     return os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path(sys.prefix) / "torch_extensions")
 
 
+def interpreter_bin_first() -> None:
+    """Put this interpreter's bin directory first on PATH, as an activated venv does. DeepSpeed
+    JIT-builds its ops with the first `ninja` on PATH, and pip's (a DeepSpeed dependency, in the
+    venv) and the system's do not accept each other's build log: a Ray run from a venv that is not
+    activated and a Slurm job (which puts the venv on PATH) rebuilt the op at every switch."""
+    bin_dir = str(Path(sys.executable).parent)
+    parts = os.environ.get("PATH", "").split(os.pathsep)
+    if parts[0] != bin_dir:
+        os.environ["PATH"] = os.pathsep.join([bin_dir, *[x for x in parts if x and x != bin_dir]])
+
+
 @ray.remote
 class TrainerWorker:
     """One rank. Ray schedules it with train.cpus_per_rank / train.gpus_per_rank."""
@@ -118,6 +129,7 @@ def run_rank(cfg_dict: dict, job: TrainJob, env: dict[str, str], extensions_dir:
     and an srun task (launcher/slurm_train.py) both call it."""
     os.environ.update(env)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir)
+    interpreter_bin_first()
     import torch
     import torch.distributed as dist
 

@@ -32,7 +32,7 @@ from dflash_dist.evaluator.evaluator import RESULT_NAME_RE, list_exports
 from dflash_dist.evaluator.measure import HeldOut
 from dflash_dist.model.capture import capture_features, check_kernel_path
 from dflash_dist.orchestration.run_plan import PLAN_NAME, RunPlan, read_plan
-from dflash_dist.target.generation import generate_responses, pad_token_id, stop_token_ids
+from dflash_dist.target.generation import generate_in_batches, pad_token_id, stop_token_ids
 from dflash_dist.target.loading import load_target, provenance_for, target_identity
 from dflash_dist.trainer.step_log import TRAIN_LOG
 
@@ -245,27 +245,25 @@ def held_out_references(
     pad = pad_token_id(tokenizer, stops)
     dev = next(model.parameters()).device
     refs = []
-    for lo in range(0, len(prompts), batch):
-        group = prompts[lo : lo + batch]
-        gens = generate_responses(model, group, max_new_tokens, stops, pad)
-        heads = [p + list(g.tokens) for p, g in zip(group, gens)]
-        tails = (
-            [list(g.tokens) for g in generate_responses(model, heads, extra_tokens, (), pad)]
-            if extra_tokens
-            else [[] for _ in heads]
+    gens = generate_in_batches(model, prompts, max_new_tokens, stops, pad, batch)
+    heads = [p + list(g.tokens) for p, g in zip(prompts, gens)]
+    tails = (
+        [list(g.tokens) for g in generate_in_batches(model, heads, extra_tokens, (), pad, batch)]
+        if extra_tokens
+        else [[] for _ in heads]
+    )
+    for prompt, head, tail in zip(prompts, heads, tails):
+        if count == "capped" and len(head) - len(prompt) < 2:  # the first token comes from the prompt: no round
+            continue
+        cap = capture_features(
+            model,
+            torch.tensor([head], device=dev),
+            ident.layer_ids,
+            with_argmax=False,
+            allow_torch_gdn_on_cuda=cfg.target.allow_torch_gdn_on_cuda,
         )
-        for prompt, head, tail in zip(group, heads, tails):
-            if count == "capped" and len(head) - len(prompt) < 2:  # the first token comes from the prompt: no round
-                continue
-            cap = capture_features(
-                model,
-                torch.tensor([head], device=dev),
-                ident.layer_ids,
-                with_argmax=False,
-                allow_torch_gdn_on_cuda=cfg.target.allow_torch_gdn_on_cuda,
-            )
-            assert cap.kernel_path == prov.kernel_path, (cap.kernel_path, prov)
-            refs.append(HeldOut(len(prompt), len(head), tuple(head + tail), cap.features[0]))
+        assert cap.kernel_path == prov.kernel_path, (cap.kernel_path, prov)
+        refs.append(HeldOut(len(prompt), len(head), tuple(head + tail), cap.features[0]))
     if not refs:
         raise BenchInputError(
             f"none of the {len(prompts)} prompts of {eval_jsonl} got a greedy continuation of 2+ "

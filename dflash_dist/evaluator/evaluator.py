@@ -59,7 +59,7 @@ from dflash_dist.evaluator.tb_log import log_result, logged_tags
 from dflash_dist.model.capture import capture_features, check_kernel_path
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.export import load_drafter
-from dflash_dist.target.generation import generate_responses, pad_token_id, stop_token_ids
+from dflash_dist.target.generation import generate_in_batches, generate_responses, pad_token_id, stop_token_ids
 from dflash_dist.target.loading import TargetIdentity, load_target, provenance_for, target_identity
 from dflash_dist.trainer.metrics import Metrics
 
@@ -207,28 +207,22 @@ class Evaluator:
         """Greedy continuations and target features of the eval prompts, computed on first use."""
         if self._refs is None:
             t0 = time.time()
-            refs = []
-            # greedy continuations in left-padded batches of similar lengths (one prompt at a time took
-            # 133 s for 64 prompts on the H200, launch-bound); features one sequence at a time, unpadded
-            order = sorted(range(len(self.eval_prompts)), key=lambda i: len(self.eval_prompts[i]))
-            size = self.cfg.eval.reference_batch
-            gens: dict[int, list[int]] = {}
-            for k in range(0, len(order), size):
-                batch = order[k : k + size]
-                out = generate_responses(self.model, [self.eval_prompts[i] for i in batch],
-                                         self.cfg.eval.max_new_tokens, self.stop_ids, self.pad_id)  # fmt: skip
-                gens.update((i, list(g.tokens)) for i, g in zip(batch, out))
-            for i, prompt in enumerate(self.eval_prompts):
-                seq = prompt + gens[i]
-                ids = torch.tensor([seq], device=self.device)
-                cap = capture_features(self.model, ids, self.identity.layer_ids, with_argmax=False,
-                                       allow_torch_gdn_on_cuda=self.cfg.target.allow_torch_gdn_on_cuda)
-                assert cap.kernel_path == self.provenance.kernel_path, (cap.kernel_path, self.provenance)
-                refs.append(HeldOut(len(prompt), len(seq), tuple(seq), cap.features[0]))
+            # greedy continuations in left-padded batches; features one sequence at a time, unpadded
+            gens = generate_in_batches(self.model, self.eval_prompts, self.cfg.eval.max_new_tokens, self.stop_ids,
+                                       self.pad_id, self.cfg.eval.reference_batch)  # fmt: skip
+            refs = [self._held_out(prompt, g.tokens) for prompt, g in zip(self.eval_prompts, gens)]
             log.info("evaluator: %d reference continuations (%d tokens) in %.1fs", len(refs),
                      sum(len(r.sequence) - r.prompt_len for r in refs), time.time() - t0)
             self._refs = refs
         return self._refs
+
+    def _held_out(self, prompt: list[int], continuation: list[int]) -> HeldOut:
+        """prompt + continuation with the target's features of it, computed here (one unpadded sequence)."""
+        seq = prompt + list(continuation)
+        cap = capture_features(self.model, torch.tensor([seq], device=self.device), self.identity.layer_ids,
+                               with_argmax=False, allow_torch_gdn_on_cuda=self.cfg.target.allow_torch_gdn_on_cuda)
+        assert cap.kernel_path == self.provenance.kernel_path, (cap.kernel_path, self.provenance)
+        return HeldOut(len(prompt), len(seq), tuple(seq), cap.features[0])
 
     def _usable(self, refs: list[HeldOut]) -> list[HeldOut]:
         """The references that have a round under eval.count: capped, a continuation of 2+ tokens
@@ -269,14 +263,8 @@ class Evaluator:
         Capped counting only (uncapped would need the target's tokens past each end)."""
         if self.cfg.eval.count != "capped" or measured.sequences is None:
             return None
-        own = []
-        for ref, tokens in zip(refs, measured.sequences):
-            if len(tokens) < 2:  # no round to replay (as _usable drops such references)
-                continue
-            seq = ref.prompt + list(tokens)
-            cap = capture_features(self.model, torch.tensor([seq], device=self.device), self.identity.layer_ids,
-                                   with_argmax=False, allow_torch_gdn_on_cuda=self.cfg.target.allow_torch_gdn_on_cuda)
-            own.append(HeldOut(ref.prompt_len, len(seq), tuple(seq), cap.features[0]))
+        # a continuation of fewer than 2 tokens has no round to replay (as _usable drops such references)
+        own = [self._held_out(ref.prompt, tokens) for ref, tokens in zip(refs, measured.sequences) if len(tokens) >= 2]
         if not own:
             return None
         res = measure_replay(drafter, own, self.budgets, "capped", self.provenance.kernel_path, self.stop_ids).result

@@ -66,18 +66,28 @@ def measure_replay(drafter: DFlashDrafter, refs: list[HeldOut], budgets: tuple[i
     return Measured(aggregate_rounds(drafter.config.block_size, chains, trees, kernel_path), chains, trees)
 
 
+def decode_prompt(target: nn.Module, drafter: DFlashDrafter, prompt: list[int], budgets: tuple[int, ...], count: str,
+                  stop_ids: tuple[int, ...], max_new_tokens: int) -> tuple[list[int], list[int], dict[int, list[int]]]:
+    """One prompt decoded live: (the chain's tokens, the chain's taus, taus per DDTree budget)."""
+    run = live_decode(target, drafter, prompt, max_new_tokens, stop_ids, None, count)
+    trees = {b: list(live_decode(target, drafter, prompt, max_new_tokens, stop_ids, b, count).taus) for b in budgets}
+    return list(run.tokens), list(run.taus), trees
+
+
+def _live_measured(done: list[tuple[list[int], list[int], dict[int, list[int]]]], refs: list[HeldOut],
+                   budgets: tuple[int, ...], block_size: int, kernel_path: str) -> Measured:
+    """decode_prompt's results for `refs`, in their order, as one Measured."""
+    chains = [taus for _, taus, _ in done]
+    trees = {b: [t[b] for _, _, t in done] for b in budgets}
+    equal = sum(tokens == ref.continuation for (tokens, _, _), ref in zip(done, refs))
+    return Measured(aggregate_rounds(block_size, chains, trees, kernel_path), chains, trees, equal,
+                    [tokens for tokens, _, _ in done])
+
+
 def measure_live(target: nn.Module, drafter: DFlashDrafter, refs: list[HeldOut], budgets: tuple[int, ...],
                  count: str, stop_ids: tuple[int, ...], max_new_tokens: int, kernel_path: str) -> Measured:
-    chains, trees, equal, sequences = [], {b: [] for b in budgets}, 0, []
-    for ref in refs:
-        run = live_decode(target, drafter, ref.prompt, max_new_tokens, stop_ids, None, count)
-        chains.append(list(run.taus))
-        sequences.append(list(run.tokens))
-        equal += list(run.tokens) == ref.continuation
-        for b in budgets:
-            trees[b].append(list(live_decode(target, drafter, ref.prompt, max_new_tokens, stop_ids, b, count).taus))
-    return Measured(aggregate_rounds(drafter.config.block_size, chains, trees, kernel_path), chains, trees, equal,
-                    sequences)
+    done = [decode_prompt(target, drafter, ref.prompt, budgets, count, stop_ids, max_new_tokens) for ref in refs]
+    return _live_measured(done, refs, budgets, drafter.config.block_size, kernel_path)
 
 
 _WORKER: dict[str, Any] = {}  # a live worker process's target and drafter (live_worker_init)
@@ -106,11 +116,8 @@ def live_worker_init(cfg_dict: dict, target_dir: str, export_dir: str, kernel_pa
 
 def live_worker_prompt(prompt: list[int], budgets: tuple[int, ...], count: str, stop_ids: tuple[int, ...],
                        max_new_tokens: int) -> tuple[list[int], list[int], dict[int, list[int]]]:
-    """One prompt decoded live in a worker: (chain tokens, chain taus, taus per DDTree budget)."""
-    model, drafter = _WORKER["model"], _WORKER["drafter"]
-    run = live_decode(model, drafter, prompt, max_new_tokens, stop_ids, None, count)
-    trees = {b: list(live_decode(model, drafter, prompt, max_new_tokens, stop_ids, b, count).taus) for b in budgets}
-    return list(run.tokens), list(run.taus), trees
+    """decode_prompt in a worker, on its own target and drafter."""
+    return decode_prompt(_WORKER["model"], _WORKER["drafter"], prompt, budgets, count, stop_ids, max_new_tokens)
 
 
 def measure_live_workers(workers: int, cfg_dict: dict, target_dir: str | Path, export_dir: str | Path,
@@ -130,11 +137,7 @@ def measure_live_workers(workers: int, cfg_dict: dict, target_dir: str | Path, e
         futures = [pool.submit(live_worker_prompt, ref.prompt, budgets, count, stop_ids, max_new_tokens)
                    for ref in refs]  # fmt: skip
         done = [f.result() for f in futures]
-    chains = [taus for _, taus, _ in done]
-    trees = {b: [t[b] for _, _, t in done] for b in budgets}
-    equal = sum(tokens == ref.continuation for (tokens, _, _), ref in zip(done, refs))
-    return Measured(aggregate_rounds(block_size, chains, trees, kernel_path), chains, trees, equal,
-                    [tokens for tokens, _, _ in done])
+    return _live_measured(done, refs, budgets, block_size, kernel_path)
 
 
 def rounds_agreement(a: Measured, b: Measured) -> tuple[int, int]:

@@ -143,6 +143,21 @@ def generate_responses(
     return results
 
 
+def generate_in_batches(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: tuple[int, ...], pad_id: int,
+                        batch: int) -> list[Generated]:
+    """`generate_responses` over many prompts, `batch` at a time, grouped by length so a batch pads
+    little (one prompt at a time is launch-bound: 64 held-out prompts took 133 s on the H200);
+    the results come back in the prompts' order."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[Generated | None] = [None] * len(prompts)
+    for k in range(0, len(order), batch):
+        group = order[k : k + batch]
+        for i, g in zip(group, generate_responses(model, [prompts[i] for i in group], max_new_tokens, stop_ids,
+                                                  pad_id)):  # fmt: skip
+            out[i] = g
+    return out  # type: ignore[return-value]
+
+
 def greedy_continuation(model, prompt: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = ()) -> list[int]:
     """The target's greedy continuation of one prompt (token ids), through `generate_responses`:
     ends after the first of `stop_ids` (kept), else `max_new_tokens` long; the checkpoint's

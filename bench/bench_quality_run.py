@@ -118,8 +118,7 @@ def _args(argv):
         "--no-align",
         action="store_true",
         help="tau only at --checkpoints evenly spaced marks, not also at the product run's checkpoints (their "
-        "sample counts are marks too; with --samples auto they are the only marks and the largest that fits the "
-        "budget is the run's length)",
+        "sample counts are marks too; with --samples auto the largest that fits the budget is the run's length)",
     )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
@@ -484,14 +483,9 @@ def main(argv: list[str] | None = None) -> int:
             samples = int(args.samples)
             budget["how"] = "fixed"
         aligned = None if args.no_align else quality_budget.product_marks(samples, [p["samples"] for p in product])
-        marks = quality_budget.marks(samples, args.checkpoints)
-        budget["marks_from"] = "evenly spaced"
-        if aligned is not None and args.samples == "auto":  # the run's length and marks are product checkpoints
-            samples, marks = aligned
-            budget["marks_from"] = "product checkpoints"
-        elif aligned is not None:  # a fixed length: the product checkpoints within it are marks too
-            marks = tuple(sorted(set(marks) | set(aligned[1])))
-            budget["marks_from"] = "evenly spaced and product checkpoints"
+        samples, marks, budget["marks_from"] = quality_budget.run_marks(
+            samples, args.checkpoints, aligned, args.samples == "auto"
+        )
 
         def _schedule(v, n: int) -> tuple[int, str]:
             vcfg = load_config_dict(v.cfg)

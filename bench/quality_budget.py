@@ -82,6 +82,23 @@ def product_marks(samples: int, product_samples: list[int | None]) -> tuple[int,
     return fitting[-1], tuple(fitting)
 
 
+def run_marks(
+    samples: int, checkpoints: int, aligned: tuple[int, tuple[int, ...]] | None, auto: bool
+) -> tuple[int, tuple[int, ...], str]:
+    """(samples, marks, where the marks come from) of every run: `checkpoints` evenly spaced marks,
+    plus the product checkpoints that fit (`aligned`, product_marks). With an auto length the run
+    ends at the largest product checkpoint that fits, so its last point has a product export
+    trained on as many samples; a fixed length is kept."""
+    if aligned is None:
+        return samples, marks(samples, checkpoints), "evenly spaced"
+    if auto:
+        samples = aligned[0]
+        return samples, tuple(sorted(set(aligned[1]) | set(marks(samples, checkpoints)))), \
+            "product checkpoints and evenly spaced"
+    return samples, tuple(sorted(set(marks(samples, checkpoints)) | set(aligned[1]))), \
+        "evenly spaced and product checkpoints"
+
+
 def schedule(cfg, samples: int, steps: int, mode: str, n_train: int) -> tuple[int, str]:
     """The LR schedule (length, unit) of a run that sees `samples` samples in `steps` optimizer
     steps: "run" spans the run itself (in samples when the trainer counts samples, else in steps:

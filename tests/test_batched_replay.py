@@ -76,3 +76,25 @@ def test_a_failing_walk_does_not_hang_the_others(trained_refs):
     bad = [refs[0], HeldOut(refs[1].prompt_len, refs[1].end, refs[1].sequence, refs[1].features[:, :3]), refs[2]]
     with pytest.raises(ValueError, match="fc expects"):
         measure_replay_batched(drafter, bad, (4,), "capped", "torch")
+
+
+def test_block_drafts_equal_each_rounds_own_argmax_and_tree():
+    """block_drafts summarises n rounds at once (one top-k for all); each row's chain tokens and
+    DDTree must be what argmax and build_ddtree give for that round's logits alone, ties included:
+    bf16 logits rounded to a coarse grid so that many slots hold exact ties inside the top-b."""
+    from dflash_dist.model.ddtree import build_ddtree, ddtree_from_top
+    from dflash_dist.model.replay import block_drafts
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(6, 7, 50, generator=g) * 2).round().to(torch.bfloat16)  # integer logits: ties
+    assert (logits.float().topk(8, dim=-1).values.diff(dim=-1) == 0).any()  # ties inside the top 8
+    drafts = block_drafts(logits, (1, 4, 8, 0))
+    for row, d in zip(logits, drafts):
+        assert d.tokens == row.float().argmax(-1).tolist()
+        for b in (1, 4, 8):
+            mine, alone = ddtree_from_top(*d.tops[b], b), build_ddtree(row.float(), b)
+            assert mine.node_token_ids == alone.node_token_ids and mine.parents == alone.parents
+            assert mine.node_logprobs == alone.node_logprobs
+        assert 0 not in d.tops  # budget 0: an empty tree, nothing to rank
+    with pytest.raises(ValueError, match="budgets must be >= 0"):
+        block_drafts(logits, (-1,))

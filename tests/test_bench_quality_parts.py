@@ -292,6 +292,14 @@ def test_marks_at_the_product_checkpoints_compare_product_and_bench_at_equal_sam
     assert quality_budget.product_marks(9000, [4010, 8032, None, 12050]) == (8032, (4010, 8032))
     assert quality_budget.product_marks(4000, [4010, 8032]) is None  # none fits: evenly spaced marks instead
     assert quality_budget.product_marks(9000, []) is None
+    # auto: the run ends at 8032, and its curve still has the evenly spaced points (the figure's)
+    aligned = quality_budget.product_marks(9000, [4010, 8032, None, 12050])
+    assert quality_budget.run_marks(9000, 4, aligned, auto=True) == (
+        8032, (2008, 4010, 4016, 6024, 8032), "product checkpoints and evenly spaced")
+    # a fixed length is kept, the product checkpoints within it added
+    assert quality_budget.run_marks(9000, 2, aligned, auto=False) == (
+        9000, (4010, 4500, 8032, 9000), "evenly spaced and product checkpoints")
+    assert quality_budget.run_marks(4000, 2, None, auto=True) == (4000, (2000, 4000), "evenly spaced")
 
     def run(variant, seed, taus):
         pts = [{"samples": n, "tau_ddtree": {"8": t}} for n, t in zip((4010, 8032), taus)]

@@ -4,9 +4,13 @@
 and prompt: on a GPU a small drafter's round is launch-bound (a few hundred small kernels), so a
 checkpoint of 64 prompts x 256 tokens costs tens of seconds. Here every prompt's walk is still
 `model/replay.replay_sequence` (rounds, DDTree construction and acceptance unchanged), each in a
-thread of its own, but the drafter they see is a stand-in whose `draft_block` waits until every
+thread of its own, but the drafter they see is a stand-in whose `draft_summary` waits until every
 walk still running has asked for its next block, then runs them as one padded forward: one
-forward per round for all prompts instead of one per prompt. The padded forward is the drafter's
+forward per round for all prompts instead of one per prompt. What each walk gets back is the
+round's BlockDraft (argmax tokens, top-b log-probs per budget: model/replay.block_drafts),
+computed for all rows on the device with one copy to the host: the walks' threads share one GIL,
+and a [B-1, V] argmax + top-k + logsumexp per round and walk on the host (about 1 ms) made a
+checkpoint of 64 prompts cost ~20 s on the H200, most of it waiting for the GIL. The padded forward is the drafter's
 own forward with a key mask (context entries at or past a row's anchor are hidden; sliding layers
 also get their window, attention.inference_sliding_mask), so a row sees exactly what the
 one-prompt forward sees; only kernel numerics differ (bit-equal rounds on the CPU, tested).
@@ -22,7 +26,7 @@ import torch
 from dflash_dist.evaluator.measure import HeldOut, Measured
 from dflash_dist.model.attention import FULL, SLIDING, inference_sliding_mask
 from dflash_dist.model.drafter import DFlashDrafter
-from dflash_dist.model.replay import aggregate_rounds, replay_sequence
+from dflash_dist.model.replay import BlockDraft, aggregate_rounds, block_drafts, replay_sequence
 
 
 @dataclass
@@ -30,14 +34,15 @@ class _Request:
     token: int
     start: int
     context: torch.Tensor  # [1, start, H] fused context before the anchor
-    logits: torch.Tensor | None = None
+    budgets: tuple[int, ...] = ()
+    draft: BlockDraft | None = None
     error: BaseException | None = None
     done: bool = field(default=False)
 
 
 class BatchingDrafter:
-    """What replay_sequence needs of a drafter (`config`, `fc`, `fuse_context`, `draft_block`),
-    with `draft_block` calls from `walks` threads gathered into one forward. Every walk calls
+    """What replay_sequence needs of a drafter (`config`, `fc`, `fuse_context`, `draft_summary`),
+    with `draft_summary` calls from `walks` threads gathered into one forward. Every walk calls
     `finished()` when it ends (also on error), so the others never wait for it."""
 
     def __init__(self, drafter: DFlashDrafter, walks: int) -> None:
@@ -52,10 +57,10 @@ class BatchingDrafter:
     def fuse_context(self, features: torch.Tensor) -> torch.Tensor:
         return self.drafter.fuse_context(features)
 
-    def draft_block(self, features, anchor_token: int, start: int, context: torch.Tensor | None = None):
-        if context is None:
-            context = self.drafter.fuse_context(features[None, :start].to(self.fc.weight.device))
-        req = _Request(int(anchor_token), int(start), context)
+    def draft_summary(self, anchor_token: int, start: int, context: torch.Tensor, budgets: tuple[int, ...]) -> BlockDraft:
+        """The round's BlockDraft, as block_drafts(draft_block(...)) would give it, from the next
+        batched forward."""
+        req = _Request(int(anchor_token), int(start), context, tuple(budgets))
         with self._cv:
             self._pending.append(req)
             self._maybe_run()
@@ -63,7 +68,7 @@ class BatchingDrafter:
                 self._cv.wait()
         if req.error is not None:
             raise RuntimeError("the batched drafter forward failed") from req.error
-        return req.logits
+        return req.draft
 
     def finished(self) -> None:
         with self._cv:
@@ -76,9 +81,9 @@ class BatchingDrafter:
             return
         batch, self._pending = self._pending, []
         try:
-            logits = self._forward(batch)
-            for i, req in enumerate(batch):
-                req.logits = logits[i].clone()  # its own storage: freed when its walk ends
+            drafts = block_drafts(self._forward(batch), batch[0].budgets)  # every walk has the same budgets
+            for req, draft in zip(batch, drafts):
+                req.draft = draft
         except BaseException as e:  # handed to every waiting walk
             for req in batch:
                 req.error = e
@@ -89,10 +94,9 @@ class BatchingDrafter:
 
     @torch.no_grad()
     def _forward(self, batch: list[_Request]) -> torch.Tensor:
-        """[n, B-1, V] logits on the host, row i as draft_block would return it for request i, in
-        the lm_head's dtype: draft_block's `.float()` of bf16 logits adds no information, argmax
-        and build_ddtree (which upcasts) see the same values, and the walks' cached logits take
-        half the memory. One copy to the host per forward instead of a sync per walk."""
+        """[n, B-1, V] logits on the drafter's device, row i as draft_block would return it for
+        request i, in the lm_head's dtype (draft_block's `.float()` of bf16 logits adds no
+        information: block_drafts upcasts for the top-k)."""
         d, cfg = self.drafter, self.config
         blk, dev = cfg.block_size, self.fc.weight.device
         n, width = len(batch), max(r.start for r in batch)
@@ -115,7 +119,7 @@ class BatchingDrafter:
         if cfg.has_sliding_layers:
             mask = {FULL: seen, SLIDING: seen & inference_sliding_mask(blk, ctx_pos, pos, cfg.sliding_window)}
         hidden = d(ids, pos, context, ctx_pos, mask)
-        return d.lm_head(hidden[:, 1:]).cpu()
+        return d.lm_head(hidden[:, 1:])
 
 
 def measure_replay_batched(
@@ -128,8 +132,7 @@ def measure_replay_batched(
     max_walks: int = 64,
 ) -> Measured:
     """measure_replay's result (same rounds, same aggregation) with up to `max_walks` prompts'
-    rounds in one drafter forward. `max_walks` bounds memory too: each walk keeps its rounds'
-    logits ([B-1, V] each) until it ends, as replay_sequence does."""
+    rounds in one drafter forward (and bounds the padded forward's memory)."""
     if max_walks < 1:
         raise ValueError(f"max_walks must be >= 1, got {max_walks}")
     chains: list[list[int] | None] = [None] * len(refs)

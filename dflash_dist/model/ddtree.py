@@ -59,21 +59,39 @@ def build_ddtree(draft_logits: torch.Tensor, budget: int) -> DraftTree:
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
     depth_limit, vocab = draft_logits.shape
+    if budget == 0 or depth_limit == 0 or vocab == 0:
+        return DraftTree([], [], [-1], [{}], [])
+    top_logq, top_tokens = top_logprobs(draft_logits.detach().cpu(), min(budget, vocab))
+    return ddtree_from_top(top_logq[0], top_tokens[0], budget)
+
+
+def top_logprobs(draft_logits: torch.Tensor, k: int) -> tuple[list, list]:
+    """The top-k log-probs and token ids of every slot, as lists: `draft_logits` [..., depth, V]
+    (any leading batch dims, any device) -> ([..][depth][k] floats, [..][depth][k] ints), computed
+    in float32 where the logits are, so a batch of rounds (evaluator/batched_replay.py) needs one
+    device op and one copy to the host instead of one per round. What build_ddtree needs of a
+    round's logits: build_ddtree(logits, b) == ddtree_from_top(*top_logprobs(logits[None], b), b)
+    (first rows)."""
+    logits = draft_logits.detach().float()
+    if logits.dim() == 2:
+        logits = logits[None]
+    top_logits, top_ids = torch.topk(logits, k=k, dim=-1)
+    top_logq = top_logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+    return top_logq.cpu().tolist(), top_ids.cpu().tolist()
+
+
+def ddtree_from_top(top_logq: list[list[float]], top_tokens: list[list[int]], budget: int) -> DraftTree:
+    """build_ddtree from one round's top log-probs ([depth][k], best first per slot) and their
+    token ids: k = min(budget, V) columns."""
     node_token_ids: list[int] = []
     node_depths: list[int] = []
     node_logprobs: list[float] = []
     parents = [-1]
     child_maps: list[dict[int, int]] = [{}]
-    if budget == 0 or depth_limit == 0 or vocab == 0:
-        return DraftTree(
-            node_token_ids, node_depths, parents, child_maps, node_logprobs
-        )
-
-    topk = min(budget, vocab)
-    logits = draft_logits.detach().float().cpu()
-    top_logits, top_ids = torch.topk(logits, k=topk, dim=-1)
-    top_logq = (top_logits - torch.logsumexp(logits, dim=-1, keepdim=True)).tolist()
-    top_tokens = top_ids.tolist()
+    depth_limit = len(top_logq)
+    if budget == 0 or depth_limit == 0 or not top_logq[0]:
+        return DraftTree(node_token_ids, node_depths, parents, child_maps, node_logprobs)
+    topk = len(top_logq[0])
 
     # Entries: (-score, rank path, parent flat index, depth, rank, score). The rank path is
     # unique per candidate, so exact score ties resolve deterministically, as in the reference.

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dflash_dist.model.capture import capture_features
-from dflash_dist.model.ddtree import build_ddtree, chain_acceptance, walk_tree_against_reference
+from dflash_dist.model.ddtree import chain_acceptance, ddtree_from_top, top_logprobs, walk_tree_against_reference
 from dflash_dist.model.drafter import DFlashDrafter
 
 COUNTS = ("capped", "uncapped")
@@ -80,6 +80,34 @@ def aggregate_rounds(block_size: int, chain: list[list[int]], trees: dict[int, l
     return res
 
 
+@dataclass
+class BlockDraft:
+    """What a replay round needs of one drafted block: the chain's tokens (argmax per slot) and,
+    per DDTree budget b, each slot's top-b log-probs and token ids (ddtree.top_logprobs)."""
+
+    tokens: list[int]
+    tops: dict[int, tuple[list[list[float]], list[list[int]]]]
+
+
+def block_drafts(logits: torch.Tensor, budgets: tuple[int, ...]) -> list[BlockDraft]:
+    """BlockDraft of each of n rounds' logits [n, B-1, V], computed where the logits are (one
+    argmax, one top-k per budget, one copy to the host for all n): build_ddtree(logits[i], b) and
+    logits[i].argmax(-1) of each round, without n host copies of [B-1, V]."""
+    if any(b < 0 for b in budgets):
+        raise ValueError(f"DDTree budgets must be >= 0, got {budgets}")
+    tokens = logits.argmax(-1).cpu().tolist()
+    vocab = logits.shape[-1]
+    tops = {b: top_logprobs(logits, min(b, vocab)) for b in budgets if b > 0}
+    return [BlockDraft(tokens[i], {b: (t[0][i], t[1][i]) for b, t in tops.items()}) for i in range(len(tokens))]
+
+
+def _tree_accept(draft: BlockDraft, budget: int, reference: list[int]) -> int:
+    if budget not in draft.tops:  # budget 0 (or no vocabulary): an empty tree accepts nothing
+        return 0
+    logq, ids = draft.tops[budget]
+    return walk_tree_against_reference(ddtree_from_top(logq, ids, budget), reference)
+
+
 @torch.no_grad()
 def replay_sequence(drafter: DFlashDrafter, sequence: list[int], features: torch.Tensor, start: int,
                     budgets: tuple[int, ...] = (), end: int | None = None, count: str = "capped",
@@ -106,11 +134,16 @@ def replay_sequence(drafter: DFlashDrafter, sequence: list[int], features: torch
     blk = drafter.config.block_size
     stops = set(stop_ids)
     context = drafter.fuse_context(features[None].to(drafter.fc.weight.device))
-    cache: dict[int, torch.Tensor] = {}
+    cache: dict[int, BlockDraft] = {}
+    batched = getattr(drafter, "draft_summary", None)  # evaluator/batched_replay.BatchingDrafter
 
-    def logits_at(p: int) -> torch.Tensor:
+    def draft_at(p: int) -> BlockDraft:
         if p not in cache:
-            cache[p] = drafter.draft_block(None, sequence[p], p, context=context[:, :p])
+            if batched is not None:
+                cache[p] = batched(sequence[p], p, context[:, :p], budgets)
+            else:
+                cache[p] = block_drafts(drafter.draft_block(None, sequence[p], p, context=context[:, :p])[None],
+                                        budgets)[0]
         return cache[p]
 
     def round_at(p: int) -> bool:
@@ -122,13 +155,13 @@ def replay_sequence(drafter: DFlashDrafter, sequence: list[int], features: torch
         taus, p = [], start
         while round_at(p):
             ref = sequence[p + 1 : min(p + blk, limit)]
-            acc = accept_fn(logits_at(p), ref)
+            acc = accept_fn(draft_at(p), ref)
             taus.append(acc + 1)
             p += acc + 1
         return taus
 
-    chain = walk(lambda lg, ref: chain_acceptance(lg.argmax(-1).tolist(), ref))
-    trees = {b: walk(lambda lg, ref, b=b: walk_tree_against_reference(build_ddtree(lg, b), ref)) for b in budgets}
+    chain = walk(lambda d, ref: chain_acceptance(d.tokens, ref))
+    trees = {b: walk(lambda d, ref, b=b: _tree_accept(d, b, ref)) for b in budgets}
     return chain, trees
 
 

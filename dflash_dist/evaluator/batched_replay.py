@@ -57,7 +57,9 @@ class BatchingDrafter:
     def fuse_context(self, features: torch.Tensor) -> torch.Tensor:
         return self.drafter.fuse_context(features)
 
-    def draft_summary(self, anchor_token: int, start: int, context: torch.Tensor, budgets: tuple[int, ...]) -> BlockDraft:
+    def draft_summary(
+        self, anchor_token: int, start: int, context: torch.Tensor, budgets: tuple[int, ...]
+    ) -> BlockDraft:
         """The round's BlockDraft, as block_drafts(draft_block(...)) would give it, from the next
         batched forward."""
         req = _Request(int(anchor_token), int(start), context, tuple(budgets))

@@ -250,6 +250,22 @@ class Pool:
         return killed
 
 
+def memory_share(device: torch.device, workers: int, reserve_gib: float = 2.0) -> float | None:
+    """Each worker process's fraction of the GPU's total memory: what is free once this process
+    holds the shared train set and references, less `reserve_gib` a worker for its CUDA context
+    (outside the allocator's count), split evenly. None off CUDA or with no worker processes."""
+    if device.type != "cuda" or workers < 1:
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    share = (free - workers * reserve_gib * 2**30) / workers / total
+    if share <= 0:
+        raise RuntimeError(
+            f"{workers} workers do not fit the {free / 2**30:.1f} GiB left on {device} after the shared "
+            f"data: lower --workers"
+        )
+    return share
+
+
 def _names(kind: str, payload) -> dict:
     if kind in ("train", "calibrate"):
         return {"variant": payload.variant.name, "seed": payload.seed}
@@ -408,6 +424,10 @@ def main(argv: list[str] | None = None) -> int:
 
     ctx = tmp.get_context("spawn")
     stop = ctx.Event()
+    fraction = memory_share(device, workers)
+    if fraction is not None:
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # the workers' (spawned)
+        results["memory_fraction_per_worker"] = round(fraction, 4)
     shared = Shared(
         data.share(),
         refs,
@@ -423,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx.Array("i", slots),
         precision,
         tuple(ref_info["stop_ids"]),
+        fraction,
     )
     pool = Pool(shared, workers, threads, ctx) if workers else InlinePool(shared, threads)
 

@@ -83,6 +83,9 @@ class Shared:
     # the trainer's precision: "bf16" (GPU ranks: bf16 compute, fp32 master weights) or "fp32" (CPU ranks)
     precision: str = "fp32"
     stop_ids: tuple[int, ...] = ()  # the target's stop tokens (uncapped replay stops after a round drafting one)
+    # each worker's share of the GPU's memory (torch.cuda.set_per_process_memory_fraction), so that a
+    # worker's cached blocks cannot starve the others (H200, 7 workers: two runs died of OOM without it)
+    memory_fraction: float | None = None
 
 
 # --- micro-batches ----------------------------------------------------------------------------
@@ -507,6 +510,8 @@ def worker_main(worker: int, sh: Shared, tasks, results, threads: int) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [worker {worker}] %(message)s")
     torch.set_num_threads(threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if sh.memory_fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(sh.memory_fraction, torch.device(sh.device))
     while True:
         try:
             task = tasks.get(timeout=5.0)

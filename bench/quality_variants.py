@@ -78,6 +78,8 @@ register(
     lambda f: {"capture.layer_ids": list(f.captured_layers[:-1])},
 )
 register("dpace", "D-PACE slot weights instead of exp(-(s-1)/gamma)", {"train.position_weighting": "dpace"})
+register("decay", "exp(-(s-1)/gamma) slot weights instead of D-PACE (the default before 2026-12-04)",
+         {"train.position_weighting": "decay"})
 register("step_slots", "loss normalised over the optimizer step's slots", {"train.loss_norm": "step_slots"})
 register("mask_next", "anchors need loss_mask at a and a+1", {"train.anchor_rule": "mask_next"})
 register("sliding", "drafter layers sliding except the last, window --window", _sliding)

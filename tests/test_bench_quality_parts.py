@@ -175,7 +175,10 @@ def test_variants_are_one_config_change_each(tmp_path, monkeypatch):
     assert got["sliding"].drafter.layer_types == ("sliding_attention", "sliding_attention", "full_attention")
     assert got["sliding"].drafter.sliding_window == 32
     assert got["anchors_half"].cfg["train"]["num_anchors"] == 20  # half of the 40 the default draws
-    assert "peer_modelopt" in got["dpace"].aliases  # D-PACE at block 16 is the run's block already
+    # D-PACE is the default (since 2026-12-04), so dpace and Model-Optimizer's recipe (D-PACE at block 16)
+    # are the default itself; decay is the alternative measured
+    assert "dpace" not in got and {"dpace", "peer_modelopt"} <= set(d.aliases)
+    assert got["decay"].cfg["train"]["position_weighting"] == "decay"
     spec = got["peer_specforge"].cfg["train"]
     assert (spec["anchor_rule"], spec["loss_norm"], spec["gamma"]) == ("mask_next", "step_slots", 7.0)
     for name, r in got.items():  # nothing else changed
@@ -187,10 +190,12 @@ def test_variants_are_one_config_change_each(tmp_path, monkeypatch):
     agree = quality_variants.resolve(["default", "mask_next"], config, target, 63,
                                      replace(facts, anchor_rules_agree=True))  # fmt: skip
     assert [r.name for r in agree] == ["default"] and agree[0].aliases == ("mask_next",)
-    # ...and SpecForge's recipe (gamma 7 = block 16's default) is then step_slots'
+    # ...and SpecForge's recipe (gamma 7 = block 16's default) is then decay with step_slots: with both
+    # set for every variant, it is the default's run
     agree = quality_variants.resolve(["default", "step_slots", "peer_specforge"], config, target, 63,
-                                     replace(facts, anchor_rules_agree=True))  # fmt: skip
-    assert [(r.name, r.aliases) for r in agree] == [("default", ()), ("step_slots", ("peer_specforge",))]
+                                     replace(facts, anchor_rules_agree=True),
+                                     ("train.position_weighting=decay", "train.loss_norm=step_slots"))  # fmt: skip
+    assert [(r.name, r.aliases) for r in agree] == [("default", ("step_slots", "peer_specforge"))]
     fp8 = got["fp8_features"]  # the same training but for the stored features' encoding
     assert fp8.codec == "fp8" and fp8.drafter == d.drafter and fp8.cfg["train"] == d.cfg["train"]
     odd = quality_variants.Variant("odd", "a codec nobody registered", lambda f: {}, codec="nope")

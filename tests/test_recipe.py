@@ -92,10 +92,10 @@ def test_micro_batch_anchor_rule_passes_through():
 
 def test_recipe_config_fields_default_to_the_pinned_behaviour():
     t = load_config(TINY).train
-    assert (t.anchor_rule, t.position_weighting, t.loss_norm) == ("mask", "decay", "micro_batch")
-    t = load_config(TINY, ["train.anchor_rule=mask_next", "train.position_weighting=dpace",
+    assert (t.anchor_rule, t.position_weighting, t.loss_norm) == ("mask", "dpace", "micro_batch")
+    t = load_config(TINY, ["train.anchor_rule=mask_next", "train.position_weighting=decay",
                            "train.loss_norm=step_slots"]).train
-    assert (t.anchor_rule, t.position_weighting, t.loss_norm) == ("mask_next", "dpace", "step_slots")
+    assert (t.anchor_rule, t.position_weighting, t.loss_norm) == ("mask_next", "decay", "step_slots")
 
 
 @pytest.mark.parametrize(

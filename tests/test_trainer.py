@@ -451,9 +451,11 @@ def test_step_slots_gradient_is_the_slot_weighted_mean_over_step_and_ranks(tiny,
     samples = [_truncated(s, 32 if i % 2 else 15) for i, s in enumerate(tiny["samples"][:8])]  # 3 or 14-20 supervised
     shards = tmp_path / "shards"
     write_shards(shards, tiny["prov"], samples, done=True)
+    # fixed slot weights (decay): the reference below weights with dflash_loss's own decay weights
     cfgs = {
         mode: make_cfg(tmp_path / mode, tiny["target_dir"], micro_batch_size=1, grad_accum=2, max_steps=1, epochs=1,
-                       loss_norm=mode, log_sample_keys=True, checkpoint_every=100)  # fmt: skip
+                       loss_norm=mode, log_sample_keys=True, checkpoint_every=100,
+                       position_weighting="decay")  # fmt: skip
         for mode in ("step_slots", "micro_batch")
     }
     job = TrainJob(str(tiny["target_dir"]), str(shards), tiny["prov"], tiny["drafter"], total_steps=4)

@@ -250,12 +250,14 @@ class Pool:
         return killed
 
 
-def memory_share(device: torch.device, workers: int, reserve_gib: float = 2.0) -> float | None:
+def memory_share(device: torch.device, workers: int, reserve_gib: float = 6.0) -> float | None:
     """Each worker process's fraction of the GPU's total memory: what is free once this process
-    holds the shared train set and references, less `reserve_gib` a worker for its CUDA context
-    (outside the allocator's count), split evenly. None off CUDA or with no worker processes."""
+    holds the shared train set and references, less `reserve_gib` a worker for what its allocator
+    does not count (CUDA context, cuBLAS workspaces, compiled kernels: ~5 GiB a worker in the H200
+    OOM report), split evenly. None off CUDA or with no worker processes."""
     if device.type != "cuda" or workers < 1:
         return None
+    torch.cuda.empty_cache()  # this process's cached blocks are free for the workers
     free, total = torch.cuda.mem_get_info(device)
     share = (free - workers * reserve_gib * 2**30) / workers / total
     if share <= 0:

@@ -164,7 +164,7 @@ def build(a, dc: DrafterConfig):
         head = torch.randn(dc.vocab_size, dc.hidden_size, generator=g, device="cuda") * dc.hidden_size**-0.5
         drafter.set_target_weights(embed, head.to(torch.bfloat16))
         del embed, head
-    module = BenchForward(drafter, cfg.train.label_source, cfg.train.gamma, cfg.train.attention)
+    module = BenchForward(drafter, cfg.train.label_source, cfg.train.gamma, cfg.train.attention, a.position_weighting)
     optimizer = build_optimizer(cfg, module, fused=not a.foreach_adamw)  # the trainer's GPU default: fused
     engine, *_ = deepspeed.initialize(
         model=module,
@@ -396,6 +396,13 @@ def main() -> None:
     p.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3])
     p.add_argument("--loss", default="chunked,naive", help="comma list of chunked, naive (one engine)")
     p.add_argument("--kernels", default="torch", help=f"comma list of kernel sets {KERNELS} (chunked loss)")
+    p.add_argument(
+        "--position-weighting",
+        default="dpace",
+        choices=("dpace", "decay"),
+        help="slot weights (train.position_weighting; dpace, the default since 2026-12-04, runs a no-grad lm_head pass "
+        "for its confidences on the chunked path; the step times in docs/BENCHMARKS.md before then are decay's)",
+    )
     p.add_argument("--seq", type=int, default=3072)
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--hidden", type=int, default=5120)

@@ -51,7 +51,7 @@ fi
 # the gpu tests beside the build: timeout leads its own process group, so the group can be stopped
 echo "start gpu_tests $(date +%s)" >>"$LOG/status"
 gt0=$(date +%s)
-timeout "${GPU_TESTS_LIMIT_S:-600}" python3 -m pytest -m gpu -v -rA --durations=0 -p no:cacheprovider \
+timeout -k 20 "${GPU_TESTS_LIMIT_S:-600}" python3 -m pytest -m gpu -v -rA --durations=0 -p no:cacheprovider \
     tests/test_gpu_parity.py tests/test_zero_step.py tests/test_fused.py tests/test_fused_layers.py \
     tests/test_block_mask.py tests/test_packing.py tests/test_drafter.py tests/test_sliding_window.py \
     tests/test_capture.py tests/test_live.py >"$LOG/gpu_tests.log" 2>&1 &
@@ -61,11 +61,14 @@ for _ in $(seq "${GPU_TESTS_GRACE_S:-45}"); do kill -0 "$gt" 2>/dev/null || brea
 if kill -0 "$gt" 2>/dev/null; then
     kill -TERM -- "-$gt" 2>/dev/null
     echo "gpu_tests stopped when the build had ended" >>"$LOG/status"
+    for _ in $(seq 20); do kill -0 "$gt" 2>/dev/null || break; sleep 1; done
+    kill -KILL -- "-$gt" 2>/dev/null  # what TERM did not end must not hold the GPU for the product run
 fi
 wait "$gt"
+gt_rc=$?
 # a JIT op build the stop cut short leaves its lock, and the product run would wait on it for ever
 find "${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}" -name lock -delete 2>/dev/null
-echo "end gpu_tests rc=$? s=$(($(date +%s) - gt0))" >>"$LOG/status"
+echo "end gpu_tests rc=$gt_rc s=$(($(date +%s) - gt0))" >>"$LOG/status"
 cp "$DFLASH_CACHE"/code-lm-*/dflash_target.json "$LOG/target_record.json" 2>/dev/null
 
 if [ ${#optimizer[@]} -gt 0 ]; then  # the run with the fallback, then the test checks it (a finished run is only checked)
@@ -79,7 +82,10 @@ tail -c 300000 "$RUN/cli.log" >"$LOG/mid_cli_tail.log" 2>/dev/null
 
 if [ -f "$RUN/shards/DONE" ]; then
     now=$(date +%s)
-    deadline=$(cat "${QBENCH_DEADLINE_FILE:-/tmp/qbench_deadline}" 2>/dev/null || echo $((now + ${QBENCH_BUDGET_S:-480})))
+    deadline=$(cat "${QBENCH_DEADLINE_FILE:-/tmp/qbench_deadline}" 2>/dev/null)
+    if ! [[ "$deadline" =~ ^[0-9]+$ ]]; then  # no file, or not an epoch second: the fixed budget
+        deadline=$((now + ${QBENCH_BUDGET_S:-480}))
+    fi
     budget=$((deadline - now))
     echo "qbench budget ${budget}s" >>"$LOG/status"
     if [ "$budget" -ge 120 ]; then

@@ -83,7 +83,10 @@ class BatchingDrafter:
             return
         batch, self._pending = self._pending, []
         try:
-            drafts = block_drafts(self._forward(batch), batch[0].budgets)  # every walk has the same budgets
+            budgets = batch[0].budgets
+            if any(r.budgets != budgets for r in batch):
+                raise ValueError(f"batched walks asked for different DDTree budgets: {[r.budgets for r in batch]}")
+            drafts = block_drafts(self._forward(batch), budgets)
             for req, draft in zip(batch, drafts):
                 req.draft = draft
         except BaseException as e:  # handed to every waiting walk

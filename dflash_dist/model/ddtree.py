@@ -61,7 +61,9 @@ def build_ddtree(draft_logits: torch.Tensor, budget: int) -> DraftTree:
     depth_limit, vocab = draft_logits.shape
     if budget == 0 or depth_limit == 0 or vocab == 0:
         return DraftTree([], [], [-1], [{}], [])
-    top_logq, top_tokens = top_logprobs(draft_logits.detach().cpu(), min(budget, vocab))
+    # ranked where the logits are, as replay's block_drafts ranks them: live and replay build their
+    # trees from the same top-k (a device's top-k may order exact ties unlike the host's)
+    top_logq, top_tokens = top_logprobs(draft_logits, min(budget, vocab))
     return ddtree_from_top(top_logq[0], top_tokens[0], budget)
 
 

@@ -80,7 +80,7 @@ def aggregate_rounds(block_size: int, chain: list[list[int]], trees: dict[int, l
     return res
 
 
-@dataclass
+@dataclass(frozen=True)
 class BlockDraft:
     """What a replay round needs of one drafted block: the chain's tokens (argmax per slot) and,
     per DDTree budget b, each slot's top-b log-probs and token ids (ddtree.top_logprobs)."""
@@ -102,7 +102,7 @@ def block_drafts(logits: torch.Tensor, budgets: tuple[int, ...]) -> list[BlockDr
 
 
 def _tree_accept(draft: BlockDraft, budget: int, reference: list[int]) -> int:
-    if budget not in draft.tops:  # budget 0 (or no vocabulary): an empty tree accepts nothing
+    if budget not in draft.tops:  # budget 0: an empty tree accepts nothing
         return 0
     logq, ids = draft.tops[budget]
     return walk_tree_against_reference(ddtree_from_top(logq, ids, budget), reference)

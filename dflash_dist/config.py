@@ -220,6 +220,8 @@ class EvalSection(_Section):
     # cache (exact GDN rollback); server: also the serving engine's own count from eval.server_url
     mode: Literal["replay", "live", "server"] = "replay"
     live_every: PosInt = 1  # live/server: at every N-th evaluated checkpoint (and the first); replay runs at every one
+    live_first: bool = True  # live/server at the first evaluated checkpoint (an early check of the decoding path)
+    live_last: bool = True  # ... and at the run's last export (train.max_steps, when the run sets it)
     # live: processes decoding prompts side by side, each with its own copy of the target and drafter (live
     # decoding is one prompt at a time and launch-bound on a small target; keep 1 where the target fills the GPU)
     live_workers: PosInt = 1

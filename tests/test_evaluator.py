@@ -577,3 +577,22 @@ def test_a_failed_server_keeps_the_replay_tau_and_records_the_failure(tiny, tmp_
     assert tb["eval/tau_chain"] == pytest.approx({5: result.tau_chain})
     assert tb["eval/server_failed"] == {5: 1.0} and "eval/tau_server" not in tb
     assert "server FAILED" in result.table_row() and f"tau chain {result.tau_chain:.2f}" in result.table_row()
+
+
+def test_live_checkpoints_first_every_nth_and_the_last():
+    """Which checkpoints are measured live (policy.live_checkpoint): the first (unless live_first is
+    off), every live_every-th evaluated one after it, and the run's last export (train.max_steps)."""
+    from dflash_dist.evaluator.policy import live_checkpoint
+
+    exports = [300, 600, 900, 1200]
+
+    def live(every, first, last, max_steps=1200):
+        return [s for n, s in enumerate(exports) if live_checkpoint(n, s, every, first, last, max_steps)]
+
+    assert live(1, True, False) == exports
+    assert live(3, True, False) == [300, 1200]  # 1st and 4th by count
+    assert live(2, True, False) == [300, 900]
+    assert live(2, True, True) == [300, 900, 1200]  # ... and the last export
+    assert live(4, False, True) == [1200]  # only the last (configs/mid_gpu.yaml)
+    assert live(4, False, False) == []
+    assert live(4, False, True, max_steps=None) == []  # a run without max_steps names no last export here

@@ -51,6 +51,7 @@ from dflash_dist.evaluator.policy import (
     EvalRequest,
     EvalResult,
     lacks_mode,
+    live_checkpoint,
     pending_steps,
     should_stop,
     tau_record_from_json,
@@ -284,9 +285,12 @@ class Evaluator:
         self._check_drafter(drafter.config, export_dir)
         return drafter
 
-    def _live_now(self) -> bool:
-        """live/server run at the first evaluated checkpoint and every eval.live_every-th after."""
-        return self.cfg.eval.mode != "replay" and len(self.done) % self.cfg.eval.live_every == 0
+    def _live_now(self, step: int) -> bool:
+        """live/server at this checkpoint (policy.live_checkpoint: the first, every eval.live_every-th
+        after, the run's last)."""
+        e = self.cfg.eval
+        return e.mode != "replay" and live_checkpoint(len(self.done), step, e.live_every, e.live_first, e.live_last,
+                                                      self.cfg.train.max_steps)  # fmt: skip
 
     def _measure_live(self, drafter, refs, export_dir: Path):
         e = self.cfg.eval
@@ -354,14 +358,14 @@ class Evaluator:
         replay = self._replay(drafter, refs, e.count)
         rounds: dict = {"step": step, "count": e.count, "replay": replay.rounds_json()}
         live = server = None
-        if self._live_now() and e.mode == "live":
+        if self._live_now(step) and e.mode == "live":
             measured = self._measure_live(drafter, refs, export_dir)
             same, total = rounds_agreement(replay, measured)
             live = {**measured.record(self.budgets), "rounds_equal": same, "rounds_compared": total,
                     "continuations_equal": measured.tokens_equal, "prompts": len(refs),
                     "replay_own": self._replay_own(drafter, refs, measured)}
             rounds["live"] = measured.rounds_json()
-        elif self._live_now() and e.mode == "server":
+        elif self._live_now(step) and e.mode == "server":
             server = self._measure_server(step, refs, drafter.config.block_size)
         del drafter
         res = replay.result

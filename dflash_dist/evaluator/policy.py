@@ -45,6 +45,16 @@ def should_stop(trainer_finished: bool, final_step: int | None, done: set[int]) 
     return final_step is None or any(s >= final_step for s in done)
 
 
+def live_checkpoint(evaluated: int, step: int, live_every: int, live_first: bool, live_last: bool,
+                    max_steps: int | None) -> bool:
+    """Whether the checkpoint of `step`, after `evaluated` others, is measured live (or by the
+    server): every `live_every`-th evaluated checkpoint counting the first as 0 (the first itself
+    only with `live_first`), and, with `live_last`, the run's last export (step `max_steps`)."""
+    if live_last and max_steps is not None and step >= max_steps:
+        return True
+    return evaluated % live_every == 0 and (evaluated > 0 or live_first)
+
+
 def lacks_mode(result: EvalResult, mode: str) -> bool:
     """True when `result` does not hold what eval.mode=`mode` measures, so the export is measured
     again for it (keeping the modes it holds). Replay is in every result. A live/server result

@@ -93,16 +93,8 @@ def run_marks(
         return samples, marks(samples, checkpoints), "evenly spaced"
     if auto:
         samples = aligned[0]
-        return (
-            samples,
-            tuple(sorted(set(aligned[1]) | set(marks(samples, checkpoints)))),
-            "product checkpoints and evenly spaced",
-        )
-    return (
-        samples,
-        tuple(sorted(set(marks(samples, checkpoints)) | set(aligned[1]))),
-        "evenly spaced and product checkpoints",
-    )
+    both = tuple(sorted(set(marks(samples, checkpoints)) | set(aligned[1])))
+    return samples, both, "product checkpoints and evenly spaced" if auto else "evenly spaced and product checkpoints"
 
 
 def schedule(cfg, samples: int, steps: int, mode: str, n_train: int) -> tuple[int, str]:

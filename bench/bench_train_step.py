@@ -47,10 +47,12 @@ import torch.distributed as dist
 
 from dflash_dist.actors.rendezvous import rendezvous_store
 from dflash_dist.config import load_config
+from dflash_dist.model import loss as loss_mod
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.drafter import DFlashDrafter
 from dflash_dist.model.fused import KERNELS
 from dflash_dist.model.loss import Anchors, dflash_loss, label_targets, sample_anchors
+from dflash_dist.model.vocab_loss import lm_head_cross_entropy
 from dflash_dist.trainer.batching import BatchLimit
 from dflash_dist.trainer.ds_config import build_lr_schedule, build_optimizer, deepspeed_config
 from dflash_dist.trainer.engine import TrainForward
@@ -82,6 +84,7 @@ class BenchForward(TrainForward):
             gamma=self.gamma,
             attention=self.attention,
             return_logits=self.naive,
+            position_weighting=self.position_weighting,
             block_mask=self.block_mask,
         )
         out.logits = out.extras = None  # only the loss leaves the step
@@ -165,6 +168,7 @@ def build(a, dc: DrafterConfig):
         drafter.set_target_weights(embed, head.to(torch.bfloat16))
         del embed, head
     module = BenchForward(drafter, cfg.train.label_source, cfg.train.gamma, cfg.train.attention, a.position_weighting)
+    module.cli_weighting = a.position_weighting  # what a --settings entry without decay/dpace uses
     optimizer = build_optimizer(cfg, module, fused=not a.foreach_adamw)  # the trainer's GPU default: fused
     engine, *_ = deepspeed.initialize(
         model=module,
@@ -353,6 +357,10 @@ SWITCHES = {  # --settings vocabulary: each word sets one switch on the running 
     "ds": ("step", "deepspeed"), "lean": ("step", "lean"),  # optimizer step (trainer/zero_step.py)
     "ovf": ("ovf", True), "noovf": ("ovf", False),  # DeepSpeed's inf/nan pass (bf16 check_grad_overflow)
     "cat": ("kv", False), "splitkv": ("kv", True),  # k/v projections of cat(context, x) or of each part
+    # slot weights (default: --position-weighting); twopass: D-PACE as before 2026-12-04, a no-grad
+    # lm_head pass for the confidences and then the weighted one (onepass: the head once, vocab_loss.py)
+    "decay": ("weighting", "decay"), "dpace": ("weighting", "dpace"),
+    "onepass": ("passes", 1), "twopass": ("passes", 2),
 }
 BEFORE = {"mask": "create", "step": "deepspeed", "ovf": True, "kv": False}  # the trainer before issue 24
 
@@ -368,11 +376,25 @@ def parse_setting(text: str) -> dict:
     return out
 
 
+def _two_pass_dpace(hidden, weight, labels, row_weights, chunk_rows=None, kernels="torch"):
+    """D-PACE's chunked loss as it ran before 2026-12-04: a no-grad head pass for the CE, the
+    weights from it, then the weighted pass (the same numbers as one pass, a head pass more)."""
+    if callable(row_weights):
+        with torch.no_grad():
+            _, ce, _ = lm_head_cross_entropy(hidden, weight, labels, torch.zeros_like(labels, dtype=torch.float32),
+                                             chunk_rows, kernels)
+        row_weights = row_weights(ce)
+    return lm_head_cross_entropy(hidden, weight, labels, row_weights, chunk_rows, kernels)
+
+
 def apply_setting(engine, setting: dict) -> None:
     """Switch the running engine (same weights, same compiled flex) to a --settings entry."""
     from dflash_dist.trainer import zero_step
 
     engine.module.block_mask = setting["mask"]
+    base = vars(engine.module).setdefault("cli_weighting", engine.module.position_weighting)  # before any setting
+    engine.module.position_weighting = setting.get("weighting", base)
+    loss_mod.lm_head_cross_entropy = _two_pass_dpace if setting.get("passes", 1) == 2 else lm_head_cross_entropy
     engine.module.drafter.set_split_kv(setting["kv"])
     engine.optimizer.check_grad_overflow = setting["ovf"]
     if "step" in vars(engine.optimizer):  # back to DeepSpeed's class method
@@ -400,8 +422,9 @@ def main() -> None:
         "--position-weighting",
         default="dpace",
         choices=("dpace", "decay"),
-        help="slot weights (train.position_weighting; dpace, the default since 2026-12-04, runs a no-grad lm_head pass "
-        "for its confidences on the chunked path; the step times in docs/BENCHMARKS.md before then are decay's)",
+        help="slot weights (train.position_weighting; dpace is the default since 2026-12-04; the step times in "
+        "docs/BENCHMARKS.md before then are decay's). --settings words decay/dpace switch it per setting, and "
+        "twopass times D-PACE's chunked loss as it ran before its single-pass form",
     )
     p.add_argument("--seq", type=int, default=3072)
     p.add_argument("--anchors", type=int, default=512)

@@ -13,6 +13,8 @@
 #      it) or, without that file, for QBENCH_BUDGET_S (default 480)
 #   6. (only with SPEED=1) the trainer step at the 27B shape, the world-size cost model, and capture
 #      over 50 passes
+# With TRAIN_STEP=1, between 4 and 5: the 27B trainer step under decay, D-PACE's former two head
+# passes and D-PACE's single pass, side by side on one engine
 # Each step's output goes to LOG/<step>.log and one line to LOG/status (start, end, exit code, seconds);
 # a step that fails does not stop the ones that do not need it.
 #   setsid bench/gpu_session.sh /tmp/gpu >/dev/null 2>&1 < /dev/null &   (then read /tmp/gpu/status)
@@ -51,10 +53,15 @@ fi
 # the gpu tests beside the build: timeout leads its own process group, so the group can be stopped
 echo "start gpu_tests $(date +%s)" >>"$LOG/status"
 gt0=$(date +%s)
-timeout -k 20 "${GPU_TESTS_LIMIT_S:-600}" python3 -m pytest -m gpu -v -rA --durations=0 -p no:cacheprovider \
-    tests/test_gpu_parity.py tests/test_zero_step.py tests/test_fused.py tests/test_fused_layers.py \
-    tests/test_block_mask.py tests/test_packing.py tests/test_drafter.py tests/test_sliding_window.py \
-    tests/test_capture.py tests/test_live.py >"$LOG/gpu_tests.log" 2>&1 &
+# (in groups, each with its own limit, so that one slow test does not keep the others from running;
+# the groups the earlier leases did not reach first)
+timeout -k 20 "${GPU_TESTS_LIMIT_S:-600}" bash -c '
+    for files in "tests/test_capture.py tests/test_live.py" tests/test_sliding_window.py \
+        "tests/test_gpu_parity.py tests/test_zero_step.py tests/test_fused.py tests/test_fused_layers.py \
+         tests/test_block_mask.py tests/test_packing.py tests/test_drafter.py"; do
+        timeout --foreground -k 10 "${GPU_TESTS_GROUP_S:-200}" python3 -m pytest -m gpu -v -rA --durations=0 -p no:cacheprovider $files
+        echo "[gpu_session] group rc=$? : $files"
+    done' >"$LOG/gpu_tests.log" 2>&1 &
 gt=$!
 step build 540 python3 -m launcher.cli build-target configs/mid_gpu.yaml
 for _ in $(seq "${GPU_TESTS_GRACE_S:-45}"); do kill -0 "$gt" 2>/dev/null || break; sleep 1; done
@@ -79,6 +86,12 @@ cp "$RUN/gpu_summary.json" "$RUN/train_log.jsonl" "$RUN/run_plan.json" "$LOG/" 2
 cp -r "$RUN/eval" "$LOG/mid_eval" 2>/dev/null
 cp -r "$RUN/tb/eval" "$LOG/mid_tb_eval" 2>/dev/null
 tail -c 300000 "$RUN/cli.log" >"$LOG/mid_cli_tail.log" 2>/dev/null
+
+if [ -n "${TRAIN_STEP:-}" ]; then  # the 27B trainer step: decay, D-PACE as it ran (two head passes), D-PACE now
+    step train_step 240 python3 bench/bench_train_step.py --loss chunked --kernels liger --steps 6 --warmup 2 \
+        --settings direct+lean+decay,direct+lean+dpace+twopass,direct+lean+dpace,direct+lean+decay \
+        --json "$LOG/train_step.json"
+fi
 
 if [ -f "$RUN/shards/DONE" ]; then
     now=$(date +%s)

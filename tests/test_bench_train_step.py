@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_dist.actors.trainer_group import default_extensions_dir
 from dflash_dist.config import load_config
@@ -22,6 +23,21 @@ from tests.helpers.drafter import small_drafter
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import bench_train_step as bts  # noqa: E402
+
+
+class _HeadPasses(TorchDispatchMode):
+    """Counts the matmuls that produce logits: those that read the lm_head weight into V columns."""
+
+    def __init__(self, head: torch.Tensor) -> None:
+        super().__init__()
+        self.head, self.calls = head.untyped_storage().data_ptr(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm) and out.shape[-1] != args[0].shape[-1]:
+            reads = {t.untyped_storage().data_ptr() for t in args if isinstance(t, torch.Tensor)}
+            self.calls += int(self.head in reads)
+        return out
 
 
 def test_settings_parse_and_switch_a_running_engine(single_rank_gloo):
@@ -55,6 +71,22 @@ def test_settings_parse_and_switch_a_running_engine(single_rank_gloo):
         engine.step()
     assert "step" not in vars(opt) and engine.module.block_mask == "create"
     assert not engine.module.drafter.layers[0].self_attn.split_kv and opt.check_grad_overflow
+    # slot weights per setting, and D-PACE's two-pass form (a no-grad head pass more) with the same loss
+    module.cli_weighting = "decay"
+    losses = {}
+    for text in ("direct+dpace", "direct+dpace+twopass", "direct+decay", "direct"):
+        setting = bts.parse_setting(text)
+        bts.apply_setting(engine, setting)
+        assert engine.module.position_weighting == setting.get("weighting", "decay")
+        heads = _HeadPasses(engine.module.drafter.lm_head.weight)
+        with heads:
+            loss, _ = engine(ids, feats, lm, ids, a.positions, a.keep)
+        losses[text] = (loss.item(), heads.calls)
+    assert losses["direct+dpace"][0] == losses["direct+dpace+twopass"][0] != losses["direct+decay"][0]
+    assert losses["direct+decay"] == losses["direct"]
+    # per chunk: logits and the gradient's product; twopass adds a no-grad logits pass
+    assert 2 * losses["direct+dpace+twopass"][1] == 3 * losses["direct+dpace"][1] == 3 * losses["direct+decay"][1] > 0
+    assert bts.loss_mod.lm_head_cross_entropy is bts.lm_head_cross_entropy  # twopass is undone
 
 
 def test_phase_flops_add_up_to_the_total():

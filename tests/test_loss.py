@@ -17,6 +17,7 @@ from dflash_dist.model.loss import (
     loss_weights,
     sample_anchors,
 )
+from dflash_dist.model.vocab_loss import lm_head_cross_entropy
 from tests.helpers.drafter import small_drafter
 
 
@@ -183,6 +184,21 @@ def test_dpace_loss_matches_manual_on_both_vocab_paths():
     full.loss.backward()
     g_full = [p.grad.clone() for p in d.parameters() if p.grad is not None]
     assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(g_chunked, g_full))
+    # one head pass: bitwise what a no-grad pass for the confidences and then the weighted pass give
+    rows = binary.reshape(-1).nonzero().squeeze(1)
+    d.zero_grad()
+    again = dflash_loss(d, ids, f, lm, a, gamma=3.0, vocab_chunk_rows=5, position_weighting="dpace")
+    again.loss.backward()
+    hidden = full.extras["hidden"].detach()  # the same forward as the chunked path's
+    h_rows, y_rows = hidden.reshape(-1, hidden.shape[-1])[rows], labels.reshape(-1)[rows]
+    with torch.no_grad():
+        ce0 = lm_head_cross_entropy(h_rows, d.lm_head.weight, y_rows, torch.zeros(rows.numel()), 5)[1]
+    prob = torch.zeros(binary.numel()).index_copy(0, rows, torch.exp(-ce0)).view_as(binary)
+    w2 = binary * dpace_weights(prob, binary, 0.5)
+    w2_rows = w2.reshape(-1)[rows] / (binary.sum() + 1e-6)
+    two_pass = lm_head_cross_entropy(h_rows, d.lm_head.weight, y_rows, w2_rows, 5)[0]
+    assert torch.equal(again.loss, two_pass) and torch.equal(again.loss, chunked.loss)
+    assert all(torch.equal(p.grad, g) for p, g in zip((p for p in d.parameters() if p.grad is not None), g_chunked))
     with pytest.raises(ValueError, match="train.position_weighting"):
         dflash_loss(d, ids, f, lm, a, position_weighting="exp")
 

@@ -132,6 +132,51 @@ def test_function_matches_naive_per_row(dtype):
         assert torch.allclose(grad.float(), ref_grad.float(), rtol=tol, atol=tol * ref_grad.abs().max().item())
 
 
+class _HeadCalls(TorchDispatchMode):
+    """Counts matmuls whose output has the vocabulary as its last dimension (the head's logits)."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab, self.calls = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.linear):
+            self.calls += int(out.shape[-1] == self.vocab)
+        return out
+
+
+@pytest.mark.parametrize("kernels", ["torch", "compile"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_weights_from_the_ce_equal_the_same_weights_given(dtype, kernels):
+    """D-PACE's path: a function of the CE gives the weights after the chunks; loss, CE, argmax and
+    the gradient are bitwise those of the same weights passed as a tensor, with one head pass."""
+    torch.manual_seed(1)
+    n, hdim, vocab = 23, 16, 50
+    hidden = torch.randn(n, hdim).to(dtype).requires_grad_()
+    weight, labels = (torch.randn(vocab, hdim) * 0.3).to(dtype), torch.randint(0, vocab, (n,))
+    seen = []
+
+    def from_ce(ce):  # depends on other rows' CE, as D-PACE's cumulative product does
+        seen.append(ce.clone())
+        return torch.cumprod(torch.exp(-ce), 0).flip(0).cumsum(0).flip(0) / n
+
+    for chunk in (1, 5, 23):
+        with _HeadCalls(vocab) as heads:
+            loss, ce, argmax = lm_head_cross_entropy(hidden, weight, labels, from_ce, chunk, kernels)
+        (grad,) = torch.autograd.grad(loss * 0.5, hidden)
+        assert not seen[-1].requires_grad and torch.equal(seen[-1], ce)
+        given = from_ce(ce)
+        loss2, ce2, argmax2 = lm_head_cross_entropy(hidden, weight, labels, given, chunk, kernels)
+        (grad2,) = torch.autograd.grad(loss2 * 0.5, hidden)
+        assert torch.equal(loss, loss2) and torch.equal(ce, ce2) and torch.equal(argmax, argmax2)
+        assert torch.equal(grad, grad2) and grad.any()
+        if kernels == "torch":  # the logits once per chunk (the compiled kernel's matmuls are not aten ops)
+            assert heads.calls == -(-n // chunk)
+    with pytest.raises(ValueError, match="row_weights function returned"):
+        lm_head_cross_entropy(hidden, weight, labels, lambda ce: ce[:3], 5, kernels)
+
+
 def test_no_gradient_work_without_grad():
     hidden, weight = torch.randn(6, 4, requires_grad=True), torch.randn(9, 4)
     with _LargestTensor() as mode, torch.no_grad():

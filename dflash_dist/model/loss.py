@@ -216,8 +216,9 @@ def dflash_loss(
 
     position_weighting "decay": w = binary * exp(-(s-1)/gamma); "dpace": w = binary * D-PACE
     weights from this forward's detached confidences (`dpace_weights`), normalised by the
-    supervised slot count (`loss_weights`). With the chunked vocabulary path D-PACE runs the
-    lm_head twice (a no-grad pass for the confidences, then the weighted one).
+    supervised slot count (`loss_weights`). On the chunked vocabulary path the head runs once: the
+    weights are formed from all rows' CE after the chunks and then scale the rows' gradients
+    (vocab_loss.ChunkedLMHeadCE), bitwise as if they had been known before.
 
     attention: "flex" (sparse BlockMask), "dense" (bool mask through sdpa) or "auto" (flex on
     CUDA, dense on CPU). The loss over the vocabulary runs through the frozen lm_head in chunks of
@@ -262,23 +263,20 @@ def dflash_loss(
         # only supervised slots reach the vocabulary (slot 0, invalid blocks and slots past the
         # sequence carry no weight), at most one chunk of logits at a time (vocab_loss.py)
         h_rows, y_rows = hidden.reshape(-1, hidden.shape[-1])[rows], labels.reshape(-1)[rows]
-        if position_weighting == "dpace":
-            with torch.no_grad():
-                _, ce0, _ = lm_head_cross_entropy(
-                    h_rows, drafter.lm_head.weight, y_rows, torch.zeros_like(rows, dtype=torch.float32),
-                    vocab_chunk_rows, kernels,
-                )
-            prob = torch.zeros(binary.numel(), dtype=torch.float32, device=binary.device)
-            prob = prob.index_copy(0, rows, torch.exp(-ce0.float())).view_as(binary)
-            weights = binary * dpace_weights(prob, binary, dpace_alpha)
+        row_weights = weights.reshape(-1)[rows] / denom
+        if position_weighting == "dpace":  # the weights need every slot's CE: the head scales its rows after them
+            found = {}
+
+            def row_weights(ce_rows):
+                prob = torch.zeros(binary.numel(), dtype=torch.float32, device=binary.device)
+                prob = prob.index_copy(0, rows, torch.exp(-ce_rows.float())).view_as(binary)
+                found["weights"] = binary * dpace_weights(prob, binary, dpace_alpha)
+                return found["weights"].reshape(-1)[rows] / denom
+
         loss, ce_rows, argmax_rows = lm_head_cross_entropy(
-            h_rows,
-            drafter.lm_head.weight,
-            y_rows,
-            weights.reshape(-1)[rows] / denom,
-            vocab_chunk_rows,
-            kernels,
+            h_rows, drafter.lm_head.weight, y_rows, row_weights, vocab_chunk_rows, kernels
         )
+        weights = found["weights"] if position_weighting == "dpace" else weights
         argmax = torch.full_like(labels, -1).view(-1).index_copy(0, rows, argmax_rows).view_as(labels)
         sample_wce = torch.zeros(bsz, dtype=torch.float32, device=hidden.device).index_add_(
             0, rows // (n * blk), (weights.reshape(-1)[rows] * ce_rows.detach()).float()

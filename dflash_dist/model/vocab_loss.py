@@ -37,8 +37,15 @@ def default_chunk_rows(vocab_size: int, chunk_bytes: int = CHUNK_BYTES, logit_by
 
 
 class ChunkedLMHeadCE(torch.autograd.Function):
-    """(hidden [N, H], weight [V, H] frozen, labels [N], row_weights [N], chunk_rows, kernels)
-    -> (loss = sum(row_weights * ce), ce [N], argmax [N]).
+    """(hidden [N, H], weight [V, H] frozen, labels [N], row_weights [N] or a function of the CE,
+    chunk_rows, kernels) -> (loss = sum(row_weights * ce), ce [N], argmax [N]).
+
+    row_weights as a function `ce [N] -> row_weights [N]` (D-PACE: a row's weight depends on the
+    CE of the other slots of its block): it is called once on the detached CE of all rows after
+    the chunks, and only then are the stored per-row products (softmax - onehot) @ W scaled by
+    their weights. The products are in the input dtype either way and the scale runs in fp32 into
+    the same buffer, so the result is bitwise that of passing the same weights as a tensor, at one
+    pass over the head instead of two.
 
     kernels "torch": the passes below; "liger"/"compile": one fused CE per chunk (fused.py) that
     returns the CE, the argmax and softmax - onehot in the logits' dtype.
@@ -56,6 +63,7 @@ class ChunkedLMHeadCE(torch.autograd.Function):
         ce = torch.empty(n, dtype=acc, device=hidden.device)
         argmax = torch.empty(n, dtype=torch.long, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        deferred = callable(row_weights)  # the weights come from the CE: scale the products after the chunks
         for lo in range(0, n, chunk_rows):
             hi = min(lo + chunk_rows, n)
             rows, y = torch.arange(hi - lo, device=hidden.device), labels[lo:hi]
@@ -63,7 +71,10 @@ class ChunkedLMHeadCE(torch.autograd.Function):
             if fused_ce is not None:
                 ce[lo:hi], argmax[lo:hi], grad = fused_ce(logits, y, grad_hidden is not None)
                 if grad is not None:
-                    torch.mul(grad @ weight, row_weights[lo:hi, None], out=grad_hidden[lo:hi])
+                    if deferred:
+                        torch.matmul(grad, weight, out=grad_hidden[lo:hi])
+                    else:
+                        torch.mul(grad @ weight, row_weights[lo:hi, None], out=grad_hidden[lo:hi])
                 del logits, grad
                 continue
             log_probs = torch.log_softmax(logits, -1, dtype=acc)  # = cross_entropy's, on the upcast logits
@@ -73,8 +84,15 @@ class ChunkedLMHeadCE(torch.autograd.Function):
                 probs = torch.exp(log_probs, out=logits)  # reuses the logits' buffer
                 probs[rows, y] = (log_probs[rows, y].exp() - 1).to(probs.dtype)
                 del log_probs
-                torch.mul(probs @ weight, row_weights[lo:hi, None], out=grad_hidden[lo:hi])
+                if deferred:
+                    torch.matmul(probs, weight, out=grad_hidden[lo:hi])
+                else:
+                    torch.mul(probs @ weight, row_weights[lo:hi, None], out=grad_hidden[lo:hi])
             del logits
+        if deferred:
+            row_weights = _row_weights_of(row_weights, ce, n)
+            if grad_hidden is not None:
+                torch.mul(grad_hidden, row_weights[:, None], out=grad_hidden)
         loss = (row_weights.to(acc) * ce).sum()
         ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(ce, argmax)
@@ -90,11 +108,20 @@ class ChunkedLMHeadCE(torch.autograd.Function):
         return (grad_hidden.float() * grad_loss).to(grad_hidden.dtype), None, None, None, None, None
 
 
+def _row_weights_of(weight_fn, ce: torch.Tensor, n: int) -> torch.Tensor:
+    with torch.no_grad():
+        row_weights = weight_fn(ce.detach())
+    if not isinstance(row_weights, torch.Tensor) or row_weights.shape != (n,):
+        got = getattr(row_weights, "shape", type(row_weights))
+        raise ValueError(f"the row_weights function returned {got}, expected a tensor of shape [{n}]")
+    return row_weights.detach()
+
+
 def lm_head_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    row_weights: torch.Tensor,
+    row_weights,
     chunk_rows: int | None = None,
     kernels: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -103,7 +130,8 @@ def lm_head_cross_entropy(
     `default_chunk_rows(V)`).
 
     hidden [N, H]; weight [V, H], frozen (requires_grad False); labels [N] int64 in [0, V);
-    row_weights [N] (not differentiated). Pass only the rows that carry weight. kernels: "torch"
+    row_weights [N] (not differentiated), or a function of the per-row CE [N] that returns them
+    (called once, after every chunk; see ChunkedLMHeadCE). Pass only the rows that carry weight. kernels: "torch"
     (the reference), "liger" or "compile" (fused.py's CE per chunk).
     """
     check_kernels(kernels)
@@ -113,10 +141,11 @@ def lm_head_cross_entropy(
             "is a ZeRO-3 partition read outside a module forward: call the loss inside one (DeepSpeed then "
             "gathers it) or register the weight with deepspeed.zero.register_external_parameter"
         )
-    if hidden.dim() != 2 or labels.shape != hidden.shape[:1] or row_weights.shape != hidden.shape[:1]:
+    weights_shape = None if callable(row_weights) else tuple(row_weights.shape)
+    if hidden.dim() != 2 or labels.shape != hidden.shape[:1] or weights_shape not in (None, tuple(hidden.shape[:1])):
         raise ValueError(
-            f"expected hidden [N, H], labels [N], row_weights [N]; got {tuple(hidden.shape)}, "
-            f"{tuple(labels.shape)}, {tuple(row_weights.shape)}"
+            f"expected hidden [N, H], labels [N], row_weights [N] (or a function of the CE); got "
+            f"{tuple(hidden.shape)}, {tuple(labels.shape)}, {weights_shape}"
         )
     if weight.requires_grad:
         raise ValueError("the lm_head weight must be frozen (requires_grad=False): no weight gradient is computed")
@@ -126,4 +155,6 @@ def lm_head_cross_entropy(
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     if not torch.is_grad_enabled():
         hidden = hidden.detach()  # needs_input_grad ignores no_grad: skip the gradient work explicitly
-    return ChunkedLMHeadCE.apply(hidden, weight, labels, row_weights.detach(), chunk_rows, kernels)
+    if not callable(row_weights):
+        row_weights = row_weights.detach()
+    return ChunkedLMHeadCE.apply(hidden, weight, labels, row_weights, chunk_rows, kernels)

@@ -318,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     soft = t0 + args.time_budget_s
     out = Path(args.out)
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:  # the workers' memory share names its device by index
+        device = torch.device("cuda", torch.cuda.current_device())
     workers = (4 if device.type == "cuda" else 2) if args.workers is None else args.workers
     precision = args.precision if args.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     slots = max(1, workers)  # runs at a time (--workers 0: one, in this process)

@@ -17,7 +17,9 @@
 # passes and D-PACE's single pass, side by side on one engine
 # Each step's output goes to LOG/<step>.log and one line to LOG/status (start, end, exit code, seconds);
 # a step that fails does not stop the ones that do not need it.
-#   setsid bench/gpu_session.sh /tmp/gpu >/dev/null 2>&1 < /dev/null &   (then read /tmp/gpu/status)
+#   setsid bench/gpu_session.sh /tmp/gpu >/dev/null 2>&1 < /dev/null &
+# and in that call and each one after it, bench/gpu_watch.sh SECONDS: it prints the status and brings
+# back everything written so far as $OUT/gpu.tgz (a machine given back between calls keeps its files).
 set -u
 cd "$(dirname "$0")/.."
 LOG=${1:-/tmp/gpu}

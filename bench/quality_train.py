@@ -511,7 +511,9 @@ def worker_main(worker: int, sh: Shared, tasks, results, threads: int) -> None:
     torch.set_num_threads(threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if sh.memory_fraction is not None:
-        torch.cuda.set_per_process_memory_fraction(sh.memory_fraction, torch.device(sh.device))
+        dev = torch.device(sh.device)  # "cuda" has no index, which the call needs: the current device's
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+        torch.cuda.set_per_process_memory_fraction(sh.memory_fraction, index)
     while True:
         try:
             task = tasks.get(timeout=5.0)

@@ -129,6 +129,8 @@ class Resolved:
         train = {k: v for k, v in self.cfg["train"].items() if k not in ("checkpoint_every", "log_every")}
         if facts.anchor_rules_agree:
             train["anchor_rule"] = "mask"
+        if train["grad_accum"] * train["world_size"] == 1:  # one micro-batch a step: its slots are the step's
+            train["loss_norm"] = "micro_batch"
         if train["gamma"] is None:  # the block's default decay (7 at 16) is the same as setting it
             train["gamma"] = self.drafter.loss_decay_gamma
         return (repr(sorted(train.items())), self.drafter, self.feature_layers, self.codec)

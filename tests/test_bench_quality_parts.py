@@ -161,7 +161,7 @@ def test_variants_are_one_config_change_each(tmp_path, monkeypatch):
     config.write_text(
         "target: {kind: tiny_stdlib}\ncapture: {num_layers: 3}\n"
         "drafter: {num_layers: 3, num_heads: 2, num_kv_heads: 1, head_dim: 4, block_size: 16}\n"
-        "train: {num_anchors: 64}\n"
+        "train: {num_anchors: 64, grad_accum: 2}\n"
     )
     base = load_config(config, check_files=False)
     facts = quality_variants.Facts(base, (1, 3, 5), median_supervised=40, window=32)
@@ -186,6 +186,12 @@ def test_variants_are_one_config_change_each(tmp_path, monkeypatch):
             changed = {k for k in r.cfg[section] if r.cfg[section][k] != d.cfg[section][k]}
             assert changed <= {o.split("=")[0].split(".")[1] for o in r.overrides if o.startswith(section)}, name
     assert "mask_next" in got and "mask_next" not in d.aliases
+    assert "step_slots" in got and base.train.grad_accum * base.train.world_size > 1
+    # with one micro-batch an optimizer step (grad_accum 1 at world size 1) the step's slots are the
+    # micro-batch's: step_slots normalises as micro_batch does, so it is the default's run
+    single = quality_variants.resolve(["default", "step_slots", "decay"], config, target, 63, facts,
+                                      ("train.grad_accum=1", "train.world_size=1"))  # fmt: skip
+    assert [(r.name, r.aliases) for r in single] == [("default", ("step_slots",)), ("decay", ())]
     # on data whose responses end their samples the two anchor rules draw the same anchors: one run
     agree = quality_variants.resolve(["default", "mask_next"], config, target, 63,
                                      replace(facts, anchor_rules_agree=True))  # fmt: skip

@@ -192,6 +192,11 @@ def test_variants_are_one_config_change_each(tmp_path, monkeypatch):
     single = quality_variants.resolve(["default", "step_slots", "decay"], config, target, 63, facts,
                                       ("train.grad_accum=1", "train.world_size=1"))  # fmt: skip
     assert [(r.name, r.aliases) for r in single] == [("default", ("step_slots",)), ("decay", ())]
+    # ...and with single-turn data too (the mid_gpu run), SpecForge's recipe is the decay run
+    single = quality_variants.resolve(["default", "step_slots", "decay", "peer_specforge"], config, target, 63,
+                                      replace(facts, anchor_rules_agree=True),
+                                      ("train.grad_accum=1", "train.world_size=1"))  # fmt: skip
+    assert [(r.name, r.aliases) for r in single] == [("default", ("step_slots",)), ("decay", ("peer_specforge",))]
     # on data whose responses end their samples the two anchor rules draw the same anchors: one run
     agree = quality_variants.resolve(["default", "mask_next"], config, target, 63,
                                      replace(facts, anchor_rules_agree=True))  # fmt: skip

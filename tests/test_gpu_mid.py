@@ -2,8 +2,8 @@
 gpu: `pytest -m gpu tests/test_gpu_mid.py` on a CUDA machine (README, "The mid-size code target").
 
 Build the target first, in its own command (about 6 minutes: `dflash-dist build-target
-configs/mid_gpu.yaml`); the 1600-step config took 12.6 more on the H200 (2026-12-04), this one is
-estimated at ~9.5. DFLASH_MID_GPU_OUT names the run directory
+configs/mid_gpu.yaml`); the run then took 6.2 minutes on the H200 (2026-12-04, checks included).
+DFLASH_MID_GPU_OUT names the run directory
 (default: a temp directory) and keeps it for later readers (the quality bench): the run goes there
 with --resume auto, so repeating the command after an interrupted run continues it, and a directory
 holding the finished run is only checked. The CLI's output is appended to <out>/cli.log and a

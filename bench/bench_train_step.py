@@ -373,6 +373,8 @@ def parse_setting(text: str) -> dict:
             raise SystemExit(f"--settings: unknown word {word!r} in {text!r}; expected '+'-joined {sorted(SWITCHES)}")
         key, value = SWITCHES[word]
         out[key] = value
+    if out.get("passes") == 2 and out.get("weighting") != "dpace":
+        raise SystemExit(f"--settings: {text!r}: twopass is D-PACE's former form, so it needs the word dpace")
     return out
 
 
@@ -538,6 +540,9 @@ def main() -> None:
         name = f"{kernel_sets[-1]} {text}"
         results[name] = n / secs
         print(report(name, secs, a.steps, n, n * a.seq, flops, peak, phases, a.peak_tflops, phase_flops), flush=True)
+    if a.settings:  # the slot weighting and the loss path back to the command line's for --mix and --profile
+        engine.module.position_weighting = a.position_weighting
+        loss_mod.lm_head_cross_entropy = lm_head_cross_entropy
     if len(results) > 1:
         base = next(iter(results.values()))
         print("samples/s vs the first run: " + ", ".join(f"{k} {v / base:.3f}" for k, v in results.items()))

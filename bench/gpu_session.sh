@@ -5,7 +5,7 @@
 #   2. preflight: the lean optimizer step on CUDA (pytest -m gpu); if it fails, the product run below
 #      falls back to train.optimizer_step=deepspeed
 #   3. build the learned code target (dflash-dist build-target configs/mid_gpu.yaml); beside it, on
-#      the same GPU, the other gpu tests (golden parity on cuda first), stopped GPU_TESTS_GRACE_S
+#      the same GPU, the other gpu tests (in groups, those earlier leases did not reach first), stopped GPU_TESTS_GRACE_S
 #      (default 45) after the build ends so that the product run has the GPU to itself
 #   4. the product run on it (configs/mid_gpu.yaml through tests/test_gpu_mid.py, which runs and checks it)
 #   5. the recipe-quality bench on that run's shards (bench/bench_quality_run.py, QBENCH_ARGS), until

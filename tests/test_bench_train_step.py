@@ -72,21 +72,26 @@ def test_settings_parse_and_switch_a_running_engine(single_rank_gloo):
     assert "step" not in vars(opt) and engine.module.block_mask == "create"
     assert not engine.module.drafter.layers[0].self_attn.split_kv and opt.check_grad_overflow
     # slot weights per setting, and D-PACE's two-pass form (a no-grad head pass more) with the same loss
-    module.cli_weighting = "decay"
+    module.cli_weighting = "dpace"  # as --position-weighting dpace
     losses = {}
-    for text in ("direct+dpace", "direct+dpace+twopass", "direct+decay", "direct"):
-        setting = bts.parse_setting(text)
-        bts.apply_setting(engine, setting)
-        assert engine.module.position_weighting == setting.get("weighting", "decay")
-        heads = _HeadPasses(engine.module.drafter.lm_head.weight)
-        with heads:
-            loss, _ = engine(ids, feats, lm, ids, a.positions, a.keep)
-        losses[text] = (loss.item(), heads.calls)
+    try:
+        for text in ("direct+decay", "direct+dpace+twopass", "direct+dpace", "direct"):
+            setting = bts.parse_setting(text)
+            bts.apply_setting(engine, setting)
+            assert engine.module.position_weighting == setting.get("weighting", "dpace")
+            heads = _HeadPasses(engine.module.drafter.lm_head.weight)
+            with heads:
+                loss, _ = engine(ids, feats, lm, ids, a.positions, a.keep)
+            losses[text] = (loss.item(), heads.calls)
+        assert bts.loss_mod.lm_head_cross_entropy is bts.lm_head_cross_entropy  # a setting without twopass undoes it
+    finally:
+        bts.loss_mod.lm_head_cross_entropy = bts.lm_head_cross_entropy
     assert losses["direct+dpace"][0] == losses["direct+dpace+twopass"][0] != losses["direct+decay"][0]
-    assert losses["direct+decay"] == losses["direct"]
+    assert losses["direct+dpace"] == losses["direct"]
+    with pytest.raises(SystemExit, match="needs the word dpace"):
+        bts.parse_setting("direct+decay+twopass")
     # per chunk: logits and the gradient's product; twopass adds a no-grad logits pass
     assert 2 * losses["direct+dpace+twopass"][1] == 3 * losses["direct+dpace"][1] == 3 * losses["direct+decay"][1] > 0
-    assert bts.loss_mod.lm_head_cross_entropy is bts.lm_head_cross_entropy  # twopass is undone
 
 
 def test_phase_flops_add_up_to_the_total():

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dflash_dist.model import loss as loss_module
 from dflash_dist.model.loss import (
     Anchors,
     decay_weights,
@@ -184,20 +185,20 @@ def test_dpace_loss_matches_manual_on_both_vocab_paths():
     full.loss.backward()
     g_full = [p.grad.clone() for p in d.parameters() if p.grad is not None]
     assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(g_chunked, g_full))
-    # one head pass: bitwise what a no-grad pass for the confidences and then the weighted pass give
-    rows = binary.reshape(-1).nonzero().squeeze(1)
+    # one head pass: bitwise what the former form gave, a no-grad pass for the confidences and then
+    # the weighted pass with the weights as a tensor (loss and every gradient)
+    def two_pass(hidden, weight, labels, row_weights, chunk_rows=None, kernels="torch"):
+        assert callable(row_weights)
+        with torch.no_grad():
+            _, ce0, _ = lm_head_cross_entropy(hidden, weight, labels, torch.zeros(labels.numel()), chunk_rows, kernels)
+        return lm_head_cross_entropy(hidden, weight, labels, row_weights(ce0), chunk_rows, kernels)
+
     d.zero_grad()
-    again = dflash_loss(d, ids, f, lm, a, gamma=3.0, vocab_chunk_rows=5, position_weighting="dpace")
-    again.loss.backward()
-    hidden = full.extras["hidden"].detach()  # the same forward as the chunked path's
-    h_rows, y_rows = hidden.reshape(-1, hidden.shape[-1])[rows], labels.reshape(-1)[rows]
-    with torch.no_grad():
-        ce0 = lm_head_cross_entropy(h_rows, d.lm_head.weight, y_rows, torch.zeros(rows.numel()), 5)[1]
-    prob = torch.zeros(binary.numel()).index_copy(0, rows, torch.exp(-ce0)).view_as(binary)
-    w2 = binary * dpace_weights(prob, binary, 0.5)
-    w2_rows = w2.reshape(-1)[rows] / (binary.sum() + 1e-6)
-    two_pass = lm_head_cross_entropy(h_rows, d.lm_head.weight, y_rows, w2_rows, 5)[0]
-    assert torch.equal(again.loss, two_pass) and torch.equal(again.loss, chunked.loss)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loss_module, "lm_head_cross_entropy", two_pass)
+        former = dflash_loss(d, ids, f, lm, a, gamma=3.0, vocab_chunk_rows=5, position_weighting="dpace")
+    former.loss.backward()
+    assert torch.equal(former.loss, chunked.loss) and torch.equal(former.sample_loss, chunked.sample_loss)
     assert all(torch.equal(p.grad, g) for p, g in zip((p for p in d.parameters() if p.grad is not None), g_chunked))
     with pytest.raises(ValueError, match="train.position_weighting"):
         dflash_loss(d, ids, f, lm, a, position_weighting="exp")

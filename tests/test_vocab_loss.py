@@ -162,9 +162,11 @@ def test_row_weights_from_the_ce_equal_the_same_weights_given(dtype, kernels):
         return torch.cumprod(torch.exp(-ce), 0).flip(0).cumsum(0).flip(0) / n
 
     for chunk in (1, 5, 23):
+        calls = len(seen)
         with _HeadCalls(vocab) as heads:
             loss, ce, argmax = lm_head_cross_entropy(hidden, weight, labels, from_ce, chunk, kernels)
         (grad,) = torch.autograd.grad(loss * 0.5, hidden)
+        assert len(seen) == calls + 1, "the weights function is called once a pass"
         assert not seen[-1].requires_grad and torch.equal(seen[-1], ce)
         given = from_ce(ce)
         loss2, ce2, argmax2 = lm_head_cross_entropy(hidden, weight, labels, given, chunk, kernels)

@@ -218,7 +218,7 @@ def dflash_loss(
     weights from this forward's detached confidences (`dpace_weights`), normalised by the
     supervised slot count (`loss_weights`). On the chunked vocabulary path the head runs once: the
     weights are formed from all rows' CE after the chunks and then scale the rows' gradients
-    (vocab_loss.ChunkedLMHeadCE), bitwise as if they had been known before.
+    (vocab_loss.ChunkedLMHeadCE): for the same CE, bitwise as if they had been known before.
 
     attention: "flex" (sparse BlockMask), "dense" (bool mask through sdpa) or "auto" (flex on
     CUDA, dense on CPU). The loss over the vocabulary runs through the frozen lm_head in chunks of
@@ -263,8 +263,9 @@ def dflash_loss(
         # only supervised slots reach the vocabulary (slot 0, invalid blocks and slots past the
         # sequence carry no weight), at most one chunk of logits at a time (vocab_loss.py)
         h_rows, y_rows = hidden.reshape(-1, hidden.shape[-1])[rows], labels.reshape(-1)[rows]
-        row_weights = weights.reshape(-1)[rows] / denom
-        if position_weighting == "dpace":  # the weights need every slot's CE: the head scales its rows after them
+        if position_weighting != "dpace":
+            row_weights = weights.reshape(-1)[rows] / denom
+        else:  # the weights need every slot's CE: the head forms them after its chunks and then scales its rows
             found = {}
 
             def row_weights(ce_rows):

@@ -58,9 +58,9 @@ gt0=$(date +%s)
 # (in groups, each with its own limit, so that one slow test does not keep the others from running;
 # the groups the earlier leases did not reach first)
 timeout -k 20 "${GPU_TESTS_LIMIT_S:-600}" bash -c '
-    for files in "tests/test_capture.py tests/test_live.py" tests/test_sliding_window.py \
-        "tests/test_gpu_parity.py tests/test_zero_step.py tests/test_fused.py tests/test_fused_layers.py \
-         tests/test_block_mask.py tests/test_packing.py tests/test_drafter.py"; do
+    for files in "tests/test_fused.py tests/test_drafter.py tests/test_gpu_parity.py" \
+        "tests/test_capture.py tests/test_live.py tests/test_sliding_window.py" \
+        "tests/test_zero_step.py tests/test_fused_layers.py tests/test_block_mask.py tests/test_packing.py"; do
         timeout --foreground -k 10 "${GPU_TESTS_GROUP_S:-200}" python3 -m pytest -m gpu -v -rA --durations=0 -p no:cacheprovider $files
         echo "[gpu_session] group rc=$? : $files"
     done' >"$LOG/gpu_tests.log" 2>&1 &

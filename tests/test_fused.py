@@ -168,3 +168,19 @@ def test_liger_without_liger_kernel_fails_at_construction():
         pytest.skip("liger-kernel is installed here")
     with pytest.raises(ImportError, match="liger-kernel"):
         small_drafter().set_kernels("liger")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels", ["torch", "liger", "compile"])
+def test_gpu_ce_of_the_gradient_pass_equals_a_no_grad_pass(kernels):
+    """D-PACE's weights come from the CE of the pass that forms the gradient (vocab_loss.py); the
+    former form took them from a no-grad pass. Where the two CEs are equal, one pass gives bitwise
+    the former loss and gradient; this tells, on the GPU, for which kernel sets that holds."""
+    torch.manual_seed(0)
+    h = torch.randn(700, 256, device="cuda").bfloat16().requires_grad_()
+    w = (torch.randn(9000, 256, device="cuda") * 256**-0.5).bfloat16()
+    y = torch.randint(0, 9000, (700,), device="cuda")
+    with torch.no_grad():
+        _, ce_no_grad, _ = lm_head_cross_entropy(h, w, y, torch.zeros(700, device="cuda"), 300, kernels)
+    _, ce, _ = lm_head_cross_entropy(h, w, y, lambda c: torch.exp(-c) / 700, 300, kernels)
+    assert torch.equal(ce, ce_no_grad), (ce - ce_no_grad).abs().max()

@@ -540,9 +540,14 @@ def main() -> None:
         name = f"{kernel_sets[-1]} {text}"
         results[name] = n / secs
         print(report(name, secs, a.steps, n, n * a.seq, flops, peak, phases, a.peak_tflops, phase_flops), flush=True)
+    last = "create+ds"  # what --mix and --profile run under: the engine as built, or the last setting
     if a.settings:  # the slot weighting and the loss path back to the command line's for --mix and --profile
         engine.module.position_weighting = a.position_weighting
         loss_mod.lm_head_cross_entropy = lm_head_cross_entropy
+        words = [x for x in a.settings.split(",") if x][-1].split("+")
+        last = "+".join(w for w in words if SWITCHES[w][0] not in ("weighting", "passes"))
+    if a.mix or a.profile:
+        print(f"--mix / --profile run under the setting {last}, position weighting {a.position_weighting}")
     if len(results) > 1:
         base = next(iter(results.values()))
         print("samples/s vs the first run: " + ", ".join(f"{k} {v / base:.3f}" for k, v in results.items()))

@@ -168,7 +168,6 @@ def build(a, dc: DrafterConfig):
         drafter.set_target_weights(embed, head.to(torch.bfloat16))
         del embed, head
     module = BenchForward(drafter, cfg.train.label_source, cfg.train.gamma, cfg.train.attention, a.position_weighting)
-    module.cli_weighting = a.position_weighting  # what a --settings entry without decay/dpace uses
     optimizer = build_optimizer(cfg, module, fused=not a.foreach_adamw)  # the trainer's GPU default: fused
     engine, *_ = deepspeed.initialize(
         model=module,

@@ -266,18 +266,17 @@ def dflash_loss(
         if position_weighting != "dpace":
             row_weights = weights.reshape(-1)[rows] / denom
         else:  # the weights need every slot's CE: the head forms them after its chunks and then scales its rows
-            found = {}
 
             def row_weights(ce_rows):
+                nonlocal weights
                 prob = torch.zeros(binary.numel(), dtype=torch.float32, device=binary.device)
                 prob = prob.index_copy(0, rows, torch.exp(-ce_rows.float())).view_as(binary)
-                found["weights"] = binary * dpace_weights(prob, binary, dpace_alpha)
-                return found["weights"].reshape(-1)[rows] / denom
+                weights = binary * dpace_weights(prob, binary, dpace_alpha)
+                return weights.reshape(-1)[rows] / denom
 
         loss, ce_rows, argmax_rows = lm_head_cross_entropy(
             h_rows, drafter.lm_head.weight, y_rows, row_weights, vocab_chunk_rows, kernels
         )
-        weights = found["weights"] if position_weighting == "dpace" else weights
         argmax = torch.full_like(labels, -1).view(-1).index_copy(0, rows, argmax_rows).view_as(labels)
         sample_wce = torch.zeros(bsz, dtype=torch.float32, device=hidden.device).index_add_(
             0, rows // (n * blk), (weights.reshape(-1)[rows] * ce_rows.detach()).float()

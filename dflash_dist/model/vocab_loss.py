@@ -64,6 +64,13 @@ class ChunkedLMHeadCE(torch.autograd.Function):
         argmax = torch.empty(n, dtype=torch.long, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         deferred = callable(row_weights)  # the weights come from the CE: scale the products after the chunks
+
+        def store_grad(lo: int, hi: int, g: torch.Tensor) -> None:  # w * g @ W of rows lo:hi (w later if deferred)
+            if deferred:
+                torch.matmul(g, weight, out=grad_hidden[lo:hi])
+            else:
+                torch.mul(g @ weight, row_weights[lo:hi, None], out=grad_hidden[lo:hi])
+
         for lo in range(0, n, chunk_rows):
             hi = min(lo + chunk_rows, n)
             rows, y = torch.arange(hi - lo, device=hidden.device), labels[lo:hi]
@@ -71,10 +78,7 @@ class ChunkedLMHeadCE(torch.autograd.Function):
             if fused_ce is not None:
                 ce[lo:hi], argmax[lo:hi], grad = fused_ce(logits, y, grad_hidden is not None)
                 if grad is not None:
-                    if deferred:
-                        torch.matmul(grad, weight, out=grad_hidden[lo:hi])
-                    else:
-                        torch.mul(grad @ weight, row_weights[lo:hi, None], out=grad_hidden[lo:hi])
+                    store_grad(lo, hi, grad)
                 del logits, grad
                 continue
             log_probs = torch.log_softmax(logits, -1, dtype=acc)  # = cross_entropy's, on the upcast logits
@@ -84,10 +88,7 @@ class ChunkedLMHeadCE(torch.autograd.Function):
                 probs = torch.exp(log_probs, out=logits)  # reuses the logits' buffer
                 probs[rows, y] = (log_probs[rows, y].exp() - 1).to(probs.dtype)
                 del log_probs
-                if deferred:
-                    torch.matmul(probs, weight, out=grad_hidden[lo:hi])
-                else:
-                    torch.mul(probs @ weight, row_weights[lo:hi, None], out=grad_hidden[lo:hi])
+                store_grad(lo, hi, probs)
             del logits
         if deferred:
             row_weights = _row_weights_of(row_weights, ce, n)

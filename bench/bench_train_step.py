@@ -354,6 +354,7 @@ RESULTS: list[dict] = []  # every report() line, for --json (bench/cost_model.py
 SWITCHES = {  # --settings vocabulary: each word sets one switch on the running engine
     "create": ("mask", "create"), "direct": ("mask", "direct"),  # flex block mask build (attention.py)
     "ds": ("step", "deepspeed"), "lean": ("step", "lean"),  # optimizer step (trainer/zero_step.py)
+    "fused": ("step", "fused"),  # the lean step with one AdamW kernel (trainer/fused_adamw.py)
     "ovf": ("ovf", True), "noovf": ("ovf", False),  # DeepSpeed's inf/nan pass (bf16 check_grad_overflow)
     "cat": ("kv", False), "splitkv": ("kv", True),  # k/v projections of cat(context, x) or of each part
     # slot weights (default: --position-weighting); twopass: D-PACE as before 2026-12-04, a no-grad

@@ -193,8 +193,10 @@ class TrainSection(_Section):
     grad_overflow_check: bool = True
     # the optimizer step around AdamW (trainer/zero_step.py): "deepspeed" (DeepSpeed's ZeRO-1/2 step),
     # "lean" (the same state and checkpoints; one fp32 norm, clip and non-finite skip inside the fused
-    # AdamW kernel, no host sync), "auto": lean on GPU ranks, deepspeed on CPU (the pinned loss curve)
-    optimizer_step: Literal["auto", "deepspeed", "lean"] = "auto"
+    # AdamW kernel, no host sync), "fused" (lean with one compiled AdamW kernel that reads the bf16
+    # gradients and writes the bf16 weights: trainer/fused_adamw.py), "auto": lean on GPU ranks,
+    # deepspeed on CPU (the pinned loss curve)
+    optimizer_step: Literal["auto", "deepspeed", "lean", "fused"] = "auto"
     checkpoint_every: PosInt = 500
     keep_checkpoints: PosInt = 3
     log_every: PosInt = 10

@@ -70,6 +70,16 @@ def test_settings_parse_and_switch_a_running_engine(single_rank_gloo):
         engine.backward(loss)
         engine.step()
     assert "step" not in vars(opt) and engine.module.block_mask == "create"
+    bts.apply_setting(engine, bts.parse_setting("direct+fused"))  # the one-kernel AdamW, then back to lean
+    assert opt.step.__func__ is lean_step and opt.dflash_one_kernel
+    state = {k: v.clone() for k, v in next(iter(opt.optimizer.state.values())).items()}
+    loss, _ = engine(ids, feats, lm, ids, a.positions, a.keep)
+    engine.backward(loss)
+    engine.step()
+    assert float(next(iter(opt.optimizer.state.values()))["step"]) == float(state["step"]) + 1
+    bts.apply_setting(engine, after)
+    assert not opt.dflash_one_kernel
+    bts.apply_setting(engine, bts.BEFORE)
     assert not engine.module.drafter.layers[0].self_attn.split_kv and opt.check_grad_overflow
     # slot weights per setting, and D-PACE's two-pass form (a no-grad head pass more) with the same loss
     module.cli_weighting = "dpace"  # as --position-weighting dpace

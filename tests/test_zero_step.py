@@ -116,8 +116,35 @@ def test_lean_step_matches_deepspeeds_step(fused, single_rank_gloo):
         torch.testing.assert_close(s_lean["exp_avg"], s_ref["exp_avg"], rtol=1e-5, atol=1e-7)
 
 
-def test_non_finite_gradient_skips_the_update_on_the_device(single_rank_gloo):
-    engine = make_engine("lean", fused=True, cfg=cfg_for(grad_accum=1))
+def test_one_kernel_step_follows_torchs_adamw(single_rank_gloo):
+    """train.optimizer_step=fused (trainer/fused_adamw.py, compiled for the CPU here) against
+    DeepSpeed's step with torch's AdamW: the same losses and weights within fp32 rounding over 6
+    clipped steps, the same state tensors, and the kernel is what ran (torch's AdamW.step never did)."""
+    data = batches(12)
+    ref = make_engine("deepspeed", True)
+    ref_losses = train(ref, data)
+    one = make_engine("fused", False)  # torch's AdamW stays the state's owner; its step must not run
+    calls = []
+    step = one.optimizer.optimizer.step
+    one.optimizer.optimizer.step = lambda *a, **k: calls.append(1) or step(*a, **k)
+    one_losses = train(one, data)
+    assert calls == []
+    assert one_losses == pytest.approx(ref_losses, rel=1e-5)
+    for name, w in weights(ref).items():
+        torch.testing.assert_close(weights(one)[name], w, rtol=1e-5, atol=1e-6, msg=name)
+    for s_ref, s_one in zip(ref.optimizer.optimizer.state.values(), one.optimizer.optimizer.state.values()):
+        assert s_one.keys() == s_ref.keys()
+        assert s_one["step"].dtype == s_ref["step"].dtype and float(s_one["step"]) == float(s_ref["step"]) == 6
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(s_one[k], s_ref[k], rtol=1e-5, atol=1e-9, msg=k)
+    # the parameters DeepSpeed hands the model are the kernel's output, not a stale copy
+    for p, flat in zip(one.optimizer.bit16_groups, one.optimizer.single_partition_of_fp32_groups):
+        assert torch.equal(torch.cat([q.detach().reshape(-1) for q in p]), flat[: sum(q.numel() for q in p)])
+
+
+@pytest.mark.parametrize("kind", ["lean", "fused"])
+def test_non_finite_gradient_skips_the_update_on_the_device(kind, single_rank_gloo):
+    engine = make_engine(kind, fused=True, cfg=cfg_for(grad_accum=1))
     train(engine, batches(2))
     before = weights(engine)
     state = [{k: v.clone() for k, v in s.items()} for s in engine.optimizer.optimizer.state.values()]
@@ -155,17 +182,18 @@ def _saved_structure(path: Path) -> dict:
     return out
 
 
-def test_lean_checkpoints_have_deepspeeds_format_and_resume_exactly(tmp_path, single_rank_gloo):
+@pytest.mark.parametrize("kind", ["lean", "fused"])
+def test_lean_checkpoints_have_deepspeeds_format_and_resume_exactly(kind, tmp_path, single_rank_gloo):
     data = batches(10)
     ref = make_engine("deepspeed", fused=True)
     train(ref, data[:4])
     ref.save_checkpoint(str(tmp_path / "ds"), tag="t")
-    first = make_engine("lean", fused=True)
+    first = make_engine(kind, fused=True)
     train(first, data[:4])
     first.save_checkpoint(str(tmp_path / "lean"), tag="t")
     assert _saved_structure(tmp_path / "lean" / "t") == _saved_structure(tmp_path / "ds" / "t")
     train(first, data[4:])
-    resumed = make_engine("lean", fused=True)
+    resumed = make_engine(kind, fused=True)
     resumed.load_checkpoint(str(tmp_path / "lean"), tag="t")
     train(resumed, data[4:])
     for name, w in weights(first).items():
@@ -194,6 +222,10 @@ def test_resolve_and_refusals(single_rank_gloo):
     with pytest.raises(ValueError, match="train.optimizer_step=deepspeed"):
         zero_step.install(engine, "lean", on_gpu=False)
     assert zero_step.install(engine, "auto", on_gpu=True) == "deepspeed"  # auto keeps ZeRO-3's own step
+    amsgrad = make_engine("deepspeed", True)
+    amsgrad.optimizer.optimizer.param_groups[0]["amsgrad"] = True
+    with pytest.raises(ValueError, match="amsgrad.*train.optimizer_step=lean"):
+        zero_step.install(amsgrad, "fused", on_gpu=True)
 
 
 def test_two_rank_zero2_run_with_the_lean_step_follows_the_pinned_curve(tiny, tmp_path, ray_cluster):
@@ -269,4 +301,30 @@ def test_cuda_bf16_lean_step_matches_deepspeeds_step(single_rank_nccl):
     train(lean, [(x, y), (x, y)])
     assert int(lean.optimizer.dflash_skipped_steps) == 1
     for name, w in weights(lean).items():
+        assert torch.equal(w, before[name]), name
+
+
+@pytest.mark.gpu
+def test_cuda_one_kernel_step_matches_torchs_fused_adamw(single_rank_nccl):
+    """train.optimizer_step=fused on the bf16 CUDA engine against the lean step with torch's fused
+    AdamW (the same norm and clip): fp32 masters within a few fp32 roundings after 6 clipped steps,
+    bf16 weights equal to the masters' rounding, the skip of a NaN batch; prints how many master
+    elements differ at all."""
+    data = batches(12)
+    ref, one = make_engine("lean", True, device="cuda"), make_engine("fused", True, device="cuda")
+    ref_losses, one_losses = train(ref, data), train(one, data)
+    assert one_losses == pytest.approx(ref_losses, rel=1e-3)
+    masters = zip(ref.optimizer.single_partition_of_fp32_groups, one.optimizer.single_partition_of_fp32_groups)
+    for m_ref, m_one in masters:
+        torch.testing.assert_close(m_one, m_ref, rtol=1e-5, atol=1e-6)
+        print(f"fp32 master elements that differ: {int((m_one != m_ref).sum())} of {m_ref.numel()}")
+    for p, flat in zip(one.optimizer.bit16_groups, one.optimizer.single_partition_of_fp32_groups):
+        low = torch.cat([q.detach().reshape(-1) for q in p])
+        assert torch.equal(low, flat[: low.numel()].to(low.dtype))
+    before = weights(one)
+    x, y = batches(1)[0]
+    x[0, 0] = float("nan")
+    train(one, [(x, y), (x, y)])
+    assert int(one.optimizer.dflash_skipped_steps) == 1
+    for name, w in weights(one).items():
         assert torch.equal(w, before[name]), name

@@ -39,13 +39,14 @@ import torch
 
 log = logging.getLogger(__name__)
 
-STEPS = ("auto", "deepspeed", "lean")
+STEPS = ("auto", "deepspeed", "lean", "fused")
 DEEPSPEED_VERSION = "0.19.8"  # the step below mirrors this version's DeepSpeedZeroOptimizer.step
 
 
 def resolve_step(kind: str, on_gpu: bool) -> str:
     """train.optimizer_step "auto": lean on GPU ranks (where the step's launches and syncs cost),
-    DeepSpeed's own on CPU (the pinned loss curve's path)."""
+    DeepSpeed's own on CPU (the pinned loss curve's path). "fused": the lean step with one AdamW
+    kernel (trainer/fused_adamw.py)."""
     if kind not in STEPS:
         raise ValueError(f"train.optimizer_step={kind!r}; expected one of {STEPS}")
     if kind == "auto":
@@ -86,9 +87,17 @@ def install(engine, kind: str, on_gpu: bool) -> str:
             raise ValueError(f"train.optimizer_step=lean does not support {why}: set train.optimizer_step=deepspeed")
         log.info("optimizer step: DeepSpeed's own (the lean step does not support %s)", why)
         return "deepspeed"
+    kernel = resolve_step(kind, on_gpu) == "fused"
+    if kernel:
+        from dflash_dist.trainer import fused_adamw
+
+        why = next(filter(None, map(fused_adamw.supports, opt.optimizer.param_groups)), None)
+        if why is not None:
+            raise ValueError(f"train.optimizer_step=fused does not support {why}: set train.optimizer_step=lean")
+    opt.dflash_one_kernel = kernel
     opt.step = types.MethodType(lean_step, opt)
     opt.dflash_skipped_steps = torch.zeros((), dtype=torch.int64, device=opt.device)
-    return "lean"
+    return "fused" if kernel else "lean"
 
 
 def _fused(opt) -> bool:
@@ -160,7 +169,8 @@ def lean_step(self, closure=None) -> None:
     norm = global_norm(self, grads)
     scale = clip_scale(self, norm)
     found_inf = (~torch.isfinite(norm)).to(torch.float32)
-    fused = _fused(self)
+    one_kernel = getattr(self, "dflash_one_kernel", False)
+    fused = one_kernel or _fused(self)  # the clip and the skip happen inside the kernel
     if not fused and self.check_grad_overflow and bool(found_inf):  # host read: the non-fused (CPU) path only
         self.overflow = True
     self._global_grad_norm = norm if self.compute_grad_norm else None
@@ -174,15 +184,27 @@ def lean_step(self, closure=None) -> None:
     self.dflash_skipped_steps += found_inf.to(torch.int64)
     for i in groups:
         partition_id = dist.get_rank(group=self.real_dp_process_group[i])
-        self.free_grad_in_param_list(self.params_not_in_partition[i])
-        flat = _flat_fp32(self, i, grads[i])
-        grads[i] = None
         master = self.single_partition_of_fp32_groups[i]
-        master.grad = flat
+        low = self.parallel_partitioned_bit16_groups[i][partition_id]
+        if one_kernel:  # bf16 gradients in, fp32 master and bf16 partition out, in one pass
+            from dflash_dist.trainer import fused_adamw
+
+            group = self.optimizer.param_groups[i]
+            assert group["params"] == [master], f"param group {i} is not the flat fp32 partition"
+            fused_adamw.step_group(self.optimizer, group, master, grads[i], low, scale, found_inf)
+            self._lazy_init_hp_params_optimizer_state()
+            grads[i] = None
+        self.free_grad_in_param_list(self.params_not_in_partition[i])
+        if not one_kernel:
+            flat = _flat_fp32(self, i, grads[i])
+            grads[i] = None
+            master.grad = flat
         self.free_grad_in_param_list(self.params_in_partition[i])
         self._release_preflattened_grad_buffers(i)
         self.averaged_gradients[i] = None
         self.all_grad_tensors[i] = None
+        if one_kernel:
+            continue
         inner = self.optimizer
         if fused:  # clip and skip inside torch's fused AdamW kernel (GradScaler's interface)
             inner.grad_scale, inner.found_inf = scale, found_inf
@@ -195,7 +217,7 @@ def lean_step(self, closure=None) -> None:
                 del inner.grad_scale, inner.found_inf
         master.grad = None
         del flat
-        self.parallel_partitioned_bit16_groups[i][partition_id].data.copy_(master.data)
+        low.data.copy_(master.data)
     all_gather_dp_groups(
         groups_flat=self.bit16_groups_flat,
         partitioned_param_groups=self.parallel_partitioned_bit16_groups,

@@ -1,0 +1,119 @@
+"""One AdamW kernel for the lean ZeRO step (`train.optimizer_step: fused`): each bf16 gradient is
+read once, the fp32 master weights and both moments are updated in place, and the bf16 parameter
+partition is written in the same pass, with the clip divisor and the non-finite skip inside it.
+
+Why: the lean step with torch's fused AdamW moves ~46 bytes per parameter: the bf16 gradients
+copied into an fp32 flat partition (6 B), torch's kernel (32 B: with `grad_scale` it also writes
+the unscaled fp32 gradient back) and the fp32 master copied to the bf16 partition (6 B), plus the
+norm's read (2 B). This kernel moves 28 B (+2 B for the norm): at the 27B drafter shape (1.73B
+parameters at world size 1) ~80 GB -> ~52 GB a step, on a memory-bound phase.
+
+Numerics: the arithmetic of torch's fused AdamW (ATen `adam_math`, ADAMW mode), with its roundings:
+the gradient divided by the clip divisor, the decay, both moments and the bias corrections are
+formed in fp64 (adam_math mixes its double hyper-parameters into those lines) and rounded to fp32
+where adam_math rounds them; the step size, denominator and update are fp32. The compiler (Triton
+on CUDA, C++ on CPU, both through torch.compile) may contract a multiply and an add where nvcc
+contracts others, so it is not bitwise torch's kernel: tests/test_zero_step.py bounds the
+difference (CPU: against torch's AdamW; CUDA: against torch's fused kernel), and the GPU test
+prints how many elements differ.
+
+State: the same `step` / `exp_avg` / `exp_avg_sq` tensors torch's AdamW keeps (created as it
+creates them), so checkpoints keep DeepSpeed's format and resume under either step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+F64 = torch.float64
+F32 = torch.float32
+
+
+def _adamw(p, m, v, g, out, step, lr, scale, skip, beta1: float, beta2: float, wd: float, eps: float):
+    """In place: p, m, v (fp32), out (p's low-precision copy) from g; step, lr (fp64), scale, skip
+    (fp32) are 0-d device tensors, so the LR schedule and the clip never recompile."""
+    grad = (g.to(F64) / scale.to(F64)).to(F32)
+    pd = p.to(F64)
+    p1 = (pd - (lr * wd) * pd).to(F32)
+    gd = grad.to(F64)
+    m1 = (beta1 * m.to(F64) + (1.0 - beta1) * gd).to(F32)
+    v1 = (beta2 * v.to(F64) + ((1.0 - beta2) * gd) * gd).to(F32)
+    s = step.to(F64)
+    bc1 = (1.0 - torch.pow(beta1, s)).to(F32)
+    bc2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, s)).to(F32)
+    step_size = (lr / bc1.to(F64)).to(F32)
+    denom = ((torch.sqrt(v1) / bc2_sqrt).to(F64) + eps).to(F32)
+    p2 = p1 - (step_size * m1) / denom
+    keep = skip > 0
+    p_new = torch.where(keep, p, p2)
+    m.copy_(torch.where(keep, m, m1))
+    v.copy_(torch.where(keep, v, v1))
+    p.copy_(p_new)
+    out.copy_(p_new.to(out.dtype))
+
+
+@functools.cache
+def _kernel():
+    # one graph for every slice length (dynamic shapes); fullgraph: a graph break would run the fp64
+    # temporaries eagerly, ~8 B per parameter each
+    return torch.compile(_adamw, dynamic=True, fullgraph=True)
+
+
+def supports(group: dict) -> str | None:
+    """Why this kernel cannot stand in for torch's AdamW on param group `group` (None: it can)."""
+    for key, ok in (("amsgrad", False), ("maximize", False), ("capturable", False), ("differentiable", False)):
+        if bool(group.get(key, False)) != ok:
+            return f"AdamW {key}={group.get(key)}"
+    if torch.is_tensor(group.get("lr")):
+        return "a tensor learning rate"
+    return None
+
+
+def _state(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict:
+    """torch AdamW's state for `master`, created as torch's fused AdamW creates it."""
+    state = optimizer.state[master]
+    if not state:
+        state["step"] = torch.zeros((), dtype=F32, device=master.device)
+        state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+    return state
+
+
+@torch.no_grad()
+def step_group(
+    optimizer: torch.optim.Optimizer,
+    group: dict,
+    master: torch.Tensor,
+    grads: list[torch.Tensor],
+    low: torch.Tensor,
+    scale: torch.Tensor | None,
+    found_inf: torch.Tensor,
+) -> None:
+    """One AdamW step of the flat fp32 `master` (the only param of `group`) from `grads`, the
+    gradient partition in order (their sizes sum to at most master's; the rest is the zero pad a
+    partition ends with), writing the updated weights also into `low` (the bf16 partition).
+    `scale` divides the gradients (None: 1); `found_inf` 1.0 skips the update and the step count."""
+    state = _state(optimizer, master)
+    beta1, beta2 = (float(b) for b in group["betas"])
+    dev = master.device
+    lr = torch.full((), float(group["lr"]), dtype=F64, device=dev)
+    scale = torch.ones((), dtype=F32, device=dev) if scale is None else scale.to(F32)
+    state["step"] += 1
+    args = (state["step"], lr, scale, found_inf, beta1, beta2, float(group["weight_decay"]), float(group["eps"]))
+    kernel = _kernel()
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    off = 0
+    for g in grads:
+        n = g.numel()
+        if n:
+            sl = slice(off, off + n)
+            kernel(master[sl], m[sl], v[sl], g.reshape(-1), low[sl], *args)
+        off += n
+    size = master.numel()
+    assert off <= size, f"gradient partition holds {off} > {size} elements"
+    if off < size:  # the partition's zero pad: a zero gradient, as the flat fp32 copy gives torch's kernel
+        sl = slice(off, size)
+        kernel(master[sl], m[sl], v[sl], torch.zeros(size - off, dtype=low.dtype, device=dev), low[sl], *args)
+    state["step"] -= found_inf

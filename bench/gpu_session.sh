@@ -13,8 +13,8 @@
 #      it) or, without that file, for QBENCH_BUDGET_S (default 480)
 #   6. (only with SPEED=1) the trainer step at the 27B shape, the world-size cost model, and capture
 #      over 50 passes
-# With TRAIN_STEP=1, between 4 and 5: the 27B trainer step under decay, D-PACE's former two head
-# passes and D-PACE's single pass, side by side on one engine
+# With TRAIN_STEP=1, between 4 and 5: the 27B trainer step under the --settings in TRAIN_STEP_SETTINGS
+# (default: decay, D-PACE's former two head passes and D-PACE's single pass), side by side on one engine
 # Each step's output goes to LOG/<step>.log and one line to LOG/status (start, end, exit code, seconds);
 # a step that fails does not stop the ones that do not need it.
 #   setsid bench/gpu_session.sh /tmp/gpu >/dev/null 2>&1 < /dev/null &
@@ -91,7 +91,7 @@ tail -c 300000 "$RUN/cli.log" >"$LOG/mid_cli_tail.log" 2>/dev/null
 
 if [ -n "${TRAIN_STEP:-}" ]; then  # the 27B trainer step: decay, D-PACE as it ran (two head passes), D-PACE now
     step train_step 240 python3 bench/bench_train_step.py --loss chunked --kernels liger --steps 6 --warmup 2 \
-        --settings direct+lean+decay,direct+lean+dpace+twopass,direct+lean+dpace,direct+lean+decay \
+        --settings "${TRAIN_STEP_SETTINGS:-direct+lean+decay,direct+lean+dpace+twopass,direct+lean+dpace,direct+lean+decay}" \
         --json "$LOG/train_step.json"
 fi
 

@@ -20,9 +20,8 @@ former finite-loss assert). --settings times issue 24's switches side by side on
 and batches (SWITCHES: block-mask build, optimizer step and its gradient path, inf/nan pass, k/v
 projection), each result line with the forward and backward shares of the bf16 bound and the
 optimizer ms; --json keeps the figures for bench/cost_model.py. The engine is built as
-deepspeed.initialize builds it, with DeepSpeed's own step; a setting with "lean" installs
-trainer/zero_step.py's, with DeepSpeed's gradient path as before ("dsgrads", the default: a setting
-without the word means what it meant) or with the trainer's cuts of it ("leangrads").
+deepspeed.initialize builds it, with DeepSpeed's own step; "lean" installs trainer/zero_step.py's,
+with DeepSpeed's gradient path as before ("dsgrads", the default) or the trainer's cuts ("leangrads").
 
     python bench/bench_train_step.py --loss chunked --kernels liger --steps 6 --warmup 2 \
         --settings create+ds,create+ds+noovf,direct+ds+noovf,direct+lean,direct+lean+splitkv --json train.json
@@ -356,9 +355,7 @@ RESULTS: list[dict] = []  # every report() line, for --json (bench/cost_model.py
 SWITCHES = {  # --settings vocabulary: each word sets one switch on the running engine
     "create": ("mask", "create"), "direct": ("mask", "direct"),  # flex block mask build (attention.py)
     "ds": ("step", "deepspeed"), "lean": ("step", "lean"),  # optimizer step (trainer/zero_step.py)
-    # DeepSpeed's gradient path around the lean step: as before issue 24's cuts (dsgrads, the
-    # default: a setting without the word means what it did), or zero_step.cut_grad_path's cuts
-    # (leangrads, what the trainer's lean step runs: no divide by one rank, large grads in place)
+    # the lean step's gradient path: DeepSpeed's (the default) or the trainer's cuts (zero_step.cut_grad_path)
     "dsgrads": ("grads", "ds"), "leangrads": ("grads", "lean"),
     "ovf": ("ovf", True), "noovf": ("ovf", False),  # DeepSpeed's inf/nan pass (bf16 check_grad_overflow)
     "cat": ("kv", False), "splitkv": ("kv", True),  # k/v projections of cat(context, x) or of each part

@@ -17,10 +17,11 @@ packed rows of --seq tokens (`pack_batches`, documents kept apart by loss.Anchor
 also times the step with DeepSpeed's separate inf/nan pass off (bf16 check_grad_overflow; the grad
 norm stays). --host-sync first times the torch set with a loss read after every forward (the
 former finite-loss assert). --settings times issue 24's switches side by side on the same engine
-and batches (SWITCHES: block-mask build, optimizer step, inf/nan pass, k/v projection), each
-result line with the forward and backward shares of the bf16 bound and the optimizer ms; --json
-keeps the figures for bench/cost_model.py. The engine is built as deepspeed.initialize builds it,
-with DeepSpeed's own step; a setting with "lean" installs trainer/zero_step.py's.
+and batches (SWITCHES: block-mask build, optimizer step and its gradient path, inf/nan pass, k/v
+projection), each result line with the forward and backward shares of the bf16 bound and the
+optimizer ms; --json keeps the figures for bench/cost_model.py. The engine is built as
+deepspeed.initialize builds it, with DeepSpeed's own step; "lean" installs trainer/zero_step.py's,
+with DeepSpeed's gradient path as before ("dsgrads", the default) or the trainer's cuts ("leangrads").
 
     python bench/bench_train_step.py --loss chunked --kernels liger --steps 6 --warmup 2 \
         --settings create+ds,create+ds+noovf,direct+ds+noovf,direct+lean,direct+lean+splitkv --json train.json
@@ -355,6 +356,8 @@ SWITCHES = {  # --settings vocabulary: each word sets one switch on the running 
     "create": ("mask", "create"), "direct": ("mask", "direct"),  # flex block mask build (attention.py)
     "ds": ("step", "deepspeed"), "lean": ("step", "lean"),  # optimizer step (trainer/zero_step.py)
     "fused": ("step", "fused"),  # the lean step with one AdamW kernel (trainer/fused_adamw.py)
+    # the lean step's gradient path: DeepSpeed's (the default) or the trainer's cuts (zero_step.cut_grad_path)
+    "dsgrads": ("grads", "ds"), "leangrads": ("grads", "lean"),
     "ovf": ("ovf", True), "noovf": ("ovf", False),  # DeepSpeed's inf/nan pass (bf16 check_grad_overflow)
     "cat": ("kv", False), "splitkv": ("kv", True),  # k/v projections of cat(context, x) or of each part
     # slot weights (default: --position-weighting); twopass: D-PACE as before 2026-12-04, a no-grad
@@ -362,7 +365,7 @@ SWITCHES = {  # --settings vocabulary: each word sets one switch on the running 
     "decay": ("weighting", "decay"), "dpace": ("weighting", "dpace"),
     "onepass": ("passes", 1), "twopass": ("passes", 2),
 }
-BEFORE = {"mask": "create", "step": "deepspeed", "ovf": True, "kv": False}  # the trainer before issue 24
+BEFORE = {"mask": "create", "step": "deepspeed", "ovf": True, "kv": False, "grads": "ds"}  # before issue 24
 
 
 def parse_setting(text: str) -> dict:
@@ -375,6 +378,8 @@ def parse_setting(text: str) -> dict:
         out[key] = value
     if out.get("passes") == 2 and out.get("weighting") != "dpace":
         raise SystemExit(f"--settings: {text!r}: twopass is D-PACE's former form, so it needs the word dpace")
+    if out["grads"] == "lean" and out["step"] not in ("lean", "fused"):
+        raise SystemExit(f"--settings: {text!r}: leangrads cuts the lean step's gradient path; add lean or fused")
     return out
 
 
@@ -399,9 +404,8 @@ def apply_setting(engine, setting: dict) -> None:
     loss_mod.lm_head_cross_entropy = _two_pass_dpace if setting.get("passes", 1) == 2 else lm_head_cross_entropy
     engine.module.drafter.set_split_kv(setting["kv"])
     engine.optimizer.check_grad_overflow = setting["ovf"]
-    if "step" in vars(engine.optimizer):  # back to DeepSpeed's class method
-        del engine.optimizer.step
-    zero_step.install(engine, setting["step"], on_gpu=True)
+    zero_step.uninstall(engine)  # DeepSpeed's step and gradient path, then the setting's
+    zero_step.install(engine, setting["step"], on_gpu=True, grad_cuts=setting["grads"] == "lean")
 
 
 def timed(engine, warm, timed_batches):

@@ -1,5 +1,5 @@
 """bench/bench_train_step.py's --settings switches reach a real engine (CPU, gloo, tiny drafter):
-block-mask build, optimizer step, inf/nan pass and k/v projection, and back; and its per-phase
+block-mask build, optimizer step and its gradient path, inf/nan pass and k/v projection, and back; and its per-phase
 FLOP split adds up to the SPEC 6 total."""
 
 from __future__ import annotations
@@ -45,7 +45,11 @@ def test_settings_parse_and_switch_a_running_engine(single_rank_gloo):
 
     assert bts.parse_setting("create+ds") == bts.BEFORE
     after = bts.parse_setting("direct+lean+splitkv+noovf")
-    assert after == {"mask": "direct", "step": "lean", "ovf": False, "kv": True}
+    assert after == {"mask": "direct", "step": "lean", "ovf": False, "kv": True, "grads": "ds"}
+    cuts = bts.parse_setting("direct+lean+splitkv+noovf+leangrads")
+    assert cuts == {**after, "grads": "lean"}
+    with pytest.raises(SystemExit, match="add lean or fused"):
+        bts.parse_setting("direct+ds+leangrads")
     with pytest.raises(SystemExit, match="unknown word"):
         bts.parse_setting("direct+fast")
     cfg = load_config(None, ["target.kind=tiny_stdlib", "train.max_steps=10"])
@@ -64,12 +68,16 @@ def test_settings_parse_and_switch_a_running_engine(single_rank_gloo):
     lm = torch.ones(1, 24)
     a = sample_anchors(lm, 4, torch.Generator().manual_seed(0))
     feats = torch.randn(1, 24, 96)
-    for setting in (after, bts.BEFORE):  # a step under each, on the same engine
+    assert opt.gradient_average and "copy_grads_in_partition" not in vars(opt)  # dsgrads: DeepSpeed's path
+    for setting in (cuts, after, cuts, bts.BEFORE):  # a step under each, on the same engine
         bts.apply_setting(engine, setting)
+        cut = setting["grads"] == "lean"  # one rank: no divide, large gradients in place (zero_step.cut_grad_path)
+        assert opt.gradient_average is not cut and ("copy_grads_in_partition" in vars(opt)) is cut
         loss, _ = engine(ids, feats, lm, ids, a.positions, a.keep)
         engine.backward(loss)
         engine.step()
     assert "step" not in vars(opt) and engine.module.block_mask == "create"
+    assert opt.gradient_average and "copy_grads_in_partition" not in vars(opt)
     bts.apply_setting(engine, bts.parse_setting("direct+fused"))  # the one-kernel AdamW, then back to lean
     assert opt.step.__func__ is lean_step and opt.dflash_one_kernel
     state = {k: v.clone() for k, v in next(iter(opt.optimizer.state.values())).items()}

@@ -2,17 +2,23 @@
 over gloo: the same losses and weights within fp32 rounding with clipping active (fused and
 foreach AdamW, two parameter groups, gradient accumulation), a non-finite gradient skipped on the
 device, checkpoints of the same format and an exact resume; at 2 ranks (ZeRO-2 partitions split
-inside tensors) the pinned loss curve's run within fp32 noise; on CUDA (`-m gpu`) bf16 engines."""
+inside tensors) the pinned loss curve's run within fp32 noise; the gradient path cuts (bf16 as on a
+GPU): bitwise the same run without them at 1 and 2 ranks, accumulation 1 and 2, overlap_comm on and
+off, the divide and the large copy really gone, restored by uninstall, exact resume; on CUDA
+(`-m gpu`) bf16 engines."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_dist.config import load_config
 from dflash_dist.trainer import zero_step
@@ -259,6 +265,181 @@ def test_two_rank_zero2_run_with_the_lean_step_follows_the_pinned_curve(kind, ti
     want = [r["loss"] for r in json.loads(lc.PINNED.read_text())]
     print(f"{kind} vs pinned: max rel", max(abs(g - w) / abs(w) for g, w in zip(got, want)))
     assert got == pytest.approx(want, rel=lc.RTOL)  # the gate's own tolerance (measured: 8.8e-8)
+
+
+# ---- the gradient path cuts (zero_step.cut_grad_path): bf16 engines as on a GPU, bitwise ----
+
+BUCKET = 400  # reduce_bucket_size: a.weight (768) is past it, b.weight (384), a.bias and g are not
+
+
+def cut_engine(cuts: bool, grad_accum: int, overlap: bool, world: int = 1):
+    """A bf16 ZeRO-2 engine with the lean step (the trainer's GPU config), with or without the cuts."""
+    import deepspeed
+
+    cfg = cfg_for(grad_accum=grad_accum)
+    model = Net()
+    opt = build_optimizer(cfg, model, fused=True)
+    ds = deepspeed_config(cfg, world, True)
+    ds["zero_optimization"].update(overlap_comm=overlap, reduce_bucket_size=BUCKET)
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=opt, lr_scheduler=build_lr_schedule(cfg, opt, 50), config=ds, dist_init_required=False
+    )
+    assert zero_step.install(engine, "lean", on_gpu=True, grad_cuts=cuts) == "lean"
+    return engine
+
+
+class _InplaceDivides(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func.overloadpacket is torch.ops.aten.div_
+        return func(*args, **(kwargs or {}))
+
+
+def run_and_inspect(engine, data, grad_accum: int) -> dict:
+    """Train on `data`; per optimizer step the grad norm, the in-place divides of the backward
+    passes, and the storages (bytes) the step's gradient partition reads from."""
+    out = {"losses": [], "norms": [], "divides": 0, "storages": [], "freed": []}
+    for n, (x, y) in enumerate(data):
+        loss = engine(x.bfloat16(), y.bfloat16())
+        with _InplaceDivides() as mode:
+            engine.backward(loss)
+        out["divides"] += mode.calls
+        if (n + 1) % grad_accum == 0:
+            grads = [t for g in engine.optimizer.averaged_gradients.values() for t in g]
+            out["storages"].append(sorted({t.untyped_storage().nbytes() for t in grads}))
+            big = weakref.ref(max(grads, key=lambda t: t.numel()))
+            del grads
+        engine.step()
+        if (n + 1) % grad_accum == 0:
+            gc.collect()
+            out["freed"].append(big() is None)  # the step released the largest gradient
+            assert all(p.grad is None for p in engine.module.parameters())
+            out["norms"].append(float(engine.get_global_grad_norm()))
+        out["losses"].append(float(loss.detach().float()))
+    return out
+
+
+def state_of(engine) -> list[torch.Tensor]:
+    """The bf16 weights, fp32 masters and AdamW moments, as exact copies."""
+    opt = engine.optimizer
+    moments = [s[k].clone() for s in opt.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    return (
+        [p.detach().clone() for p in engine.module.parameters()]
+        + [m.detach().clone() for m in opt.single_partition_of_fp32_groups]
+        + moments
+    )
+
+
+def assert_bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert torch.equal(x, y), i
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["no_overlap", "overlap_comm"])
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_grad_path_cuts_are_bitwise_and_skip_the_divide_and_the_copy(grad_accum, overlap, single_rank_gloo):
+    data = batches(4 * grad_accum)  # 4 optimizer steps
+    runs = {}
+    for cuts in (False, True):
+        engine = cut_engine(cuts, grad_accum, overlap)
+        runs[cuts] = run_and_inspect(engine, data, grad_accum), state_of(engine), engine.optimizer
+    (ref, ref_state, ref_opt), (cut, cut_state, cut_opt) = runs[False], runs[True]
+    assert cut["losses"] == ref["losses"] and cut["norms"] == ref["norms"]
+    assert_bitwise(cut_state, ref_state)
+    assert ref["norms"][0] > 10 * CLIP, "the test needs the clip active"
+    # (a) one rank: no div_(1.0) over the gradients (DeepSpeed runs one per reduced bucket)
+    assert ref_opt.gradient_average and not cut_opt.gradient_average
+    assert ref["divides"] > 0 and cut["divides"] == 0
+    # (b) a.weight's gradient is its own tensor; grads_in_partition holds only the small ones
+    small = (384 + 48 + 48) * 2  # bytes: b.weight, a.bias, g in bf16
+    assert ref["storages"] == [[(768 * 2) + small]] * 4
+    assert cut["storages"] == [sorted([768 * 2, small])] * 4
+    assert all(ref["freed"]) and all(cut["freed"])
+
+
+def test_grad_path_cuts_restore_and_never_reach_deepspeeds_step(single_rank_gloo):
+    """uninstall (the bench's settings switch) restores DeepSpeed's divide and copy; install with
+    kind deepspeed leaves them untouched."""
+    engine = cut_engine(True, 1, False)
+    opt = engine.optimizer
+    assert not opt.gradient_average and "copy_grads_in_partition" in vars(opt)
+    zero_step.uninstall(engine)
+    assert opt.gradient_average and "copy_grads_in_partition" not in vars(opt) and "step" not in vars(opt)
+    assert zero_step.install(engine, "deepspeed", on_gpu=True) == "deepspeed"
+    assert opt.gradient_average and "copy_grads_in_partition" not in vars(opt)
+    out = run_and_inspect(engine, batches(2), 1)
+    assert out["divides"] > 0 and out["storages"] == [[(768 + 384 + 48 + 48) * 2]] * 2
+
+
+def test_grad_path_cuts_resume_exactly(tmp_path, single_rank_gloo):
+    data = batches(8)  # 4 optimizer steps of 2 micro-batches, a checkpoint after 2
+    first = cut_engine(True, 2, False)
+    run_and_inspect(first, data[:4], 2)
+    first.save_checkpoint(str(tmp_path), tag="t")
+    run_and_inspect(first, data[4:], 2)
+    resumed = cut_engine(True, 2, False)
+    resumed.load_checkpoint(str(tmp_path), tag="t")
+    run_and_inspect(resumed, data[4:], 2)
+    assert_bitwise(state_of(resumed), state_of(first))
+    plain = cut_engine(False, 2, False)  # and the same as without the cuts
+    run_and_inspect(plain, data, 2)
+    assert_bitwise(state_of(plain), state_of(first))
+
+
+def _two_rank_worker(rank: int, port: int, grad_accum: int, overlap: bool, queue) -> None:
+    """One of two gloo ranks: the same run with and without the cuts (rank-dependent data, so the
+    reduction sums different gradients; ZeRO-2 cuts a.weight between the ranks' partitions)."""
+    import os
+
+    import deepspeed
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    os.environ["LOCAL_RANK"] = str(rank)
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    try:
+        data = [(x + rank, y - rank) for x, y in batches(3 * grad_accum)]
+        runs = {}
+        for cuts in (False, True):
+            engine = cut_engine(cuts, grad_accum, overlap, world=2)
+            runs[cuts] = run_and_inspect(engine, data, grad_accum), state_of(engine), engine.optimizer
+        (ref, ref_state, ref_opt), (cut, cut_state, cut_opt) = runs[False], runs[True]
+        assert_bitwise(cut_state, ref_state)
+        assert cut["losses"] == ref["losses"] and cut["norms"] == ref["norms"]
+        assert ref_opt.gradient_average and cut_opt.gradient_average  # (a) two ranks divide by 2: kept
+        assert ref["divides"] == cut["divides"] > 0
+        assert "copy_grads_in_partition" in vars(cut_opt)  # (b) applies
+        assert len(cut["storages"][0]) > len(ref["storages"][0])  # a.weight's part read in place
+        queue.put((rank, "ok"))
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
+        queue.put((rank, f"{type(e).__name__}: {e}"))
+    finally:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("grad_accum,overlap", [(1, True), (2, False)])
+def test_grad_path_cuts_at_two_ranks(grad_accum, overlap):
+    """Two gloo ranks: (a) is not applied (the divide by 2 changes numbers), (b) is, bitwise."""
+    import multiprocessing as mp
+
+    from dflash_dist.actors.ports import free_ports
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_ports(1, "127.0.0.1")[0]
+    procs = [ctx.Process(target=_two_rank_worker, args=(r, port, grad_accum, overlap, queue)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert results == {0: "ok", 1: "ok"}
 
 
 # ---- CUDA: the bf16 engine the trainer builds on a GPU (pytest -m gpu) ----

@@ -20,10 +20,16 @@ changes only the arithmetic around AdamW:
   and `skipped_steps` counts it in `dflash_skipped_steps` (a device tensor), not DeepSpeed's.
   Without fused AdamW (CPU) the clip is DeepSpeed's multiply and an overflow is read on the host.
 
+Around it, `cut_grad_path` drops two passes of DeepSpeed's ZeRO-2 gradient path where they cannot
+change a bit (on with the lean step; DeepSpeed's own step keeps its path): the divide by a
+data-parallel world size of 1, and the copy of each gradient larger than the reduce bucket into
+`grads_in_partition` (the step reads it in place).
+
 Numerics: the clip factor differs from DeepSpeed's by fp32 rounding of the norm (~1e-7 relative),
 the clipped gradient by one rounding (a divide in the kernel instead of a multiply by the
 reciprocal). tests/test_zero_step.py checks loss and weights against DeepSpeed's step on CPU,
-the skip, and exact resume; `pytest -m gpu` the same on CUDA.
+the skip, and exact resume; the gradient path cuts bitwise against the lean step without them
+(1 and 2 ranks); `pytest -m gpu` the same on CUDA.
 
 Installed per engine by `install` (trainer/engine.py), only for the configuration it was written
 against: DeepSpeed 0.19.8, `DeepSpeedZeroOptimizer`, no CPU offload, no MoE, Muon, ZenFlow or
@@ -74,10 +80,11 @@ def unsupported(opt) -> str | None:
     return ", ".join(found) if found else None
 
 
-def install(engine, kind: str, on_gpu: bool) -> str:
+def install(engine, kind: str, on_gpu: bool, grad_cuts: bool = True) -> str:
     """Give `engine`'s ZeRO optimizer the lean step when train.optimizer_step `kind` asks for it;
     returns the step in use. "lean" that cannot apply is an error naming why; "auto" then keeps
-    DeepSpeed's step (ZeRO-3, offload, another DeepSpeed version)."""
+    DeepSpeed's step (ZeRO-3, offload, another DeepSpeed version). With the lean step and
+    `grad_cuts`, also `cut_grad_path` (bench_train_step's "dsgrads"/"leangrads" set it)."""
     if resolve_step(kind, on_gpu) == "deepspeed":
         return "deepspeed"
     opt = engine.optimizer
@@ -97,7 +104,64 @@ def install(engine, kind: str, on_gpu: bool) -> str:
     opt.dflash_one_kernel = kernel
     opt.step = types.MethodType(lean_step, opt)
     opt.dflash_skipped_steps = torch.zeros((), dtype=torch.int64, device=opt.device)
+    if grad_cuts:
+        log.info("optimizer step: lean; gradient path cuts: %s", ", ".join(cut_grad_path(opt)) or "none apply")
     return "fused" if kernel else "lean"
+
+
+def uninstall(engine) -> None:
+    """Back to DeepSpeed's own step and gradient path (the bench switches settings on one engine)."""
+    opt = engine.optimizer
+    vars(opt).pop("step", None)  # the class's step again
+    vars(opt).pop("copy_grads_in_partition", None)
+    if "dflash_gradient_average" in vars(opt):
+        opt.gradient_average = vars(opt).pop("dflash_gradient_average")
+
+
+def cut_grad_path(opt) -> list[str]:
+    """Drop two passes of DeepSpeed's ZeRO-2 gradient path that the lean step does not need, only
+    where they cannot change a bit; returns the names of those applied ("average", "copy").
+
+    - "average": with a data-parallel divisor of exactly 1 (one rank, no sequence parallelism,
+      no predivide factor) DeepSpeed still runs `div_(1.0)` over every gradient (~2 ms a step at
+      the 27B shape); `gradient_average` off skips it. At more ranks it divides: left on.
+    - "copy": a parameter larger than reduce_bucket_size is reduced in its own autograd gradient
+      (not in the reused ipg bucket), and DeepSpeed then copies it into `grads_in_partition`
+      (1.2-2.7 ms); `_keep_large_grads` leaves it in place. Its gradient is then the same tensor
+      with the same values: the norm, the flat fp32 cast, gradient accumulation (the first
+      micro-step's tensors accumulate the later ones, as the buffer views did), zero_grad and the
+      release in the step see each gradient once, as before. ZeRO-2 with contiguous gradients and
+      the low-precision partition path only (not ZeRO-1's boundary reduction, not the fp32
+      compact buffer of bf16 + fp32 accumulation): what tests/test_zero_step.py covers, bitwise,
+      at 1 and 2 ranks, accumulation 1 and 2, overlap_comm on and off.
+    DeepSpeed's own step never gets these (install applies them with the lean step only)."""
+    import deepspeed.comm as dist
+
+    cuts = []
+    divisor = dist.get_world_size(group=opt.dp_process_group) / float(opt.sequence_parallel_size)
+    if opt.gradient_average and divisor == 1.0 and opt.gradient_predivide_factor == 1.0:
+        opt.dflash_gradient_average = opt.gradient_average
+        opt.gradient_average = False
+        cuts.append("average")
+    compact = any(opt._use_compact_grad_partition_buffer(i) for i in range(len(opt.bit16_groups)))
+    if opt.partition_gradients and opt.contiguous_gradients and not compact and not opt.cpu_offload:
+        opt.copy_grads_in_partition = types.MethodType(_keep_large_grads, opt)
+        cuts.append("copy")
+    return cuts
+
+
+def _keep_large_grads(self, param, group_idx=None) -> None:
+    """DeepSpeedZeroOptimizer.copy_grads_in_partition that leaves a gradient larger than the ipg
+    bucket in place (cut_grad_path) and sizes `grads_in_partition` for the others only."""
+    if param.numel() > self.reduce_bucket_size:
+        return
+    if self.grads_in_partition is None:  # DeepSpeed sizes it for every parameter in the partition
+        from deepspeed.accelerator import get_accelerator
+
+        size = sum(p.numel() for g in self.params_in_partition for p in g if p.numel() <= self.reduce_bucket_size)
+        self.grads_in_partition_offset = 0
+        self.grads_in_partition = torch.empty(size, dtype=self.dtype, device=get_accelerator().current_device_name())
+    type(self).copy_grads_in_partition(self, param, group_idx)
 
 
 def _fused(opt) -> bool:

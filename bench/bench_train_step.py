@@ -50,7 +50,7 @@ from dflash_dist.config import load_config
 from dflash_dist.model import loss as loss_mod
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.drafter import DFlashDrafter
-from dflash_dist.model.fused import KERNELS
+from dflash_dist.model.fused import KERNELS, set_rms_norm_in_place, set_rope_layout
 from dflash_dist.model.loss import Anchors, dflash_loss, label_targets, sample_anchors
 from dflash_dist.model.vocab_loss import lm_head_cross_entropy
 from dflash_dist.trainer.batching import BatchLimit
@@ -360,6 +360,8 @@ SWITCHES = {  # --settings vocabulary: each word sets one switch on the running 
     # lm_head pass for the confidences and then the weighted one (onepass: the head once, vocab_loss.py)
     "decay": ("weighting", "decay"), "dpace": ("weighting", "dpace"),
     "onepass": ("passes", 1), "twopass": ("passes", 2),
+    # fused.py (liger/compile): q/k RoPE before the transpose or after it; liger RMSNorm dX over dY or into zeros
+    "ropebthd": ("rope", "bthd"), "ropebhtd": ("rope", "bhtd"), "rmsinplace": ("rms", True), "rmscopy": ("rms", False),
 }
 BEFORE = {"mask": "create", "step": "deepspeed", "ovf": True, "kv": False}  # the trainer before issue 24
 
@@ -401,6 +403,8 @@ def apply_setting(engine, setting: dict) -> None:
     if "step" in vars(engine.optimizer):  # back to DeepSpeed's class method
         del engine.optimizer.step
     zero_step.install(engine, setting["step"], on_gpu=True)
+    set_rope_layout(setting.get("rope", "bthd"))  # a setting without these words: the defaults (after issue 24)
+    set_rms_norm_in_place(setting.get("rms", True))
 
 
 def timed(engine, warm, timed_batches):

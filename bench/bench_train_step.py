@@ -4,24 +4,20 @@ schedule), wrapped exactly as the trainer wraps it (trainer/engine.py TrainForwa
 with the chunked loss (our default) and the naive full-logits loss measured in one run.
 
     python bench/bench_train_step.py                        # the 27B drafter shape, ZeRO-2, batch 1
-    python bench/bench_train_step.py --zero-stage 1 --batch 2 --steps 10
     python bench/bench_train_step.py --loss chunked --profile 2   # + torch.profiler kernel table
     python bench/bench_train_step.py --loss chunked --kernels torch,liger,compile --mix 24 --no-overflow-check
 
 --kernels times each kernel set (fused.py) on one engine (`drafter.set_kernels` between runs) and
 prints each set's loss on the same batch with the same weights next to the torch reference.
---mix N times N samples of a realistic length mix (`length_mix`) twice: right-padded micro-batches
-(`mix_batches`: one sample each, or the trainer's token-budget BatchLimit with --mix-batch > 1) and
-packed rows of --seq tokens (`pack_batches`, documents kept apart by loss.Anchors starts/ends).
+--mix N times N samples of a length mix (`length_mix`) twice: right-padded micro-batches (`mix_batches`;
+the trainer's BatchLimit with --mix-batch > 1) and packed rows of --seq tokens (`pack_batches`).
 --sliding-layers 4 --window 2048 gives the Qwen3.6-27B recipe's layer types. --no-overflow-check
-also times the step with DeepSpeed's separate inf/nan pass off (bf16 check_grad_overflow; the grad
-norm stays). --host-sync first times the torch set with a loss read after every forward (the
-former finite-loss assert). --settings times issue 24's switches side by side on the same engine
-and batches (SWITCHES: block-mask build, optimizer step and its gradient path, inf/nan pass, k/v
-projection), each result line with the forward and backward shares of the bf16 bound and the
-optimizer ms; --json keeps the figures for bench/cost_model.py. The engine is built as
-deepspeed.initialize builds it, with DeepSpeed's own step; "lean" installs trainer/zero_step.py's,
-with DeepSpeed's gradient path as before ("dsgrads", the default) or the trainer's cuts ("leangrads").
+also times the step with DeepSpeed's inf/nan pass off. --host-sync first times the torch set with a
+loss read after every forward. --settings times issue 24's switches side by side on the same engine
+and batches (SWITCHES), each line with the forward and backward shares of the bf16 bound and the
+optimizer ms; --json keeps the figures for bench/cost_model.py. The engine starts with DeepSpeed's
+own step; "lean"/"fused" install trainer/zero_step.py's, with DeepSpeed's gradient path ("dsgrads",
+the default) or the trainer's cuts ("leangrads").
 
     python bench/bench_train_step.py --loss chunked --kernels liger --steps 6 --warmup 2 \
         --settings create+ds,create+ds+noovf,direct+ds+noovf,direct+lean,direct+lean+splitkv --json train.json
@@ -51,7 +47,7 @@ from dflash_dist.config import load_config
 from dflash_dist.model import loss as loss_mod
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.drafter import DFlashDrafter
-from dflash_dist.model.fused import KERNELS
+from dflash_dist.model.fused import KERNELS, set_rms_norm_in_place, set_rope_layout
 from dflash_dist.model.loss import Anchors, dflash_loss, label_targets, sample_anchors
 from dflash_dist.model.vocab_loss import lm_head_cross_entropy
 from dflash_dist.trainer.batching import BatchLimit
@@ -364,6 +360,8 @@ SWITCHES = {  # --settings vocabulary: each word sets one switch on the running 
     # lm_head pass for the confidences and then the weighted one (onepass: the head once, vocab_loss.py)
     "decay": ("weighting", "decay"), "dpace": ("weighting", "dpace"),
     "onepass": ("passes", 1), "twopass": ("passes", 2),
+    # fused.py (liger/compile): q/k RoPE before the transpose or after it; liger RMSNorm dX over dY or into zeros
+    "ropebthd": ("rope", "bthd"), "ropebhtd": ("rope", "bhtd"), "rmsinplace": ("rms", True), "rmscopy": ("rms", False),
 }
 BEFORE = {"mask": "create", "step": "deepspeed", "ovf": True, "kv": False, "grads": "ds"}  # before issue 24
 
@@ -406,6 +404,8 @@ def apply_setting(engine, setting: dict) -> None:
     engine.optimizer.check_grad_overflow = setting["ovf"]
     zero_step.uninstall(engine)  # DeepSpeed's step and gradient path, then the setting's
     zero_step.install(engine, setting["step"], on_gpu=True, grad_cuts=setting["grads"] == "lean")
+    set_rope_layout(setting.get("rope", "bthd"))  # a setting without these words: the defaults (after issue 24)
+    set_rms_norm_in_place(setting.get("rms", True))
 
 
 def timed(engine, warm, timed_batches):

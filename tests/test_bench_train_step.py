@@ -121,3 +121,24 @@ def test_phase_flops_add_up_to_the_total():
     total = bts.model_flops(dc, 40, ids, lm, a)
     fwd, bwd = bts.model_flops(dc, 40, ids, lm, a, phases=True)
     assert fwd + bwd == pytest.approx(total) and fwd > bwd / 2  # the head's 4HV sits in the forward
+
+
+def test_fused_words_switch_the_layout_and_a_setting_without_them_restores_the_defaults(single_rank_gloo):
+    """ropebhtd/rmscopy (issue 24's former forms) reach fused.py; a setting without them gets the new defaults."""
+    import deepspeed
+
+    from dflash_dist.model import fused
+
+    assert bts.parse_setting("direct+ropebhtd+rmscopy")["rope"] == "bhtd"
+    cfg = load_config(None, ["target.kind=tiny_stdlib", "train.max_steps=10"])
+    module = TrainForward(small_drafter().train(), "data", None, "dense")
+    engine, *_ = deepspeed.initialize(model=module, optimizer=build_optimizer(cfg, module, fused=True),
+                                      config=deepspeed_config(cfg, 1, False), dist_init_required=False)
+    try:
+        bts.apply_setting(engine, bts.parse_setting("direct+lean+ropebhtd+rmscopy"))
+        assert fused._switch == {"rope_layout": "bhtd", "rms_norm_in_place": False}
+        bts.apply_setting(engine, bts.parse_setting("direct+lean"))
+        assert fused._switch == {"rope_layout": "bthd", "rms_norm_in_place": True}
+    finally:
+        fused.set_rope_layout("bthd")
+        fused.set_rms_norm_in_place(True)

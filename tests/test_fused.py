@@ -184,3 +184,154 @@ def test_gpu_ce_of_the_gradient_pass_equals_a_no_grad_pass(kernels):
         _, ce_no_grad, _ = lm_head_cross_entropy(h, w, y, torch.zeros(700, device="cuda"), 300, kernels)
     _, ce, _ = lm_head_cross_entropy(h, w, y, lambda c: torch.exp(-c) / 700, 300, kernels)
     assert torch.equal(ce, ce_no_grad), (ce - ce_no_grad).abs().max()
+
+
+@pytest.fixture
+def restore_switches():
+    yield
+    fused.set_rope_layout("bthd")
+    fused.set_rms_norm_in_place(True)
+
+
+def _same(a, b) -> bool:
+    (out_a, g_a), (out_b, g_b) = a, b
+    return torch.equal(out_a.loss, out_b.loss) and all(torch.equal(g_a[n], g_b[n]) for n in g_a)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_set_rope_layouts_are_bitwise_equal(dtype, restore_switches):
+    """The compile set's q/k RoPE on [b, T, heads, d] (default) gives bitwise the loss and every
+    gradient of RoPE after the transpose (its form before issue 24), with either k/v projection,
+    each graph compiled alike: from a reset, called until q's and k's shapes made it dynamic (the
+    fp32 norm-weight gradient of a static and a dynamic kernel differ in the last bit)."""
+    assert fused._switch["rope_layout"] == "bthd"
+    with pytest.raises(ValueError, match="rope layout"):
+        fused.set_rope_layout("bshd")
+    torch._dynamo.reset()
+    d = small_drafter(block=4).train().to(dtype)
+    d.set_kernels("compile")
+    ids, feats, lm, anchors = _batch(d)
+    batch = (ids, feats.to(dtype), lm, anchors)
+    for split in (False, True):
+        d.set_split_kv(split)
+        runs = {}
+        for layout in ("bhtd", "bthd"):
+            fused.set_rope_layout(layout)
+            _loss_and_grads(d, batch)
+            runs[layout] = _loss_and_grads(d, batch)
+        assert _same(runs["bhtd"], runs["bthd"])
+
+
+def test_new_rope_layout_hands_the_norm_a_contiguous_gradient():
+    """RoPE before the transpose: the gradient into the q/k norm is contiguous (liger's backward
+    copies a strided one); after it (the former order) it is the transposed, strided one."""
+    y = torch.randn(2, 12, 4, 8, requires_grad=True)  # the q/k norm's output [b, T, heads, d]
+    ang = torch.randn(2, 12, 8)
+    cos, sin = ang.cos(), ang.sin()
+    new = fused.rope_ref(y, cos, sin).transpose(1, 2)
+    old = fused.rope_bhtd_ref(y.transpose(1, 2), cos, sin)
+    assert torch.equal(new, old) and new.stride() == old.stride()
+    g = torch.randn(2, 12, 4, 8).transpose(1, 2)  # the attention's grad_q: in q's memory order
+    (g_new,) = torch.autograd.grad(new, y, g)
+    (g_old,) = torch.autograd.grad(old, y, g)
+    assert torch.equal(g_new, g_old)
+    assert g_new.is_contiguous() and not g_old.is_contiguous()
+
+
+class _LigerRMSNormOnCPU(torch.autograd.Function):
+    """CPU stand-in for liger 0.8.5's LigerRMSNormFunction contract (llama casting): contiguous
+    copies of strided inputs and dY (ensure_contiguous), dX written over dY when in_place, else into
+    zeros_like(dY), each row's dY read before its dX is written. Counts the copies and fills."""
+
+    calls = {"strided_dy": 0, "zeros": 0}
+
+    @staticmethod
+    def forward(ctx, x, w, eps, offset, casting_mode, in_place):
+        assert (offset, casting_mode) == (0.0, "llama")
+        x = x.contiguous()
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, w, rstd)
+        ctx.in_place = in_place
+        return w * (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        calls = _LigerRMSNormOnCPU.calls
+        calls["strided_dy"] += not dy.is_contiguous()
+        dy = dy.contiguous()
+        x, w, rstd = ctx.saved_tensors
+        dx = dy if ctx.in_place else torch.zeros_like(dy)
+        calls["zeros"] += not ctx.in_place
+        xhat = x.float() * rstd
+        g = dy.float() * w.float()
+        dw = (dy.float() * xhat.to(x.dtype).float()).reshape(-1, x.shape[-1]).sum(0).to(w.dtype)
+        dx.copy_(rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True)))
+        return dx, dw, None, None, None, None
+
+
+class _SwigluOnCPU:
+    apply = staticmethod(fused.swiglu_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_liger_set_layout_and_in_place_norm_are_bitwise_on_a_cpu_stand_in(dtype, monkeypatch, restore_switches):
+    """fused.py's liger wiring with liger's RMSNorm contract stood in on CPU: every combination of
+    RoPE layout and in-place norm gives bitwise the same loss and gradients, so no norm output's
+    gradient is read after the norm overwrote it (k/v of cat(context, x) or of each part, two
+    sequences); the defaults hand the q/k norms contiguous gradients and allocate no dX."""
+    monkeypatch.setattr(fused, "_liger", lambda: (_LigerRMSNormOnCPU, _SwigluOnCPU, None))
+    d = small_drafter(block=4).train().to(dtype)
+    d.set_kernels("liger")
+    d.kernels = "torch"  # the loss's CE: liger's is a Triton kernel
+    ids, feats, lm, anchors = _batch(d)
+    batch = (ids, feats.to(dtype), lm, anchors)
+    layers = d.config.num_hidden_layers
+    for split in (False, True):
+        d.set_split_kv(split)
+        runs, calls = {}, {}
+        for layout in ("bhtd", "bthd"):
+            for in_place in (False, True):
+                fused.set_rope_layout(layout)
+                fused.set_rms_norm_in_place(in_place)
+                _LigerRMSNormOnCPU.calls = {"strided_dy": 0, "zeros": 0}
+                runs[layout, in_place] = _loss_and_grads(d, batch)
+                calls[layout, in_place] = _LigerRMSNormOnCPU.calls
+        assert all(_same(runs["bhtd", False], r) for r in runs.values())
+        assert calls["bhtd", False] == {"strided_dy": 2 * layers, "zeros": 4 * layers + 2}  # as before issue 24
+        assert calls["bthd", True] == {"strided_dy": 0, "zeros": 0}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels", ["liger", "compile"])
+def test_gpu_rope_layout_and_in_place_norm_are_bitwise(kernels, restore_switches):
+    """bf16 on CUDA, flex_attention, the real kernels: RoPE on [b, T, heads, d] and liger's in-place
+    RMSNorm backward give bitwise the loss and gradients of the former forms; for liger the
+    defaults drop the norm backward's zeros_like (4 per layer + 2) and its dY copies."""
+    d = _gpu_drafter(torch.bfloat16)
+    d.set_kernels(kernels)
+    s = 512
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, 8000, (2, s), device="cuda", generator=g)
+    feats = torch.randn(2, s, 3 * 512, device="cuda", generator=g).bfloat16()
+    lm = torch.ones(2, s, device="cuda")
+    pos = torch.sort(torch.randperm(s - 1, generator=torch.Generator().manual_seed(2))[:64]).values
+    anchors = Anchors(torch.stack([pos, pos]).cuda(), torch.ones(2, 64, dtype=torch.bool, device="cuda"))
+    batch = (ids, feats, lm, anchors)
+    runs, ops = {}, {}
+    for layout, in_place in (("bhtd", False), ("bthd", False), ("bhtd", True), ("bthd", True)):
+        fused.set_rope_layout(layout)
+        fused.set_rms_norm_in_place(in_place)
+        _loss_and_grads(d, batch)  # compiles (q's shape, then k's: dynamic)
+        _loss_and_grads(d, batch)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            runs[layout, in_place] = _loss_and_grads(d, batch)
+        names = [e.key for e in prof.key_averages()]
+        count = {k: sum(e.count for e in prof.key_averages() if e.key == k) for k in names}
+        ops[layout, in_place] = (count.get("aten::zeros_like", 0), count.get("aten::clone", 0))
+    assert all(_same(runs["bhtd", False], r) for r in runs.values())
+    if kernels == "liger":
+        layers = d.config.num_hidden_layers
+        (zeros_old, clones_old), (zeros_new, clones_new) = ops["bhtd", False], ops["bthd", True]
+        assert zeros_old - zeros_new == 4 * layers + 2, ops
+        assert clones_old - clones_new >= 2 * layers, ops

@@ -12,6 +12,16 @@ Kernel sets (`DFlashDrafter(cfg, kernels=...)`):
   k of one length (ours: block queries against context + block keys), so RoPE is compiled.
   GPU only (Triton).
 
+The liger and compile sets apply q/k RoPE in the projections' [b, T, heads, d] and return the
+transposed view [b, heads, T, d] (the strides the former order gave too): no strided copy either
+way, and the norm's incoming gradient stays contiguous (liger's backward copied it). The torch
+set keeps RoPE after the transpose (drafter.py): its q/k-norm weight gradient sums over the
+gradient's memory order, so fp32 bits would change. Liger's RMSNorm writes dX over dY
+(in_place): no norm output's gradient is read after the norm's backward (each is a fresh sum of
+GEMM gradients, a fresh row scatter, or a disjoint slice of the k/v cat's). Both are bitwise the
+former forms (tests/test_fused.py); `set_rope_layout("bhtd")` and `set_rms_norm_in_place(False)`
+restore those for side-by-side timing (bench_train_step.py --settings).
+
 Each fast function computes what its reference computes up to bf16 rounding (tests/test_fused.py).
 Pure torch (STYLE 6): no DeepSpeed or Ray here.
 """
@@ -25,6 +35,24 @@ import torch
 import torch.nn.functional as F
 
 KERNELS = ("torch", "liger", "compile")
+
+
+ROPE_LAYOUTS = ("bthd", "bhtd")
+# the switches the benchmark flips on a running model (read at each call)
+_switch = {"rope_layout": "bthd", "rms_norm_in_place": True}
+
+
+def set_rope_layout(layout: str) -> None:
+    """liger and compile sets: "bthd" (default) RoPE on [b, T, heads, d], then the transpose view;
+    "bhtd" RoPE after the transpose, as before issue 24 (a non-contiguous gradient into the norm)."""
+    if layout not in ROPE_LAYOUTS:
+        raise ValueError(f"rope layout {layout!r}; expected one of {ROPE_LAYOUTS}")
+    _switch["rope_layout"] = layout
+
+
+def set_rms_norm_in_place(in_place: bool) -> None:
+    """liger RMSNorm's backward: True (default) writes dX over dY, False into a zeroed new buffer."""
+    _switch["rms_norm_in_place"] = bool(in_place)
 
 
 def check_kernels(kernels: str) -> str:
@@ -67,13 +95,23 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [b, heads, T, d]; cos/sin [b, T, d]."""
+    """x [b, T, heads, d]; cos/sin [b, T, d]."""
+    return x * cos[:, :, None] + _rotate_half(x) * sin[:, :, None]
+
+
+def rope_bhtd_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, heads, T, d]; cos/sin [b, T, d] (the layout before issue 24)."""
     return x * cos[:, None] + _rotate_half(x) * sin[:, None]
 
 
 def norm_rope_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
-    """q/k path of the attention: x [b, T, heads, d] -> RMSNorm over d, to [b, heads, T, d], RoPE."""
-    return rope_ref(rms_norm_ref(x, weight, eps).transpose(1, 2), cos, sin)
+    """q/k path of the attention: x [b, T, heads, d] -> RMSNorm over d, RoPE, to [b, heads, T, d]."""
+    return rope_ref(rms_norm_ref(x, weight, eps), cos, sin).transpose(1, 2)
+
+
+def norm_rope_bhtd_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
+    """norm_rope_ref as before issue 24: RoPE after the transpose."""
+    return rope_bhtd_ref(rms_norm_ref(x, weight, eps).transpose(1, 2), cos, sin)
 
 
 def ce_chunk_ref(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool):
@@ -97,6 +135,11 @@ def _compiled(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=None)
 
 
+def _compiled_norm_rope(x, weight, eps, cos, sin):
+    fn = norm_rope_ref if _switch["rope_layout"] == "bthd" else norm_rope_bhtd_ref
+    return _compiled(fn)(x, weight, eps, cos, sin)
+
+
 # ---- liger ----
 
 
@@ -115,9 +158,10 @@ def _liger():
 
 
 def _liger_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # llama casting = drafter.RMSNorm: (x_fp32 * rstd).to(dtype) * weight; in_place=False: the
-    # incoming gradient may be read elsewhere (residual stream)
-    return _liger()[0].apply(x, weight, eps, 0.0, "llama", False)
+    # llama casting = drafter.RMSNorm: (x_fp32 * rstd).to(dtype) * weight. in_place: dX over dY,
+    # safe as no norm output's gradient is read again (its output feeds GEMMs, RoPE or the loss's
+    # row gather, never a residual add, whose backward would hand the same buffer on)
+    return _liger()[0].apply(x, weight, eps, 0.0, "llama", _switch["rms_norm_in_place"])
 
 
 def _liger_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -125,7 +169,9 @@ def _liger_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def _liger_norm_rope(x, weight, eps, cos, sin):
-    return _compiled(rope_ref)(_liger_rms_norm(x, weight, eps).transpose(1, 2), cos, sin)
+    if _switch["rope_layout"] == "bthd":
+        return _compiled(rope_ref)(_liger_rms_norm(x, weight, eps), cos, sin).transpose(1, 2)
+    return _compiled(rope_bhtd_ref)(_liger_rms_norm(x, weight, eps).transpose(1, 2), cos, sin)
 
 
 def _liger_ce_chunk(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool):
@@ -168,7 +214,7 @@ def swiglu_fn(kernels: str) -> Callable | None:
 
 def norm_rope_fn(kernels: str) -> Callable | None:
     """(x [b, T, heads, d], norm weight, eps, cos, sin) -> [b, heads, T, d]; None = torch code."""
-    return {"torch": None, "compile": _compiled(norm_rope_ref), "liger": _liger_norm_rope}[check_kernels(kernels)]
+    return {"torch": None, "compile": _compiled_norm_rope, "liger": _liger_norm_rope}[check_kernels(kernels)]
 
 
 def ce_chunk_fn(kernels: str) -> Callable:

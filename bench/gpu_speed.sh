@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One device call (<= 600 s, fresh machine) for issue 24: the 27B trainer step under TRAIN_STEP_SETTINGS
+# side by side on one engine, then the gpu tests of the optimizer step and golden parity on CUDA, then (if
+# the time left allows) the README's GPU pipeline test. Everything is written under OUT (default $OUT).
+#   bench/gpu_speed.sh [DEADLINE_S]      (seconds from the start the whole call must end by; default 570)
+set -u
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/gpu_speed}
+mkdir -p "$out"
+end=$(($(date +%s) + ${1:-570}))
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    >"$out/install.log" 2>&1 && tar -C /tmp/site -xJf .whl/ray-2.60.0-cp312-slim.tar.xz \
+    && chmod +x /tmp/site/ray/core/src/ray/raylet/raylet /tmp/site/ray/core/src/ray/gcs/gcs_server
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH DFLASH_CACHE=/tmp/dflash-cache PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$out/gpu.txt" 2>&1
+left() { echo $((end - $(date +%s))); }
+t0=$(date +%s)
+timeout 300 python3 bench/bench_train_step.py --loss chunked --kernels liger --steps "${STEPS:-8}" --warmup 2 \
+    --settings "${TRAIN_STEP_SETTINGS:?the --settings to time}" --json "$out/train_step.json" >"$out/train_step.log" 2>&1
+echo "train_step rc=$? s=$(($(date +%s) - t0))"
+grep -E "ms/step|^setting|bound share" "$out/train_step.log" | tail -14
+t0=$(date +%s)
+timeout $(($(left) < 220 ? $(left) - 10 : 210)) python3 -m pytest -m gpu -v -s -rA -p no:cacheprovider \
+    tests/test_zero_step.py tests/test_gpu_parity.py >"$out/gpu_tests.log" 2>&1
+echo "gpu_tests rc=$? s=$(($(date +%s) - t0))"
+grep -E "PASSED|FAILED|ERROR|differ|passed|failed" "$out/gpu_tests.log" | tail -12
+if [ "$(left)" -gt 250 ]; then
+    t0=$(date +%s)
+    timeout $(($(left) - 10)) python3 -m pytest -m gpu -v -s -rA -p no:cacheprovider tests/test_gpu_pipeline.py \
+        >"$out/gpu_pipeline.log" 2>&1
+    echo "gpu_pipeline rc=$? s=$(($(date +%s) - t0))"
+    grep -E "PASSED|FAILED|ERROR|tau|passed|failed" "$out/gpu_pipeline.log" | tail -12
+fi

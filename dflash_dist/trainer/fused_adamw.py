@@ -31,19 +31,17 @@ F64 = torch.float64
 F32 = torch.float32
 
 
-def _adamw(p, m, v, g, out, step, lr, scale, skip, beta1: float, beta2: float, wd: float, eps: float):
-    """In place: p, m, v (fp32), out (p's low-precision copy) from g; step, lr (fp64), scale, skip
-    (fp32) are 0-d device tensors, so the LR schedule and the clip never recompile."""
+def _adamw(p, m, v, g, out, lr_wd, step_size, bc2_sqrt, scale, skip, beta1: float, beta2: float, eps: float):
+    """In place: p, m, v (fp32), out (p's low-precision copy) from g. The per-step scalars are 0-d
+    device tensors formed once a step by `_scalars` (so the LR schedule and the clip never recompile,
+    and no element recomputes a pow): lr * weight_decay (fp64), the step size and sqrt of the second
+    bias correction (fp32, as adam_math holds them), the clip divisor and the skip flag (fp32)."""
     grad = (g.to(F64) / scale.to(F64)).to(F32)
     pd = p.to(F64)
-    p1 = (pd - (lr * wd) * pd).to(F32)
+    p1 = (pd - lr_wd * pd).to(F32)
     gd = grad.to(F64)
     m1 = (beta1 * m.to(F64) + (1.0 - beta1) * gd).to(F32)
     v1 = (beta2 * v.to(F64) + ((1.0 - beta2) * gd) * gd).to(F32)
-    s = step.to(F64)
-    bc1 = (1.0 - torch.pow(beta1, s)).to(F32)
-    bc2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, s)).to(F32)
-    step_size = (lr / bc1.to(F64)).to(F32)
     denom = ((torch.sqrt(v1) / bc2_sqrt).to(F64) + eps).to(F32)
     p2 = p1 - (step_size * m1) / denom
     keep = skip > 0
@@ -52,6 +50,16 @@ def _adamw(p, m, v, g, out, step, lr, scale, skip, beta1: float, beta2: float, w
     v.copy_(torch.where(keep, v, v1))
     p.copy_(p_new)
     out.copy_(p_new.to(out.dtype))
+
+
+def _scalars(step: torch.Tensor, lr: float, wd: float, beta1: float, beta2: float):
+    """adam_math's per-step scalars from the (already advanced) step count, on its device: the bias
+    corrections in fp64 rounded to fp32, the step size lr / bc1 in fp64 rounded to fp32."""
+    s = step.to(F64)
+    lr64 = torch.full((), lr, dtype=F64, device=step.device)
+    bc1 = (1.0 - torch.pow(beta1, s)).to(F32)
+    bc2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, s)).to(F32)
+    return lr64 * wd, (lr64 / bc1.to(F64)).to(F32), bc2_sqrt
 
 
 @functools.cache
@@ -98,10 +106,10 @@ def step_group(
     state = _state(optimizer, master)
     beta1, beta2 = (float(b) for b in group["betas"])
     dev = master.device
-    lr = torch.full((), float(group["lr"]), dtype=F64, device=dev)
     scale = torch.ones((), dtype=F32, device=dev) if scale is None else scale.to(F32)
     state["step"] += 1
-    args = (state["step"], lr, scale, found_inf, beta1, beta2, float(group["weight_decay"]), float(group["eps"]))
+    lr_wd, step_size, bc2_sqrt = _scalars(state["step"], float(group["lr"]), float(group["weight_decay"]), beta1, beta2)
+    args = (lr_wd, step_size, bc2_sqrt, scale, found_inf, beta1, beta2, float(group["eps"]))
     kernel = _kernel()
     m, v = state["exp_avg"], state["exp_avg_sq"]
     off = 0

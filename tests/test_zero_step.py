@@ -213,7 +213,7 @@ def test_lean_checkpoints_have_deepspeeds_format_and_resume_exactly(kind, tmp_pa
 
 
 def test_resolve_and_refusals(single_rank_gloo):
-    assert zero_step.resolve_step("auto", on_gpu=True) == "lean"
+    assert zero_step.resolve_step("auto", on_gpu=True) == "fused"
     assert zero_step.resolve_step("auto", on_gpu=False) == "deepspeed"
     with pytest.raises(ValueError, match="optimizer_step"):
         zero_step.resolve_step("fast", on_gpu=True)
@@ -232,6 +232,8 @@ def test_resolve_and_refusals(single_rank_gloo):
     amsgrad.optimizer.optimizer.param_groups[0]["amsgrad"] = True
     with pytest.raises(ValueError, match="amsgrad.*train.optimizer_step=lean"):
         zero_step.install(amsgrad, "fused", on_gpu=True)
+    assert zero_step.install(amsgrad, "auto", on_gpu=True) == "lean"  # auto: torch's AdamW where the kernel cannot
+    assert amsgrad.optimizer.dflash_one_kernel is False
 
 
 @pytest.mark.parametrize("kind", ["lean", "fused"])

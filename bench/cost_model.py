@@ -14,8 +14,8 @@ bf16 gradients and parameters, fp32 master weights and AdamW states partitioned 
   the last gradients produced (fc's, the first layer: 25600 x 5120 at the 27B shape) are reduced
   after the backward ends;
 - the optimizer step on 1/N of the parameters (`--measure-opt`: measured on this GPU at world size
-  1 on a parameter set of the drafter's tensors with 1/N of their rows, DeepSpeed's step and the
-  lean one, trainer/zero_step.py);
+  1 on a parameter set of the drafter's tensors with 1/N of their rows, DeepSpeed's step, the
+  lean one and fused (the GPU default), trainer/zero_step.py);
 - an all-gather of the updated bf16 parameters, after the step and before the next forward (not
   overlapped in DeepSpeed 0.19.8's ZeRO-2 step).
 A ring collective of a buffer of S bytes over N ranks moves (N-1)/N x S per rank; its time is that
@@ -151,7 +151,7 @@ def drafter_shapes(hidden: int, layers: int, heads: int, kv_heads: int, head_dim
 
 def measure_opt(shapes, world: int, steps: int, device: str, hidden: int) -> dict:
     """ms of engine.step() (ZeRO-2, the trainer's ds_config and optimizer) on a 1/world slice, with
-    DeepSpeed's step and the lean one, on one engine."""
+    DeepSpeed's step, the lean one and lean with the one-kernel AdamW (fused), on one engine."""
     import deepspeed
 
     from dflash_dist.config import load_config
@@ -168,7 +168,7 @@ def measure_opt(shapes, world: int, steps: int, device: str, hidden: int) -> dic
     )  # fmt: skip
     x = torch.ones((), device=device, dtype=next(engine.module.parameters()).dtype)
     out = {"params": sum(p.numel() for p in model.parameters()), "world": world}
-    for kind in ("deepspeed", "lean"):
+    for kind in ("deepspeed", "lean", "fused"):
         if "step" in vars(engine.optimizer):
             del engine.optimizer.step
         zero_step.install(engine, kind, on_gpu=on_gpu)
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--opt-ms", type=float, help="optimizer step at 1/N of the parameters (or --measure-opt)")
     ap.add_argument("--params", type=float, help="trainable parameters (default: from --train-json)")
     ap.add_argument("--measure-opt", action="store_true", help="measure the optimizer step on a 1/N slice here")
-    ap.add_argument("--opt-step", default="lean", choices=["deepspeed", "lean"], help="which measured step to use")
+    ap.add_argument("--opt-step", default="fused", choices=["deepspeed", "lean", "fused"], help="measured step to use")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--opt-steps", type=int, default=10)
     ap.add_argument("--world", type=int, default=9, help="trainer ranks (configs/qwen3.6-27b.yaml: 9)")
@@ -236,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         measured = measure_opt(drafter_shapes(*shape), a.world, a.opt_steps, a.device, hidden=shape[0])
         print(
             f"optimizer step on a 1/{a.world} slice ({measured['params'] / 1e6:.1f}M parameters, world size 1): "
-            f"DeepSpeed {measured['deepspeed_ms']:.2f} ms, lean {measured['lean_ms']:.2f} ms"
+            f"DeepSpeed {measured['deepspeed_ms']:.2f} ms, lean {measured['lean_ms']:.2f} ms, "
+            f"fused {measured['fused_ms']:.2f} ms"
         )
         opt_ms = opt_ms or measured[f"{a.opt_step}_ms"]
     if None in (fwd, bwd, opt_ms, params):

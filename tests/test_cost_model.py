@@ -52,11 +52,11 @@ def test_main_prints_each_placement(capsys):
 
 
 def test_measured_optimizer_step_on_a_slice(single_rank_gloo, tmp_path):
-    """Both steps run on a 1/N slice of a tiny drafter's tensors through DeepSpeed (CPU), and main
-    feeds the measured lean step into the estimate."""
+    """The three steps run on a 1/N slice of a tiny drafter's tensors through DeepSpeed (CPU), and main
+    feeds the measured one (fused, the GPU default) into the estimate."""
     shapes = cost_model.drafter_shapes(64, 2, 4, 2, 16, 128, k=3)
     assert shapes[0] == (64, 3 * 64)  # fc first: [H, k*H]
     full = sum(math.prod(s) for s in shapes)
     got = cost_model.measure_opt(shapes, world=4, steps=2, device="cpu", hidden=64)
     assert full / 4 <= got["params"] <= full / 4 + 64 * len(shapes)
-    assert got["deepspeed_ms"] > 0 and got["lean_ms"] > 0
+    assert got["deepspeed_ms"] > 0 and got["lean_ms"] > 0 and got["fused_ms"] > 0

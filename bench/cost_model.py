@@ -15,7 +15,7 @@ bf16 gradients and parameters, fp32 master weights and AdamW states partitioned 
   after the backward ends;
 - the optimizer step on 1/N of the parameters (`--measure-opt`: measured on this GPU at world size
   1 on a parameter set of the drafter's tensors with 1/N of their rows, DeepSpeed's step, the
-  lean one and fused (the GPU default), trainer/zero_step.py);
+  lean one (the GPU default) and fused, trainer/zero_step.py);
 - an all-gather of the updated bf16 parameters, after the step and before the next forward (not
   overlapped in DeepSpeed 0.19.8's ZeRO-2 step).
 A ring collective of a buffer of S bytes over N ranks moves (N-1)/N x S per rank; its time is that
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--opt-ms", type=float, help="optimizer step at 1/N of the parameters (or --measure-opt)")
     ap.add_argument("--params", type=float, help="trainable parameters (default: from --train-json)")
     ap.add_argument("--measure-opt", action="store_true", help="measure the optimizer step on a 1/N slice here")
-    ap.add_argument("--opt-step", default="fused", choices=["deepspeed", "lean", "fused"], help="measured step to use")
+    ap.add_argument("--opt-step", default="lean", choices=["deepspeed", "lean", "fused"], help="measured step to use")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--opt-steps", type=int, default=10)
     ap.add_argument("--world", type=int, default=9, help="trainer ranks (configs/qwen3.6-27b.yaml: 9)")

@@ -194,9 +194,8 @@ class TrainSection(_Section):
     # the optimizer step around AdamW (trainer/zero_step.py): "deepspeed" (DeepSpeed's ZeRO-1/2 step),
     # "lean" (the same state and checkpoints; one fp32 norm, clip and non-finite skip inside the fused
     # AdamW kernel, no host sync), "fused" (lean with one compiled AdamW kernel that reads the bf16
-    # gradients and writes the bf16 weights: trainer/fused_adamw.py; 27B shape, H200: optimizer phase
-    # 25 -> 16-20 ms, 4.45-4.49 -> 4.50-4.61 samples/s), "auto": fused on GPU ranks (lean where the
-    # kernel does not apply), deepspeed on CPU (the pinned loss curve)
+    # gradients and writes the bf16 weights: trainer/fused_adamw.py; opt-in until measured at 1/N of
+    # the parameters), "auto": lean on GPU ranks, deepspeed on CPU (the pinned loss curve)
     optimizer_step: Literal["auto", "deepspeed", "lean", "fused"] = "auto"
     checkpoint_every: PosInt = 500
     keep_checkpoints: PosInt = 3

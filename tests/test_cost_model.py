@@ -53,7 +53,7 @@ def test_main_prints_each_placement(capsys):
 
 def test_measured_optimizer_step_on_a_slice(single_rank_gloo, tmp_path):
     """The three steps run on a 1/N slice of a tiny drafter's tensors through DeepSpeed (CPU), and main
-    feeds the measured one (fused, the GPU default) into the estimate."""
+    feeds the measured lean step (the GPU default) into the estimate."""
     shapes = cost_model.drafter_shapes(64, 2, 4, 2, 16, 128, k=3)
     assert shapes[0] == (64, 3 * 64)  # fc first: [H, k*H]
     full = sum(math.prod(s) for s in shapes)

@@ -122,19 +122,26 @@ def test_lean_step_matches_deepspeeds_step(fused, single_rank_gloo):
         torch.testing.assert_close(s_lean["exp_avg"], s_ref["exp_avg"], rtol=1e-5, atol=1e-7)
 
 
-def test_one_kernel_step_follows_torchs_adamw(single_rank_gloo):
+def test_one_kernel_step_follows_torchs_adamw(single_rank_gloo, monkeypatch):
     """train.optimizer_step=fused (trainer/fused_adamw.py, compiled for the CPU here) against
     DeepSpeed's step with torch's AdamW: the same losses and weights within fp32 rounding over 6
-    clipped steps, the same state tensors, and the kernel is what ran (torch's AdamW.step never did)."""
+    clipped steps, the same state tensors, and the kernel is what ran (torch's AdamW.step never did),
+    once per partition group and step (a call per tensor made the step host-bound on the GPU)."""
+    from dflash_dist.trainer import fused_adamw
+
     data = batches(12)
     ref = make_engine("deepspeed", True)
     ref_losses = train(ref, data)
     one = make_engine("fused", False)  # torch's AdamW stays the state's owner; its step must not run
-    calls = []
+    calls, kernel_calls = [], []
     step = one.optimizer.optimizer.step
     one.optimizer.optimizer.step = lambda *a, **k: calls.append(1) or step(*a, **k)
+    kernel = fused_adamw._kernel()
+    monkeypatch.setattr(fused_adamw, "_kernel", lambda: lambda *a: kernel_calls.append(a[0].numel()) or kernel(*a))
     one_losses = train(one, data)
     assert calls == []
+    groups = one.optimizer.single_partition_of_fp32_groups
+    assert len(groups) == 2 and kernel_calls == [g.numel() for g in groups] * 6
     assert one_losses == pytest.approx(ref_losses, rel=1e-5)
     for name, w in weights(ref).items():
         torch.testing.assert_close(weights(one)[name], w, rtol=1e-5, atol=1e-6, msg=name)
@@ -213,7 +220,7 @@ def test_lean_checkpoints_have_deepspeeds_format_and_resume_exactly(kind, tmp_pa
 
 
 def test_resolve_and_refusals(single_rank_gloo):
-    assert zero_step.resolve_step("auto", on_gpu=True) == "fused"
+    assert zero_step.resolve_step("auto", on_gpu=True) == "lean"
     assert zero_step.resolve_step("auto", on_gpu=False) == "deepspeed"
     with pytest.raises(ValueError, match="optimizer_step"):
         zero_step.resolve_step("fast", on_gpu=True)
@@ -232,8 +239,6 @@ def test_resolve_and_refusals(single_rank_gloo):
     amsgrad.optimizer.optimizer.param_groups[0]["amsgrad"] = True
     with pytest.raises(ValueError, match="amsgrad.*train.optimizer_step=lean"):
         zero_step.install(amsgrad, "fused", on_gpu=True)
-    assert zero_step.install(amsgrad, "auto", on_gpu=True) == "lean"  # auto: torch's AdamW where the kernel cannot
-    assert amsgrad.optimizer.dflash_one_kernel is False
 
 
 @pytest.mark.parametrize("kind", ["lean", "fused"])

@@ -98,7 +98,7 @@ def build_engine(
         ),
         dist_init_required=False,
     )
-    zero_step.install(engine, t.optimizer_step, on_gpu)  # DeepSpeed's step, lean, or fused (GPU default)
+    zero_step.install(engine, t.optimizer_step, on_gpu)  # DeepSpeed's step, lean, or fused
     return engine
 
 

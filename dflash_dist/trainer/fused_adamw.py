@@ -1,21 +1,28 @@
-"""One AdamW kernel for the lean ZeRO step (`train.optimizer_step: fused`): each bf16 gradient is
-read once, the fp32 master weights and both moments are updated in place, and the bf16 parameter
-partition is written in the same pass, with the clip divisor and the non-finite skip inside it.
+"""One AdamW kernel for the lean ZeRO step (`train.optimizer_step: fused`, opt-in): the fp32
+master weights and both moments are updated in place from the bf16 gradients, and the bf16
+parameter partition is written in the same pass, with the clip divisor and the non-finite skip
+inside it. One compiled call per partition group: the gradients are first gathered into one flat
+bf16 tensor (one multi-tensor copy; none when the partition already is one tensor).
 
 Why: the lean step with torch's fused AdamW moves ~46 bytes per parameter: the bf16 gradients
 copied into an fp32 flat partition (6 B), torch's kernel (32 B: with `grad_scale` it also writes
 the unscaled fp32 gradient back) and the fp32 master copied to the bf16 partition (6 B), plus the
-norm's read (2 B). This kernel moves 28 B (+2 B for the norm): at the 27B drafter shape (1.73B
-parameters at world size 1) ~80 GB -> ~52 GB a step, on a memory-bound phase.
+norm's read (2 B). This path moves 34 B (4 B gather, 28 B kernel, 2 B norm).
+
+Measured (docs/BENCHMARKS.md, fifth lease) in its per-tensor form (one call per gradient tensor):
+at the 27B shape and world size 1 the optimizer phase went 25 -> 16-20 ms, but on a 1/9 slice (one
+of 9 ranks) it took 15.5 ms against the lean step's 3.8: each compiled call costs ~0.1-0.25 ms of
+host time, 58 tensors a step. Hence the flat gather and one call per group; that form is not yet
+measured on the GPU, so "auto" stays on the lean step.
 
 Numerics: the arithmetic of torch's fused AdamW (ATen `adam_math`, ADAMW mode), with its roundings:
 the gradient divided by the clip divisor, the decay, both moments and the bias corrections are
 formed in fp64 (adam_math mixes its double hyper-parameters into those lines) and rounded to fp32
 where adam_math rounds them; the step size, denominator and update are fp32. The compiler (Triton
 on CUDA, C++ on CPU, both through torch.compile) may contract a multiply and an add where nvcc
-contracts others, so it is not bitwise torch's kernel: tests/test_zero_step.py bounds the
-difference (CPU: against torch's AdamW; CUDA: against torch's fused kernel), and the GPU test
-prints how many elements differ.
+contracts others, so it is not bitwise torch's kernel: on the H200 the fp32 masters after 6 steps
+agree within rtol 1e-5 / atol 1e-6 and most elements differ in the last bits
+(tests/test_zero_step.py, CPU and `-m gpu`).
 
 State: the same `step` / `exp_avg` / `exp_avg_sq` tensors torch's AdamW keeps (created as it
 creates them), so checkpoints keep DeepSpeed's format and resume under either step.
@@ -89,6 +96,26 @@ def _state(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict:
     return state
 
 
+def _flat(grads: list[torch.Tensor], size: int, low: torch.Tensor) -> torch.Tensor:
+    """The partition's gradients as one flat tensor of `size` elements in their own dtype (zero pad
+    at the end): the gradient itself when it already is one, else one multi-tensor copy. One
+    kernel call per group, not one per tensor: each compiled call costs ~0.1-0.25 ms of host time
+    (guards, wrapper), which at 1/9 of the 27B drafter's parameters (58 tensors) made the step
+    host-bound, 15.5 ms against the lean step's 3.8 (docs/BENCHMARKS.md)."""
+    if len(grads) == 1 and grads[0].is_contiguous() and grads[0].numel() == size:
+        return grads[0].reshape(-1)
+    dtype = grads[0].dtype if grads else low.dtype
+    flat = torch.empty(size, dtype=dtype, device=low.device)
+    sizes = [g.numel() for g in grads]
+    used = sum(sizes)
+    assert used <= size, f"gradient partition holds {used} > {size} elements"
+    if grads:
+        torch._foreach_copy_(list(flat[:used].split(sizes)), [g.reshape(-1) for g in grads])
+    if used < size:  # the partition's zero pad: a zero gradient, as the flat fp32 copy gives torch's kernel
+        flat[used:].zero_()
+    return flat
+
+
 @torch.no_grad()
 def step_group(
     optimizer: torch.optim.Optimizer,
@@ -110,18 +137,6 @@ def step_group(
     state["step"] += 1
     lr_wd, step_size, bc2_sqrt = _scalars(state["step"], float(group["lr"]), float(group["weight_decay"]), beta1, beta2)
     args = (lr_wd, step_size, bc2_sqrt, scale, found_inf, beta1, beta2, float(group["eps"]))
-    kernel = _kernel()
     m, v = state["exp_avg"], state["exp_avg_sq"]
-    off = 0
-    for g in grads:
-        n = g.numel()
-        if n:
-            sl = slice(off, off + n)
-            kernel(master[sl], m[sl], v[sl], g.reshape(-1), low[sl], *args)
-        off += n
-    size = master.numel()
-    assert off <= size, f"gradient partition holds {off} > {size} elements"
-    if off < size:  # the partition's zero pad: a zero gradient, as the flat fp32 copy gives torch's kernel
-        sl = slice(off, size)
-        kernel(master[sl], m[sl], v[sl], torch.zeros(size - off, dtype=low.dtype, device=dev), low[sl], *args)
+    _kernel()(master, m, v, _flat(grads, master.numel(), low), low, *args)
     state["step"] -= found_inf

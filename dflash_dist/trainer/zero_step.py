@@ -50,13 +50,13 @@ DEEPSPEED_VERSION = "0.19.8"  # the step below mirrors this version's DeepSpeedZ
 
 
 def resolve_step(kind: str, on_gpu: bool) -> str:
-    """train.optimizer_step "auto": on GPU ranks "fused", the lean step with one AdamW kernel
-    (trainer/fused_adamw.py; the 27B step's optimizer phase 25 -> 16-20 ms, docs/BENCHMARKS.md), where
-    the step's launches, syncs and bytes cost; DeepSpeed's own on CPU (the pinned loss curve's path)."""
+    """train.optimizer_step "auto": lean on GPU ranks (where the step's launches and syncs cost),
+    DeepSpeed's own on CPU (the pinned loss curve's path). "fused" (opt-in): the lean step with one
+    AdamW kernel (trainer/fused_adamw.py; not the default until measured at 1/N of the parameters)."""
     if kind not in STEPS:
         raise ValueError(f"train.optimizer_step={kind!r}; expected one of {STEPS}")
     if kind == "auto":
-        return "fused" if on_gpu else "deepspeed"
+        return "lean" if on_gpu else "deepspeed"
     return kind
 
 
@@ -99,11 +99,8 @@ def install(engine, kind: str, on_gpu: bool, grad_cuts: bool = True) -> str:
         from dflash_dist.trainer import fused_adamw
 
         why = next(filter(None, map(fused_adamw.supports, opt.optimizer.param_groups)), None)
-        if why is not None and kind == "fused":
+        if why is not None:
             raise ValueError(f"train.optimizer_step=fused does not support {why}: set train.optimizer_step=lean")
-        if why is not None:  # auto: the lean step with torch's AdamW
-            log.info("optimizer step: lean with torch's AdamW (the one-kernel AdamW does not support %s)", why)
-            kernel = False
     opt.dflash_one_kernel = kernel
     opt.step = types.MethodType(lean_step, opt)
     opt.dflash_skipped_steps = torch.zeros((), dtype=torch.int64, device=opt.device)

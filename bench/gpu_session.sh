@@ -20,6 +20,8 @@
 #   setsid bench/gpu_session.sh /tmp/gpu >/dev/null 2>&1 < /dev/null &
 # and in that call and each one after it, bench/gpu_watch.sh SECONDS: it prints the status and brings
 # back everything written so far as $OUT/gpu.tgz (a machine given back between calls keeps its files).
+# The machine is given back 30 s after a call: issue the monitoring calls back to back (one batch of
+# calls), not one at a time with work between them (the fourth and fifth leases lost their chains so).
 set -u
 cd "$(dirname "$0")/.."
 LOG=${1:-/tmp/gpu}

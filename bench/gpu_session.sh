@@ -14,7 +14,8 @@
 #   6. (only with SPEED=1) the trainer step at the 27B shape, the world-size cost model, and capture
 #      over 50 passes
 # With TRAIN_STEP=1, between 4 and 5: the 27B trainer step under the --settings in TRAIN_STEP_SETTINGS
-# (default: decay, D-PACE's former two head passes and D-PACE's single pass), side by side on one engine
+# (default: decay, D-PACE's former two head passes and D-PACE's single pass), side by side on one engine,
+# then the optimizer steps on a 1/9 slice (bench/cost_model.py --measure-opt)
 # Each step's output goes to LOG/<step>.log and one line to LOG/status (start, end, exit code, seconds);
 # a step that fails does not stop the ones that do not need it.
 #   setsid bench/gpu_session.sh /tmp/gpu >/dev/null 2>&1 < /dev/null &
@@ -95,6 +96,9 @@ if [ -n "${TRAIN_STEP:-}" ]; then  # the 27B trainer step: decay, D-PACE as it r
     step train_step 240 python3 bench/bench_train_step.py --loss chunked --kernels liger --steps 6 --warmup 2 \
         --settings "${TRAIN_STEP_SETTINGS:-direct+lean+decay,direct+lean+dpace+twopass,direct+lean+dpace,direct+lean+decay}" \
         --json "$LOG/train_step.json"
+    # the optimizer step on 1/9 of the parameters (one of the 27B config's ranks): DeepSpeed's, lean, fused
+    step cost 150 python3 bench/cost_model.py --train-json "$LOG/train_step.json" --measure-opt --world 9 \
+        --json "$LOG/cost.json"
 fi
 
 if [ -f "$RUN/shards/DONE" ]; then

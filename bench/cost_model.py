@@ -169,8 +169,7 @@ def measure_opt(shapes, world: int, steps: int, device: str, hidden: int) -> dic
     x = torch.ones((), device=device, dtype=next(engine.module.parameters()).dtype)
     out = {"params": sum(p.numel() for p in model.parameters()), "world": world}
     for kind in ("deepspeed", "lean", "fused"):
-        if "step" in vars(engine.optimizer):
-            del engine.optimizer.step
+        zero_step.uninstall(engine)  # DeepSpeed's step and gradient path, then this kind's
         zero_step.install(engine, kind, on_gpu=on_gpu)
         times = []
         for i in range(steps + 2):  # two warm-up steps

@@ -132,8 +132,12 @@ def test_fused_words_switch_the_layout_and_a_setting_without_them_restores_the_d
     assert bts.parse_setting("direct+ropebhtd+rmscopy")["rope"] == "bhtd"
     cfg = load_config(None, ["target.kind=tiny_stdlib", "train.max_steps=10"])
     module = TrainForward(small_drafter().train(), "data", None, "dense")
-    engine, *_ = deepspeed.initialize(model=module, optimizer=build_optimizer(cfg, module, fused=True),
-                                      config=deepspeed_config(cfg, 1, False), dist_init_required=False)
+    engine, *_ = deepspeed.initialize(
+        model=module,
+        optimizer=build_optimizer(cfg, module, fused=True),
+        config=deepspeed_config(cfg, 1, False),
+        dist_init_required=False,
+    )
     try:
         bts.apply_setting(engine, bts.parse_setting("direct+lean+ropebhtd+rmscopy"))
         assert fused._switch == {"rope_layout": "bhtd", "rms_norm_in_place": False}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import warnings
 import weakref
 from pathlib import Path
 
@@ -135,10 +136,18 @@ def test_one_kernel_step_follows_torchs_adamw(single_rank_gloo, monkeypatch):
     one = make_engine("fused", False)  # torch's AdamW stays the state's owner; its step must not run
     calls, kernel_calls = [], []
     step = one.optimizer.optimizer.step
-    one.optimizer.optimizer.step = lambda *a, **k: calls.append(1) or step(*a, **k)
+
+    def counted(*a, **k):
+        calls.append(1)
+        return step(*a, **k)
+
+    counted._wrapped_by_lr_sched = step._wrapped_by_lr_sched  # still the LR scheduler's wrapper to its check
+    one.optimizer.optimizer.step = counted
     kernel = fused_adamw._kernel()
     monkeypatch.setattr(fused_adamw, "_kernel", lambda: lambda *a: kernel_calls.append(a[0].numel()) or kernel(*a))
-    one_losses = train(one, data)
+    with warnings.catch_warnings():  # torch's LR scheduler would warn that the optimizer never stepped
+        warnings.filterwarnings("error", message=".*lr_scheduler.step.*before.*optimizer.step", category=UserWarning)
+        one_losses = train(one, data)
     assert calls == []
     groups = one.optimizer.single_partition_of_fp32_groups
     assert len(groups) == 2 and kernel_calls == [g.numel() for g in groups] * 6
@@ -239,6 +248,14 @@ def test_resolve_and_refusals(single_rank_gloo):
     amsgrad.optimizer.optimizer.param_groups[0]["amsgrad"] = True
     with pytest.raises(ValueError, match="amsgrad.*train.optimizer_step=lean"):
         zero_step.install(amsgrad, "fused", on_gpu=True)
+    from dflash_dist.trainer import fused_adamw
+
+    adam = torch.optim.Adam(Net().parameters(), weight_decay=0.01)  # L2 decay: not AdamW's arithmetic
+    assert "L2 weight decay" in fused_adamw.supports(adam, adam.param_groups[0])
+    sgd = torch.optim.SGD(Net().parameters(), lr=0.1)
+    assert "Adam-family" in fused_adamw.supports(sgd, sgd.param_groups[0])
+    adamw = torch.optim.AdamW(Net().parameters(), weight_decay=0.01)
+    assert fused_adamw.supports(adamw, adamw.param_groups[0]) is None
 
 
 @pytest.mark.parametrize("kind", ["lean", "fused"])

@@ -9,7 +9,8 @@ copied into an fp32 flat partition (6 B), torch's kernel (32 B: with `grad_scale
 the unscaled fp32 gradient back) and the fp32 master copied to the bf16 partition (6 B), plus the
 norm's read (2 B). This path moves 34 B (4 B gather, 28 B kernel, 2 B norm).
 
-Measured (docs/BENCHMARKS.md, fifth lease) in its per-tensor form (one call per gradient tensor):
+Measured (docs/BENCHMARKS.md, fifth lease) in its former per-tensor form (one call per gradient
+tensor, the same arithmetic):
 at the 27B shape and world size 1 the optimizer phase went 25 -> 16-20 ms, but on a 1/9 slice (one
 of 9 ranks) it took 15.5 ms against the lean step's 3.8: each compiled call costs ~0.1-0.25 ms of
 host time, 58 tensors a step. Hence the flat gather and one call per group; that form is not yet
@@ -20,9 +21,9 @@ the gradient divided by the clip divisor, the decay, both moments and the bias c
 formed in fp64 (adam_math mixes its double hyper-parameters into those lines) and rounded to fp32
 where adam_math rounds them; the step size, denominator and update are fp32. The compiler (Triton
 on CUDA, C++ on CPU, both through torch.compile) may contract a multiply and an add where nvcc
-contracts others, so it is not bitwise torch's kernel: on the H200 the fp32 masters after 6 steps
-agree within rtol 1e-5 / atol 1e-6 and most elements differ in the last bits
-(tests/test_zero_step.py, CPU and `-m gpu`).
+contracts others, so it is not bitwise torch's kernel: on the H200 (per-tensor form) the fp32
+masters after 6 steps agreed within rtol 1e-5 / atol 1e-6 and most elements differed in the last
+bits (tests/test_zero_step.py, CPU and `-m gpu`).
 
 State: the same `step` / `exp_avg` / `exp_avg_sq` tensors torch's AdamW keeps (created as it
 creates them), so checkpoints keep DeepSpeed's format and resume under either step.
@@ -76,11 +77,17 @@ def _kernel():
     return torch.compile(_adamw, dynamic=True, fullgraph=True)
 
 
-def supports(group: dict) -> str | None:
-    """Why this kernel cannot stand in for torch's AdamW on param group `group` (None: it can)."""
+def supports(optimizer: torch.optim.Optimizer, group: dict) -> str | None:
+    """Why this kernel cannot stand in for `optimizer`'s step on param group `group` (None: it can):
+    AdamW's arithmetic only (decoupled decay; torch's Adam with weight decay adds L2 to the gradient)."""
+    if "betas" not in group or "eps" not in group:
+        return f"{type(optimizer).__name__} (an Adam-family optimizer is needed)"
     for key, ok in (("amsgrad", False), ("maximize", False), ("capturable", False), ("differentiable", False)):
         if bool(group.get(key, False)) != ok:
             return f"AdamW {key}={group.get(key)}"
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
+    if float(group.get("weight_decay", 0.0)) != 0.0 and not decoupled:
+        return f"{type(optimizer).__name__} with L2 weight decay (not AdamW's decoupled decay)"
     if torch.is_tensor(group.get("lr")):
         return "a tensor learning rate"
     return None
@@ -140,3 +147,6 @@ def step_group(
     m, v = state["exp_avg"], state["exp_avg_sq"]
     _kernel()(master, m, v, _flat(grads, master.numel(), low), low, *args)
     state["step"] -= found_inf
+    # what torch's step wrapper records: the LR scheduler would otherwise warn that its first step
+    # came before the optimizer's and that it skipped a value (it does not skip one)
+    optimizer._opt_called = True

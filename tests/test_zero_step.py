@@ -296,19 +296,19 @@ def test_two_rank_zero2_run_with_the_lean_step_follows_the_pinned_curve(kind, ti
 BUCKET = 400  # reduce_bucket_size: a.weight (768) is past it, b.weight (384), a.bias and g are not
 
 
-def cut_engine(cuts: bool, grad_accum: int, overlap: bool, world: int = 1):
+def cut_engine(cuts: bool, grad_accum: int, overlap: bool, world: int = 1, device: str = "cpu", kind: str = "lean"):
     """A bf16 ZeRO-2 engine with the lean step (the trainer's GPU config), with or without the cuts."""
     import deepspeed
 
     cfg = cfg_for(grad_accum=grad_accum)
-    model = Net()
+    model = Net().to(device)
     opt = build_optimizer(cfg, model, fused=True)
     ds = deepspeed_config(cfg, world, True)
     ds["zero_optimization"].update(overlap_comm=overlap, reduce_bucket_size=BUCKET)
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=opt, lr_scheduler=build_lr_schedule(cfg, opt, 50), config=ds, dist_init_required=False
     )
-    assert zero_step.install(engine, "lean", on_gpu=True, grad_cuts=cuts) == "lean"
+    assert zero_step.install(engine, kind, on_gpu=True, grad_cuts=cuts) == kind
     return engine
 
 
@@ -535,3 +535,22 @@ def test_cuda_one_kernel_step_matches_torchs_fused_adamw(single_rank_nccl):
     assert int(one.optimizer.dflash_skipped_steps) == 1
     for name, w in weights(one).items():
         assert torch.equal(w, before[name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["lean", "fused"])
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_cuda_grad_path_cuts_are_bitwise_with_overlap_comm(grad_accum, kind, single_rank_nccl):
+    """The gradient-path cuts on CUDA with overlap_comm (the large gradient reduced on DeepSpeed's
+    side stream and then read in place by the step): bitwise the run without them, for the lean
+    step and the one-kernel AdamW (one call per group)."""
+    data = batches(4 * grad_accum, device="cuda")
+    runs = {}
+    for cuts in (False, True):
+        engine = cut_engine(cuts, grad_accum, True, device="cuda", kind=kind)
+        runs[cuts] = run_and_inspect(engine, data, grad_accum), state_of(engine)
+    (ref, ref_state), (cut, cut_state) = runs[False], runs[True]
+    assert cut["losses"] == ref["losses"] and cut["norms"] == ref["norms"]
+    assert_bitwise(cut_state, ref_state)
+    assert ref["divides"] > 0 and cut["divides"] == 0
+    assert cut["storages"] == [sorted([768 * 2, (384 + 48 + 48) * 2])] * 4 != ref["storages"]

@@ -40,9 +40,23 @@ class _HeadPasses(TorchDispatchMode):
         return out
 
 
-def test_settings_parse_and_switch_a_running_engine(single_rank_gloo):
+def _tiny_engine():
+    """The bench's engine at a tiny size: a small drafter in the trainer's TrainForward, DeepSpeed on
+    CPU with the trainer's optimizer and config (DeepSpeed's own step until a setting installs one)."""
     import deepspeed
 
+    cfg = load_config(None, ["target.kind=tiny_stdlib", "train.max_steps=10"])
+    module = TrainForward(small_drafter().train(), "data", None, "dense")
+    engine, *_ = deepspeed.initialize(
+        model=module,
+        optimizer=build_optimizer(cfg, module, fused=True),
+        config=deepspeed_config(cfg, 1, False),
+        dist_init_required=False,
+    )
+    return engine
+
+
+def test_settings_parse_and_switch_a_running_engine(single_rank_gloo):
     assert bts.parse_setting("create+ds") == bts.BEFORE
     after = bts.parse_setting("direct+lean+splitkv+noovf")
     assert after == {"mask": "direct", "step": "lean", "ovf": False, "kv": True, "grads": "ds"}
@@ -52,14 +66,8 @@ def test_settings_parse_and_switch_a_running_engine(single_rank_gloo):
         bts.parse_setting("direct+ds+leangrads")
     with pytest.raises(SystemExit, match="unknown word"):
         bts.parse_setting("direct+fast")
-    cfg = load_config(None, ["target.kind=tiny_stdlib", "train.max_steps=10"])
-    module = TrainForward(small_drafter().train(), "data", None, "dense")
-    engine, *_ = deepspeed.initialize(
-        model=module,
-        optimizer=build_optimizer(cfg, module, fused=True),
-        config=deepspeed_config(cfg, 1, False),
-        dist_init_required=False,
-    )
+    engine = _tiny_engine()
+    module = engine.module
     bts.apply_setting(engine, after)
     opt = engine.optimizer
     assert engine.module.block_mask == "direct" and not opt.check_grad_overflow
@@ -125,19 +133,10 @@ def test_phase_flops_add_up_to_the_total():
 
 def test_fused_words_switch_the_layout_and_a_setting_without_them_restores_the_defaults(single_rank_gloo):
     """ropebhtd/rmscopy (issue 24's former forms) reach fused.py; a setting without them gets the new defaults."""
-    import deepspeed
-
     from dflash_dist.model import fused
 
     assert bts.parse_setting("direct+ropebhtd+rmscopy")["rope"] == "bhtd"
-    cfg = load_config(None, ["target.kind=tiny_stdlib", "train.max_steps=10"])
-    module = TrainForward(small_drafter().train(), "data", None, "dense")
-    engine, *_ = deepspeed.initialize(
-        model=module,
-        optimizer=build_optimizer(cfg, module, fused=True),
-        config=deepspeed_config(cfg, 1, False),
-        dist_init_required=False,
-    )
+    engine = _tiny_engine()
     try:
         bts.apply_setting(engine, bts.parse_setting("direct+lean+ropebhtd+rmscopy"))
         assert fused._switch == {"rope_layout": "bhtd", "rms_norm_in_place": False}

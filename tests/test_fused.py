@@ -107,12 +107,8 @@ def _gpu_drafter(dtype):
     return d.to(dtype)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("kernels", ["liger", "compile"])
-def test_gpu_fast_kernels_match_torch_in_bf16(kernels):
-    """bf16 on CUDA, flex_attention: the liger / compiled sets against the torch reference on the
-    same weights and batch: loss to 1e-2 relative, gradients to bf16 noise (a few 1e-2)."""
-    d = _gpu_drafter(torch.bfloat16)
+def _gpu_batch():
+    """Two CUDA sequences of 512 tokens for _gpu_drafter: ids, bf16 features, loss mask, 64 anchors."""
     s = 512
     g = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, 8000, (2, s), device="cuda", generator=g)
@@ -120,7 +116,16 @@ def test_gpu_fast_kernels_match_torch_in_bf16(kernels):
     lm = torch.ones(2, s, device="cuda")
     pos = torch.sort(torch.randperm(s - 1, generator=torch.Generator().manual_seed(2))[:64]).values
     anchors = Anchors(torch.stack([pos, pos]).cuda(), torch.ones(2, 64, dtype=torch.bool, device="cuda"))
-    batch = (ids, feats, lm, anchors)
+    return ids, feats, lm, anchors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels", ["liger", "compile"])
+def test_gpu_fast_kernels_match_torch_in_bf16(kernels):
+    """bf16 on CUDA, flex_attention: the liger / compiled sets against the torch reference on the
+    same weights and batch: loss to 1e-2 relative, gradients to bf16 noise (a few 1e-2)."""
+    d = _gpu_drafter(torch.bfloat16)
+    batch = _gpu_batch()
     ref, ref_g = _loss_and_grads(d, batch)
     d.set_kernels(kernels)
     out, gr = _loss_and_grads(d, batch)
@@ -246,14 +251,7 @@ def test_gpu_rope_layout_and_in_place_norm_are_bitwise(kernels, restore_switches
     defaults drop the norm backward's zeros_like (4 per layer + 2) and its dY copies."""
     d = _gpu_drafter(torch.bfloat16)
     d.set_kernels(kernels)
-    s = 512
-    g = torch.Generator(device="cuda").manual_seed(1)
-    ids = torch.randint(0, 8000, (2, s), device="cuda", generator=g)
-    feats = torch.randn(2, s, 3 * 512, device="cuda", generator=g).bfloat16()
-    lm = torch.ones(2, s, device="cuda")
-    pos = torch.sort(torch.randperm(s - 1, generator=torch.Generator().manual_seed(2))[:64]).values
-    anchors = Anchors(torch.stack([pos, pos]).cuda(), torch.ones(2, 64, dtype=torch.bool, device="cuda"))
-    batch = (ids, feats, lm, anchors)
+    batch = _gpu_batch()
     runs, ops = {}, {}
     for layout, in_place in (("bhtd", False), ("bthd", False), ("bhtd", True), ("bthd", True)):
         fused.set_rope_layout(layout)

@@ -489,6 +489,18 @@ def single_rank_nccl(monkeypatch):
     reset_deepspeed_groups()
 
 
+def assert_nan_batch_skipped(engine) -> None:
+    """One optimizer step (2 micro-batches) whose gradient is NaN: skipped on the device, counted in
+    dflash_skipped_steps, every weight bitwise unchanged."""
+    before = weights(engine)
+    x, y = batches(1)[0]
+    x[0, 0] = float("nan")
+    train(engine, [(x, y), (x, y)])
+    assert int(engine.optimizer.dflash_skipped_steps) == 1
+    for name, w in weights(engine).items():
+        assert torch.equal(w, before[name]), name
+
+
 @pytest.mark.gpu
 def test_cuda_bf16_lean_step_matches_deepspeeds_step(single_rank_nccl):
     """bf16 weights, fp32 masters, fused AdamW on CUDA: lean vs DeepSpeed's step over 6 steps with
@@ -502,13 +514,7 @@ def test_cuda_bf16_lean_step_matches_deepspeeds_step(single_rank_nccl):
     masters = [p.float() for p in ref.optimizer.single_partition_of_fp32_groups]
     for m_ref, m_lean in zip(masters, lean.optimizer.single_partition_of_fp32_groups):
         torch.testing.assert_close(m_lean, m_ref, rtol=1e-3, atol=1e-4)
-    before = weights(lean)
-    x, y = batches(1)[0]
-    x[0, 0] = float("nan")
-    train(lean, [(x, y), (x, y)])
-    assert int(lean.optimizer.dflash_skipped_steps) == 1
-    for name, w in weights(lean).items():
-        assert torch.equal(w, before[name]), name
+    assert_nan_batch_skipped(lean)
 
 
 @pytest.mark.gpu
@@ -528,13 +534,7 @@ def test_cuda_one_kernel_step_matches_torchs_fused_adamw(single_rank_nccl):
     for p, flat in zip(one.optimizer.bit16_groups, one.optimizer.single_partition_of_fp32_groups):
         low = torch.cat([q.detach().reshape(-1) for q in p])
         assert torch.equal(low, flat[: low.numel()].to(low.dtype))
-    before = weights(one)
-    x, y = batches(1)[0]
-    x[0, 0] = float("nan")
-    train(one, [(x, y), (x, y)])
-    assert int(one.optimizer.dflash_skipped_steps) == 1
-    for name, w in weights(one).items():
-        assert torch.equal(w, before[name]), name
+    assert_nan_batch_skipped(one)
 
 
 @pytest.mark.gpu

@@ -103,39 +103,22 @@ def _state(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict:
     return state
 
 
-def _flat(grads: list[torch.Tensor], size: int, low: torch.Tensor) -> torch.Tensor:
-    """The partition's gradients as one flat tensor of `size` elements in their own dtype (zero pad
-    at the end): the gradient itself when it already is one, else one multi-tensor copy. One
-    kernel call per group, not one per tensor: each compiled call costs ~0.1-0.25 ms of host time
-    (guards, wrapper), which at 1/9 of the 27B drafter's parameters (58 tensors) made the step
-    host-bound, 15.5 ms against the lean step's 3.8 (docs/BENCHMARKS.md)."""
-    if len(grads) == 1 and grads[0].is_contiguous() and grads[0].numel() == size:
-        return grads[0].reshape(-1)
-    dtype = grads[0].dtype if grads else low.dtype
-    flat = torch.empty(size, dtype=dtype, device=low.device)
-    sizes = [g.numel() for g in grads]
-    used = sum(sizes)
-    assert used <= size, f"gradient partition holds {used} > {size} elements"
-    if grads:
-        torch._foreach_copy_(list(flat[:used].split(sizes)), [g.reshape(-1) for g in grads])
-    if used < size:  # the partition's zero pad: a zero gradient, as the flat fp32 copy gives torch's kernel
-        flat[used:].zero_()
-    return flat
-
-
 @torch.no_grad()
 def step_group(
     optimizer: torch.optim.Optimizer,
     group: dict,
     master: torch.Tensor,
-    grads: list[torch.Tensor],
+    grad: torch.Tensor,
     low: torch.Tensor,
     scale: torch.Tensor | None,
     found_inf: torch.Tensor,
 ) -> None:
-    """One AdamW step of the flat fp32 `master` (the only param of `group`) from `grads`, the
-    gradient partition in order (their sizes sum to at most master's; the rest is the zero pad a
-    partition ends with), writing the updated weights also into `low` (the bf16 partition).
+    """One AdamW step of the flat fp32 `master` (the only param of `group`) from `grad`, the flat
+    gradient partition (its zero pad included; zero_step._flat gathers it, any float dtype), writing
+    the updated weights also into `low` (the bf16 partition). One kernel call per group, not one per
+    tensor: each compiled call costs ~0.1-0.25 ms of host time (guards, wrapper), which at 1/9 of
+    the 27B drafter's parameters (58 tensors) made the step host-bound, 15.5 ms against the lean
+    step's 3.8 (docs/BENCHMARKS.md).
     `scale` divides the gradients (None: 1); `found_inf` 1.0 skips the update and the step count."""
     state = _state(optimizer, master)
     beta1, beta2 = (float(b) for b in group["betas"])
@@ -145,7 +128,7 @@ def step_group(
     lr_wd, step_size, bc2_sqrt = _scalars(state["step"], float(group["lr"]), float(group["weight_decay"]), beta1, beta2)
     args = (lr_wd, step_size, bc2_sqrt, scale, found_inf, beta1, beta2, float(group["eps"]))
     m, v = state["exp_avg"], state["exp_avg_sq"]
-    _kernel()(master, m, v, _flat(grads, master.numel(), low), low, *args)
+    _kernel()(master, m, v, grad, low, *args)
     state["step"] -= found_inf
     # what torch's step wrapper records: the LR scheduler would otherwise warn that its first step
     # came before the optimizer's and that it skipped a value (it does not skip one)

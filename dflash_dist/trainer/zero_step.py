@@ -101,6 +101,9 @@ def install(engine, kind: str, on_gpu: bool, grad_cuts: bool = True) -> str:
         why = next(filter(None, (fused_adamw.supports(opt.optimizer, g) for g in opt.optimizer.param_groups)), None)
         if why is not None:
             raise ValueError(f"train.optimizer_step=fused does not support {why}: set train.optimizer_step=lean")
+        for i, group in enumerate(opt.optimizer.param_groups):  # the kernel updates the flat partition itself
+            if len(group["params"]) != 1 or group["params"][0] is not opt.single_partition_of_fp32_groups[i]:
+                raise RuntimeError(f"optimizer param group {i} is not DeepSpeed's flat fp32 partition")
     opt.dflash_one_kernel = kernel
     opt.step = types.MethodType(lean_step, opt)
     opt.dflash_skipped_steps = torch.zeros((), dtype=torch.int64, device=opt.device)
@@ -206,12 +209,13 @@ def clip_scale(opt, norm: torch.Tensor) -> torch.Tensor | None:
     return scale
 
 
-def _flat_fp32(opt, i: int, grads: list[torch.Tensor]) -> torch.Tensor:
-    """Group i's gradients copied once into a flat partition of the master weights' dtype (zero
-    padded to the partition size, as flatten_dense_tensors_aligned pads the last rank's)."""
+def _flat(opt, i: int, grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Group i's gradients copied once into a flat partition of `dtype` (zero padded to the
+    partition size, as flatten_dense_tensors_aligned pads the last rank's): fp32 for torch's
+    AdamW, the gradients' own dtype for the one-kernel AdamW."""
     master = opt.single_partition_of_fp32_groups[i]
     size = int(opt.partition_size[i])
-    flat = torch.empty(size, dtype=master.dtype, device=master.device)
+    flat = torch.empty(size, dtype=dtype, device=master.device)
     sizes = [g.numel() for g in grads]
     used = sum(sizes)
     assert used <= size, f"gradient partition of group {i} holds {used} > {size} elements"
@@ -254,27 +258,25 @@ def lean_step(self, closure=None) -> None:
         partition_id = dist.get_rank(group=self.real_dp_process_group[i])
         master = self.single_partition_of_fp32_groups[i]
         low = self.parallel_partitioned_bit16_groups[i][partition_id]
-        if one_kernel:  # bf16 gradients in, fp32 master and bf16 partition out, in one pass
-            from dflash_dist.trainer import fused_adamw
-
-            group = self.optimizer.param_groups[i]
-            if len(group["params"]) != 1 or group["params"][0] is not master:
-                raise RuntimeError(f"optimizer param group {i} is not DeepSpeed's flat fp32 partition")
-            fused_adamw.step_group(self.optimizer, group, master, grads[i], low, scale, found_inf)
-            self._lazy_init_hp_params_optimizer_state()
-            grads[i] = None
         self.free_grad_in_param_list(self.params_not_in_partition[i])
-        if not one_kernel:
-            flat = _flat_fp32(self, i, grads[i])
-            grads[i] = None
-            master.grad = flat
+        g = grads[i]
+        if one_kernel and len(g) == 1 and g[0].is_contiguous() and g[0].numel() == master.numel():
+            flat = g[0].reshape(-1)  # the partition already is one tensor: the kernel reads it as it is
+        else:  # one copy: bf16 for the one-kernel AdamW, fp32 for torch's
+            flat = _flat(self, i, g, low.dtype if one_kernel else master.dtype)
+        grads[i] = g = None
         self.free_grad_in_param_list(self.params_in_partition[i])
         self._release_preflattened_grad_buffers(i)
         self.averaged_gradients[i] = None
         self.all_grad_tensors[i] = None
-        if one_kernel:
-            continue
         inner = self.optimizer
+        if one_kernel:  # bf16 gradients in, fp32 master and bf16 partition out, in one pass
+            from dflash_dist.trainer import fused_adamw
+
+            fused_adamw.step_group(inner, inner.param_groups[i], master, flat, low, scale, found_inf)
+            self._lazy_init_hp_params_optimizer_state()
+            continue
+        master.grad = flat
         if fused:  # clip and skip inside torch's fused AdamW kernel (GradScaler's interface)
             inner.grad_scale, inner.found_inf = scale, found_inf
         elif scale is not None:

@@ -1,11 +1,12 @@
 """The lean ZeRO step (trainer/zero_step.py) against DeepSpeed's own, on real DeepSpeed engines
 over gloo: the same losses and weights within fp32 rounding with clipping active (fused and
 foreach AdamW, two parameter groups, gradient accumulation), a non-finite gradient skipped on the
-device, checkpoints of the same format and an exact resume; at 2 ranks (ZeRO-2 partitions split
-inside tensors) the pinned loss curve's run within fp32 noise; the gradient path cuts (bf16 as on a
-GPU): bitwise the same run without them at 1 and 2 ranks, accumulation 1 and 2, overlap_comm on and
-off, the divide and the large copy really gone, restored by uninstall, exact resume; on CUDA
-(`-m gpu`) bf16 engines."""
+device, checkpoints of the same format and an exact resume (also a lean or DeepSpeed-step
+checkpoint resumed under the one-kernel step); at 2 ranks (ZeRO-2 partitions split inside tensors)
+the pinned loss curve's run within fp32 noise; the gradient path cuts (bf16 as on a GPU): bitwise
+the same run without them at 1 and 2 ranks, accumulation 1 and 2, overlap_comm on and off, the
+divide and the large copy really gone, restored by uninstall, exact resume; on CUDA (`-m gpu`)
+bf16 engines."""
 
 from __future__ import annotations
 
@@ -226,6 +227,43 @@ def test_lean_checkpoints_have_deepspeeds_format_and_resume_exactly(kind, tmp_pa
     train(other, data[4:])
     for name, w in weights(first).items():
         torch.testing.assert_close(weights(other)[name], w, rtol=1e-5, atol=1e-6)
+
+
+def _optimizer_state(engine) -> list[torch.Tensor]:
+    """The fp32 masters and every AdamW state tensor (step counts included), as exact copies."""
+    opt = engine.optimizer
+    state = [s[k].detach().clone() for s in opt.optimizer.state.values() for k in ("step", "exp_avg", "exp_avg_sq")]
+    return [m.detach().clone() for m in opt.single_partition_of_fp32_groups] + state
+
+
+@pytest.mark.parametrize("writer", ["lean", "deepspeed"])
+def test_checkpoint_of_another_step_resumes_under_the_one_kernel_step(writer, tmp_path, single_rank_gloo):
+    """A checkpoint written under the lean step or DeepSpeed's own, resumed with
+    train.optimizer_step=fused: bitwise the writing run switched to the one-kernel AdamW in memory
+    (the same state, never stopped: the same weights, masters, moments, step counts and LR), and
+    within the fused-vs-deepspeed resume tolerance of a run under fused from the start."""
+    data = batches(10)  # 5 optimizer steps of 2 micro-batches, the checkpoint after 2
+    first = make_engine(writer, fused=True)
+    train(first, data[:4])
+    first.save_checkpoint(str(tmp_path), tag="t")
+    zero_step.uninstall(first)  # the same engine continues under the one-kernel step
+    assert zero_step.install(first, "fused", on_gpu=False) == "fused"
+    train(first, data[4:])
+    resumed = make_engine("fused", fused=True)
+    resumed.load_checkpoint(str(tmp_path), tag="t")
+    lr_at_load = resumed.get_lr()
+    train(resumed, data[4:])
+    assert lr_at_load != make_engine("fused", fused=True).get_lr()  # the schedule came back, not its start
+    assert resumed.get_lr() == first.get_lr() and resumed.global_steps == first.global_steps == 5
+    assert [float(s["step"]) for s in resumed.optimizer.optimizer.state.values()] == [5.0, 5.0]
+    for name, w in weights(first).items():
+        assert torch.equal(weights(resumed)[name], w), name
+    assert_bitwise(_optimizer_state(resumed), _optimizer_state(first))
+    assert int(resumed.optimizer.dflash_skipped_steps) == 0
+    fused_throughout = make_engine("fused", fused=True)
+    train(fused_throughout, data)
+    for name, w in weights(fused_throughout).items():
+        torch.testing.assert_close(weights(resumed)[name], w, rtol=1e-5, atol=1e-6)
 
 
 def test_resolve_and_refusals(single_rank_gloo):

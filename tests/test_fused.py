@@ -4,6 +4,8 @@ the loss's finite check stays on the device."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -25,9 +27,12 @@ def _batch(d: DFlashDrafter, seed: int = 7, s: int = 24, device: str = "cpu"):
     return to(ids), to(feats), to(lm), Anchors(to(anchors.positions), to(anchors.keep))
 
 
-def _loss_and_grads(d: DFlashDrafter, batch, **kw):
+def _loss_and_grads(d: DFlashDrafter, batch, on_graph=None, **kw):
+    """Loss output and every trainable gradient; `on_graph(loss.grad_fn)` runs before the backward."""
     d.zero_grad(set_to_none=True)
     out = dflash_loss(d, *batch, gamma=3.0, **kw)
+    if on_graph is not None:
+        on_graph(out.loss.grad_fn)
     out.loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in d.named_parameters() if p.requires_grad}
     return out, grads
@@ -98,9 +103,19 @@ def _gpu_drafter(dtype):
     from dflash_dist.model.config import DrafterConfig
 
     torch.manual_seed(0)
-    cfg = DrafterConfig(hidden_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-                        head_dim=64, intermediate_size=1536, vocab_size=8192, target_layer_ids=(1, 3, 5),
-                        num_target_layers=8, block_size=16, mask_token_id=8191)
+    cfg = DrafterConfig(
+        hidden_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=1536,
+        vocab_size=8192,
+        target_layer_ids=(1, 3, 5),
+        num_target_layers=8,
+        block_size=16,
+        mask_token_id=8191,
+    )
     with torch.device("cuda"):
         d = DFlashDrafter(cfg)
         d.set_target_weights(torch.randn(8192, 512), torch.randn(8192, 512) * 512**-0.5)
@@ -198,6 +213,26 @@ def restore_switches():
     fused.set_rms_norm_in_place(True)
 
 
+def _is_heads(g: torch.Tensor | None) -> bool:
+    return g is not None and g.dim() == 4
+
+
+def _compiled_heads_grads(root, contiguous: list[bool]) -> None:
+    """Hook every compiled function's backward in the autograd graph under `root`: append whether
+    each [b, T, heads, d] gradient it hands out is contiguous. In the drafter those are the q/k
+    heads' gradients out of the compile set's norm + RoPE graph (its other compiled functions take
+    [b, T, hidden] or [rows, V]): strided when RoPE runs after the transpose, as the eager forms."""
+    seen, todo = set(), [root]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node.name() == "CompiledFunctionBackward":
+            node.register_hook(lambda g_in, _: contiguous.extend(g.is_contiguous() for g in g_in if _is_heads(g)))
+        todo.extend(n for n, _ in node.next_functions)
+
+
 def _same(a, b) -> bool:
     (out_a, g_a), (out_b, g_b) = a, b
     return torch.equal(out_a.loss, out_b.loss) and all(torch.equal(g_a[n], g_b[n]) for n in g_a)
@@ -208,7 +243,9 @@ def test_compiled_set_rope_layouts_are_bitwise_equal(dtype, restore_switches):
     """The compile set's q/k RoPE on [b, T, heads, d] (default) gives bitwise the loss and every
     gradient of RoPE after the transpose (its form before issue 24), with either k/v projection,
     each graph compiled alike: from a reset, called until q's and k's shapes made it dynamic (the
-    fp32 norm-weight gradient of a static and a dynamic kernel differ in the last bit)."""
+    fp32 norm-weight gradient of a static and a dynamic kernel differ in the last bit). The switch
+    reached the compiled graph: q's and k's gradients out of it (each layer) are strided after the
+    transpose (bhtd), contiguous before it (bthd)."""
     assert fused._switch["rope_layout"] == "bthd"
     with pytest.raises(ValueError, match="rope layout"):
         fused.set_rope_layout("bshd")
@@ -223,13 +260,23 @@ def test_compiled_set_rope_layouts_are_bitwise_equal(dtype, restore_switches):
         for layout in ("bhtd", "bthd"):
             fused.set_rope_layout(layout)
             _loss_and_grads(d, batch)
-            runs[layout] = _loss_and_grads(d, batch)
+            contiguous: list[bool] = []
+            runs[layout] = _loss_and_grads(
+                d, batch, on_graph=functools.partial(_compiled_heads_grads, contiguous=contiguous)
+            )
+            assert contiguous == [layout == "bthd"] * (2 * d.config.num_hidden_layers), (layout, contiguous)
         assert _same(runs["bhtd"], runs["bthd"])
 
 
-def test_new_rope_layout_hands_the_norm_a_contiguous_gradient():
+def test_new_rope_layout_hands_the_norm_a_contiguous_gradient(restore_switches):
     """RoPE before the transpose: the gradient into the q/k norm is contiguous (liger's backward
-    copies a strided one); after it (the former order) it is the transposed, strided one."""
+    copies a strided one); after it (the former order) it is the transposed, strided one. The
+    compile set's own function through set_rope_layout: each layout runs its own compiled graph
+    (dynamo's cache holds the bhtd function's code only until bthd is chosen), and the gradient it
+    hands q's heads (its norm is inside the graph) is strided after the switch to bhtd, contiguous
+    with bthd, with the same values and output strides. (liger's set needs CUDA: pytest -m gpu.)"""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as cache_entries
+
     y = torch.randn(2, 12, 4, 8, requires_grad=True)  # the q/k norm's output [b, T, heads, d]
     ang = torch.randn(2, 12, 8)
     cos, sin = ang.cos(), ang.sin()
@@ -241,6 +288,22 @@ def test_new_rope_layout_hands_the_norm_a_contiguous_gradient():
     (g_old,) = torch.autograd.grad(old, y, g)
     assert torch.equal(g_new, g_old)
     assert g_new.is_contiguous() and not g_old.is_contiguous()
+
+    torch._dynamo.reset()
+    x = torch.randn(2, 12, 4, 8, requires_grad=True)  # q's heads, the projection's view
+    weight = torch.rand(8) + 0.5
+    norm_rope = fused.norm_rope_fn("compile")
+    compiled, outs, grads = {}, {}, {}
+    for layout in ("bhtd", "bthd"):
+        fused.set_rope_layout(layout)
+        outs[layout] = norm_rope(x, weight, 1e-6, cos, sin)
+        (grads[layout],) = torch.autograd.grad(outs[layout], x, g)
+        compiled[layout] = [len(cache_entries(f.__code__)) > 0 for f in (fused.norm_rope_bhtd_ref, fused.norm_rope_ref)]
+    assert compiled == {"bhtd": [True, False], "bthd": [True, True]}
+    assert not grads["bhtd"].is_contiguous() and grads["bthd"].is_contiguous()
+    assert outs["bhtd"].stride() == outs["bthd"].stride() == new.stride()
+    torch.testing.assert_close(outs["bthd"], outs["bhtd"], rtol=0, atol=0)
+    torch.testing.assert_close(grads["bthd"], grads["bhtd"], rtol=0, atol=0)
 
 
 @pytest.mark.gpu

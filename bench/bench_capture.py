@@ -20,7 +20,9 @@ threads or processes while the GPU runs on (capture_sink.py; finished shards are
 params = all weights (26.9B here, as SPEC 6's anchor counts them); the share without the input
 embedding (25.6B) is printed too. Tokens are real (unpadded) tokens.
 
-The `job` sink is capture_job's own path (CaptureJob.capture_passes, --writers writer processes).
+The `job` sink is capture_job's own path (CaptureJob.capture_passes, --writers writer processes);
+`job:kernel` and `job:idle` run it with capture.writeback_idle false / true, side by side. Its line
+also gives the drain: the seconds from the last pass's compute and copies to the last shard listed.
 --e2e-batches 50 --e2e-distinct 10 runs 50 passes cycling through 10 distinct batches (warmed
 once; their first-sight figure is printed), and finished shards are deleted as they land
 (ShardJanitor) so ~75 GB of shards fit a 64 GB disk:
@@ -221,7 +223,8 @@ def run_compute(model: nn.Module, batches: list[Batch], layer_ids: list[int], ma
     return time.perf_counter() - t0
 
 
-def run_job(model, batches: list[Batch], layer_ids: list[int], a, provenance, mode: str, passes_n: int) -> tuple:
+def run_job(model, batches: list[Batch], layer_ids: list[int], a, provenance, mode: str, passes_n: int,
+            writeback: str | None = None) -> tuple:
     """capture_job's own path (CaptureJob.capture_passes: host ids -> device, capture, side-stream
     copies into pinned buffers, --writers writer processes; fuse_target for the fused modes) over
     `passes_n` passes cycling through `batches` (keys made unique per round); finished shards are
@@ -235,6 +238,8 @@ def run_job(model, batches: list[Batch], layer_ids: list[int], a, provenance, mo
     cfg = Config()
     cfg.capture.writers, cfg.capture.shard_bytes = a.writers, a.shard_bytes
     cfg.capture.token_budget = max(b.padded_tokens for b in batches)
+    if writeback is not None:  # sink "job:idle" / "job:kernel": capture.writeback_idle true / false
+        cfg.capture.writeback_idle = {"idle": True, "kernel": False}[writeback]
     unfuse(model)
     if mode != "eager":
         fuse_target(model, layers=mode == "fused2")
@@ -445,11 +450,12 @@ def measure_end_to_end(model, v: Variant, a, layer_ids, params, kernel_path: str
         print(f"disk write bandwidth (fsync, {a.disk_gib} GiB in 16 MiB blocks) under {Path(a.shard_dir).parent}: "
               f"{bw / 1e9:.2f} GB/s", flush=True)
     for sink in a.sinks.split(","):
-        if sink == "job":
+        if sink.split(":")[0] == "job":
             try:
                 if v.mode == "fused":
                     raise ValueError("the job sink runs capture_job's modes: eager, fusedconv or fused2 (fuse_target)")
-                loop_s, secs, c = run_job(model, batches, layer_ids, a, prov, v.mode, a.e2e_batches)
+                wb = sink.split(":")[1] if ":" in sink else None
+                loop_s, secs, c = run_job(model, batches, layer_ids, a, prov, v.mode, a.e2e_batches, wb)
                 reps = a.e2e_batches / len(batches)
             except Exception as e:
                 out[sink] = {"error": f"{type(e).__name__}: {e}"}
@@ -460,14 +466,16 @@ def measure_end_to_end(model, v: Variant, a, layer_ids, params, kernel_path: str
             per_token = c.bytes / max(1, c.tokens)
             f.update(gpu_loop=loop, shards=c.shards, shard_gb=round(c.bytes / 1e9, 2), samples=c.samples,
                      writer_busy_s=round(c.busy_s, 2), gpu_waited_s=round(c.gpu_waited_s, 2), writers=a.writers,
-                     writer_jobs=c.jobs, bytes_per_token=round(per_token))
+                     writer_jobs=c.jobs, bytes_per_token=round(per_token), drain_s=round(secs - loop_s, 2),
+                     writebacks=c.writebacks)
             if "disk_write_gb_s" in out:
                 f["disk_bound_tokens_per_s"] = round(out["disk_write_gb_s"] * 1e9 / per_token)
             out[sink] = f
-            print(line(f"end to end, capture_job {v.mode}", f) + f"  {c.shards} shards, {f['shard_gb']} GB, "
+            print(line(f"end to end, capture_job {v.mode} ({sink})", f) + f"  {c.shards} shards, {f['shard_gb']} GB, "
                   f"{c.jobs} writer jobs (row groups) from {a.e2e_batches} passes, "
                   f"writers busy {f['writer_busy_s']} s, GPU thread waited {f['gpu_waited_s']} s for a buffer; "
-                  f"GPU loop alone {loop['tokens_per_s']:.0f} tok/s ({100 * loop['bound_share']:.1f}%); the disk "
+                  f"GPU loop alone {loop['tokens_per_s']:.0f} tok/s ({100 * loop['bound_share']:.1f}%), then "
+                  f"{f['drain_s']} s to the last shard listed, {c.writebacks} write-backs started; the disk "
                   f"allows {f.get('disk_bound_tokens_per_s', 0)} tok/s at {per_token / 1e3:.1f} kB/token", flush=True)
             continue
         try:
@@ -516,7 +524,8 @@ def main(argv: list[str] | None = None) -> int:
         "--sinks",
         default="threads,processes,d2h",
         help="end-to-end runs: job (capture_job's own path: CaptureJob.capture_passes, capture.writers writer "
-        "processes), the bench's writer threads or processes, or device-to-host copies only",
+        "processes; job:idle / job:kernel with capture.writeback_idle true / false), the bench's writer threads "
+        "or processes, or device-to-host copies only",
     )
     ap.add_argument("--writers", type=int, default=2)
     ap.add_argument("--disk-gib", type=float, default=4.0, help="GiB written to measure the disk (0: skip)")

@@ -4,6 +4,10 @@ A shard is written as `.tmp-<prefix>-<pid>-<rand>.tar`, fsynced, then renamed to
 `<prefix>-<NNNNNN>.tar`; only after the rename is its ShardRecord appended to manifest.jsonl,
 with the XXH3 digest of every tar member, hashed from the encoded bytes as they are written (no
 second pass; the reader checks them as it streams, checksums.py).
+`start_writeback()` hands what an open shard holds so far to the disk without waiting: a capture
+writer process calls it whenever it is idle (capture.writeback_idle), so a shard's closing fsync,
+and the capture's drain after its last pass, wait for the tail only, not for up to a whole shard
+that the kernel kept dirty in the page cache.
 Rename and append happen under an fcntl lock on `.manifest.lock` (plus a per-process thread
 lock), so several writers (one per target actor, any prefixes) can share one directory. A
 writer that dies leaves at most a `.tmp-*` file and no manifest line; a crash in the middle of
@@ -151,6 +155,8 @@ class ShardWriter:
         self.max_shard_bytes = max_shard_bytes
         self.prefix = prefix
         self.before_open = before_open
+        self.writeback_calls = 0  # write-backs started by start_writeback (diagnostics, tests)
+        self._written_back = 0  # bytes of the open shard handed to the disk so far
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._name_re = re.compile(re.escape(prefix) + r"-(\d+)\.tar")
         self._next_index = 0
@@ -207,6 +213,26 @@ class ShardWriter:
         self._tokens += sample.num_tokens
         return finished
 
+    def start_writeback(self) -> int:
+        """Start the disk write of the open shard's bytes written since the last call, without
+        waiting for it; returns how many bytes (0: no shard open, nothing new, or a platform
+        without posix_fadvise). Linux starts write-back of a range's dirty pages on
+        POSIX_FADV_DONTNEED (WB_SYNC_NONE: the I/O is queued, not awaited) and then drops only the
+        range's clean pages, which just-written ones are not; PostgreSQL's pg_flush_data falls
+        back to the same call. The bytes still in tarfile's stream buffer (< 10 KiB) go with the
+        next call or the closing fsync. Called while the writer has nothing else to do: the
+        queueing can block on a busy disk."""
+        if self._file is None or not hasattr(os, "posix_fadvise"):
+            return 0
+        self._file.flush()
+        end = self._file.tell()
+        n = end - self._written_back
+        if n > 0:
+            os.posix_fadvise(self._file.fileno(), self._written_back, n, os.POSIX_FADV_DONTNEED)
+            self.writeback_calls += 1
+            self._written_back = end
+        return max(n, 0)
+
     def flush(self) -> ShardRecord | None:
         """Complete the current shard now (if it holds any sample)."""
         return self._finish_shard() if self._keys else None
@@ -259,6 +285,7 @@ class ShardWriter:
             self._tmp_path.unlink(missing_ok=True)
         self._tar = self._file = self._tmp_path = None
         self._keys, self._digests, self._tokens, self._members_bytes = [], [], 0, 0
+        self._written_back = 0
 
     def _finish_shard(self) -> ShardRecord:
         assert self._tar is not None and self._file is not None and self._tmp_path is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -298,12 +299,13 @@ def pool_pass(rng: torch.Generator, keys: list[str], lengths: list[int], width: 
     return features, argmax, attention, items
 
 
-def writer_pool(shard_dir, writers: int, min_group_tokens: int, shard_bytes: int):
+def writer_pool(shard_dir, writers: int, min_group_tokens: int, shard_bytes: int, writeback_idle: bool = True):
     from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance
     from dflash_dist.capture.host_sink import WriterPool
     from tests.helpers.config import config_from
 
-    cfg = config_from({"target": {"kind": "tiny_stdlib"}, "capture": {"shard_bytes": shard_bytes}})
+    cfg = config_from({"target": {"kind": "tiny_stdlib"},
+                       "capture": {"shard_bytes": shard_bytes, "writeback_idle": writeback_idle}})
     prov = Provenance(schema_version=SHARD_SCHEMA_VERSION, target_id="test:pool", target_hash="h", layer_ids=(1, 2),
                       hidden_size=16, dtype="bfloat16", kernel_path="torch", template_hash="none")
     return WriterPool(cfg, shard_dir, prov, "t000", 0, writers, min_group_tokens=min_group_tokens)
@@ -313,7 +315,8 @@ def test_writer_pool_splits_each_pass_over_the_writers_and_writes_every_sample_o
     """Three writers: a pass of 9 rows goes out as row groups to several writers (a small pass
     as one job); the shards hold every written key once with its ids, mask, features and argmax
     bytes; a row non-finite on a real token is skipped and in the ledger, one non-finite only in
-    its padding is written; the counts add up; no tmp shard or host buffer is left."""
+    its padding is written; the counts add up; no tmp shard or host buffer is left. Writer
+    processes waiting for work hand their open shards to the disk (capture.writeback_idle)."""
     from collections import Counter
 
     from data_pipeline.ledger import read_skipped
@@ -335,10 +338,11 @@ def test_writer_pool_splits_each_pass_over_the_writers_and_writes_every_sample_o
     passes[0][0][4, 3, 7] = float("nan")  # p0r4: a real token -> skipped
     passes[0][0][6, 20, 0] = float("inf")  # p0r6 is 12 tokens long: padding only -> written
     del want["p0r4"]
-    pool = writer_pool(shard_dir, writers=3, min_group_tokens=16, shard_bytes=6_000)
+    pool = writer_pool(shard_dir, writers=3, min_group_tokens=16, shard_bytes=40_000)
     try:
         for features, argmax, attention, items in passes:
             pool.submit(features, argmax, attention, items)
+        time.sleep(0.5)  # the writers run out of work (each with an open shard) before close()
         counts = pool.close()
     except BaseException:
         pool.abort()
@@ -365,6 +369,7 @@ def test_writer_pool_splits_each_pass_over_the_writers_and_writes_every_sample_o
     assert (counts.samples, counts.skipped, counts.tokens) == (len(want), 1, sum(len(w[0]) for w in want.values()))
     assert (counts.shards, counts.bytes) == (len(records), sum(r.n_bytes for r in records)) and counts.shards > 3
     assert counts.jobs == 3 + 1 + 3
+    assert counts.writebacks > 0
     assert not list(shard_dir.glob(".tmp*")) and not pool.buf_dir.exists()
 
 

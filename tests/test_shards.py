@@ -106,6 +106,37 @@ def test_round_trip_bit_exact(tmp_path: Path, dtype: str) -> None:
         }
 
 
+def test_start_writeback_hands_the_open_shard_to_the_disk_and_changes_no_byte(tmp_path: Path) -> None:
+    """start_writeback (what a capture writer calls while idle, capture.writeback_idle) covers the
+    open shard's bytes written since its last call, from the shard's start again after each
+    rename, and nothing with no shard open; the shards are those of a writer that never calls it:
+    the same names, sizes, keys, member checksums and samples."""
+    prov = make_prov()
+    samples = [make_sample(f"k{i}", prov, T=20 + i % 7, seed=i) for i in range(30)]
+    records, handed = {}, []
+    for calls in (False, True):
+        with ShardWriter(tmp_path / str(calls), prov, max_shard_bytes=40_000, prefix="p") as w:
+            assert w.start_writeback() == 0  # no shard open
+            for s in samples:
+                w.write(s)
+                if calls:
+                    handed.append(w.start_writeback())
+                    assert w.start_writeback() == 0  # nothing new since
+        records[calls] = read_manifest(tmp_path / str(calls))
+        assert w.writeback_calls == (sum(n > 0 for n in handed) if calls else 0)
+    assert len(records[True]) >= 3
+    assert [(r.name, r.n_bytes, r.keys, r.checksums) for r in records[False]] == [
+        (r.name, r.n_bytes, r.keys, r.checksums) for r in records[True]
+    ]
+    # every byte of each finished shard was handed over once, but for tarfile's stream buffer and
+    # the closing end-of-archive blocks: the ranges restart at 0 with each new shard
+    assert sum(handed) <= sum(r.n_bytes for r in records[True])
+    assert sum(handed) >= sum(r.n_bytes for r in records[True]) - len(records[True]) * (20 * 512 + 1024 + 20 * 512)
+    read = {s.key: s for r in records[True] for s in iter_shard_samples(tmp_path / "True" / r.name)}
+    for s in samples:
+        assert_same(read[s.key], s)
+
+
 def test_writer_rejects_bad_samples(tmp_path: Path) -> None:
     prov = make_prov()
     with ShardWriter(tmp_path, prov) as w:

@@ -29,6 +29,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import sys
 import tempfile
 import threading
 import time
@@ -123,6 +124,7 @@ class SinkCounts:
     bytes: int = 0
     busy_s: float = 0.0  # writer time summed over writers (encode + tar + fsync + rename)
     waited_disk_s: float = 0.0  # writers paused for the disk buffer (disk_budget.py)
+    writebacks: int = 0  # disk write-backs writer processes started while idle (capture.writeback_idle)
     gpu_waited_s: float = 0.0  # the GPU thread waiting for a free host buffer (writers behind)
     jobs: int = 0  # row groups sent to the writers (a pass is one or several: split_rows)
     errors: list[str] = field(default_factory=list)
@@ -215,7 +217,12 @@ def _writer_main(conn, spec: dict) -> None:
                              spec["prefix"], before_open=gate if spec["gate"] else None)
         bufs: dict[str, HostBuffer] = {}
         conn.send_bytes(b"{}")
-        while (msg := json.loads(conn.recv_bytes())) is not None:
+        reported = 0  # write-backs counted in replies so far
+        while True:
+            if cfg.capture.writeback_idle and not conn.poll(0.002):  # idle: the open shard to the disk meanwhile
+                writer.start_writeback()
+            if (msg := json.loads(conn.recv_bytes())) is None:
+                break
             t0, waited0, shards0 = time.perf_counter(), gate.waited_s, len(writer.records)
             path = msg["buf"][0]
             if path not in bufs or bufs[path].spec() != msg["buf"]:
@@ -230,18 +237,27 @@ def _writer_main(conn, spec: dict) -> None:
                           buf.features[sl], buf.argmax[sl], meta, bool(buf.finite[row]))
             done = writer.records[shards0:]
             out.update(shards=len(done), bytes=sum(r.n_bytes for r in done), busy_s=time.perf_counter() - t0,
-                       waited_disk_s=gate.waited_s - waited0)
+                       waited_disk_s=gate.waited_s - waited0, writebacks=writer.writeback_calls - reported)
+            reported = writer.writeback_calls
             conn.send_bytes(json.dumps(out).encode())
         t0 = time.perf_counter()
         last = writer.close()
         conn.send_bytes(json.dumps({"samples": 0, "tokens": 0, "skipped": 0, "shards": int(last is not None),
                                     "bytes": last.n_bytes if last else 0, "busy_s": time.perf_counter() - t0,
-                                    "waited_disk_s": 0.0}).encode())
+                                    "waited_disk_s": 0.0, "writebacks": writer.writeback_calls - reported}).encode())
     except BaseException as e:  # reported to the GPU process, which raises it
         if writer is not None:
             writer.abort()
         with contextlib.suppress(Exception):
             conn.send_bytes(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+        return
+    # Every shard is fsynced, renamed and listed, and the last reply sent: nothing is left to
+    # flush but logging. An interpreter with torch loaded takes ~0.6 s to tear down, which the
+    # GPU side's close() would wait for after the capture's last pass.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class WriterPool:
@@ -385,7 +401,7 @@ class WriterPool:
             raise RuntimeError(msg["error"])
         with self.lock:
             c = self.counts
-            for k in ("samples", "tokens", "skipped", "shards", "bytes"):
+            for k in ("samples", "tokens", "skipped", "shards", "bytes", "writebacks"):
                 setattr(c, k, getattr(c, k) + int(msg.get(k, 0)))
             c.busy_s += float(msg.get("busy_s", 0.0))
             c.waited_disk_s += float(msg.get("waited_disk_s", 0.0))

@@ -54,7 +54,8 @@ MAY_CHANGE: dict[str, str] = {
                             "the run plan refuses another explicit one, so auto and the recorded mode are the same",
     **{f"capture.{k}": _RESOURCE for k in ("num_actors", "batch_size", "token_budget", "sort_window", "shard_bytes",
                                             "max_buffer_bytes", "consumed_shards", "buffer_stall_s", "max_restarts",
-                                            "cpus_per_actor", "gpus_per_actor", "writers")},  # fmt: skip
+                                            "cpus_per_actor", "gpus_per_actor", "writers",
+                                            "writeback_idle")},  # fmt: skip
     "train.world_size": "checked on its own: another world size is an elastic resume under ZeRO-1/2/3",
     "train.epochs": "how far to train; the LR schedule's length is checked on its own",
     "train.max_steps": "how far to train; the LR schedule's length is checked on its own",

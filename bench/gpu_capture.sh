@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call (<= 600 s, fresh machine) for issue 24's capture: capture_job's own path at the
+# Qwen3.5-27B shape over 50 passes, with the writers' idle write-back off and on side by side
+# (bench_capture.py --sinks job:kernel,job:idle), then, if the time left allows, the writers alone on
+# this machine's disk (bench_capture_drain.py, CPU only). Everything is written under OUT (default $OUT).
+#   bench/gpu_capture.sh [DEADLINE_S]      (seconds from the start the whole call must end by; default 570)
+set -u
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/gpu_capture}
+mkdir -p "$out"
+end=$(($(date +%s) + ${1:-570}))
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    >"$out/install.log" 2>&1
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$out/gpu.txt" 2>&1
+left() { echo $((end - $(date +%s))); }
+t0=$(date +%s)
+timeout $(($(left) - 20)) python3 bench/bench_capture.py --variants 32768:keep:fused2 --pool 256 --batches 2 \
+    --e2e 32768:keep:fused2 --sinks "${SINKS:-job:kernel,job:idle}" --writers 4 --e2e-batches 50 --e2e-distinct 5 \
+    --disk-gib 2 --shard-dir /tmp/bench_shards/s --json "$out/capture.json" >"$out/capture.log" 2>&1
+echo "capture rc=$? s=$(($(date +%s) - t0))"
+grep -E "^compute|^end to end|disk write" "$out/capture.log" | tail -8
+if [ "$(left)" -gt 150 ]; then
+    t0=$(date +%s)
+    timeout $(($(left) - 10)) python3 bench/bench_capture_drain.py --writers 4 --pass-tokens 32768 --rows 8 \
+        --passes 16 --pass-interval 3 --repeat 1 --dir /tmp/bench_drain >"$out/drain.log" 2>&1
+    echo "drain rc=$? s=$(($(date +%s) - t0))"
+    tail -3 "$out/drain.log"
+fi

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import re
 import threading
@@ -55,6 +56,7 @@ _HANDLERS = {"npy": default_handlers["npy"], "json": default_handlers["json"]}
 _TAR_BLOCK = 512
 _TAR_RECORD = 20 * _TAR_BLOCK  # tarfile pads the finished archive to a multiple of this
 _PREFIX_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+log = logging.getLogger(__name__)
 
 _thread_locks: dict[str, threading.Lock] = {}
 _thread_locks_guard = threading.Lock()
@@ -156,6 +158,7 @@ class ShardWriter:
         self.prefix = prefix
         self.before_open = before_open
         self.writeback_calls = 0  # write-backs started by start_writeback (diagnostics, tests)
+        self._can_write_back = hasattr(os, "posix_fadvise")  # absent from some platforms' os module (macOS)
         self._written_back = 0  # bytes of the open shard handed to the disk so far
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._name_re = re.compile(re.escape(prefix) + r"-(\d+)\.tar")
@@ -222,16 +225,23 @@ class ShardWriter:
         back to the same call. The bytes still in tarfile's stream buffer (< 10 KiB) go with the
         next call or the closing fsync. Called while the writer has nothing else to do: the
         queueing can block on a busy disk."""
-        if self._file is None or not hasattr(os, "posix_fadvise"):
+        if self._file is None or not self._can_write_back:
             return 0
         self._file.flush()
         end = self._file.tell()
         n = end - self._written_back
-        if n > 0:
+        if n <= 0:
+            return 0
+        try:
             os.posix_fadvise(self._file.fileno(), self._written_back, n, os.POSIX_FADV_DONTNEED)
-            self.writeback_calls += 1
-            self._written_back = end
-        return max(n, 0)
+        except OSError as e:  # a filesystem that refuses the advice: the closing fsync writes it all, as before
+            log.warning("%s: posix_fadvise refused (%s); shards of this writer are written back at close only",
+                        self.out_dir, e)
+            self._can_write_back = False
+            return 0
+        self.writeback_calls += 1
+        self._written_back = end
+        return n
 
     def flush(self) -> ShardRecord | None:
         """Complete the current shard now (if it holds any sample)."""

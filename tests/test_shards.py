@@ -137,6 +137,26 @@ def test_start_writeback_hands_the_open_shard_to_the_disk_and_changes_no_byte(tm
         assert_same(read[s.key], s)
 
 
+def test_refused_writeback_advice_leaves_the_shard_to_its_closing_fsync(tmp_path, monkeypatch, caplog) -> None:
+    """A filesystem that refuses posix_fadvise (fault injected): start_writeback warns once, stops
+    asking, and the shard is written and listed whole."""
+    import errno
+
+    def refuse(*_):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse, raising=False)
+    prov = make_prov()
+    with caplog.at_level("WARNING", logger="data_pipeline.shard_writer"), ShardWriter(tmp_path, prov, prefix="p") as w:
+        for i in range(3):
+            w.write(make_sample(f"k{i}", prov, T=200, seed=i))
+            assert w.start_writeback() == 0
+    assert w.writeback_calls == 0
+    assert sum("posix_fadvise refused" in r.getMessage() for r in caplog.records) == 1
+    (record,) = read_manifest(tmp_path)
+    assert [s.key for s in iter_shard_samples(tmp_path / record.name)] == ["k0", "k1", "k2"]
+
+
 def test_writer_rejects_bad_samples(tmp_path: Path) -> None:
     prov = make_prov()
     with ShardWriter(tmp_path, prov) as w:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -395,3 +396,26 @@ def test_writer_pool_raises_on_close_when_one_group_of_a_pass_fails(tmp_path):
         raise
     assert [k for r in read_manifest(shard_dir) for k in r.keys] == ["k0", "k1", "k2"]
     assert not list(shard_dir.glob(".tmp*")) and not pool.buf_dir.exists()
+
+
+def test_writer_pool_names_a_writer_process_that_died(tmp_path):
+    """A writer process killed (as the OOM killer would) while the capture runs: the next submit or
+    close() raises an error naming the process, its exit code and the likely causes, not a bare
+    BrokenPipeError or EOFError; abort() (what capture_passes calls then) releases the buffers."""
+    import signal
+
+    pool = writer_pool(tmp_path / "shards", writers=2, min_group_tokens=8, shard_bytes=1 << 20)
+    victim = pool.procs[0]
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(timeout=30)
+    gone = rf"capture writer failed: .*{victim.name} \(pid {victim.pid}\) ended without a reply, exit code -9"
+    with pytest.raises(RuntimeError, match=gone):
+        try:
+            for p in range(8):  # each pass split over both writers: the dead one's group finds no reader
+                rows = [f"p{p}r{r}" for r in range(4)]
+                pool.submit(*pool_pass(torch.Generator().manual_seed(p), rows, [20] * 4, 32))
+            pool.close()
+        except BaseException:
+            pool.abort()
+            raise
+    assert not pool.buf_dir.exists()

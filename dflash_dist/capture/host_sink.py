@@ -260,6 +260,23 @@ def _writer_main(conn, spec: dict) -> None:
     os._exit(0)
 
 
+def _gone(proc) -> RuntimeError:
+    """A writer process that left without a word (its own errors come as {"error"} replies)."""
+    proc.join(timeout=5)
+    return RuntimeError(
+        f"capture writer process {proc.name} (pid {proc.pid}) ended without a reply, exit code {proc.exitcode}: "
+        "killed (out of memory? see the kernel log), or it could not start (under the spawn start method a "
+        "script that starts a capture must guard its entry point with `if __name__ == '__main__':`)"
+    )
+
+
+def _send(conn, proc, data: bytes) -> None:
+    try:
+        conn.send_bytes(data)
+    except (BrokenPipeError, ConnectionResetError):
+        raise _gone(proc) from None
+
+
 class WriterPool:
     """`writers` writer processes and `writers + spare` host buffers (sized on demand: a pass
     larger than a buffer gets the buffer re-made at its size). `submit` is called on the GPU
@@ -308,9 +325,9 @@ class WriterPool:
             else:
                 os.environ["OMP_NUM_THREADS"] = env_threads
         try:
-            for conn in conns:  # the writers start up side by side
-                self._reply(conn)  # ready: imports done, writer open
-                self.threads.append(threading.Thread(target=self._drain, args=(conn,), daemon=True))
+            for conn, proc in zip(conns, self.procs):  # the writers start up side by side
+                self._reply(conn, proc)  # ready: imports done, writer open
+                self.threads.append(threading.Thread(target=self._drain, args=(conn, proc), daemon=True))
         except BaseException:  # a writer could not start: stop the others
             self.abort()
             raise
@@ -378,25 +395,28 @@ class WriterPool:
             with contextlib.suppress(queue.Empty):
                 return self.free.get(timeout=1.0)
 
-    def _drain(self, conn) -> None:
+    def _drain(self, conn, proc) -> None:
         try:
             while (job := self.jobs.get()) is not None:
                 i, event, msg = job
                 if event is not None:
                     event.synchronize()
-                conn.send_bytes(json.dumps(msg).encode())
-                self._reply(conn)
+                _send(conn, proc, json.dumps(msg).encode())
+                self._reply(conn, proc)
                 with self.lock:
                     self.pending[i] -= 1
                     if self.pending[i] == 0:  # the buffer's last group: it can take the next pass
                         self.free.put(i)
-            conn.send_bytes(b"null")
-            self._reply(conn)
+            _send(conn, proc, b"null")
+            self._reply(conn, proc)
         except Exception as e:  # surfaced by submit/close on the GPU thread
             self.counts.errors.append(f"{type(e).__name__}: {e}")
 
-    def _reply(self, conn) -> None:
-        msg = json.loads(conn.recv_bytes())
+    def _reply(self, conn, proc) -> None:
+        try:
+            msg = json.loads(conn.recv_bytes())
+        except EOFError:
+            raise _gone(proc) from None
         if "error" in msg:
             raise RuntimeError(msg["error"])
         with self.lock:

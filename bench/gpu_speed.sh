@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call (<= 600 s, fresh machine) for issue 24: the 27B trainer step under TRAIN_STEP_SETTINGS
-# side by side on one engine, then the gpu tests of the optimizer step and golden parity on CUDA, then (if
-# the time left allows) the README's GPU pipeline test. Everything is written under OUT (default $OUT).
+# side by side on one engine (with COST=1, then bench/cost_model.py --measure-opt --world 9), then the gpu
+# tests of the optimizer step and golden parity on CUDA, then (if the time left allows) the README's GPU
+# pipeline test. Everything is written under OUT (default $OUT).
 #   bench/gpu_speed.sh [DEADLINE_S]      (seconds from the start the whole call must end by; default 570)
 set -u
 cd "$(dirname "$0")/.."
@@ -20,6 +21,13 @@ timeout 300 python3 bench/bench_train_step.py --loss chunked --kernels liger --s
     --settings "${TRAIN_STEP_SETTINGS:?the --settings to time}" --json "$out/train_step.json" >"$out/train_step.log" 2>&1
 echo "train_step rc=$? s=$(($(date +%s) - t0))"
 grep -E "ms/step|^setting|bound share" "$out/train_step.log" | tail -14
+if [ -n "${COST:-}" ]; then  # the optimizer steps on a 1/9 slice (deepspeed, lean, fused) and the 9-rank estimate
+    t0=$(date +%s)
+    timeout 150 python3 bench/cost_model.py --train-json "$out/train_step.json" --measure-opt --world 9 \
+        --json "$out/cost.json" >"$out/cost.log" 2>&1
+    echo "cost rc=$? s=$(($(date +%s) - t0))"
+    tail -12 "$out/cost.log"
+fi
 t0=$(date +%s)
 timeout $(($(left) < 220 ? $(left) - 10 : 210)) python3 -m pytest -m gpu -v -s -rA -p no:cacheprovider \
     tests/test_zero_step.py tests/test_gpu_parity.py >"$out/gpu_tests.log" 2>&1

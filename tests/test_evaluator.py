@@ -183,6 +183,50 @@ def test_evaluator_refuses_features_of_another_origin(tiny, tmp_path):
     assert err.value.fields == ("kernel_path",)
 
 
+def test_the_evaluator_refuses_fused_capture_kernels_where_capture_would(tiny, tmp_path):
+    """capture.kernels applies to the evaluator's target as to capture's (non-negotiable 4): on this
+    CPU target, whose Gated DeltaNet runs the torch reference, fused kernels are refused with the
+    fix named, as CaptureJob refuses them (before, the evaluator started on "torch")."""
+    cfg = tiny["cfg"].model_copy(deep=True)
+    cfg.capture.kernels = "fused"
+    refused = r"capture.kernels=fused needs fla's kernels on CUDA; this target runs 'torch'"
+    with pytest.raises(ValueError, match=refused):
+        Evaluator(cfg, tmp_path / "run", tiny["target_dir"], tiny["prompts"], expected=None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels", ["fused", "fused2"])
+def test_cuda_evaluator_measures_on_the_fused_capture_kernels(tiny, tmp_path, kernels):
+    """capture.kernels fused / fused2 on the GPU: the evaluator's target runs the same kernels as
+    capture's (load_target + apply_capture_kernels, what CaptureJob.load does), so its provenance is
+    the shards' ("fla_fused" / "fla_fused2"), its held-out features are bitwise those of that
+    capture path, a live worker accepts the path, and an export is scored."""
+    from dflash_dist.capture.fused_target import KERNEL_PATH_OF, apply_capture_kernels
+    from dflash_dist.evaluator.measure import _WORKER, live_worker_init
+    from dflash_dist.model.capture import capture_features, check_kernel_path
+    from dflash_dist.target.loading import load_target
+
+    cfg = tiny["cfg"].model_copy(deep=True)
+    cfg.target.device, cfg.target.dtype, cfg.capture.kernels = "cuda", "bfloat16", kernels
+    out = tmp_path / "run"
+    (out / "export").mkdir(parents=True)
+    publish(tiny, out, "trained", 5)
+    ev = Evaluator(cfg, out, tiny["target_dir"], tiny["prompts"], expected=None)
+    assert ev.provenance.kernel_path == KERNEL_PATH_OF[kernels]
+    ref = ev.references()[0]
+    model, _ = load_target(cfg, tiny["target_dir"])
+    assert apply_capture_kernels(kernels, model, check_kernel_path(model, False)) == KERNEL_PATH_OF[kernels]
+    ids = torch.tensor([list(ref.sequence[: ref.end])], device="cuda")
+    cap = capture_features(model, ids, ev.identity.layer_ids, with_argmax=False)
+    assert torch.equal(cap.features[0], ref.features)
+    (result,) = ev.run_until(lambda: (True, 5), poll_s=0.05)
+    ev.close()
+    assert result.kernel_path == KERNEL_PATH_OF[kernels] and result.tau_chain >= 1.0
+    live_worker_init(cfg.to_dict(), str(tiny["target_dir"]), str(out / "export" / "step_5"),
+                     KERNEL_PATH_OF[kernels], 1)
+    _WORKER.clear()
+
+
 def test_an_fp8_run_is_evaluated_on_the_targets_own_features(tiny, tmp_path):
     """capture.feature_dtype=fp8: the evaluator accepts the run's fp8 shards (their provenance
     names the encoding its config expects) and measures tau on the features its own target

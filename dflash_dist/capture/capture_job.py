@@ -26,7 +26,7 @@ from data_pipeline.ingest import sample_keys
 from data_pipeline.ledger import CaptureData, captured_keys, check_capture_data, remove_stale_tmp
 from data_pipeline.provenance import Provenance
 from data_pipeline.token_store import SequenceStore, estimate_bytes, write_sequences
-from dflash_dist.capture.fused_target import KERNEL_PATH_OF, fuse_target
+from dflash_dist.capture.fused_target import apply_capture_kernels
 from dflash_dist.capture.host_sink import ThreadWriter, WriterPool, open_writers
 from dflash_dist.config import Config
 from dflash_dist.logging_setup import progress
@@ -100,13 +100,8 @@ class CaptureJob:
         kernel_path = check_kernel_path(model, cfg.target.allow_torch_gdn_on_cuda)
         provenance = provenance_for(ident, model, template_hash(tokenizer, cfg.data.enable_thinking),
                                     cfg.capture.feature_dtype)
-        if cfg.capture.kernels != "eager":
-            if kernel_path != "fla":
-                raise ValueError(f"capture.kernels={cfg.capture.kernels} needs fla's kernels on CUDA; this target "
-                                 f"runs {kernel_path!r} (set target.device=cuda with flash-linear-attention and "
-                                 "triton installed)")
-            fuse_target(model, layers=cfg.capture.kernels == "fused2")
-            provenance = dataclasses.replace(provenance, kernel_path=KERNEL_PATH_OF[cfg.capture.kernels])
+        fused_path = apply_capture_kernels(cfg.capture.kernels, model, kernel_path)
+        provenance = dataclasses.replace(provenance, kernel_path=fused_path)
         return cls(cfg, model, provenance, Path(shard_dir), actor_index, num_actors, tokenizer, recapture)
 
     def progress(self) -> dict:

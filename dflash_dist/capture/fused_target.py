@@ -90,6 +90,22 @@ def fuse_target(model: nn.Module, conv: bool = True, layers: bool = False) -> in
     return n
 
 
+def apply_capture_kernels(kernels: str, model: nn.Module, kernel_path: str) -> str:
+    """`capture.kernels` applied to a loaded target whose GDN layers run `kernel_path` (as
+    check_kernel_path found it); returns the kernel path its features then carry. Capture, the
+    evaluator and its live workers all call this, so evaluation features come from the same
+    kernels as the training shards (non-negotiable 4): an evaluator left on "fla" refuses
+    "fla_fused" shards."""
+    if kernels == "eager":
+        return kernel_path
+    if kernel_path != "fla":
+        raise ValueError(f"capture.kernels={kernels} needs fla's kernels on CUDA; this target runs {kernel_path!r} "
+                         "(set target.device=cuda with flash-linear-attention and triton installed, or "
+                         "capture.kernels=eager)")
+    fuse_target(model, layers=kernels == "fused2")
+    return KERNEL_PATH_OF[kernels]
+
+
 def unfuse_target(model: nn.Module, torch_conv) -> None:
     """Back to the eager modules (bench/parity probes); `torch_conv` is the causal_conv1d_fn to restore."""
     for m in model.modules():

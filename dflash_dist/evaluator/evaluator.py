@@ -44,6 +44,7 @@ from data_pipeline.chat_data import template_hash
 from data_pipeline.durable_files import write_text_atomic
 from data_pipeline.provenance import Provenance, check_compatible
 from data_pipeline.shard_reader import read_manifest
+from dflash_dist.capture.fused_target import apply_capture_kernels
 from dflash_dist.config import Config
 from dflash_dist.evaluator.batched_replay import measure_replay_batched
 from dflash_dist.evaluator.measure import HeldOut, measure_live, measure_live_workers, rounds_agreement
@@ -120,12 +121,14 @@ class Evaluator:
         self.target_dir = target_dir
         self.identity = identity if identity is not None else target_identity(cfg, target_dir)
         self.model, self.tokenizer = load_target(cfg, target_dir)
-        check_kernel_path(self.model, cfg.target.allow_torch_gdn_on_cuda)
-        # its own target's features, computed here (never read from shards: as serving does); the
-        # encoding names how the training shards store theirs, so the checks compare like for like
-        self.provenance = provenance_for(
-            self.identity, self.model, template_hash(self.tokenizer, cfg.data.enable_thinking),
-            cfg.capture.feature_dtype,
+        self._gdn_path = path = check_kernel_path(self.model, cfg.target.allow_torch_gdn_on_cuda)
+        # its own target's features, computed here (never read from shards: as serving does), on the
+        # kernels capture ran (capture.kernels); the encoding names how the training shards store
+        # theirs, so the checks compare like for like
+        self.provenance = replace(
+            provenance_for(self.identity, self.model, template_hash(self.tokenizer, cfg.data.enable_thinking),
+                           cfg.capture.feature_dtype),
+            kernel_path=apply_capture_kernels(cfg.capture.kernels, self.model, path),
         )
         if expected is not None:
             check_compatible(expected, self.provenance, f"the evaluator's target {target_dir} as loaded here")
@@ -223,7 +226,7 @@ class Evaluator:
         seq = prompt + list(continuation)
         cap = capture_features(self.model, torch.tensor([seq], device=self.device), self.identity.layer_ids,
                                with_argmax=False, allow_torch_gdn_on_cuda=self.cfg.target.allow_torch_gdn_on_cuda)
-        assert cap.kernel_path == self.provenance.kernel_path, (cap.kernel_path, self.provenance)
+        assert cap.kernel_path == self._gdn_path, (cap.kernel_path, self.provenance)  # GDN's: fla under fla_fused too
         return HeldOut(len(prompt), len(seq), tuple(seq), cap.features[0])
 
     def _usable(self, refs: list[HeldOut]) -> list[HeldOut]:

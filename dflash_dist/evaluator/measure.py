@@ -94,8 +94,9 @@ _WORKER: dict[str, Any] = {}  # a live worker process's target and drafter (live
 
 
 def live_worker_init(cfg_dict: dict, target_dir: str, export_dir: str, kernel_path: str, threads: int) -> None:
-    """A live worker: its own copy of the target (on the kernels the evaluator checked: the same
-    path is required) and of the drafter export."""
+    """A live worker: its own copy of the target (on the kernels the evaluator checked and
+    capture.kernels applied: the same path is required) and of the drafter export."""
+    from dflash_dist.capture.fused_target import apply_capture_kernels
     from dflash_dist.config import load_config_dict
     from dflash_dist.model.capture import check_kernel_path
     from dflash_dist.model.export import load_drafter
@@ -105,6 +106,7 @@ def live_worker_init(cfg_dict: dict, target_dir: str, export_dir: str, kernel_pa
     cfg = load_config_dict(cfg_dict)
     model, _ = load_target(cfg, Path(target_dir))
     path = check_kernel_path(model, cfg.target.allow_torch_gdn_on_cuda)
+    path = apply_capture_kernels(cfg.capture.kernels, model, path)
     if path != kernel_path:
         raise RuntimeError(f"live worker: the target in {target_dir} loaded on kernel path {path!r}, the "
                            f"evaluator's is {kernel_path!r}")

@@ -12,7 +12,8 @@ manifest) exactly as capture hands them over.
 Per setting (idle: writers start write-back whenever they wait for a pass; kernel: the kernel's own
 write-back) and repeat: seconds to the last pass submitted ("loop": on CPU the copies into the host
 buffers are part of it), then seconds until every shard is fsynced, renamed and listed ("drain"),
-the writers' busy seconds and the write-backs they started. Shards are deleted between settings.
+the writers' busy seconds (jobs) and the write-back ranges they started while idle, with their
+seconds. Shards are deleted between settings.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def run(a, writeback: str, features: torch.Tensor, argmax: torch.Tensor, tag: st
         "shards": c.shards,
         "busy_s": c.busy_s,
         "writebacks": c.writebacks,
+        "writeback_s": c.writeback_s,
     }
 
 
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"write-back {wb:>6}: loop {f['loop_s']:6.2f} s, drain {f['drain_s']:5.2f} s after the last "
                 f"pass, {f['gb']:.2f} GB in {f['shards']} shards, writers busy {f['busy_s']:.1f} s, "
-                f"{f['writebacks']} write-backs started",
+                f"{f['writebacks']} write-back ranges started while idle ({f['writeback_s']:.1f} s, not in busy)",
                 flush=True,
             )
     return 0

@@ -4,10 +4,10 @@ A shard is written as `.tmp-<prefix>-<pid>-<rand>.tar`, fsynced, then renamed to
 `<prefix>-<NNNNNN>.tar`; only after the rename is its ShardRecord appended to manifest.jsonl,
 with the XXH3 digest of every tar member, hashed from the encoded bytes as they are written (no
 second pass; the reader checks them as it streams, checksums.py).
-`start_writeback()` hands what an open shard holds so far to the disk without waiting: a capture
-writer process calls it whenever it is idle (capture.writeback_idle), so a shard's closing fsync,
-and the capture's drain after its last pass, wait for the tail only, not for up to a whole shard
-that the kernel kept dirty in the page cache.
+`start_writeback()` starts the disk write of what an open shard holds so far without waiting for
+it: a capture writer process calls it whenever it has no job (capture.writeback_idle), so a shard's
+closing fsync, and the capture's drain after its last pass, wait for the tail only, not for up to a
+whole shard that the kernel kept dirty in the page cache.
 Rename and append happen under an fcntl lock on `.manifest.lock` (plus a per-process thread
 lock), so several writers (one per target actor, any prefixes) can share one directory. A
 writer that dies leaves at most a `.tmp-*` file and no manifest line; a crash in the middle of
@@ -37,7 +37,7 @@ import torch
 from webdataset.writer import TarWriter, default_handlers, encode_based_on_extension
 
 from data_pipeline.checksums import member_digests
-from data_pipeline.durable_files import append_lines, fsync_dir
+from data_pipeline.durable_files import append_lines, can_start_write_back, fsync_dir, start_write_back
 from data_pipeline.feature_codec import ENCODING_OF, FP8, RAW, encode_fp8
 from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance, check_compatible
 from data_pipeline.records import (
@@ -157,8 +157,8 @@ class ShardWriter:
         self.max_shard_bytes = max_shard_bytes
         self.prefix = prefix
         self.before_open = before_open
-        self.writeback_calls = 0  # write-backs started by start_writeback (diagnostics, tests)
-        self._can_write_back = hasattr(os, "posix_fadvise")  # absent from some platforms' os module (macOS)
+        self.writeback_calls = 0  # write-back ranges started by start_writeback (diagnostics, tests)
+        self._can_write_back = can_start_write_back()
         self._written_back = 0  # bytes of the open shard handed to the disk so far
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._name_re = re.compile(re.escape(prefix) + r"-(\d+)\.tar")
@@ -216,32 +216,31 @@ class ShardWriter:
         self._tokens += sample.num_tokens
         return finished
 
-    def start_writeback(self) -> int:
+    def start_writeback(self, stop: Callable[[], bool] | None = None, chunk: int = 32 << 20) -> int:
         """Start the disk write of the open shard's bytes written since the last call, without
-        waiting for it; returns how many bytes (0: no shard open, nothing new, or a platform
-        without posix_fadvise). Linux starts write-back of a range's dirty pages on
-        POSIX_FADV_DONTNEED (WB_SYNC_NONE: the I/O is queued, not awaited) and then drops only the
-        range's clean pages, which just-written ones are not; PostgreSQL's pg_flush_data falls
-        back to the same call. The bytes still in tarfile's stream buffer (< 10 KiB) go with the
-        next call or the closing fsync. Called while the writer has nothing else to do: the
-        queueing can block on a busy disk."""
+        waiting for it to finish (durable_files.start_write_back: the pages stay cached), in ranges
+        of `chunk` bytes, returning early once `stop()` says so after a range (the caller has work
+        again: a range can block while the disk's queue is full); returns the bytes handed over
+        (0: no shard open, nothing new, or no sync_file_range here). The bytes still in tarfile's
+        stream buffer (<= 10 KiB) go with the next call or the closing fsync."""
         if self._file is None or not self._can_write_back:
             return 0
         self._file.flush()
-        end = self._file.tell()
-        n = end - self._written_back
-        if n <= 0:
-            return 0
-        try:
-            os.posix_fadvise(self._file.fileno(), self._written_back, n, os.POSIX_FADV_DONTNEED)
-        except OSError as e:  # a filesystem that refuses the advice: the closing fsync writes it all, as before
-            log.warning("%s: posix_fadvise refused (%s); shards of this writer are written back at close only",
-                        self.out_dir, e)
-            self._can_write_back = False
-            return 0
-        self.writeback_calls += 1
-        self._written_back = end
-        return n
+        end, begin = self._file.tell(), self._written_back
+        while self._written_back < end:
+            n = min(chunk, end - self._written_back)
+            try:
+                start_write_back(self._file.fileno(), self._written_back, n)
+            except OSError as e:  # refused (a filesystem without it): the closing fsync writes it all, as before
+                log.warning("%s: sync_file_range refused (%s); this writer's shards are written back at close only",
+                            self.out_dir, e)
+                self._can_write_back = False
+                break
+            self.writeback_calls += 1
+            self._written_back += n
+            if stop is not None and stop():
+                break
+        return self._written_back - begin
 
     def flush(self) -> ShardRecord | None:
         """Complete the current shard now (if it holds any sample)."""

@@ -109,10 +109,11 @@ class CaptureSection(_Section):
     # writer processes per target actor: device-to-host copies on a side stream into pinned shared
     # buffers, encoded and written off the GPU thread (capture/host_sink.py); 0: on the GPU thread
     writers: NonNegInt = 0
-    # writer processes hand their open shard to the disk whenever they wait for the next pass
-    # (ShardWriter.start_writeback), so closing a shard, and the drain after the capture's last pass,
-    # wait for its tail only, not for up to a whole shard kept dirty in the page cache. False: the
-    # kernel's own write-back, which starts at vm.dirty_background_ratio of memory
+    # with writers > 0: a writer process with no job for 2 ms starts the disk write of its open shard
+    # (ShardWriter.start_writeback: Linux sync_file_range, in 32 MiB ranges until a job comes; the pages
+    # stay cached), so closing a shard, and the drain after the capture's last pass, wait for its tail
+    # only, not for up to a whole shard kept dirty in the page cache. False: the kernel's own write-back
+    # (from vm.dirty_background_ratio of memory or dirty_expire_centisecs' age) and the closing fsync
     writeback_idle: bool = True
     # eager: transformers' modules as they are; fused (CUDA only): torch.compile'd RMSNorms, gated
     # RMSNorm and SwiGLU plus fla's causal conv (capture/fused_target.py): kernel path "fla_fused";

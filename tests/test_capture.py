@@ -316,8 +316,7 @@ def test_writer_pool_splits_each_pass_over_the_writers_and_writes_every_sample_o
     """Three writers: a pass of 9 rows goes out as row groups to several writers (a small pass
     as one job); the shards hold every written key once with its ids, mask, features and argmax
     bytes; a row non-finite on a real token is skipped and in the ledger, one non-finite only in
-    its padding is written; the counts add up; no tmp shard or host buffer is left. Writer
-    processes waiting for work hand their open shards to the disk (capture.writeback_idle)."""
+    its padding is written; the counts add up; no tmp shard or host buffer is left."""
     from collections import Counter
 
     from data_pipeline.ledger import read_skipped
@@ -343,7 +342,6 @@ def test_writer_pool_splits_each_pass_over_the_writers_and_writes_every_sample_o
     try:
         for features, argmax, attention, items in passes:
             pool.submit(features, argmax, attention, items)
-        time.sleep(0.5)  # the writers run out of work (each with an open shard) before close()
         counts = pool.close()
     except BaseException:
         pool.abort()
@@ -370,8 +368,31 @@ def test_writer_pool_splits_each_pass_over_the_writers_and_writes_every_sample_o
     assert (counts.samples, counts.skipped, counts.tokens) == (len(want), 1, sum(len(w[0]) for w in want.values()))
     assert (counts.shards, counts.bytes) == (len(records), sum(r.n_bytes for r in records)) and counts.shards > 3
     assert counts.jobs == 3 + 1 + 3
-    assert counts.writebacks > 0
     assert not list(shard_dir.glob(".tmp*")) and not pool.buf_dir.exists()
+
+
+@pytest.mark.parametrize("idle", [True, False])
+def test_a_writer_without_work_hands_its_open_shard_to_the_disk(tmp_path, idle):
+    """capture.writeback_idle: a writer process that has no job starts the disk write of its open
+    shard (counted with its seconds, apart from its busy time); with false it leaves it to the
+    kernel. The shard is the same either way."""
+    from data_pipeline.shard_reader import iter_shard_samples, read_manifest
+
+    pool = writer_pool(tmp_path / "shards", writers=1, min_group_tokens=8, shard_bytes=1 << 20, writeback_idle=idle)
+    try:
+        keys = [f"r{r}" for r in range(6)]
+        pool.submit(*pool_pass(torch.Generator().manual_seed(0), keys, [150] * 6, 32))  # ~70 kB: the shard stays open
+        time.sleep(0.5)  # the writer finishes the pass and waits for the next
+        counts = pool.close()
+    except BaseException:
+        pool.abort()
+        raise
+    (record,) = read_manifest(tmp_path / "shards")
+    assert [s.key for s in iter_shard_samples(tmp_path / "shards" / record.name)] == keys
+    if idle:
+        assert counts.writebacks >= 1 and counts.writeback_s > 0
+    else:
+        assert counts.writebacks == 0 and counts.writeback_s == 0
 
 
 def test_writer_pool_raises_on_close_when_one_group_of_a_pass_fails(tmp_path):

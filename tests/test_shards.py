@@ -106,53 +106,77 @@ def test_round_trip_bit_exact(tmp_path: Path, dtype: str) -> None:
         }
 
 
-def test_start_writeback_hands_the_open_shard_to_the_disk_and_changes_no_byte(tmp_path: Path) -> None:
-    """start_writeback (what a capture writer calls while idle, capture.writeback_idle) covers the
-    open shard's bytes written since its last call, from the shard's start again after each
-    rename, and nothing with no shard open; the shards are those of a writer that never calls it:
-    the same names, sizes, keys, member checksums and samples."""
+def test_start_writeback_hands_the_open_shard_to_the_disk_and_changes_no_byte(tmp_path, monkeypatch) -> None:
+    """start_writeback (what a capture writer calls while idle, capture.writeback_idle) starts the
+    real sync_file_range on contiguous ranges of the open shard: from byte 0 of each new shard to
+    all that reached the file so far, nothing with no shard open or nothing new; in `chunk` ranges,
+    stopping once `stop()` says so. The shards are those of a writer that never calls it: the same
+    names, sizes, keys, member checksums and samples."""
+    import data_pipeline.shard_writer as sw
+
+    calls = []  # (fd, offset, nbytes, file size then)
+
+    def recorded(fd, offset, nbytes):
+        calls.append((fd, offset, nbytes, os.fstat(fd).st_size))
+        real(fd, offset, nbytes)
+
+    real = sw.start_write_back
+    monkeypatch.setattr(sw, "start_write_back", recorded)
     prov = make_prov()
     samples = [make_sample(f"k{i}", prov, T=20 + i % 7, seed=i) for i in range(30)]
-    records, handed = {}, []
-    for calls in (False, True):
-        with ShardWriter(tmp_path / str(calls), prov, max_shard_bytes=40_000, prefix="p") as w:
+    records = {}
+    for handing in (False, True):
+        with ShardWriter(tmp_path / str(handing), prov, max_shard_bytes=40_000, prefix="p") as w:
             assert w.start_writeback() == 0  # no shard open
             for s in samples:
                 w.write(s)
-                if calls:
-                    handed.append(w.start_writeback())
+                if handing:
+                    w.start_writeback()
                     assert w.start_writeback() == 0  # nothing new since
-        records[calls] = read_manifest(tmp_path / str(calls))
-        assert w.writeback_calls == (sum(n > 0 for n in handed) if calls else 0)
+        records[handing] = read_manifest(tmp_path / str(handing))
     assert len(records[True]) >= 3
     assert [(r.name, r.n_bytes, r.keys, r.checksums) for r in records[False]] == [
         (r.name, r.n_bytes, r.keys, r.checksums) for r in records[True]
     ]
-    # every byte of each finished shard was handed over once, but for tarfile's stream buffer and
-    # the closing end-of-archive blocks: the ranges restart at 0 with each new shard
-    assert sum(handed) <= sum(r.n_bytes for r in records[True])
-    assert sum(handed) >= sum(r.n_bytes for r in records[True]) - len(records[True]) * (20 * 512 + 1024 + 20 * 512)
+    starts = [i for i, c in enumerate(calls) if c[1] == 0]
+    assert len(starts) == len(records[True])  # each shard's ranges begin at its byte 0
+    for i, (_, offset, nbytes, size) in enumerate(calls):
+        assert offset + nbytes == size  # up to everything in the file
+        if i not in starts:
+            assert offset == calls[i - 1][1] + calls[i - 1][2]  # and contiguous
     read = {s.key: s for r in records[True] for s in iter_shard_samples(tmp_path / "True" / r.name)}
     for s in samples:
         assert_same(read[s.key], s)
 
+    calls.clear()  # chunks, and a caller that has work again after the first
+    with ShardWriter(tmp_path / "chunks", prov, prefix="p") as w:
+        for i in range(3):
+            w.write(make_sample(f"c{i}", prov, T=200, seed=i))
+        assert w.start_writeback(stop=lambda: True, chunk=4096) == 4096
+        rest = w.start_writeback(chunk=4096)
+    assert [c[1] for c in calls] == [i * 4096 for i in range(len(calls))] and len(calls) > 3
+    assert all(c[2] == 4096 for c in calls[:-1])
+    assert 4096 + rest == calls[-1][1] + calls[-1][2] == calls[-1][3]
 
-def test_refused_writeback_advice_leaves_the_shard_to_its_closing_fsync(tmp_path, monkeypatch, caplog) -> None:
-    """A filesystem that refuses posix_fadvise (fault injected): start_writeback warns once, stops
-    asking, and the shard is written and listed whole."""
+
+def test_refused_writeback_leaves_the_shard_to_its_closing_fsync(tmp_path, monkeypatch, caplog) -> None:
+    """A filesystem that refuses sync_file_range (fault injected): start_writeback warns once,
+    stops asking, and the shard is written and listed whole."""
     import errno
+
+    import data_pipeline.shard_writer as sw
 
     def refuse(*_):
         raise OSError(errno.EINVAL, "Invalid argument")
 
-    monkeypatch.setattr(os, "posix_fadvise", refuse, raising=False)
+    monkeypatch.setattr(sw, "start_write_back", refuse)
     prov = make_prov()
     with caplog.at_level("WARNING", logger="data_pipeline.shard_writer"), ShardWriter(tmp_path, prov, prefix="p") as w:
         for i in range(3):
             w.write(make_sample(f"k{i}", prov, T=200, seed=i))
             assert w.start_writeback() == 0
     assert w.writeback_calls == 0
-    assert sum("posix_fadvise refused" in r.getMessage() for r in caplog.records) == 1
+    assert sum("sync_file_range refused" in r.getMessage() for r in caplog.records) == 1
     (record,) = read_manifest(tmp_path)
     assert [s.key for s in iter_shard_samples(tmp_path / record.name)] == ["k0", "k1", "k2"]
 

@@ -124,7 +124,8 @@ class SinkCounts:
     bytes: int = 0
     busy_s: float = 0.0  # writer time summed over writers (encode + tar + fsync + rename)
     waited_disk_s: float = 0.0  # writers paused for the disk buffer (disk_budget.py)
-    writebacks: int = 0  # disk write-backs writer processes started while idle (capture.writeback_idle)
+    writebacks: int = 0  # write-back ranges writer processes started while idle (capture.writeback_idle)
+    writeback_s: float = 0.0  # their seconds, summed over writers (not in busy_s: no job was waiting)
     gpu_waited_s: float = 0.0  # the GPU thread waiting for a free host buffer (writers behind)
     jobs: int = 0  # row groups sent to the writers (a pass is one or several: split_rows)
     errors: list[str] = field(default_factory=list)
@@ -217,10 +218,12 @@ def _writer_main(conn, spec: dict) -> None:
                              spec["prefix"], before_open=gate if spec["gate"] else None)
         bufs: dict[str, HostBuffer] = {}
         conn.send_bytes(b"{}")
-        reported = 0  # write-backs counted in replies so far
+        reported, idle_s = 0, 0.0  # write-back ranges and seconds not yet counted in a reply
         while True:
-            if cfg.capture.writeback_idle and not conn.poll(0.002):  # idle: the open shard to the disk meanwhile
-                writer.start_writeback()
+            if cfg.capture.writeback_idle and not conn.poll(0.002):  # no job: the open shard to the disk meanwhile
+                t0 = time.perf_counter()
+                writer.start_writeback(stop=lambda: conn.poll(0))  # in ranges, until a job comes
+                idle_s += time.perf_counter() - t0
             if (msg := json.loads(conn.recv_bytes())) is None:
                 break
             t0, waited0, shards0 = time.perf_counter(), gate.waited_s, len(writer.records)
@@ -237,14 +240,16 @@ def _writer_main(conn, spec: dict) -> None:
                           buf.features[sl], buf.argmax[sl], meta, bool(buf.finite[row]))
             done = writer.records[shards0:]
             out.update(shards=len(done), bytes=sum(r.n_bytes for r in done), busy_s=time.perf_counter() - t0,
-                       waited_disk_s=gate.waited_s - waited0, writebacks=writer.writeback_calls - reported)
-            reported = writer.writeback_calls
+                       waited_disk_s=gate.waited_s - waited0, writebacks=writer.writeback_calls - reported,
+                       writeback_s=idle_s)
+            reported, idle_s = writer.writeback_calls, 0.0
             conn.send_bytes(json.dumps(out).encode())
         t0 = time.perf_counter()
         last = writer.close()
         conn.send_bytes(json.dumps({"samples": 0, "tokens": 0, "skipped": 0, "shards": int(last is not None),
                                     "bytes": last.n_bytes if last else 0, "busy_s": time.perf_counter() - t0,
-                                    "waited_disk_s": 0.0, "writebacks": writer.writeback_calls - reported}).encode())
+                                    "waited_disk_s": 0.0, "writebacks": writer.writeback_calls - reported,
+                                    "writeback_s": idle_s}).encode())
     except BaseException as e:  # reported to the GPU process, which raises it
         if writer is not None:
             writer.abort()
@@ -260,8 +265,12 @@ def _writer_main(conn, spec: dict) -> None:
     os._exit(0)
 
 
-def _gone(proc) -> RuntimeError:
-    """A writer process that left without a word (its own errors come as {"error"} replies)."""
+def _gone(conn, proc) -> RuntimeError:
+    """A writer process that left: its own error if it sent one before the parent asked (a failed
+    write-back while idle), else what the exit says."""
+    with contextlib.suppress(Exception):
+        if conn.poll(0) and "error" in (msg := json.loads(conn.recv_bytes())):
+            return RuntimeError(msg["error"])
     proc.join(timeout=5)
     return RuntimeError(
         f"capture writer process {proc.name} (pid {proc.pid}) ended without a reply, exit code {proc.exitcode}: "
@@ -274,7 +283,7 @@ def _send(conn, proc, data: bytes) -> None:
     try:
         conn.send_bytes(data)
     except (BrokenPipeError, ConnectionResetError):
-        raise _gone(proc) from None
+        raise _gone(conn, proc) from None
 
 
 class WriterPool:
@@ -416,7 +425,7 @@ class WriterPool:
         try:
             msg = json.loads(conn.recv_bytes())
         except EOFError:
-            raise _gone(proc) from None
+            raise _gone(conn, proc) from None
         if "error" in msg:
             raise RuntimeError(msg["error"])
         with self.lock:
@@ -424,6 +433,7 @@ class WriterPool:
             for k in ("samples", "tokens", "skipped", "shards", "bytes", "writebacks"):
                 setattr(c, k, getattr(c, k) + int(msg.get(k, 0)))
             c.busy_s += float(msg.get("busy_s", 0.0))
+            c.writeback_s += float(msg.get("writeback_s", 0.0))
             c.waited_disk_s += float(msg.get("waited_disk_s", 0.0))
 
     def close(self) -> SinkCounts:

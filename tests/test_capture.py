@@ -419,6 +419,28 @@ def test_writer_pool_raises_on_close_when_one_group_of_a_pass_fails(tmp_path):
     assert not list(shard_dir.glob(".tmp*")) and not pool.buf_dir.exists()
 
 
+def _fail_unasked(conn) -> None:  # a writer whose idle write-back failed: its error, unasked, then exit 0
+    conn.send_bytes(b'{"error": "OSError: [Errno 122] Disk quota exceeded"}')
+
+
+def test_a_writer_that_failed_while_idle_is_reported_with_its_own_error():
+    """A writer process that sent an error nobody asked for (it failed between jobs) and exited:
+    the parent's next send finds the pipe closed and reports that error, not a killed process."""
+    import multiprocessing as mp
+
+    from dflash_dist.capture.host_sink import _send
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_fail_unasked, args=(child,))
+    proc.start()
+    proc.join(timeout=60)
+    child.close()
+    with pytest.raises(RuntimeError, match=r"^OSError: \[Errno 122\] Disk quota exceeded$"):
+        for _ in range(100):  # a closed pipe can take a write or two into its buffer first
+            _send(parent, proc, b"x" * 100_000)
+
+
 def test_writer_pool_names_a_writer_process_that_died(tmp_path):
     """A writer process killed (as the OOM killer would) while the capture runs: the next submit or
     close() raises an error naming the process, its exit code and the likely causes, not a bare

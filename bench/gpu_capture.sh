@@ -16,7 +16,7 @@ export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$out/gpu.txt" 2>&1
 left() { echo $((end - $(date +%s))); }
 t0=$(date +%s)
-timeout $(($(left) > 60 ? $(left) - 20 : 40)) python3 bench/bench_capture.py --variants 32768:keep:fused2 --pool 256 --batches 2 \
+timeout $(($(left) > 470 ? 450 : $(left) > 60 ? $(left) - 20 : 40)) python3 bench/bench_capture.py --variants 32768:keep:fused2 --pool 256 --batches 2 \
     --e2e 32768:keep:fused2 --sinks "${SINKS:-job:kernel,job:idle}" --writers 4 --e2e-batches 50 --e2e-distinct 5 \
     --disk-gib 2 --shard-dir /tmp/bench_shards/s --json "$out/capture.json" >"$out/capture.log" 2>&1
 echo "capture rc=$? s=$(($(date +%s) - t0))"

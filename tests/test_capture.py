@@ -419,6 +419,23 @@ def test_writer_pool_raises_on_close_when_one_group_of_a_pass_fails(tmp_path):
     assert not list(shard_dir.glob(".tmp*")) and not pool.buf_dir.exists()
 
 
+def test_a_host_buffer_that_does_not_fit_its_shared_memory_is_refused_with_the_fix(tmp_path):
+    """A host buffer larger than the shared memory it lives in (a container's small /dev/shm) is
+    refused when made, naming the sizes and what to change, and leaves no file: a sparse file
+    would kill the first process to touch a page past the room (SIGBUS)."""
+    import shutil
+
+    from dflash_dist.capture.host_sink import HostBuffer
+
+    shm = Path("/dev/shm")
+    where = shm if shm.is_dir() and os.access(shm, os.W_OK) else tmp_path  # where WriterPool puts them
+    tokens = shutil.disk_usage(where).total // 73 + (1 << 24)  # 64 + 9 bytes a token: past the whole filesystem
+    path = where / f"dflash-test-buffer-{os.getpid()}"
+    with pytest.raises(RuntimeError, match=r"do not fit in .* GB free.*capture.writers \+ 1 buffers.*--shm-size"):
+        HostBuffer(path, tokens, 4, 32, "bfloat16", create=True)
+    assert not path.exists()
+
+
 def _fail_unasked(conn) -> None:  # a writer whose idle write-back failed: its error, unasked, then exit 0
     conn.send_bytes(b'{"error": "OSError: [Errno 122] Disk quota exceeded"}')
 

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import sys
 import tempfile
 import threading
@@ -87,8 +89,7 @@ class HostBuffer:
         fb = tokens * width * esize
         self.nbytes = fb + tokens * 9 + rows
         if create:
-            with open(self.path, "wb") as f:
-                f.truncate(self.nbytes)
+            self._create()
         raw = torch.from_file(str(self.path), shared=True, size=self.nbytes, dtype=torch.uint8)
         self.raw = raw
         self.features = raw[:fb].view(DTYPES[dtype]).view(tokens, width)
@@ -97,6 +98,28 @@ class HostBuffer:
         self.mask = raw[fb + 8 * tokens : fb + 9 * tokens]
         self.finite = raw[fb + 9 * tokens :]
         self.pinned = False
+
+    def _create(self) -> None:
+        """The file at its full size with its memory reserved now: a sparse file in a /dev/shm too
+        small for it would kill the first process that touches a page past the room (SIGBUS), not
+        fail here."""
+        with open(self.path, "wb") as f:
+            try:
+                os.posix_fallocate(f.fileno(), 0, self.nbytes)
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):  # no fallocate here: sparse, as before
+                    f.truncate(self.nbytes)
+                    return
+                f.close()
+                self.path.unlink(missing_ok=True)
+                du = shutil.disk_usage(self.path.parent)
+                raise RuntimeError(
+                    f"capture host buffer {self.path}: {self.nbytes / 1e9:.2f} GB do not fit in {self.path.parent} "
+                    f"({du.free / 1e9:.2f} of {du.total / 1e9:.2f} GB free: {e.strerror}). The writer processes "
+                    "need capture.writers + 1 buffers of a capture pass each (capture.token_budget tokens x k x "
+                    "hidden x 2 bytes): give the container more shared memory (docker --shm-size, the Slurm or "
+                    "Kubernetes /dev/shm size) or lower capture.writers or capture.token_budget"
+                ) from None
 
     def spec(self) -> list:
         return [str(self.path), self.tokens, self.rows, self.width, self.dtype]

@@ -436,6 +436,43 @@ def test_a_host_buffer_that_does_not_fit_its_shared_memory_is_refused_with_the_f
     assert not path.exists()
 
 
+def _claim_and_wait(parent: str, ready) -> None:  # a capture process holding its buffer directory, until killed
+    from dflash_dist.capture.host_sink import claim_buffer_dir
+
+    path, _ = claim_buffer_dir(Path(parent), "t001")
+    (path / "buf0-1").write_bytes(b"x" * 4096)
+    ready.set()
+    time.sleep(600)
+
+
+def test_host_buffers_of_a_killed_capture_are_removed_by_the_next_one_and_no_others(tmp_path):
+    """A capture process killed with its host buffers in /dev/shm (SIGKILL, OOM) leaves them
+    behind; the next pool on the machine removes them (their owner lock is free), and leaves those
+    of a live pool, of this very process, and directories without a lock alone."""
+    import multiprocessing as mp
+    import signal
+
+    from dflash_dist.capture.host_sink import claim_buffer_dir, release_buffer_dir
+
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    dead = ctx.Process(target=_claim_and_wait, args=(str(tmp_path), ready))
+    dead.start()
+    assert ready.wait(60)
+    (orphan,) = tmp_path.glob("dflash-capture-t001-*")
+    os.kill(dead.pid, signal.SIGKILL)
+    dead.join(30)
+    live, live_fd = claim_buffer_dir(tmp_path, "t002")
+    unlocked = tmp_path / "dflash-capture-t003-old"
+    unlocked.mkdir()
+    mine, fd = claim_buffer_dir(tmp_path, "t004")
+    assert not orphan.exists()
+    assert live.is_dir() and unlocked.is_dir() and mine.is_dir()
+    release_buffer_dir(mine, fd)
+    release_buffer_dir(live, live_fd)
+    assert not mine.exists() and not live.exists()
+
+
 def _fail_unasked(conn) -> None:  # a writer whose idle write-back failed: its error, unasked, then exit 0
     conn.send_bytes(b'{"error": "OSError: [Errno 122] Disk quota exceeded"}')
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import json
 import logging
 import multiprocessing as mp
@@ -77,6 +78,43 @@ def split_rows(lengths: list[int], groups: int, min_tokens: int) -> list[tuple[i
         lo, hi = (lo, mid) if len(fill(mid)) <= g else (mid + 1, hi)
     starts = fill(lo)
     return list(zip(starts, starts[1:] + [rows]))
+
+
+BUFFER_DIR_PREFIX = "dflash-capture-"
+_LOCK = ".owner.lock"  # flock'd by the owning process for the directory's life: a lockable one is orphaned
+
+
+def claim_buffer_dir(parent: Path, prefix: str) -> tuple[Path, int]:
+    """A fresh directory for one WriterPool's host buffers under `parent` (/dev/shm) and the fd of
+    its owner lock. First, directories of pools whose process died without closing them (SIGKILL,
+    OOM: up to capture.writers + 1 passes of RAM each) are removed: a flock dies with its holder,
+    on this kernel whatever the PID namespace. The lock is taken under a temporary name and then
+    renamed into place, so a sweeper never finds a named lock that is not yet held."""
+    for old in Path(parent).glob(f"{BUFFER_DIR_PREFIX}*"):
+        with contextlib.suppress(OSError):
+            fd = os.open(old / _LOCK, os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while the owner lives
+                freed = sum(f.stat().st_size for f in old.iterdir())
+                shutil.rmtree(old, ignore_errors=True)
+                log.warning("removed %s, the host buffers of a capture whose process died (%.2f GB)", old, freed / 1e9)
+            finally:
+                os.close(fd)
+    path = Path(tempfile.mkdtemp(prefix=f"{BUFFER_DIR_PREFIX}{prefix}-", dir=parent))
+    fd = os.open(path / f"{_LOCK}.tmp", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(path / f"{_LOCK}.tmp", path / _LOCK)
+    return path, fd
+
+
+def release_buffer_dir(path: Path, lock_fd: int) -> None:
+    """The pool's directory gone (its buffers released first) and its owner lock let go."""
+    with contextlib.suppress(OSError):
+        (path / _LOCK).unlink()
+    with contextlib.suppress(OSError):
+        path.rmdir()
+    with contextlib.suppress(OSError):
+        os.close(lock_fd)
 
 
 class HostBuffer:
@@ -325,8 +363,8 @@ class WriterPool:
         token_bytes = self.width * torch.empty((), dtype=DTYPES[self.dtype]).element_size() + 9
         self.min_group_tokens = min_group_tokens or -(-MIN_GROUP_BYTES // token_bytes)
         shm = Path("/dev/shm")
-        self.buf_dir = Path(tempfile.mkdtemp(prefix=f"dflash-capture-{prefix}-",
-                                             dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else shard_dir))
+        self.buf_dir, self._buf_lock = claim_buffer_dir(shm if shm.is_dir() and os.access(shm, os.W_OK) else shard_dir,
+                                                        prefix)
         self.bufs: list[HostBuffer | None] = [None] * (writers + spare_buffers)
         self.pending = [0] * len(self.bufs)  # row groups of each buffer not written yet
         self._generation = 0
@@ -475,8 +513,7 @@ class WriterPool:
             for b in self.bufs:
                 if b is not None:
                     b.release()
-            with contextlib.suppress(OSError):
-                self.buf_dir.rmdir()
+            self._release_dir()
         if self.counts.errors:
             raise RuntimeError("capture writer failed: " + "; ".join(self.counts.errors))
         return self.counts
@@ -492,5 +529,9 @@ class WriterPool:
             if b is not None:
                 with contextlib.suppress(Exception):
                     b.release()
-        with contextlib.suppress(OSError):
-            self.buf_dir.rmdir()
+        self._release_dir()
+
+    def _release_dir(self) -> None:
+        if self._buf_lock is not None:  # once: the fd number may be another file's afterwards
+            release_buffer_dir(self.buf_dir, self._buf_lock)
+            self._buf_lock = None

@@ -196,25 +196,37 @@ def test_the_evaluator_refuses_fused_capture_kernels_where_capture_would(tiny, t
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernels", ["fused", "fused2"])
-def test_cuda_evaluator_measures_on_the_fused_capture_kernels(tiny, tmp_path, kernels):
+def test_cuda_evaluator_measures_on_the_fused_capture_kernels(tiny, tmp_path, monkeypatch, kernels):
     """capture.kernels fused / fused2 on the GPU: the evaluator's target runs the same kernels as
-    capture's (load_target + apply_capture_kernels, what CaptureJob.load does), so its provenance is
-    the shards' ("fla_fused" / "fla_fused2"), its held-out features are bitwise those of that
-    capture path, a live worker accepts the path, and an export is scored."""
+    capture's (load_target + apply_capture_kernels, what CaptureJob.load does), so it accepts the
+    provenance the run plan expects of the shards ("fla_fused" / "fla_fused2"); its held-out
+    features are bitwise those of that capture path on the same sequence; live decoding through
+    the cache runs on them (its tau within 2% of replay over live's own sequences); a live worker
+    accepts the path."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
     from dflash_dist.capture.fused_target import KERNEL_PATH_OF, apply_capture_kernels
     from dflash_dist.evaluator.measure import _WORKER, live_worker_init
     from dflash_dist.model.capture import capture_features, check_kernel_path
-    from dflash_dist.target.loading import load_target
+    from dflash_dist.target.loading import expected_provenance, load_target, target_identity
 
-    cfg = tiny["cfg"].model_copy(deep=True)
-    cfg.target.device, cfg.target.dtype, cfg.capture.kernels = "cuda", "bfloat16", kernels
+    # fuse_target swaps the module's conv for fla's: put the routed one back after the test
+    monkeypatch.setattr(modeling_qwen3_5, "causal_conv1d_fn", modeling_qwen3_5.causal_conv1d_fn)
+    tree = tiny["cfg"].to_dict()
+    tree["target"].update(device="cuda", dtype="bfloat16")
+    tree["capture"]["kernels"] = kernels
+    tree["eval"]["mode"] = "live"
+    cfg = config_from(tree)
+    target_dir = tiny["target_dir"]
     out = tmp_path / "run"
     (out / "export").mkdir(parents=True)
     publish(tiny, out, "trained", 5)
-    ev = Evaluator(cfg, out, tiny["target_dir"], tiny["prompts"], expected=None)
+    model, tokenizer = load_target(cfg, target_dir)
+    expected = expected_provenance(cfg, target_dir, target_identity(cfg, target_dir), tokenizer)
+    assert expected.kernel_path == KERNEL_PATH_OF[kernels]
+    ev = Evaluator(cfg, out, target_dir, tiny["prompts"], expected=expected)  # refused before: it ran "fla"
     assert ev.provenance.kernel_path == KERNEL_PATH_OF[kernels]
     ref = ev.references()[0]
-    model, _ = load_target(cfg, tiny["target_dir"])
     assert apply_capture_kernels(kernels, model, check_kernel_path(model, False)) == KERNEL_PATH_OF[kernels]
     ids = torch.tensor([list(ref.sequence[: ref.end])], device="cuda")
     cap = capture_features(model, ids, ev.identity.layer_ids, with_argmax=False)
@@ -222,8 +234,11 @@ def test_cuda_evaluator_measures_on_the_fused_capture_kernels(tiny, tmp_path, ke
     (result,) = ev.run_until(lambda: (True, 5), poll_s=0.05)
     ev.close()
     assert result.kernel_path == KERNEL_PATH_OF[kernels] and result.tau_chain >= 1.0
-    live_worker_init(cfg.to_dict(), str(tiny["target_dir"]), str(out / "export" / "step_5"),
-                     KERNEL_PATH_OF[kernels], 1)
+    live = result.live
+    print(f"{kernels}: replay tau {result.tau_chain:.3f}, live {live['tau_chain']:.3f}, "
+          f"replay over live's own {live['replay_own']['tau_chain']:.3f}")
+    assert live["tau_chain"] == pytest.approx(live["replay_own"]["tau_chain"], rel=0.02)
+    live_worker_init(cfg.to_dict(), str(target_dir), str(out / "export" / "step_5"), KERNEL_PATH_OF[kernels], 1)
     _WORKER.clear()
 
 

@@ -55,6 +55,13 @@ def _compiled():
     import torch._inductor.config as inductor_config
 
     inductor_config.emulate_precision_casts = True  # round where eager rounds (bf16 intermediates)
+    # one code object serves every norm of the target in every shape capture, greedy generation and
+    # live verification meet (ranks 3 and 4, batch and length 1 or not): past dynamo's default of 8
+    # graphs a new shape would run eagerly, its features no longer the kernel path's
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 256)
     return tuple(torch.compile(f, dynamic=True) for f in (_rms_norm, _gated_rms_norm, _silu_mul))
 
 

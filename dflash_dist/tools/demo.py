@@ -18,6 +18,7 @@ from dflash_dist.model.drafter import DFlashDrafter
 from dflash_dist.model.loss import dflash_loss, sample_anchors
 from dflash_dist.model.lr_schedule import warmup_cosine
 from dflash_dist.model.replay import ReplayResult, replay_tau
+from dflash_dist.target.gdn_path import route_cpu_to_torch
 from dflash_dist.target.generation import greedy_continuation
 
 
@@ -55,7 +56,9 @@ def tiny_qwen35_target(cfg: DemoConfig):
         initializer_range=cfg.init_std,
     )
     config._attn_implementation = "sdpa"
-    return Qwen3_5ForCausalLM(config).eval()
+    model = Qwen3_5ForCausalLM(config).eval()
+    route_cpu_to_torch()  # CPU forwards on torch's GDN code even where fla + Triton are installed (a GPU machine)
+    return model
 
 
 def drafter_for(target, cfg: DemoConfig) -> DFlashDrafter:

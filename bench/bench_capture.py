@@ -467,7 +467,8 @@ def measure_end_to_end(model, v: Variant, a, layer_ids, params, kernel_path: str
             f.update(gpu_loop=loop, shards=c.shards, shard_gb=round(c.bytes / 1e9, 2), samples=c.samples,
                      writer_busy_s=round(c.busy_s, 2), gpu_waited_s=round(c.gpu_waited_s, 2), writers=a.writers,
                      writer_jobs=c.jobs, bytes_per_token=round(per_token), drain_s=round(secs - loop_s, 2),
-                     writebacks=c.writebacks, writeback_s=round(c.writeback_s, 2))
+                     writebacks=c.writebacks, writeback_s=round(c.writeback_s, 2),
+                     writeback_max_s=round(c.writeback_max_s, 3))
             if "disk_write_gb_s" in out:
                 f["disk_bound_tokens_per_s"] = round(out["disk_write_gb_s"] * 1e9 / per_token)
             out[sink] = f
@@ -476,7 +477,7 @@ def measure_end_to_end(model, v: Variant, a, layer_ids, params, kernel_path: str
                   f"writers busy {f['writer_busy_s']} s, GPU thread waited {f['gpu_waited_s']} s for a buffer; "
                   f"GPU loop alone {loop['tokens_per_s']:.0f} tok/s ({100 * loop['bound_share']:.1f}%), then "
                   f"{f['drain_s']} s to the last shard listed, {c.writebacks} idle write-back ranges "
-                  f"({f['writeback_s']} s); the disk "
+                  f"({f['writeback_s']} s, the longest {f['writeback_max_s']} s); the disk "
                   f"allows {f.get('disk_bound_tokens_per_s', 0)} tok/s at {per_token / 1e3:.1f} kB/token", flush=True)
             continue
         try:

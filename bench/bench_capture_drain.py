@@ -73,6 +73,7 @@ def run(a, writeback: str, features: torch.Tensor, argmax: torch.Tensor, tag: st
         "busy_s": c.busy_s,
         "writebacks": c.writebacks,
         "writeback_s": c.writeback_s,
+        "writeback_max_s": c.writeback_max_s,
     }
 
 
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"write-back {wb:>6}: loop {f['loop_s']:6.2f} s, drain {f['drain_s']:5.2f} s after the last "
                 f"pass, {f['gb']:.2f} GB in {f['shards']} shards, writers busy {f['busy_s']:.1f} s, "
-                f"{f['writebacks']} write-back ranges started while idle ({f['writeback_s']:.1f} s, not in busy)",
+                f"{f['writebacks']} write-back ranges started while idle ({f['writeback_s']:.1f} s, not in busy; "
+                f"the longest {f['writeback_max_s']:.3f} s)",
                 flush=True,
             )
     return 0

@@ -17,7 +17,7 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -27,6 +27,7 @@ from data_pipeline.provenance import check_compatible
 from data_pipeline.records import DONE_NAME, MANIFEST_NAME, ShardRecord
 from data_pipeline.shard_reader import iter_shard_samples, read_manifest, sample_order, shard_order
 from dflash_dist.capture.data_prep import eval_prompt_ids, ingested_paths
+from dflash_dist.capture.fused_target import apply_capture_kernels
 from dflash_dist.config import Config, load_config
 from dflash_dist.evaluator.evaluator import RESULT_NAME_RE, list_exports
 from dflash_dist.evaluator.measure import HeldOut
@@ -235,8 +236,9 @@ def held_out_references(
             "run's target or re-run the run"
         )
     model, tokenizer = load_target(cfg, target_dir)
-    check_kernel_path(model, cfg.target.allow_torch_gdn_on_cuda)
+    gdn_path = check_kernel_path(model, cfg.target.allow_torch_gdn_on_cuda)
     prov = provenance_for(ident, model, template_hash(tokenizer, cfg.data.enable_thinking), cfg.capture.feature_dtype)
+    prov = replace(prov, kernel_path=apply_capture_kernels(cfg.capture.kernels, model, gdn_path))  # as the evaluator
     check_compatible(plan.expected, prov, f"the bench's target {target_dir} as loaded here")
     prompts = eval_prompt_ids(eval_jsonl, tokenizer, num_prompts, cfg.data.enable_thinking)
     if len(prompts) < num_prompts:
@@ -262,7 +264,7 @@ def held_out_references(
             with_argmax=False,
             allow_torch_gdn_on_cuda=cfg.target.allow_torch_gdn_on_cuda,
         )
-        assert cap.kernel_path == prov.kernel_path, (cap.kernel_path, prov)
+        assert cap.kernel_path == gdn_path, (cap.kernel_path, prov)
         refs.append(HeldOut(len(prompt), len(head), tuple(head + tail), cap.features[0]))
     if not refs:
         raise BenchInputError(

@@ -158,6 +158,7 @@ class ShardWriter:
         self.prefix = prefix
         self.before_open = before_open
         self.writeback_calls = 0  # write-back ranges started by start_writeback (diagnostics, tests)
+        self.writeback_max_s = 0.0  # the longest of them: a disk with a full queue makes the call wait
         self._can_write_back = can_start_write_back()
         self._written_back = 0  # bytes of the open shard handed to the disk so far
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -229,6 +230,7 @@ class ShardWriter:
         end, begin = self._file.tell(), self._written_back
         while self._written_back < end:
             n = min(chunk, end - self._written_back)
+            t0 = time.perf_counter()
             try:
                 start_write_back(self._file.fileno(), self._written_back, n)
             except OSError as e:  # refused (a filesystem without it): the closing fsync writes it all, as before
@@ -237,6 +239,7 @@ class ShardWriter:
                 self._can_write_back = False
                 break
             self.writeback_calls += 1
+            self.writeback_max_s = max(self.writeback_max_s, time.perf_counter() - t0)  # what a job may wait
             self._written_back += n
             if stop is not None and stop():
                 break

@@ -90,8 +90,9 @@ class CaptureSection(_Section):
     token_budget: PosInt | None = None
     sort_window: PosInt = 256
     shard_bytes: PosInt = 1 << 30  # a shard is closed before it would exceed this (about 1 GB)
-    # unconsumed (not yet trained-and-checkpointed) shard bytes at which capture pauses; the
-    # directory then holds at most this plus one shard in flight per writer (capture.writers, at least one) of each actor. None: unbounded
+    # unconsumed (not yet trained-and-checkpointed) shard bytes at which capture pauses; the directory
+    # then holds at most this plus one shard in flight per writer (capture.writers, at least one) of each
+    # actor. None: unbounded
     max_buffer_bytes: PosInt | None = None
     # shards released by a checkpoint: auto deletes them under a cap with train.epochs == 1 or when later
     # epochs are captured again, else keeps

@@ -187,6 +187,7 @@ class SinkCounts:
     waited_disk_s: float = 0.0  # writers paused for the disk buffer (disk_budget.py)
     writebacks: int = 0  # write-back ranges writer processes started while idle (capture.writeback_idle)
     writeback_s: float = 0.0  # their seconds, summed over writers (not in busy_s: no job was waiting)
+    writeback_max_s: float = 0.0  # the longest single range: the most a job arriving meanwhile waited
     gpu_waited_s: float = 0.0  # the GPU thread waiting for a free host buffer (writers behind)
     jobs: int = 0  # row groups sent to the writers (a pass is one or several: split_rows)
     errors: list[str] = field(default_factory=list)
@@ -302,7 +303,7 @@ def _writer_main(conn, spec: dict) -> None:
             done = writer.records[shards0:]
             out.update(shards=len(done), bytes=sum(r.n_bytes for r in done), busy_s=time.perf_counter() - t0,
                        waited_disk_s=gate.waited_s - waited0, writebacks=writer.writeback_calls - reported,
-                       writeback_s=idle_s)
+                       writeback_s=idle_s, writeback_max_s=writer.writeback_max_s)
             reported, idle_s = writer.writeback_calls, 0.0
             conn.send_bytes(json.dumps(out).encode())
         t0 = time.perf_counter()
@@ -310,7 +311,7 @@ def _writer_main(conn, spec: dict) -> None:
         conn.send_bytes(json.dumps({"samples": 0, "tokens": 0, "skipped": 0, "shards": int(last is not None),
                                     "bytes": last.n_bytes if last else 0, "busy_s": time.perf_counter() - t0,
                                     "waited_disk_s": 0.0, "writebacks": writer.writeback_calls - reported,
-                                    "writeback_s": idle_s}).encode())
+                                    "writeback_s": idle_s, "writeback_max_s": writer.writeback_max_s}).encode())
     except BaseException as e:  # reported to the GPU process, which raises it
         if writer is not None:
             writer.abort()
@@ -495,6 +496,7 @@ class WriterPool:
                 setattr(c, k, getattr(c, k) + int(msg.get(k, 0)))
             c.busy_s += float(msg.get("busy_s", 0.0))
             c.writeback_s += float(msg.get("writeback_s", 0.0))
+            c.writeback_max_s = max(c.writeback_max_s, float(msg.get("writeback_max_s", 0.0)))
             c.waited_disk_s += float(msg.get("waited_disk_s", 0.0))
 
     def close(self) -> SinkCounts:

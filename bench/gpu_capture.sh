@@ -23,7 +23,7 @@ echo "capture rc=$? s=$(($(date +%s) - t0))"
 grep -E "^compute|^end to end|disk write" "$out/capture.log" | tail -8
 if [ "$(left)" -gt 90 ]; then  # the evaluator on the fused capture kernels (never run on a GPU before)
     t0=$(date +%s)
-    timeout $(($(left) - 10)) python3 -m pytest -m gpu -v -s -rA -p no:cacheprovider tests/test_evaluator.py \
+    TORCH_LOGS=recompiles timeout $(($(left) - 10)) python3 -m pytest -m gpu -v -s -rA -p no:cacheprovider tests/test_evaluator.py \
         -k fused_capture_kernels >"$out/gpu_eval_fused.log" 2>&1
     echo "gpu_eval_fused rc=$? s=$(($(date +%s) - t0))"
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/gpu_eval_fused.log" | tail -6

@@ -419,19 +419,27 @@ def test_writer_pool_raises_on_close_when_one_group_of_a_pass_fails(tmp_path):
     assert not list(shard_dir.glob(".tmp*")) and not pool.buf_dir.exists()
 
 
-def test_a_host_buffer_that_does_not_fit_its_shared_memory_is_refused_with_the_fix(tmp_path):
-    """A host buffer larger than the shared memory it lives in (a container's small /dev/shm) is
-    refused when made, naming the sizes and what to change, and leaves no file: a sparse file
-    would kill the first process to touch a page past the room (SIGBUS)."""
-    import shutil
+def test_host_buffers_that_do_not_fit_their_shared_memory_are_refused_with_the_fix(tmp_path):
+    """Host buffers larger than the shared memory they live in (a container's small /dev/shm): a
+    pool whose buffers cannot all fit is refused before it starts a process, and a buffer made
+    past the room is refused when made, naming the sizes and what to change, leaving no file (a
+    sparse file would kill the first process to touch a page past the room: SIGBUS)."""
+    from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance
+    from dflash_dist.capture.host_sink import HostBuffer, WriterPool, buffer_parent
+    from tests.helpers.config import config_from
 
-    from dflash_dist.capture.host_sink import HostBuffer
-
-    shm = Path("/dev/shm")
-    where = shm if shm.is_dir() and os.access(shm, os.W_OK) else tmp_path  # where WriterPool puts them
-    tokens = shutil.disk_usage(where).total // 73 + (1 << 24)  # 64 + 9 bytes a token: past the whole filesystem
+    where = buffer_parent()
+    tokens = (1 << 50) // 73  # 1 PiB at 64 + 9 bytes a token: past any /dev/shm, past ext4's file size
+    fix = r"do not fit in .* GB free.*capture.writers \+ 1 buffers.*--shm-size"
+    cfg = config_from({"target": {"kind": "tiny_stdlib"}})
+    prov = Provenance(schema_version=SHARD_SCHEMA_VERSION, target_id="test:pool", target_hash="h", layer_ids=(1, 2),
+                      hidden_size=16, dtype="bfloat16", kernel_path="torch", template_hash="none")
+    before = set(where.glob("dflash-capture-t009-*"))
+    with pytest.raises(RuntimeError, match=fix):
+        WriterPool(cfg, tmp_path / "shards", prov, "t009", 0, 2, tokens_hint=tokens)
+    assert set(where.glob("dflash-capture-t009-*")) == before  # nothing claimed
     path = where / f"dflash-test-buffer-{os.getpid()}"
-    with pytest.raises(RuntimeError, match=r"do not fit in .* GB free.*capture.writers \+ 1 buffers.*--shm-size"):
+    with pytest.raises(RuntimeError, match=fix):
         HostBuffer(path, tokens, 4, 32, "bfloat16", create=True)
     assert not path.exists()
 
@@ -439,7 +447,7 @@ def test_a_host_buffer_that_does_not_fit_its_shared_memory_is_refused_with_the_f
 def _claim_and_wait(parent: str, ready) -> None:  # a capture process holding its buffer directory, until killed
     from dflash_dist.capture.host_sink import claim_buffer_dir
 
-    path, _ = claim_buffer_dir(Path(parent), "t001")
+    path, _ = claim_buffer_dir(Path(parent), "t001", sweep=True)
     (path / "buf0-1").write_bytes(b"x" * 4096)
     ready.set()
     time.sleep(600)
@@ -462,15 +470,23 @@ def test_host_buffers_of_a_killed_capture_are_removed_by_the_next_one_and_no_oth
     (orphan,) = tmp_path.glob("dflash-capture-t001-*")
     os.kill(dead.pid, signal.SIGKILL)
     dead.join(30)
-    live, live_fd = claim_buffer_dir(tmp_path, "t002")
+    live, live_fd = claim_buffer_dir(tmp_path, "t002", sweep=True)
     unlocked = tmp_path / "dflash-capture-t003-old"
     unlocked.mkdir()
-    mine, fd = claim_buffer_dir(tmp_path, "t004")
+    mine, fd = claim_buffer_dir(tmp_path, "t004", sweep=True)
     assert not orphan.exists()
     assert live.is_dir() and unlocked.is_dir() and mine.is_dir()
     release_buffer_dir(mine, fd)
     release_buffer_dir(live, live_fd)
     assert not mine.exists() and not live.exists()
+    # a directory released with a buffer still in it keeps its lock file: the next sweep takes it
+    kept, kept_fd = claim_buffer_dir(tmp_path, "t005", sweep=True)
+    (kept / "buf0-1").write_bytes(b"x")
+    release_buffer_dir(kept, kept_fd)
+    assert (kept / ".owner.lock").exists()
+    _, fd = claim_buffer_dir(tmp_path, "t006", sweep=True)
+    assert not kept.exists()
+    os.close(fd)
 
 
 def _fail_unasked(conn) -> None:  # a writer whose idle write-back failed: its error, unasked, then exit 0

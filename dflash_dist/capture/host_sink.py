@@ -84,37 +84,74 @@ BUFFER_DIR_PREFIX = "dflash-capture-"
 _LOCK = ".owner.lock"  # flock'd by the owning process for the directory's life: a lockable one is orphaned
 
 
-def claim_buffer_dir(parent: Path, prefix: str) -> tuple[Path, int]:
-    """A fresh directory for one WriterPool's host buffers under `parent` (/dev/shm) and the fd of
-    its owner lock. First, directories of pools whose process died without closing them (SIGKILL,
-    OOM: up to capture.writers + 1 passes of RAM each) are removed: a flock dies with its holder,
-    on this kernel whatever the PID namespace. The lock is taken under a temporary name and then
-    renamed into place, so a sweeper never finds a named lock that is not yet held."""
-    for old in Path(parent).glob(f"{BUFFER_DIR_PREFIX}*"):
-        with contextlib.suppress(OSError):
-            fd = os.open(old / _LOCK, os.O_RDWR)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while the owner lives
-                freed = sum(f.stat().st_size for f in old.iterdir())
-                shutil.rmtree(old, ignore_errors=True)
-                log.warning("removed %s, the host buffers of a capture whose process died (%.2f GB)", old, freed / 1e9)
-            finally:
-                os.close(fd)
+def buffer_parent() -> Path:
+    """Where host buffers live: /dev/shm (RAM, shared with the writer processes), else the node's
+    temporary directory (never the shard tree, which may be a network filesystem)."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def claim_buffer_dir(parent: Path, prefix: str, sweep: bool | None = None) -> tuple[Path, int | None]:
+    """A fresh directory for one WriterPool's host buffers under `parent` and the fd of its owner
+    lock (None where flock is refused). First (`sweep`; default: in /dev/shm, a local RAM
+    filesystem, never where flock may be node-local on a network filesystem), directories of pools whose process died
+    without closing them (SIGKILL, OOM: up to capture.writers + 1 passes of RAM each) are removed:
+    a flock dies with its holder, whatever the PID namespace. The lock is taken under a temporary
+    name and then renamed into place, so a sweeper never finds a named lock that is not yet held;
+    only this user's directories are swept."""
+    if Path(parent) == Path("/dev/shm") if sweep is None else sweep:
+        for old in Path(parent).glob(f"{BUFFER_DIR_PREFIX}*"):
+            with contextlib.suppress(OSError):
+                if old.lstat().st_uid != os.getuid():
+                    continue
+                fd = os.open(old / _LOCK, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while the owner lives
+                    if os.fstat(fd).st_ino != os.stat(old / _LOCK).st_ino:
+                        continue  # not the lock we hold (the directory changed meanwhile)
+                    freed = sum(f.stat().st_size for f in old.iterdir())
+                    shutil.rmtree(old, ignore_errors=True)
+                    log.warning("removed %s, the host buffers of a capture whose process died (%.2f GB)", old,
+                                freed / 1e9)
+                finally:
+                    os.close(fd)
     path = Path(tempfile.mkdtemp(prefix=f"{BUFFER_DIR_PREFIX}{prefix}-", dir=parent))
     fd = os.open(path / f"{_LOCK}.tmp", os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as e:  # a filesystem without flock: a lockless directory, never swept
+        log.warning("%s: no owner lock (%s); if this process dies, remove the directory by hand", path, e)
+        os.close(fd)
+        os.unlink(path / f"{_LOCK}.tmp")
+        return path, None
     os.rename(path / f"{_LOCK}.tmp", path / _LOCK)
     return path, fd
 
 
-def release_buffer_dir(path: Path, lock_fd: int) -> None:
-    """The pool's directory gone (its buffers released first) and its owner lock let go."""
-    with contextlib.suppress(OSError):
-        (path / _LOCK).unlink()
-    with contextlib.suppress(OSError):
-        path.rmdir()
-    with contextlib.suppress(OSError):
-        os.close(lock_fd)
+def release_buffer_dir(path: Path, lock_fd: int | None) -> None:
+    """The pool's directory gone (its buffers released first) and its owner lock let go. A
+    directory that still holds a buffer keeps its lock file, so the next sweep removes it."""
+    leftovers = [f for f in path.iterdir() if f.name != _LOCK] if path.is_dir() else []
+    if not leftovers:
+        with contextlib.suppress(OSError):
+            (path / _LOCK).unlink()
+        with contextlib.suppress(OSError):
+            path.rmdir()
+    if lock_fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(lock_fd)
+
+
+def no_room(parent: Path, need: int, what: str) -> str:
+    du = shutil.disk_usage(parent)
+    return (
+        f"capture host buffers: {need / 1e9:.2f} GB do not fit in {parent} ({du.free / 1e9:.2f} of "
+        f"{du.total / 1e9:.2f} GB free; {what}). The writer processes need capture.writers + 1 buffers of a "
+        "capture pass each (capture.token_budget tokens x k x hidden x 2 bytes), in shared memory that also "
+        "counts against the container's memory limit: give the container more shared memory (docker "
+        "--shm-size, the Slurm or Kubernetes /dev/shm size) and memory, or lower capture.writers or "
+        "capture.token_budget"
+    )
 
 
 class HostBuffer:
@@ -145,19 +182,12 @@ class HostBuffer:
             try:
                 os.posix_fallocate(f.fileno(), 0, self.nbytes)
             except OSError as e:
-                if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):  # no fallocate here: sparse, as before
+                if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):  # no fallocate here: sparse, as before
                     f.truncate(self.nbytes)
                     return
                 f.close()
                 self.path.unlink(missing_ok=True)
-                du = shutil.disk_usage(self.path.parent)
-                raise RuntimeError(
-                    f"capture host buffer {self.path}: {self.nbytes / 1e9:.2f} GB do not fit in {self.path.parent} "
-                    f"({du.free / 1e9:.2f} of {du.total / 1e9:.2f} GB free: {e.strerror}). The writer processes "
-                    "need capture.writers + 1 buffers of a capture pass each (capture.token_budget tokens x k x "
-                    "hidden x 2 bytes): give the container more shared memory (docker --shm-size, the Slurm or "
-                    "Kubernetes /dev/shm size) or lower capture.writers or capture.token_budget"
-                ) from None
+                raise RuntimeError(no_room(self.path.parent, self.nbytes, f"{self.path}: {e.strerror}")) from None
 
     def spec(self) -> list:
         return [str(self.path), self.tokens, self.rows, self.width, self.dtype]
@@ -363,13 +393,22 @@ class WriterPool:
         self.dtype, self.width = provenance.dtype, provenance.feature_width
         token_bytes = self.width * torch.empty((), dtype=DTYPES[self.dtype]).element_size() + 9
         self.min_group_tokens = min_group_tokens or -(-MIN_GROUP_BYTES // token_bytes)
-        shm = Path("/dev/shm")
-        self.buf_dir, self._buf_lock = claim_buffer_dir(shm if shm.is_dir() and os.access(shm, os.W_OK) else shard_dir,
-                                                        prefix)
-        self.bufs: list[HostBuffer | None] = [None] * (writers + spare_buffers)
+        n_bufs = writers + spare_buffers
+        where = buffer_parent()
+        if tokens_hint:  # all buffers at their first size must fit, not only the first passes'
+            need = n_bufs * (tokens_hint * token_bytes + 64)
+            if need > shutil.disk_usage(where).free:
+                raise RuntimeError(no_room(where, need, f"{n_bufs} buffers of {tokens_hint} tokens"))
+        self.procs, self.threads = [], []
+        self.bufs: list[HostBuffer | None] = [None] * n_bufs
+        self.buf_dir, self._buf_lock = claim_buffer_dir(where, prefix)
         self.pending = [0] * len(self.bufs)  # row groups of each buffer not written yet
         self._generation = 0
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        try:
+            self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        except BaseException:
+            self._release_dir()
+            raise
         self.free: queue.Queue[int] = queue.Queue()
         for i in range(len(self.bufs)):
             self.free.put(i)
@@ -378,7 +417,6 @@ class WriterPool:
         at = None if gate_at is None else [str(gate_at.shard_dir), dataclasses.asdict(gate_at.policy)]
         spec = {"cfg": cfg.to_dict(), "shard_dir": str(shard_dir), "provenance": provenance.to_dict(),
                 "actor": actor_index, "gate": gate, "gate_at": at}  # gate_at: the capture's gate (root, policy)
-        self.procs, self.threads = [], []
         env_threads = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"  # the children's OpenMP pools: one thread (module docstring)
         conns = []
@@ -390,6 +428,9 @@ class WriterPool:
                 p.start()
                 self.procs.append(p)
                 conns.append(parent)
+        except BaseException:  # a process could not start: the others stopped, the buffer directory released
+            self.abort()
+            raise
         finally:
             if env_threads is None:
                 os.environ.pop("OMP_NUM_THREADS", None)

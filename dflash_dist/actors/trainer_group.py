@@ -222,9 +222,16 @@ class TrainerGroup:
                     ray.get(r)
                 except Exception as e:
                     failures.append((r, e))
-        ref, error = next(((r, e) for r, e in failures if isinstance(e, _LOST)), failures[0])
+        def cause_of(e: Exception) -> Exception:
+            return e.cause if isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None else e
+
+        # a lost process first; else the first error, unless it names nothing its peers' do (DataLost:
+        # every rank raises at the same slot, only those that hit the unreadable samples name them)
+        ref, error = next(((r, e) for r, e in failures if isinstance(e, _LOST)), None) or min(
+            failures, key=lambda f: bool(getattr(cause_of(f[1]), "names_nothing", False))
+        )
         kind = DIED if isinstance(error, _LOST) else ERROR
-        cause = error.cause if isinstance(error, ray.exceptions.RayTaskError) and error.cause is not None else error
+        cause = cause_of(error)
         message = f"{type(cause).__name__}: {cause}".strip()
         if kind == DIED:  # Ray's text runs over many lines of context; its first names what died
             message = message.splitlines()[0]

@@ -223,11 +223,13 @@ class StepSource:
             return
         own = feeder.problems
         mine = "; ".join(own[:5]) + (f" (+{len(own) - 5} more)" if len(own) > 5 else "") if own else "none here"
-        raise DataLost(
+        err = DataLost(
             f"{lost} sample(s) could not be read, more than data.max_lost_fraction={fraction} of the "
             f"{planned} planned ({allowed} allowed). Rank {self.rank} could not read: {mine}. Restore or re-extract "
             f"the shards under {self.shard_dir} (and --resume auto), or raise data.max_lost_fraction"
         )
+        err.names_nothing = not own  # every rank raises; the group reports one that names the samples
+        raise err
 
     def _commit(self, batches: list[MicroBatch]) -> None:
         """The position after the step just handed out. A rank that ran dry takes its stream's

@@ -17,24 +17,23 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from data_pipeline.chat_data import template_hash
 from data_pipeline.provenance import check_compatible
 from data_pipeline.records import DONE_NAME, MANIFEST_NAME, ShardRecord
 from data_pipeline.shard_reader import iter_shard_samples, read_manifest, sample_order, shard_order
 from dflash_dist.capture.data_prep import eval_prompt_ids, ingested_paths
-from dflash_dist.capture.fused_target import apply_capture_kernels
+from dflash_dist.capture.fused_target import features_provenance
 from dflash_dist.config import Config, load_config
 from dflash_dist.evaluator.evaluator import RESULT_NAME_RE, list_exports
 from dflash_dist.evaluator.measure import HeldOut
-from dflash_dist.model.capture import capture_features, check_kernel_path
+from dflash_dist.model.capture import capture_features
 from dflash_dist.orchestration.run_plan import PLAN_NAME, RunPlan, read_plan
 from dflash_dist.target.generation import generate_in_batches, pad_token_id, stop_token_ids
-from dflash_dist.target.loading import load_target, provenance_for, target_identity
+from dflash_dist.target.loading import load_target, target_identity
 from dflash_dist.trainer.step_log import TRAIN_LOG
 
 log = logging.getLogger("bench_quality_run")
@@ -236,9 +235,7 @@ def held_out_references(
             "run's target or re-run the run"
         )
     model, tokenizer = load_target(cfg, target_dir)
-    gdn_path = check_kernel_path(model, cfg.target.allow_torch_gdn_on_cuda)
-    prov = provenance_for(ident, model, template_hash(tokenizer, cfg.data.enable_thinking), cfg.capture.feature_dtype)
-    prov = replace(prov, kernel_path=apply_capture_kernels(cfg.capture.kernels, model, gdn_path))  # as the evaluator
+    prov, gdn_path = features_provenance(cfg, ident, model, tokenizer)  # as the evaluator
     check_compatible(plan.expected, prov, f"the bench's target {target_dir} as loaded here")
     prompts = eval_prompt_ids(eval_jsonl, tokenizer, num_prompts, cfg.data.enable_thinking)
     if len(prompts) < num_prompts:

@@ -12,27 +12,26 @@ exact sequence its features came from."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from data_pipeline.chat_data import ChatEncoder, ChatRecord, read_chat_jsonl, template_hash
+from data_pipeline.chat_data import ChatEncoder, ChatRecord, read_chat_jsonl
 from data_pipeline.disk_budget import BufferGate, BufferPolicy
 from data_pipeline.epoch_dirs import sequences_dir
 from data_pipeline.ingest import sample_keys
 from data_pipeline.ledger import CaptureData, captured_keys, check_capture_data, remove_stale_tmp
 from data_pipeline.provenance import Provenance
 from data_pipeline.token_store import SequenceStore, estimate_bytes, write_sequences
-from dflash_dist.capture.fused_target import apply_capture_kernels
+from dflash_dist.capture.fused_target import features_provenance
 from dflash_dist.capture.host_sink import ThreadWriter, WriterPool, open_writers
 from dflash_dist.config import Config
 from dflash_dist.logging_setup import progress
-from dflash_dist.model.capture import capture_features, check_kernel_path
+from dflash_dist.model.capture import capture_features
 from dflash_dist.target.generation import generate_responses, pad_token_id, stop_token_ids
-from dflash_dist.target.loading import TargetIdentity, load_target, provenance_for
+from dflash_dist.target.loading import TargetIdentity, load_target
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +96,7 @@ class CaptureJob:
         """The job of one target actor: its target loaded here (the identity, with the weight hash,
         comes from the run plan), its kernel path checked, fused if capture.kernels says so."""
         model, tokenizer = load_target(cfg, Path(target_dir))
-        kernel_path = check_kernel_path(model, cfg.target.allow_torch_gdn_on_cuda)
-        provenance = provenance_for(ident, model, template_hash(tokenizer, cfg.data.enable_thinking),
-                                    cfg.capture.feature_dtype)
-        fused_path = apply_capture_kernels(cfg.capture.kernels, model, kernel_path)
-        provenance = dataclasses.replace(provenance, kernel_path=fused_path)
+        provenance, _ = features_provenance(cfg, ident, model, tokenizer)
         return cls(cfg, model, provenance, Path(shard_dir), actor_index, num_actors, tokenizer, recapture)
 
     def progress(self) -> dict:

@@ -9,11 +9,17 @@ capture from ~64% to ~73% of the bf16 bound (docs/BENCHMARKS.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from data_pipeline.chat_data import template_hash
+from data_pipeline.provenance import Provenance
+from dflash_dist.model.capture import check_kernel_path
+from dflash_dist.target.loading import TargetIdentity, provenance_for
 
 FUSED_KERNEL_PATH = "fla_fused"
 FUSED2_KERNEL_PATH = "fla_fused2"  # capture.kernels=fused2: these kernels plus capture/fused_layers.py
@@ -111,6 +117,15 @@ def apply_capture_kernels(kernels: str, model: nn.Module, kernel_path: str) -> s
                          "capture.kernels=eager)")
     fuse_target(model, layers=kernels == "fused2")
     return KERNEL_PATH_OF[kernels]
+
+
+def features_provenance(cfg, ident: TargetIdentity, model: nn.Module, tokenizer) -> tuple[Provenance, str]:
+    """The provenance of the features this process makes with `model` (its kernel path checked,
+    the target fused as capture.kernels says: capture, the evaluator and the quality bench alike),
+    and the path its GDN layers run (what capture_features reports: "fla" under "fla_fused" too)."""
+    gdn_path = check_kernel_path(model, cfg.target.allow_torch_gdn_on_cuda)
+    prov = provenance_for(ident, model, template_hash(tokenizer, cfg.data.enable_thinking), cfg.capture.feature_dtype)
+    return dataclasses.replace(prov, kernel_path=apply_capture_kernels(cfg.capture.kernels, model, gdn_path)), gdn_path
 
 
 def unfuse_target(model: nn.Module, torch_conv) -> None:

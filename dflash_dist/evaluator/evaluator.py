@@ -40,11 +40,10 @@ from pathlib import Path
 
 import torch
 
-from data_pipeline.chat_data import template_hash
 from data_pipeline.durable_files import write_text_atomic
 from data_pipeline.provenance import Provenance, check_compatible
 from data_pipeline.shard_reader import read_manifest
-from dflash_dist.capture.fused_target import apply_capture_kernels
+from dflash_dist.capture.fused_target import features_provenance
 from dflash_dist.config import Config
 from dflash_dist.evaluator.batched_replay import measure_replay_batched
 from dflash_dist.evaluator.measure import HeldOut, measure_live, measure_live_workers, rounds_agreement
@@ -59,11 +58,11 @@ from dflash_dist.evaluator.policy import (
 )
 from dflash_dist.evaluator.server import ServerError, server_tau
 from dflash_dist.evaluator.tb_log import log_result, logged_tags
-from dflash_dist.model.capture import capture_features, check_kernel_path
+from dflash_dist.model.capture import capture_features
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.export import load_drafter
 from dflash_dist.target.generation import generate_in_batches, generate_responses, pad_token_id, stop_token_ids
-from dflash_dist.target.loading import TargetIdentity, load_target, provenance_for, target_identity
+from dflash_dist.target.loading import TargetIdentity, load_target, target_identity
 from dflash_dist.trainer.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -121,15 +120,10 @@ class Evaluator:
         self.target_dir = target_dir
         self.identity = identity if identity is not None else target_identity(cfg, target_dir)
         self.model, self.tokenizer = load_target(cfg, target_dir)
-        self._gdn_path = path = check_kernel_path(self.model, cfg.target.allow_torch_gdn_on_cuda)
         # its own target's features, computed here (never read from shards: as serving does), on the
         # kernels capture ran (capture.kernels); the encoding names how the training shards store
         # theirs, so the checks compare like for like
-        self.provenance = replace(
-            provenance_for(self.identity, self.model, template_hash(self.tokenizer, cfg.data.enable_thinking),
-                           cfg.capture.feature_dtype),
-            kernel_path=apply_capture_kernels(cfg.capture.kernels, self.model, path),
-        )
+        self.provenance, self._gdn_path = features_provenance(cfg, self.identity, self.model, self.tokenizer)
         if expected is not None:
             check_compatible(expected, self.provenance, f"the evaluator's target {target_dir} as loaded here")
         self.stop_ids = stop_token_ids(self.tokenizer)  # target/generation.py: the one stop rule

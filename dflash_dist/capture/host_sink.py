@@ -160,9 +160,8 @@ class HostBuffer:
 
     def __init__(self, path: Path, tokens: int, rows: int, width: int, dtype: str, create: bool) -> None:
         self.path, self.tokens, self.rows, self.width, self.dtype = Path(path), tokens, rows, width, dtype
-        esize = torch.empty((), dtype=DTYPES[dtype]).element_size()
-        fb = tokens * width * esize
-        self.nbytes = fb + tokens * 9 + rows
+        fb = tokens * width * torch.empty((), dtype=DTYPES[dtype]).element_size()
+        self.nbytes = self.size(tokens, rows, width, dtype)
         if create:
             self._create()
         raw = torch.from_file(str(self.path), shared=True, size=self.nbytes, dtype=torch.uint8)
@@ -173,6 +172,11 @@ class HostBuffer:
         self.mask = raw[fb + 8 * tokens : fb + 9 * tokens]
         self.finite = raw[fb + 9 * tokens :]
         self.pinned = False
+
+    @staticmethod
+    def size(tokens: int, rows: int, width: int, dtype: str) -> int:
+        """Bytes of a buffer of `tokens` tokens and `rows` sequences (the layout above)."""
+        return tokens * (width * torch.empty((), dtype=DTYPES[dtype]).element_size() + 9) + rows
 
     def _create(self) -> None:
         """The file at its full size with its memory reserved now: a sparse file in a /dev/shm too
@@ -310,12 +314,19 @@ def _writer_main(conn, spec: dict) -> None:
                              spec["prefix"], before_open=gate if spec["gate"] else None)
         bufs: dict[str, HostBuffer] = {}
         conn.send_bytes(b"{}")
-        reported, idle_s = 0, 0.0  # write-back ranges and seconds not yet counted in a reply
+        idle = {"writebacks": 0, "writeback_s": 0.0}  # started while idle, not yet in a reply
+
+        def idle_figures() -> dict:
+            out = {**idle, "writeback_max_s": writer.writeback_max_s}
+            idle.update(writebacks=0, writeback_s=0.0)
+            return out
+
         while True:
             if cfg.capture.writeback_idle and not conn.poll(0.002):  # no job: the open shard to the disk meanwhile
-                t0 = time.perf_counter()
+                t0, calls0 = time.perf_counter(), writer.writeback_calls
                 writer.start_writeback(stop=lambda: conn.poll(0))  # in ranges, until a job comes
-                idle_s += time.perf_counter() - t0
+                idle["writebacks"] += writer.writeback_calls - calls0
+                idle["writeback_s"] += time.perf_counter() - t0
             if (msg := json.loads(conn.recv_bytes())) is None:
                 break
             t0, waited0, shards0 = time.perf_counter(), gate.waited_s, len(writer.records)
@@ -332,16 +343,13 @@ def _writer_main(conn, spec: dict) -> None:
                           buf.features[sl], buf.argmax[sl], meta, bool(buf.finite[row]))
             done = writer.records[shards0:]
             out.update(shards=len(done), bytes=sum(r.n_bytes for r in done), busy_s=time.perf_counter() - t0,
-                       waited_disk_s=gate.waited_s - waited0, writebacks=writer.writeback_calls - reported,
-                       writeback_s=idle_s, writeback_max_s=writer.writeback_max_s)
-            reported, idle_s = writer.writeback_calls, 0.0
+                       waited_disk_s=gate.waited_s - waited0, **idle_figures())
             conn.send_bytes(json.dumps(out).encode())
         t0 = time.perf_counter()
         last = writer.close()
         conn.send_bytes(json.dumps({"samples": 0, "tokens": 0, "skipped": 0, "shards": int(last is not None),
                                     "bytes": last.n_bytes if last else 0, "busy_s": time.perf_counter() - t0,
-                                    "waited_disk_s": 0.0, "writebacks": writer.writeback_calls - reported,
-                                    "writeback_s": idle_s, "writeback_max_s": writer.writeback_max_s}).encode())
+                                    "waited_disk_s": 0.0, **idle_figures()}).encode())
     except BaseException as e:  # reported to the GPU process, which raises it
         if writer is not None:
             writer.abort()
@@ -391,24 +399,20 @@ class WriterPool:
         self.tokens_hint = tokens_hint  # first size of each buffer (capture.token_budget)
         self.device = torch.device(device)
         self.dtype, self.width = provenance.dtype, provenance.feature_width
-        token_bytes = self.width * torch.empty((), dtype=DTYPES[self.dtype]).element_size() + 9
+        token_bytes = HostBuffer.size(1, 0, self.width, self.dtype)
         self.min_group_tokens = min_group_tokens or -(-MIN_GROUP_BYTES // token_bytes)
         n_bufs = writers + spare_buffers
         where = buffer_parent()
-        if tokens_hint:  # all buffers at their first size must fit, not only the first passes'
-            need = n_bufs * (tokens_hint * token_bytes + 64)
+        if tokens_hint:  # all buffers at their first size (_buffer) must fit, not only the first passes'
+            need = n_bufs * HostBuffer.size(tokens_hint, 64, self.width, self.dtype)
             if need > shutil.disk_usage(where).free:
                 raise RuntimeError(no_room(where, need, f"{n_bufs} buffers of {tokens_hint} tokens"))
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.procs, self.threads = [], []
         self.bufs: list[HostBuffer | None] = [None] * n_bufs
         self.buf_dir, self._buf_lock = claim_buffer_dir(where, prefix)
         self.pending = [0] * len(self.bufs)  # row groups of each buffer not written yet
         self._generation = 0
-        try:
-            self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        except BaseException:
-            self._release_dir()
-            raise
         self.free: queue.Queue[int] = queue.Queue()
         for i in range(len(self.bufs)):
             self.free.put(i)

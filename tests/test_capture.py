@@ -300,7 +300,8 @@ def pool_pass(rng: torch.Generator, keys: list[str], lengths: list[int], width: 
     return features, argmax, attention, items
 
 
-def writer_pool(shard_dir, writers: int, min_group_tokens: int, shard_bytes: int, writeback_idle: bool = True):
+def writer_pool(shard_dir, writers: int, min_group_tokens: int | None, shard_bytes: int, writeback_idle: bool = True,
+                prefix: str = "t000", tokens_hint: int = 0):
     from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance
     from dflash_dist.capture.host_sink import WriterPool
     from tests.helpers.config import config_from
@@ -309,7 +310,8 @@ def writer_pool(shard_dir, writers: int, min_group_tokens: int, shard_bytes: int
                        "capture": {"shard_bytes": shard_bytes, "writeback_idle": writeback_idle}})
     prov = Provenance(schema_version=SHARD_SCHEMA_VERSION, target_id="test:pool", target_hash="h", layer_ids=(1, 2),
                       hidden_size=16, dtype="bfloat16", kernel_path="torch", template_hash="none")
-    return WriterPool(cfg, shard_dir, prov, "t000", 0, writers, min_group_tokens=min_group_tokens)
+    return WriterPool(cfg, shard_dir, prov, prefix, 0, writers, min_group_tokens=min_group_tokens,
+                      tokens_hint=tokens_hint)
 
 
 def test_writer_pool_splits_each_pass_over_the_writers_and_writes_every_sample_once(tmp_path):
@@ -424,19 +426,14 @@ def test_host_buffers_that_do_not_fit_their_shared_memory_are_refused_with_the_f
     pool whose buffers cannot all fit is refused before it starts a process, and a buffer made
     past the room is refused when made, naming the sizes and what to change, leaving no file (a
     sparse file would kill the first process to touch a page past the room: SIGBUS)."""
-    from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance
-    from dflash_dist.capture.host_sink import HostBuffer, WriterPool, buffer_parent
-    from tests.helpers.config import config_from
+    from dflash_dist.capture.host_sink import HostBuffer, buffer_parent
 
     where = buffer_parent()
     tokens = (1 << 50) // 73  # 1 PiB at 64 + 9 bytes a token: past any /dev/shm, past ext4's file size
     fix = r"do not fit in .* GB free.*capture.writers \+ 1 buffers.*--shm-size"
-    cfg = config_from({"target": {"kind": "tiny_stdlib"}})
-    prov = Provenance(schema_version=SHARD_SCHEMA_VERSION, target_id="test:pool", target_hash="h", layer_ids=(1, 2),
-                      hidden_size=16, dtype="bfloat16", kernel_path="torch", template_hash="none")
     before = set(where.glob("dflash-capture-t009-*"))
     with pytest.raises(RuntimeError, match=fix):
-        WriterPool(cfg, tmp_path / "shards", prov, "t009", 0, 2, tokens_hint=tokens)
+        writer_pool(tmp_path / "shards", 2, None, 1 << 20, prefix="t009", tokens_hint=tokens)
     assert set(where.glob("dflash-capture-t009-*")) == before  # nothing claimed
     path = where / f"dflash-test-buffer-{os.getpid()}"
     with pytest.raises(RuntimeError, match=fix):

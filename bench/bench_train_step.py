@@ -17,7 +17,9 @@ loss read after every forward. --settings times issue 24's switches side by side
 and batches (SWITCHES), each line with the forward and backward shares of the bf16 bound and the
 optimizer ms; --json keeps the figures for bench/cost_model.py. The engine starts with DeepSpeed's
 own step; "lean"/"fused" install trainer/zero_step.py's, with DeepSpeed's gradient path ("dsgrads",
-the default) or the trainer's cuts ("leangrads").
+the default) or the trainer's cuts ("leangrads"). The words live in train_step_settings.py; "fa*" words
+set the compiled flex kernels' tiling (FLEX_PRESETS) or inductor's autotuning of them ("faautotune",
+its timing table on stderr). A setting that fails prints FAILED and the next one runs.
 
     python bench/bench_train_step.py --loss chunked --kernels liger --steps 6 --warmup 2 \
         --settings create+ds,create+ds+noovf,direct+ds+noovf,direct+lean,direct+lean+splitkv --json train.json
@@ -41,13 +43,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from train_step_settings import BEFORE, SWITCHES, apply_setting, parse_setting  # noqa: F401 (tests use bts.*)
 
 from dflash_dist.actors.rendezvous import rendezvous_store
 from dflash_dist.config import load_config
 from dflash_dist.model import loss as loss_mod
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.drafter import DFlashDrafter
-from dflash_dist.model.fused import KERNELS, set_rms_norm_in_place, set_rope_layout
+from dflash_dist.model.fused import KERNELS
 from dflash_dist.model.loss import Anchors, dflash_loss, label_targets, sample_anchors
 from dflash_dist.model.vocab_loss import lm_head_cross_entropy
 from dflash_dist.trainer.batching import BatchLimit
@@ -348,66 +351,6 @@ def report(name, secs, steps, samples, tokens, flops, peak, phases, peak_tflops,
 
 
 RESULTS: list[dict] = []  # every report() line, for --json (bench/cost_model.py reads it)
-SWITCHES = {  # --settings vocabulary: each word sets one switch on the running engine
-    "create": ("mask", "create"), "direct": ("mask", "direct"),  # flex block mask build (attention.py)
-    "ds": ("step", "deepspeed"), "lean": ("step", "lean"),  # optimizer step (trainer/zero_step.py)
-    "fused": ("step", "fused"),  # the lean step with one AdamW kernel (trainer/fused_adamw.py)
-    # the lean step's gradient path: DeepSpeed's (the default) or the trainer's cuts (zero_step.cut_grad_path)
-    "dsgrads": ("grads", "ds"), "leangrads": ("grads", "lean"),
-    "ovf": ("ovf", True), "noovf": ("ovf", False),  # DeepSpeed's inf/nan pass (bf16 check_grad_overflow)
-    "cat": ("kv", False), "splitkv": ("kv", True),  # k/v projections of cat(context, x) or of each part
-    # slot weights (default: --position-weighting); twopass: D-PACE as before 2026-12-04, a no-grad
-    # lm_head pass for the confidences and then the weighted one (onepass: the head once, vocab_loss.py)
-    "decay": ("weighting", "decay"), "dpace": ("weighting", "dpace"),
-    "onepass": ("passes", 1), "twopass": ("passes", 2),
-    # fused.py (liger/compile): q/k RoPE before the transpose or after it; liger RMSNorm dX over dY or into zeros
-    "ropebthd": ("rope", "bthd"), "ropebhtd": ("rope", "bhtd"), "rmsinplace": ("rms", True), "rmscopy": ("rms", False),
-}
-BEFORE = {"mask": "create", "step": "deepspeed", "ovf": True, "kv": False, "grads": "ds"}  # before issue 24
-
-
-def parse_setting(text: str) -> dict:
-    """'direct+lean' -> the BEFORE switches with those words applied."""
-    out = dict(BEFORE)
-    for word in text.split("+"):
-        if word not in SWITCHES:
-            raise SystemExit(f"--settings: unknown word {word!r} in {text!r}; expected '+'-joined {sorted(SWITCHES)}")
-        key, value = SWITCHES[word]
-        out[key] = value
-    if out.get("passes") == 2 and out.get("weighting") != "dpace":
-        raise SystemExit(f"--settings: {text!r}: twopass is D-PACE's former form, so it needs the word dpace")
-    if out["grads"] == "lean" and out["step"] not in ("lean", "fused"):
-        raise SystemExit(f"--settings: {text!r}: leangrads cuts the lean step's gradient path; add lean or fused")
-    return out
-
-
-def _two_pass_dpace(hidden, weight, labels, row_weights, chunk_rows=None, kernels="torch"):
-    """D-PACE's chunked loss as it ran before 2026-12-04: a no-grad head pass for the CE, the
-    weights from it, then the weighted pass (the same numbers as one pass, a head pass more)."""
-    if callable(row_weights):
-        with torch.no_grad():
-            _, ce, _ = lm_head_cross_entropy(hidden, weight, labels, torch.zeros_like(labels, dtype=torch.float32),
-                                             chunk_rows, kernels)
-        row_weights = row_weights(ce)
-    return lm_head_cross_entropy(hidden, weight, labels, row_weights, chunk_rows, kernels)
-
-
-def apply_setting(engine, setting: dict) -> None:
-    """Switch the running engine (same weights, same compiled flex) to a --settings entry."""
-    from dflash_dist.trainer import zero_step
-
-    engine.module.block_mask = setting["mask"]
-    base = vars(engine.module).setdefault("cli_weighting", engine.module.position_weighting)  # before any setting
-    engine.module.position_weighting = setting.get("weighting", base)
-    loss_mod.lm_head_cross_entropy = _two_pass_dpace if setting.get("passes", 1) == 2 else lm_head_cross_entropy
-    engine.module.drafter.set_split_kv(setting["kv"])
-    engine.optimizer.check_grad_overflow = setting["ovf"]
-    zero_step.uninstall(engine)  # DeepSpeed's step and gradient path, then the setting's
-    zero_step.install(engine, setting["step"], on_gpu=True, grad_cuts=setting["grads"] == "lean")
-    set_rope_layout(setting.get("rope", "bthd"))  # a setting without these words: the defaults (after issue 24)
-    set_rms_norm_in_place(setting.get("rms", True))
-
-
 def timed(engine, warm, timed_batches):
     run_steps(engine, warm)
     torch.cuda.synchronize()
@@ -539,7 +482,12 @@ def main() -> None:
         print(report(name, secs, a.steps, n, n * a.seq, flops, peak, phases, a.peak_tflops), flush=True)
     for text in [x for x in a.settings.split(",") if x]:
         apply_setting(engine, parse_setting(text))
-        secs, phases, peak = timed(engine, batches[: a.warmup], batches[a.warmup :])
+        try:  # a setting that fails (a tiling this torch refuses, out of memory) costs only its own line
+            secs, phases, peak = timed(engine, batches[: a.warmup], batches[a.warmup :])
+        except (RuntimeError, ValueError, torch.OutOfMemoryError) as e:  # inductor's errors are RuntimeErrors
+            print(f"{kernel_sets[-1]} {text}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
+            engine.zero_grad()
+            continue
         n = a.steps * a.batch
         name = f"{kernel_sets[-1]} {text}"
         results[name] = n / secs

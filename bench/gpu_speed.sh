@@ -2,7 +2,9 @@
 # One device call (<= 600 s, fresh machine) for issue 24: the 27B trainer step under TRAIN_STEP_SETTINGS
 # side by side on one engine (with COST=1, then bench/cost_model.py --measure-opt --world 9), then the gpu
 # tests of the optimizer step and golden parity on CUDA, then (if the time left allows) the README's GPU
-# pipeline test. Everything is written under OUT (default $OUT).
+# pipeline test. Everything is written under OUT (default $OUT). TRAIN_STEP_ARGS: more bench_train_step.py
+# arguments (e.g. --profile 2, which runs under the last setting); FLEX_TESTS=m32n128,autotune: the gpu test of
+# those flex tilings' numerics (tests/test_block_mask.py) before the pipeline test.
 #   bench/gpu_speed.sh [DEADLINE_S]      (seconds from the start the whole call must end by; default 570)
 set -u
 cd "$(dirname "$0")/.."
@@ -17,10 +19,13 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 RAY_ENABLE_WINDOWS_
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$out/gpu.txt" 2>&1
 left() { echo $((end - $(date +%s))); }
 t0=$(date +%s)
-timeout 300 python3 bench/bench_train_step.py --loss chunked --kernels liger --steps "${STEPS:-8}" --warmup 2 \
-    --settings "${TRAIN_STEP_SETTINGS:?the --settings to time}" --json "$out/train_step.json" >"$out/train_step.log" 2>&1
+timeout "${TRAIN_STEP_LIMIT_S:-300}" python3 bench/bench_train_step.py --loss chunked --kernels liger --steps "${STEPS:-8}" \
+    --warmup 2 --settings "${TRAIN_STEP_SETTINGS:?the --settings to time}" ${TRAIN_STEP_ARGS:-} \
+    --json "$out/train_step.json" >"$out/train_step.log" 2>&1
 echo "train_step rc=$? s=$(($(date +%s) - t0))"
-grep -E "ms/step|^setting|bound share" "$out/train_step.log" | tail -14
+grep -E "ms/step|^setting|bound share|FAILED" "$out/train_step.log" | tail -16
+# a faautotune setting: inductor's timing table of each flex kernel's candidate tilings (stderr)
+grep -A 8 "^AUTOTUNE flex_attention" "$out/train_step.log" | head -40
 if [ -n "${COST:-}" ]; then  # the optimizer steps on a 1/9 slice (deepspeed, lean, fused) and the 9-rank estimate
     t0=$(date +%s)
     timeout 150 python3 bench/cost_model.py --train-json "$out/train_step.json" --measure-opt --world 9 \
@@ -34,6 +39,13 @@ timeout $(($(left) < 220 ? $(left) - 10 : 210)) python3 -m pytest -m gpu -v -s -
     >"$out/gpu_tests.log" 2>&1
 echo "gpu_tests rc=$? s=$(($(date +%s) - t0))"
 grep -E "PASSED|FAILED|ERROR|differ|passed|failed" "$out/gpu_tests.log" | tail -12
+if [ -n "${FLEX_TESTS:-}" ] && [ "$(left)" -gt 120 ]; then  # the tilings' numerics (fa* words), e.g. FLEX_TESTS=m32n128
+    t0=$(date +%s)
+    timeout $(($(left) - 10)) python3 -m pytest -m gpu -v -s -rA -p no:cacheprovider tests/test_block_mask.py \
+        -k "tilings and ($(echo "$FLEX_TESTS" | sed 's/,/ or /g'))" >"$out/gpu_flex.log" 2>&1
+    echo "gpu_flex rc=$? s=$(($(date +%s) - t0))"
+    grep -E "PASSED|FAILED|ERROR|max \|error\||passed|failed" "$out/gpu_flex.log" | tail -10
+fi
 if [ "$(left)" -gt 250 ]; then
     t0=$(date +%s)
     timeout $(($(left) - 10)) python3 -m pytest -m gpu -v -s -rA -p no:cacheprovider tests/test_gpu_pipeline.py \

@@ -23,6 +23,7 @@ from tests.helpers.drafter import small_drafter
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import bench_train_step as bts  # noqa: E402
+import train_step_settings as tss  # noqa: E402
 
 
 class _HeadPasses(TorchDispatchMode):
@@ -145,3 +146,36 @@ def test_fused_words_switch_the_layout_and_a_setting_without_them_restores_the_d
     finally:
         fused.set_rope_layout("bthd")
         fused.set_rms_norm_in_place(True)
+
+
+def test_flex_words_set_the_compiled_flex_tuning_and_reach_the_call(single_rank_gloo, monkeypatch):
+    """fa* words reach attention.set_flex_tuning (a FLEX_PRESETS tiling or inductor's autotuning); a setting
+    without one gets torch's choice back; the options reach flex_attention's call."""
+    from dflash_dist.model import attention
+
+    assert tss.parse_setting("direct+lean+fam32n128")["flex"] == "m32n128"
+    engine = _tiny_engine()
+    try:
+        tss.apply_setting(engine, tss.parse_setting("direct+lean+fam32n128"))
+        assert attention.flex_tuning() == {"options": tss.FLEX_PRESETS["m32n128"], "autotune": False}
+        assert attention.flex_tuning()["options"]["bwd_BLOCK_N1"] == 128
+        tss.apply_setting(engine, tss.parse_setting("direct+lean+faautotune"))
+        assert attention.flex_tuning() == {"options": {}, "autotune": True}
+        tss.apply_setting(engine, tss.parse_setting("direct+lean+fam64n64"))
+        seen = []
+        real = attention.flex_attention
+        monkeypatch.setattr(attention, "flex_attention", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+        positions, keep = torch.tensor([[3, 9]]), torch.tensor([[True, True]])
+        mask = attention.block_mask_flex(positions, keep, 12, 4)
+        q, k = torch.randn(1, 2, 8, 8), torch.randn(1, 1, 20, 8)
+        attention.attend(q, k, k, mask, scale=0.3)
+        assert seen[-1]["kernel_options"] == tss.FLEX_PRESETS["m64n64"]
+        tss.apply_setting(engine, tss.parse_setting("direct+lean"))
+        assert attention.flex_tuning() == {"options": {}, "autotune": False}
+        attention.attend(q, k, k, mask, scale=0.3)
+        assert seen[-1]["kernel_options"] is None  # torch's own choice, as before the switch existed
+    finally:
+        attention.set_flex_tuning()
+    with pytest.raises(ValueError, match=r"\['bwd_BLOCK_Q'\]: not torch's FlexKernelOptions"):
+        attention.set_flex_tuning({"bwd_BLOCK_M1": 32, "bwd_BLOCK_Q": 64})
+    assert attention.flex_tuning() == {"options": {}, "autotune": False}  # a refused tuning changes nothing

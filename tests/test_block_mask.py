@@ -95,3 +95,43 @@ def test_cuda_compiled_flex_is_identical_with_both_builds(window, packed):
         outs[build] = (out.detach(), *grads)
     for x, y in zip(outs["create"], outs["direct"]):
         assert torch.equal(x, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["m64n64", "m32n128", "stages2", "autotune"])
+def test_cuda_flex_tilings_stay_as_close_to_fp32_as_torchs_own(preset):
+    """Each tiling bench_train_step.py's fa* words time (attention.set_flex_tuning) sums the keys in another
+    order: its bf16 output and q/k/v gradients stay within 2x torch's own tiling's error against an fp32
+    dense reference, at head_dim 128 with GQA 4:1 (the 27B drafter's heads) and the training block mask."""
+    import sys
+    from pathlib import Path
+
+    from dflash_dist.model.attention import attend, block_mask_dense, set_flex_tuning
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from train_step_settings import FLEX_PRESETS
+
+    torch.manual_seed(0)
+    b, s_len, n, blk, d = 1, 1536, 256, 16, 128
+    positions, keep, _ = (t if t is None else t.cuda() for t in anchors_for(b, s_len, n, False))
+    q = torch.randn(b, 8, n * blk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(b, 2, s_len + n * blk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    dense = block_mask_dense(positions, keep, s_len, blk)
+    ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref = attend(*ref_in, dense, scale=d**-0.5)
+    g = torch.randn_like(ref)
+    ref_all = (ref.detach(), *torch.autograd.grad(ref, ref_in, g))
+    errors = {}
+    try:
+        for name in ("torch", preset):
+            set_flex_tuning(FLEX_PRESETS.get(name), autotune=name == "autotune")
+            out = attend(q, k, v, block_mask_flex(positions, keep, s_len, blk), scale=d**-0.5)
+            got = (out.detach(), *torch.autograd.grad(out, (q, k, v), g.bfloat16()))
+            errors[name] = [float((x.float() - r).abs().max() / r.abs().max()) for x, r in zip(got, ref_all)]
+    finally:
+        set_flex_tuning()
+    print(f"flex {preset} vs torch's tiling, max |error| / max |fp32| for out, dq, dk, dv: "
+          f"{errors[preset]} vs {errors['torch']}")
+    for mine, torchs in zip(errors[preset], errors["torch"]):
+        assert mine <= 2 * torchs + 1e-4

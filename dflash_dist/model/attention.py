@@ -174,13 +174,38 @@ FLEX_RECOMPILE_LIMIT = 64
 
 
 @functools.cache
-def _compiled_flex():
+def _compiled_flex(autotune: bool = False):
     import torch._dynamo
 
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, FLEX_RECOMPILE_LIMIT)
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * FLEX_RECOMPILE_LIMIT)
-    return torch.compile(flex_attention, dynamic=False)
+    # autotune: inductor times its candidate tile configs of the forward and backward kernels at each
+    # new shape and keeps the fastest (printing the table to stderr); a minute or more per shape
+    return torch.compile(flex_attention, dynamic=False, mode="max-autotune-no-cudagraphs" if autotune else None)
+
+
+# The compiled flex kernels' tuning (set_flex_tuning): torch's FlexKernelOptions (tile sizes, warps,
+# stages; a "fwd_"/"bwd_" prefix limits one to the forward or the backward kernels), or inductor's
+# autotuning. Default: none of them, torch's own choice for the device. Another tiling sums a row's
+# keys in another order, so the output and gradients change in the last bits (tests/test_block_mask.py).
+_FLEX_TUNING: dict = {"options": None, "autotune": False}
+
+
+def set_flex_tuning(options: dict | None = None, autotune: bool = False) -> None:
+    """Tile options and/or autotuning for the compiled flex kernels of every later `attend` call."""
+    from torch.nn.attention.flex_attention import FlexKernelOptions
+
+    known = set(FlexKernelOptions.__annotations__)
+    bad = [k for k in options or {} if k.removeprefix("fwd_").removeprefix("bwd_") not in known]
+    if bad:
+        raise ValueError(f"flex kernel options {bad}: not torch's FlexKernelOptions "
+                         f"(known, optionally with a fwd_/bwd_ prefix: {sorted(known)})")
+    _FLEX_TUNING.update(options=dict(options) if options else None, autotune=bool(autotune))
+
+
+def flex_tuning() -> dict:
+    return {"options": dict(_FLEX_TUNING["options"] or {}), "autotune": _FLEX_TUNING["autotune"]}
 
 
 def attend(q, k, v, mask, scale: float) -> torch.Tensor:
@@ -192,8 +217,8 @@ def attend(q, k, v, mask, scale: float) -> torch.Tensor:
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
     if BlockMask is not None and isinstance(mask, BlockMask):
-        fn = _compiled_flex() if q.is_cuda else flex_attention
-        return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+        fn = _compiled_flex(_FLEX_TUNING["autotune"]) if q.is_cuda else flex_attention
+        return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, kernel_options=_FLEX_TUNING["options"])
     dense = mask[:, None]  # [b, 1, Q, K]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale, enable_gqa=True)
     empty = ~dense.any(-1, keepdim=True)

@@ -1,0 +1,89 @@
+"""bench_train_step.py's --settings vocabulary: each '+'-joined word sets one of issue 24's switches on the
+running engine (SWITCHES), parse_setting reads a setting, apply_setting switches the engine to it."""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_dist.model import loss as loss_mod
+from dflash_dist.model.attention import set_flex_tuning
+from dflash_dist.model.fused import set_rms_norm_in_place, set_rope_layout
+from dflash_dist.model.vocab_loss import lm_head_cross_entropy
+
+SWITCHES = {  # --settings vocabulary: each word sets one switch on the running engine
+    "create": ("mask", "create"), "direct": ("mask", "direct"),  # flex block mask build (attention.py)
+    "ds": ("step", "deepspeed"), "lean": ("step", "lean"),  # optimizer step (trainer/zero_step.py)
+    "fused": ("step", "fused"),  # the lean step with one AdamW kernel (trainer/fused_adamw.py)
+    # the lean step's gradient path: DeepSpeed's (the default) or the trainer's cuts (zero_step.cut_grad_path)
+    "dsgrads": ("grads", "ds"), "leangrads": ("grads", "lean"),
+    "ovf": ("ovf", True), "noovf": ("ovf", False),  # DeepSpeed's inf/nan pass (bf16 check_grad_overflow)
+    "cat": ("kv", False), "splitkv": ("kv", True),  # k/v projections of cat(context, x) or of each part
+    # slot weights (default: --position-weighting); twopass: D-PACE as before 2026-12-04, a no-grad
+    # lm_head pass for the confidences and then the weighted one (onepass: the head once, vocab_loss.py)
+    "decay": ("weighting", "decay"), "dpace": ("weighting", "dpace"),
+    "onepass": ("passes", 1), "twopass": ("passes", 2),
+    # fused.py (liger/compile): q/k RoPE before the transpose or after it; liger RMSNorm dX over dY or into zeros
+    "ropebthd": ("rope", "bthd"), "ropebhtd": ("rope", "bhtd"), "rmsinplace": ("rms", True), "rmscopy": ("rms", False),
+    # the compiled flex kernels' tiles (attention.set_flex_tuning): torch's choice, a FLEX_PRESETS entry, or
+    # inductor's autotuning of the forward and backward kernels at this shape (its timing table on stderr)
+    **{f"fa{name}": ("flex", name) for name in ("torch", "m64n64", "m32n128", "stages2", "autotune")},
+}
+# Backward tiles (BLOCK_M1 x BLOCK_N1 for dK/dV, BLOCK_M2 x BLOCK_N2 for dQ) against torch's choice on an
+# H100/H200 at head_dim 128 (64 x 128, 128 x 64, 8 warps, 3 stages): the profile of 2026-12-04 put the
+# flex backward at 3.1 ms a layer, 4.3x its forward (FlashAttention-2-style kernels run ~2.5x), so the
+# tiling is the first suspect. Each tiling sums in another order: the gpu test in tests/test_block_mask.py
+# bounds each one's error against an fp32 reference by the default's.
+FLEX_PRESETS = {
+    "torch": {},
+    "m64n64": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
+               "bwd_num_warps": 4, "bwd_num_stages": 3},
+    "m32n128": {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 32,
+                "bwd_num_warps": 4, "bwd_num_stages": 3},
+    "stages2": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
+                "bwd_num_warps": 8, "bwd_num_stages": 2},
+}
+BEFORE = {"mask": "create", "step": "deepspeed", "ovf": True, "kv": False, "grads": "ds"}  # before issue 24
+
+
+def parse_setting(text: str) -> dict:
+    """'direct+lean' -> the BEFORE switches with those words applied."""
+    out = dict(BEFORE)
+    for word in text.split("+"):
+        if word not in SWITCHES:
+            raise SystemExit(f"--settings: unknown word {word!r} in {text!r}; expected '+'-joined {sorted(SWITCHES)}")
+        key, value = SWITCHES[word]
+        out[key] = value
+    if out.get("passes") == 2 and out.get("weighting") != "dpace":
+        raise SystemExit(f"--settings: {text!r}: twopass is D-PACE's former form, so it needs the word dpace")
+    if out["grads"] == "lean" and out["step"] not in ("lean", "fused"):
+        raise SystemExit(f"--settings: {text!r}: leangrads cuts the lean step's gradient path; add lean or fused")
+    return out
+
+
+def _two_pass_dpace(hidden, weight, labels, row_weights, chunk_rows=None, kernels="torch"):
+    """D-PACE's chunked loss as it ran before 2026-12-04: a no-grad head pass for the CE, the
+    weights from it, then the weighted pass (the same numbers as one pass, a head pass more)."""
+    if callable(row_weights):
+        with torch.no_grad():
+            _, ce, _ = lm_head_cross_entropy(hidden, weight, labels, torch.zeros_like(labels, dtype=torch.float32),
+                                             chunk_rows, kernels)
+        row_weights = row_weights(ce)
+    return lm_head_cross_entropy(hidden, weight, labels, row_weights, chunk_rows, kernels)
+
+
+def apply_setting(engine, setting: dict) -> None:
+    """Switch the running engine (same weights, same compiled flex) to a --settings entry."""
+    from dflash_dist.trainer import zero_step
+
+    engine.module.block_mask = setting["mask"]
+    base = vars(engine.module).setdefault("cli_weighting", engine.module.position_weighting)  # before any setting
+    engine.module.position_weighting = setting.get("weighting", base)
+    loss_mod.lm_head_cross_entropy = _two_pass_dpace if setting.get("passes", 1) == 2 else lm_head_cross_entropy
+    engine.module.drafter.set_split_kv(setting["kv"])
+    engine.optimizer.check_grad_overflow = setting["ovf"]
+    zero_step.uninstall(engine)  # DeepSpeed's step and gradient path, then the setting's
+    zero_step.install(engine, setting["step"], on_gpu=True, grad_cuts=setting["grads"] == "lean")
+    set_rope_layout(setting.get("rope", "bthd"))  # a setting without these words: the defaults (after issue 24)
+    set_rms_norm_in_place(setting.get("rms", True))
+    flex = setting.get("flex", "torch")
+    set_flex_tuning(FLEX_PRESETS.get(flex), autotune=flex == "autotune")

@@ -20,17 +20,18 @@ losses are summed (micro_batch: averaged, as DeepSpeed averages over micro-batch
 tau is model/replay.py's replay_sequence over the held-out continuations, whose features are
 also captured once.
 
-Variants (each differs from `all_layers`, today's defaults, in one thing):
+Variants (each differs from `all_layers`, today's defaults (the config's, D-PACE included), in one thing):
   all_layers   fc over all k captured layers                       (--seeds, default 3 seeds)
   drop_top     fc without the top captured layer (the failed run's bug: its slice dropped)
   sliding      drafter layers [sliding_attention, full_attention], window --window (64: the tiny
                sequences are 60-260 tokens long, so the window cuts real context)
-  dpace        D-PACE position weighting instead of exp(-(s-1)/gamma)
+  decay        exp(-(s-1)/gamma) position weighting instead of D-PACE (the default until 2026-12-04;
+               docs/BENCHMARKS.md's tiny-target run of 2026-12-03 had decay as its base and this as "dpace")
   step_slots   sum(w*CE) over the optimizer step / sum(w) over the step
   mask_next    anchors need loss_mask at a and a+1
 Workers (--workers, default 2) each run one variant at a time with one torch thread. On a GPU the
 drafters train there (`--device cuda`); the target stays on the CPU torch path.
-Writes <out>/results.json, a markdown table on stdout and in <out>/table.md, and the PNG (--png).
+Writes <out>/results.json, a markdown table on stdout and in <out>/table.md, and the PNG (<out>/quality.png, or --png).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 from data_pipeline.chat_data import ChatEncoder  # noqa: E402
 from data_pipeline.durable_files import write_text_atomic  # noqa: E402
 from data_pipeline.records import Sample  # noqa: E402
-from dflash_dist.config import load_config  # noqa: E402
+from dflash_dist.config import TrainSection, load_config  # noqa: E402
 from dflash_dist.model.capture import capture_features  # noqa: E402
 from dflash_dist.model.config import DrafterConfig  # noqa: E402
 from dflash_dist.model.drafter import DFlashDrafter  # noqa: E402
@@ -71,7 +72,7 @@ from dflash_dist.trainer.batching import make_micro_batch  # noqa: E402
 from dflash_dist.trainer.ds_config import WarmupCosine, build_optimizer  # noqa: E402
 
 log = logging.getLogger("bench_quality")
-VARIANTS = ("all_layers", "drop_top", "sliding", "dpace", "step_slots", "mask_next")
+VARIANTS = ("all_layers", "drop_top", "sliding", "decay", "step_slots", "mask_next")
 SEEDED = ("all_layers", "drop_top")  # run with every --seeds; the others with the first seed
 
 
@@ -81,7 +82,7 @@ class Variant:
     seed: int
     drop_top: bool = False
     sliding_window: int | None = None
-    position_weighting: str = "decay"
+    position_weighting: str = TrainSection.model_fields["position_weighting"].default  # the product's
     loss_norm: str = "micro_batch"
     anchor_rule: str = "mask"
 
@@ -92,7 +93,7 @@ def make_variant(name: str, seed: int, window: int) -> Variant:
         "all_layers": base,
         "drop_top": replace(base, drop_top=True),
         "sliding": replace(base, sliding_window=window),
-        "dpace": replace(base, position_weighting="dpace"),
+        "decay": replace(base, position_weighting="decay"),
         "step_slots": replace(base, loss_norm="step_slots"),
         "mask_next": replace(base, anchor_rule="mask_next"),
     }[name]
@@ -347,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "configs/tiny.yaml"))
     ap.add_argument("--out", default=str(ROOT / "runs/bench_quality"))
-    ap.add_argument("--png", default=str(ROOT / "docs/quality.png"))
+    ap.add_argument("--png", default=None,
+                    help="the figure (default <out>/quality.png; docs/quality.png is the documented run's)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--train-samples", type=int, default=400)
@@ -387,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         results = json.loads(Path(args.report).read_text())["results"]
         md = table(results, args.budget)
-        plot(results, Path(args.png), args.budget)
+        plot(results, Path(args.png or Path(args.out) / "quality.png"), args.budget)
         print(md)
         return 0
 
@@ -412,9 +414,10 @@ def main(argv: list[str] | None = None) -> int:
             write_text_atomic(out / "results.json", json.dumps({"args": vars(args), "results": results}, indent=1))
     md = table(results, args.budget)
     write_text_atomic(out / "table.md", md + "\n")
-    plot(results, Path(args.png), args.budget)
+    plot(results, Path(args.png or out / "quality.png"), args.budget)
     print(md)
-    log.info("total %.0f s; results in %s, plot in %s", time.time() - t0, out / "results.json", args.png)
+    log.info("total %.0f s; results in %s, plot in %s", time.time() - t0, out / "results.json",
+             args.png or out / "quality.png")
     return 0
 
 

@@ -37,3 +37,18 @@ def test_replay_rounds_cover_the_continuation():
     assert sum(trees[4]) == len(seq) - 1 - cfg.prompt_len
     assert all(1 <= t <= cfg.block_size for t in chain)
     assert torch.equal(torch.tensor(seq[cfg.prompt_len:]), torch.tensor(responses[0]))
+
+
+def test_the_demo_trains_with_the_trainers_slot_weighting():
+    """`dflash-dist demo` weights slots as the trainer does by default (config drift: it trained with
+    dflash_loss's own default, decay, after the trainer's became D-PACE); the field reaches the loss."""
+    from dflash_dist.config import load_config
+
+    assert DemoConfig().position_weighting == load_config(None, ["target.kind=tiny_stdlib"]).train.position_weighting == "dpace"
+    cfg = replace(DemoConfig(), num_prompts=4, steps=2, budgets=(4,))
+    target = tiny_qwen35_target(cfg)
+    _, _, ids, loss_mask, cap = make_data(target, cfg, drafter_for(target, cfg).config.mask_token_id)
+    losses = {w: train(drafter_for(target, cfg), ids, cap.features, loss_mask, replace(cfg, position_weighting=w),
+                       log_every=0) for w in ("dpace", "decay")}
+    assert losses["dpace"] == train(drafter_for(target, cfg), ids, cap.features, loss_mask, cfg, log_every=0)
+    assert losses["dpace"][0] != losses["decay"][0]

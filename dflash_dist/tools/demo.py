@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_dist.config import TrainSection
 from dflash_dist.model.capture import capture_features
 from dflash_dist.model.config import DrafterConfig, build_target_layer_ids
 from dflash_dist.model.drafter import DFlashDrafter
@@ -40,6 +41,7 @@ class DemoConfig:
     lr: float = 3e-3
     budgets: tuple[int, ...] = (4, 8)
     init_std: float = 0.1  # larger than HF's 0.02 so the random target has peaked, learnable outputs
+    position_weighting: str = TrainSection.model_fields["position_weighting"].default  # the trainer's default
 
 
 def tiny_qwen35_target(cfg: DemoConfig):
@@ -99,7 +101,8 @@ def train(drafter: DFlashDrafter, ids, features, loss_mask, cfg: DemoConfig, log
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
         rows = torch.randperm(ids.shape[0], generator=g)[: cfg.batch_size]
         anchors = sample_anchors(loss_mask[rows], cfg.num_anchors, g)
-        out = dflash_loss(drafter, ids[rows], features[rows], loss_mask[rows], anchors)
+        out = dflash_loss(drafter, ids[rows], features[rows], loss_mask[rows], anchors,
+                          position_weighting=cfg.position_weighting)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -10,11 +10,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu_capture}
 mkdir -p "$out"
 end=$(($(date +%s) + ${1:-570}))
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    >"$out/install.log" 2>&1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$out/gpu.txt" 2>&1
-left() { echo $((end - $(date +%s))); }
+. bench/gpu_env.sh
 t0=$(date +%s)
 timeout $(($(left) > 470 ? 450 : $(left) > 60 ? $(left) - 20 : 40)) python3 bench/bench_capture.py --variants 32768:keep:fused2 --pool 256 --batches 2 \
     --e2e 32768:keep:fused2 --sinks "${SINKS:-job:kernel,job:idle}" --writers 4 --e2e-batches 50 --e2e-distinct 5 \

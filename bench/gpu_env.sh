@@ -1,0 +1,13 @@
+# Sourced by the one-call device scripts (gpu_speed.sh, gpu_capture.sh, gpu_tests.sh) after they set $out:
+# installs the offline wheels of launcher/offline_wheels.sh (.whl/, carried with the call) into /tmp/site,
+# with RAY=1 also the slimmed Ray, and exports the environment the project's commands need there.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    >"$out/install.log" 2>&1
+if [ -n "${RAY:-}" ]; then
+    tar -C /tmp/site -xJf .whl/ray-2.60.0-cp312-slim.tar.xz \
+        && chmod +x /tmp/site/ray/core/src/ray/raylet/raylet /tmp/site/ray/core/src/ray/gcs/gcs_server
+fi
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH DFLASH_CACHE=/tmp/dflash-cache PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$out/gpu.txt" 2>&1
+left() { echo $((end - $(date +%s))); }

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device call (<= 600 s, fresh machine) of gpu tests, in groups run in the order given, each with its own
+# limit so one slow group does not keep the next from running; stops starting groups when less than 60 s
+# remain. Everything is written under OUT (default $OUT): gpu_tests_<n>.log per group.
+#   GPU_TESTS="GROUP;GROUP;..." bench/gpu_tests.sh [DEADLINE_S]    (a GROUP: pytest arguments; default 570 s)
+# e.g. GPU_TESTS="tests/test_zero_step.py;tests/test_block_mask.py -k tilings;tests/test_evaluator.py -k 'fused and not fused2'"
+set -u
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/gpu_tests}
+mkdir -p "$out"
+end=$(($(date +%s) + ${1:-570}))
+RAY=1 . bench/gpu_env.sh
+IFS=';' read -r -a groups <<<"${GPU_TESTS:?the gpu test groups to run, ';'-separated}"
+n=0
+for group in "${groups[@]}"; do
+    n=$((n + 1))
+    if [ "$(left)" -le 60 ]; then
+        echo "group $n not started (less than 60 s left): $group"
+        continue
+    fi
+    t0=$(date +%s)
+    # a group is pytest's arguments as a shell reads them (quotes keep a -k expression together)
+    timeout -k 10 $(($(left) - 20)) bash -c "python3 -m pytest -m gpu -v -s -rA -p no:cacheprovider $group" \
+        >"$out/gpu_tests_$n.log" 2>&1
+    echo "group $n rc=$? s=$(($(date +%s) - t0)): $group"
+    grep -E "PASSED|FAILED|ERROR|passed|failed|max \|error\|" "$out/gpu_tests_$n.log" | tail -8
+done

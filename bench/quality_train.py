@@ -286,6 +286,8 @@ def _tau(sh: Shared, drafter: DFlashDrafter, layers: tuple[int, ...] | None = No
         "tau_chain": r.tau_chain,
         "tau_ddtree": {str(b): r.tau_ddtree(b) for b in sh.budgets},
         "rounds": r.rounds,
+        # chain rounds that took more than 8 tokens: where block 8's cap would have bound (block8 vs 16)
+        "rounds_over_8": sum(r.accept_hist[8:]) / max(r.rounds, 1),
     }, time.monotonic() - t0
 
 

@@ -335,6 +335,26 @@ def test_marks_at_the_product_checkpoints_compare_product_and_bench_at_equal_sam
     assert got[0]["best"] == "default" and got[0]["vs_best_pct"] == pytest.approx(100 * (1.9 / 5.5 - 1))
 
 
+def test_the_table_shows_where_block_8s_cap_would_bind():
+    """Per variant, the share of chain rounds that took more than 8 tokens (mean over the finished
+    seeds; '-' for results written before the bench recorded it)."""
+    import quality_report
+
+    def run(variant, seed, chain, over=None):
+        point = {"samples": 100, "tau_chain": chain, "tau_ddtree": {"8": chain + 0.3}, "loss": 1.0}
+        if over is not None:
+            point["rounds_over_8"] = over
+        return {"variant": variant, "seed": seed, "status": "done", "points": [point], "gpu_s": 1.0, "samples": 100}
+
+    results = {"budgets": [8], "variants": [{"name": n, "doc": n} for n in ("default", "block8", "old")],
+               "runs": [run("default", 0, 2.5, 0.010), run("default", 1, 2.6, 0.030), run("block8", 0, 2.7, 0.0),
+                        run("block8", 1, 2.8, 0.0), run("old", 0, 2.0), run("old", 1, 2.1)]}  # fmt: skip
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in quality_report.table(results).splitlines()
+            if line.startswith("| ") and not line.startswith("| variant")}
+    assert "chain rounds over 8 tokens" in quality_report.table(results)
+    assert " | 2.00% | " in rows["default"] and " | 0.00% | " in rows["block8"] and " | - | " in rows["old"]
+
+
 @pytest.mark.parametrize("packing", [False, True])
 def test_steps_to_counts_the_runs_own_steps(run_dir, packing):
     """The LR schedule of a run in steps needs its step count before it starts: steps_to counts

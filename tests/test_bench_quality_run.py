@@ -222,3 +222,4 @@ def test_the_default_variant_is_the_products_training(solo_run, tmp_path):
         s["samples"] for s in steps if s["step"] in (4, 8, 12)]
     assert all(abs(c["vs_default_pct"]) < 0.5 for c in compared), compared
     assert "the product's DDTree-8 is" in (out / "table.md").read_text()
+    assert all(0.0 <= p["rounds_over_8"] <= 1.0 for p in run["points"])  # block 8's cap, for the block8 decision

@@ -27,6 +27,21 @@ def target():
     return model
 
 
+def test_fused_kernels_round_as_eager_in_their_own_compiles_only():
+    """compile_kernel rounds bf16 intermediates where eager rounds (inductor's emulate_precision_casts), so
+    the fused kernels equal eager bit for bit, and leaves the process's inductor config alone: a later
+    compile in the same process (the drafter's, a bench's) keeps inductor's own rounding."""
+    import torch._inductor.config as inductor_config
+
+    from dflash_dist.capture.fused_target import _silu_mul, compile_kernel
+
+    g, u = torch.randn(2, 64, 1000, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0)).unbind(0)
+    assert torch.equal(compile_kernel(_silu_mul)(g, u), _silu_mul(g, u))
+    assert inductor_config.emulate_precision_casts is False
+    later = torch.compile(lambda x, y: torch.nn.functional.silu(x) * y, dynamic=True)(g, u)
+    assert not torch.equal(later, _silu_mul(g, u))  # one rounding at the end: the flag did not leak
+
+
 def test_rewritten_layers_equal_transformers_forwards_on_cpu(target):
     ids = torch.randint(0, 200, (2, 37))
     ref = capture_features(target, ids, LAYERS)

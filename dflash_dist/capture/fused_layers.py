@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_dist.capture.fused_target import _gated_rms_norm, _rms_norm
+from dflash_dist.capture.fused_target import _compiled, _gated_rms_norm, _rms_norm, compile_kernel
 
 
 def _gating(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):
@@ -91,17 +91,14 @@ def reference_kernels() -> Kernels:
 
 @functools.cache
 def gpu_kernels() -> Kernels:
-    from dflash_dist.capture.fused_target import _compiled
-
-    _compiled()  # sets inductor's emulate_precision_casts, as the fused path does
-    gating, add_norm, gate_out = (torch.compile(f, dynamic=True) for f in (_gating, _add_rms_norm, _gate_out))
+    gating, add_norm, gate_out = (compile_kernel(f) for f in (_gating, _add_rms_norm, _gate_out))
     gated_norm = _compiled()[1]
     return Kernels(_fla_conv, gating, gated_norm, add_norm, gate_out, _compiled_norm_rope)
 
 
 @functools.cache
 def _compiled_rope(rope: Callable) -> Callable:
-    return torch.compile(functools.partial(_norm_rope, rope), dynamic=True)
+    return compile_kernel(functools.partial(_norm_rope, rope))
 
 
 def _compiled_norm_rope(rope, *args):

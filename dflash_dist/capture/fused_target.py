@@ -56,11 +56,10 @@ def _fla_conv1d(x: torch.Tensor, weight: torch.Tensor, bias=None, activation=Non
     return causal_conv1d(x.transpose(1, 2), weight=weight, bias=bias, activation=activation)[0].transpose(1, 2)
 
 
-@functools.cache
-def _compiled():
-    import torch._inductor.config as inductor_config
-
-    inductor_config.emulate_precision_casts = True  # round where eager rounds (bf16 intermediates)
+def compile_kernel(f):
+    """torch.compile for the fused capture kernels (here and capture/fused_layers.py): dynamic shapes,
+    and inductor rounding where eager rounds (bf16 intermediates, `emulate_precision_casts`) in these
+    compiles only, not in every later compile of the process (the drafter's, a bench's)."""
     # one code object serves every norm of the target in every shape capture, greedy generation and
     # live verification meet (ranks 3 and 4, batch and length 1 or not): past dynamo's default of 8
     # graphs a new shape would run eagerly, its features no longer the kernel path's
@@ -68,7 +67,12 @@ def _compiled():
 
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
     dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 256)
-    return tuple(torch.compile(f, dynamic=True) for f in (_rms_norm, _gated_rms_norm, _silu_mul))
+    return torch.compile(f, dynamic=True, options={"emulate_precision_casts": True})
+
+
+@functools.cache
+def _compiled():
+    return tuple(compile_kernel(f) for f in (_rms_norm, _gated_rms_norm, _silu_mul))
 
 
 def fuse_target(model: nn.Module, conv: bool = True, layers: bool = False) -> int:

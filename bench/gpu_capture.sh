@@ -12,7 +12,9 @@ mkdir -p "$out"
 end=$(($(date +%s) + ${1:-570}))
 . bench/gpu_env.sh
 t0=$(date +%s)
-timeout $(($(left) > 470 ? 450 : $(left) > 60 ? $(left) - 20 : 40)) python3 bench/bench_capture.py --variants 32768:keep:fused2 --pool 256 --batches 2 \
+# the capture may use all but 20 s: what follows needs more than 150 s left, which a capture past ~410 s
+# never leaves, so a lower cap (450 s before) could only cut its job:idle run (~150 s of its ~400-450 s)
+timeout $(($(left) > 60 ? $(left) - 20 : 40)) python3 bench/bench_capture.py --variants 32768:keep:fused2 --pool 256 --batches 2 \
     --e2e 32768:keep:fused2 --sinks "${SINKS:-job:kernel,job:idle}" --writers 4 --e2e-batches 50 --e2e-distinct 5 \
     --disk-gib 2 --shard-dir /tmp/bench_shards/s --json "$out/capture.json" >"$out/capture.log" 2>&1
 echo "capture rc=$? s=$(($(date +%s) - t0))"

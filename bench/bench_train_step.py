@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from train_step_settings import BEFORE, SWITCHES, apply_setting, parse_setting  # noqa: F401 (tests use bts.*)
 
+from data_pipeline.durable_files import write_text_atomic
 from dflash_dist.actors.rendezvous import rendezvous_store
 from dflash_dist.config import load_config
 from dflash_dist.model import loss as loss_mod
@@ -492,6 +493,7 @@ def main() -> None:
         name = f"{kernel_sets[-1]} {text}"
         results[name] = n / secs
         print(report(name, secs, a.steps, n, n * a.seq, flops, peak, phases, a.peak_tflops, phase_flops), flush=True)
+        write_json(a, engine)
     last = "create+ds"  # what --mix and --profile run under: the engine as built, or the last setting
     if a.settings:  # the slot weighting and the loss path back to the command line's for --mix and --profile
         engine.module.position_weighting = a.position_weighting
@@ -537,11 +539,16 @@ def main() -> None:
                 print(report(f"mix {mode}/{k}", secs, len(mixed), a.mix, real, mix_flops, peak, phases, a.peak_tflops))
     if a.profile:
         profile(engine, batches[: a.profile], a.trace)
+    write_json(a, engine)
+    dist.destroy_process_group()
+
+
+def write_json(a, engine) -> None:
+    """--json: every result line so far (after each setting too, so a call cut short keeps them)."""
     if a.json:
         trainable = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
-        Path(a.json).write_text(json.dumps({"trainable_params": trainable, "batch": a.batch, "seq": a.seq,
-                                            "results": RESULTS}, indent=1))
-    dist.destroy_process_group()
+        write_text_atomic(Path(a.json), json.dumps({"trainable_params": trainable, "batch": a.batch, "seq": a.seq,
+                                                    "results": RESULTS}, indent=1))
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from train_step_settings import BEFORE, SWITCHES, apply_setting, parse_setting  # noqa: F401 (tests use bts.*)
+from train_step_settings import BEFORE, SWITCHES, apply_setting, parse_setting, recover  # noqa: F401 (tests use bts.*)
 
 from data_pipeline.durable_files import write_text_atomic
 from dflash_dist.actors.rendezvous import rendezvous_store
@@ -352,6 +352,16 @@ def report(name, secs, steps, samples, tokens, flops, peak, phases, peak_tflops,
 
 
 RESULTS: list[dict] = []  # every report() line, for --json (bench/cost_model.py reads it)
+
+
+def write_json(a, engine) -> None:
+    """--json: every result line so far (a temp name, then renamed: never half-written)."""
+    if a.json:
+        trainable = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+        write_text_atomic(Path(a.json), json.dumps({"trainable_params": trainable, "batch": a.batch, "seq": a.seq,
+                                                    "results": RESULTS}, indent=1))
+
+
 def timed(engine, warm, timed_batches):
     run_steps(engine, warm)
     torch.cuda.synchronize()
@@ -485,15 +495,15 @@ def main() -> None:
         apply_setting(engine, parse_setting(text))
         try:  # a setting that fails (a tiling this torch refuses, out of memory) costs only its own line
             secs, phases, peak = timed(engine, batches[: a.warmup], batches[a.warmup :])
-        except (RuntimeError, ValueError, torch.OutOfMemoryError) as e:  # inductor's errors are RuntimeErrors
+        except Exception as e:  # noqa: BLE001 - inductor's InductorError, triton's, DeepSpeed's: the line says which
             print(f"{kernel_sets[-1]} {text}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
-            engine.zero_grad()
+            recover(engine)  # the interrupted step's gradients and ZeRO's reduce bookkeeping
             continue
         n = a.steps * a.batch
         name = f"{kernel_sets[-1]} {text}"
         results[name] = n / secs
         print(report(name, secs, a.steps, n, n * a.seq, flops, peak, phases, a.peak_tflops, phase_flops), flush=True)
-        write_json(a, engine)
+        write_json(a, engine)  # after each setting: a call cut by its time limit keeps the lines so far
     last = "create+ds"  # what --mix and --profile run under: the engine as built, or the last setting
     if a.settings:  # the slot weighting and the loss path back to the command line's for --mix and --profile
         engine.module.position_weighting = a.position_weighting
@@ -541,14 +551,6 @@ def main() -> None:
         profile(engine, batches[: a.profile], a.trace)
     write_json(a, engine)
     dist.destroy_process_group()
-
-
-def write_json(a, engine) -> None:
-    """--json: every result line so far (after each setting too, so a call cut short keeps them)."""
-    if a.json:
-        trainable = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
-        write_text_atomic(Path(a.json), json.dumps({"trainable_params": trainable, "batch": a.batch, "seq": a.seq,
-                                                    "results": RESULTS}, indent=1))
 
 
 if __name__ == "__main__":

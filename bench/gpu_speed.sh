@@ -4,7 +4,8 @@
 # tests of the optimizer step and golden parity on CUDA, then (if the time left allows) the README's GPU
 # pipeline test. Everything is written under OUT (default $OUT). TRAIN_STEP_ARGS: more bench_train_step.py
 # arguments (e.g. --profile 2, which runs under the last setting); FLEX_TESTS=m32n128,autotune: the gpu test of
-# those flex tilings' numerics (tests/test_block_mask.py) before the pipeline test.
+# those flex tilings' numerics (tests/test_block_mask.py) before the pipeline test. COST_SETTING: the result line
+# (e.g. "liger direct+fused+leangrads") whose forward and backward the cost model uses (default: the last).
 #   bench/gpu_speed.sh [DEADLINE_S]      (seconds from the start the whole call must end by; default 570)
 set -u
 cd "$(dirname "$0")/.."
@@ -23,7 +24,7 @@ grep -A 8 "^AUTOTUNE flex_attention" "$out/train_step.log" | head -40
 if [ -n "${COST:-}" ]; then  # the optimizer steps on a 1/9 slice (deepspeed, lean, fused) and the 9-rank estimate
     t0=$(date +%s)
     timeout 150 python3 bench/cost_model.py --train-json "$out/train_step.json" --measure-opt --world 9 \
-        --json "$out/cost.json" >"$out/cost.log" 2>&1
+        ${COST_SETTING:+--setting "$COST_SETTING"} --json "$out/cost.json" >"$out/cost.log" 2>&1
     echo "cost rc=$? s=$(($(date +%s) - t0))"
     tail -12 "$out/cost.log"
 fi

@@ -37,8 +37,10 @@ FLEX_PRESETS = {
     "torch": {},
     "m64n64": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
                "bwd_num_warps": 4, "bwd_num_stages": 3},
+    # 8 warps: with 4, the dK and dV accumulators of a 128-key tile at head_dim 128 need ~256 registers a
+    # thread (the limit is 255), a spilling kernel (review); torch picks this tiling only below head_dim 64
     "m32n128": {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 32,
-                "bwd_num_warps": 4, "bwd_num_stages": 3},
+                "bwd_num_warps": 8, "bwd_num_stages": 3},
     "stages2": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
                 "bwd_num_warps": 8, "bwd_num_stages": 2},
 }
@@ -87,3 +89,29 @@ def apply_setting(engine, setting: dict) -> None:
     set_rms_norm_in_place(setting.get("rms", True))
     flex = setting.get("flex", "torch")
     set_flex_tuning(FLEX_PRESETS.get(flex), autotune=flex == "autotune")
+
+
+def recover(engine) -> None:
+    """After a setting failed inside its step: drop the interrupted step's gradients and DeepSpeed
+    0.19.8's ZeRO-1/2 reduce bookkeeping, as a finished step leaves them. A tiling the compiler refuses
+    fails in the flex backward (compiled at its first call), after the gradient hooks of the later
+    layers queued their parameters in the reduce bucket or marked them reduced: without this the next
+    setting's backward fails on them (a stale bucket entry whose gradient zero_grad dropped, or
+    DeepSpeed's "has already been reduced" assertion) and every later setting with it."""
+    from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
+
+    opt = engine.optimizer
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # reductions the interrupted backward queued on DeepSpeed's side stream
+    for bucket in opt.ipg_buckets.values():
+        bucket.clear()
+    opt.extra_large_param_to_reduce.clear()
+    for params in opt.previous_reduced_grads.values():
+        params.clear()
+    opt.params_already_reduced[:] = [False] * len(opt.params_already_reduced)
+    opt._release_ipg_buffers()  # the bucket buffers and the large-gradient partition, rebuilt at the next backward
+    for i in range(len(opt.bit16_groups)):
+        opt.averaged_gradients[i] = None
+        opt.all_grad_tensors[i] = None
+    opt.micro_step_id = INITIAL_MICRO_STEP_ID
+    engine.zero_grad()

@@ -41,9 +41,10 @@ class _HeadPasses(TorchDispatchMode):
         return out
 
 
-def _tiny_engine():
+def _tiny_engine(hidden_size: int | None = None):
     """The bench's engine at a tiny size: a small drafter in the trainer's TrainForward, DeepSpeed on
-    CPU with the trainer's optimizer and config (DeepSpeed's own step until a setting installs one)."""
+    CPU with the trainer's optimizer and config (DeepSpeed's own step until a setting installs one).
+    hidden_size: the reduce bucket of that width, as the bench passes it (h * h elements)."""
     import deepspeed
 
     cfg = load_config(None, ["target.kind=tiny_stdlib", "train.max_steps=10"])
@@ -51,7 +52,7 @@ def _tiny_engine():
     engine, *_ = deepspeed.initialize(
         model=module,
         optimizer=build_optimizer(cfg, module, fused=True),
-        config=deepspeed_config(cfg, 1, False),
+        config=deepspeed_config(cfg, 1, False, hidden_size=hidden_size),
         dist_init_required=False,
     )
     return engine
@@ -179,3 +180,56 @@ def test_flex_words_set_the_compiled_flex_tuning_and_reach_the_call(single_rank_
     with pytest.raises(ValueError, match=r"\['bwd_BLOCK_Q'\]: not torch's FlexKernelOptions"):
         attention.set_flex_tuning({"bwd_BLOCK_M1": 32, "bwd_BLOCK_Q": 64})
     assert attention.flex_tuning() == {"options": {}, "autotune": False}  # a refused tuning changes nothing
+
+
+class _FailingBackward(torch.autograd.Function):
+    """Identity whose backward raises: a flex tiling the compiler refuses (its backward compiles at the first call)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("InductorError: the backward tiling does not compile")
+
+
+@pytest.mark.parametrize("text", ["direct+ds", "direct+lean+leangrads"])
+def test_a_setting_that_fails_in_its_backward_leaves_the_engine_to_the_next(text, single_rank_gloo, monkeypatch):
+    """A setting that fails inside the backward (the attention's, after DeepSpeed's hooks queued the later
+    layers' gradients in the reduce bucket and reduced those larger than it): tss.recover, run by the bench
+    after each FAILED setting, leaves the engine as a finished step would, so the next steps are bitwise
+    those of an engine that never ran the failed one (without it the next backward fails on the stale
+    bucket and every later setting of the lease with it)."""
+    from dflash_dist.model import drafter as drafter_mod
+
+    ids = torch.randint(0, 60, (1, 24), generator=torch.Generator().manual_seed(5))
+    lm = torch.ones(1, 24)
+    a = sample_anchors(lm, 4, torch.Generator().manual_seed(0))
+    feats = torch.randn(1, 24, 96, generator=torch.Generator().manual_seed(6))
+
+    def step(engine):
+        loss, _ = engine(ids, feats, lm, ids, a.positions, a.keep)
+        engine.backward(loss)
+        engine.step()
+        return float(loss.detach())
+
+    engines = [_tiny_engine(hidden_size=32), _tiny_engine(hidden_size=32)]  # bucket 1024: the MLP weights exceed it
+    for engine in engines:
+        tss.apply_setting(engine, tss.parse_setting(text))
+    failed, clean = engines
+    assert [step(failed)] == [step(clean)]
+    real = drafter_mod.attend
+    monkeypatch.setattr(drafter_mod, "attend", lambda *args, **kw: _FailingBackward.apply(real(*args, **kw)))
+    loss, _ = failed(ids, feats, lm, ids, a.positions, a.keep)
+    with pytest.raises(RuntimeError, match="does not compile"):
+        failed.backward(loss)
+    opt = failed.optimizer
+    assert any(opt.params_already_reduced) and any(b.params for b in opt.ipg_buckets.values())  # what it leaves
+    monkeypatch.setattr(drafter_mod, "attend", real)
+    tss.recover(failed)
+    assert [step(failed) for _ in range(3)] == [step(clean) for _ in range(3)]
+    for p, q in zip(failed.module.parameters(), clean.module.parameters()):
+        assert torch.equal(p, q)
+    for s_failed, s_clean in zip(opt.optimizer.state.values(), clean.optimizer.optimizer.state.values()):
+        assert all(torch.equal(s_failed[k], s_clean[k]) for k in ("step", "exp_avg", "exp_avg_sq"))

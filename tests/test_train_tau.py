@@ -44,7 +44,8 @@ def test_the_demo_trains_with_the_trainers_slot_weighting():
     dflash_loss's own default, decay, after the trainer's became D-PACE); the field reaches the loss."""
     from dflash_dist.config import load_config
 
-    assert DemoConfig().position_weighting == load_config(None, ["target.kind=tiny_stdlib"]).train.position_weighting == "dpace"
+    trainers = load_config(None, ["target.kind=tiny_stdlib"]).train.position_weighting
+    assert DemoConfig().position_weighting == trainers == "dpace"
     cfg = replace(DemoConfig(), num_prompts=4, steps=2, budgets=(4,))
     target = tiny_qwen35_target(cfg)
     _, _, ids, loss_mask, cap = make_data(target, cfg, drafter_for(target, cfg).config.mask_token_id)

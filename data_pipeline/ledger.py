@@ -9,18 +9,21 @@ written because their features held NaN/Inf (redoing them would give the same ve
 resumes must read the same ones (the same source, data.max_train_samples and content hash), or
 it is refused naming what changed.
 Leftovers of a killed writer (`.tmp-*.tar`, or a renamed shard whose manifest line never came)
-are never listed, so their samples are redone; `remove_stale_tmp` clears the former.
+are never listed, so their samples are redone; `remove_stale_tmp` deletes both, so they neither
+stay on disk for the run nor count against the shard tree's cap (disk_budget.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from data_pipeline.durable_files import append_lines, write_text_atomic
+from data_pipeline.durable_files import append_lines, fsync_dir, write_text_atomic
 from data_pipeline.records import SKIPPED_NAME, TMP_PREFIX
 from data_pipeline.shard_reader import read_manifest
 from data_pipeline.shard_writer import manifest_lock
@@ -115,14 +118,32 @@ def duplicate_keys(shard_dir: str | os.PathLike[str]) -> list[str]:
 
 
 def remove_stale_tmp(shard_dir: str | os.PathLike[str], prefix: str | None = None) -> list[str]:
-    """Delete unfinished shards (`.tmp-<prefix>-*.tar`; every prefix when None) left by writers
-    that died. Call only when no live writer uses that prefix (an actor for its own prefix at
-    start: Ray restarts an actor only after the old one died)."""
+    """Delete what writers that died left of their shards (this prefix's; every prefix when None):
+    unfinished `.tmp-<prefix>-*.tar` files, and `<prefix>-NNNNNN.tar` files the manifest does not
+    list (a writer killed between its rename and its manifest line: its samples are redone under
+    another name, so the file would stay on disk for the whole run, never released). Call only when
+    no live writer uses that prefix (an actor for its own prefix at start: Ray restarts an actor
+    only after the old one died); the unlisted ones are safe to delete even then, since rename and
+    listing happen under the lock held here."""
+    return remove_unlisted_tars(shard_dir, lambda: {r.name for r in read_manifest(shard_dir)}, prefix)
+
+
+def remove_unlisted_tars(directory: str | os.PathLike[str], listed: Callable[[], set[str]],
+                         prefix: str | None) -> list[str]:
+    """Delete the `.tmp-<prefix>-*.tar` files and the `<prefix>-NNNNNN.tar` files that `listed()`
+    (the directory's manifest, read under the manifest lock) does not name: see remove_stale_tmp;
+    the token store's tars follow the same rule. Returns their names."""
     start = f"{TMP_PREFIX}{prefix}-" if prefix is not None else TMP_PREFIX
+    named = re.compile((re.escape(prefix) if prefix is not None else r"[A-Za-z0-9][A-Za-z0-9_.-]*") + r"-\d{6,}\.tar")
     removed = []
-    with manifest_lock(shard_dir):
-        for path in Path(shard_dir).glob(f"{TMP_PREFIX}*.tar"):
-            if path.name.startswith(start):
+    with manifest_lock(directory):
+        names = listed()
+        for path in Path(directory).glob("*.tar"):
+            stale = path.name.startswith(start) if path.name.startswith(TMP_PREFIX) else (
+                path.name not in names and named.fullmatch(path.name) is not None)
+            if stale:
                 path.unlink(missing_ok=True)
                 removed.append(path.name)
+    if removed:
+        fsync_dir(directory)
     return sorted(removed)

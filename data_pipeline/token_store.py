@@ -29,6 +29,7 @@ from webdataset.writer import TarWriter
 
 from data_pipeline.checksums import FILE_ALGORITHM, digest_bytes, digest_file, is_digest
 from data_pipeline.durable_files import append_lines, fsync_dir
+from data_pipeline.ledger import remove_unlisted_tars
 from data_pipeline.records import MANIFEST_NAME, TMP_PREFIX
 from data_pipeline.shard_writer import manifest_lock
 
@@ -229,10 +230,10 @@ class SequenceStore:
         return out
 
 
-def remove_stale_tmp(store_dir: str | os.PathLike[str], prefix: str) -> None:
-    """Unfinished tars of this prefix left by a writer that died (call when none of it is alive)."""
+def remove_stale_tmp(store_dir: str | os.PathLike[str], prefix: str) -> list[str]:
+    """Tars of this prefix a writer that died left: unfinished ones, and renamed ones it did not live
+    to list (call when none of it is alive; ledger.remove_unlisted_tars)."""
     store = Path(store_dir)
-    if store.is_dir():
-        with manifest_lock(store):
-            for path in store.glob(f"{TMP_PREFIX}{prefix}-*.tar"):
-                path.unlink(missing_ok=True)
+    if not store.is_dir():
+        return []
+    return remove_unlisted_tars(store, lambda: {r.name for r in read_store(store)}, prefix)

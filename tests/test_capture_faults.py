@@ -94,9 +94,15 @@ def test_resume_after_a_dead_writer_redoes_exactly_the_rest(saved, tmp_path, mon
     dead = ShardWriter(shards, record.provenance, prefix="t000")
     dead.write(dataclasses.replace(sample, key=next(k for k in saved["keys"] if k not in settled)))
     assert len(list(shards.glob(f"{TMP_PREFIX}t000-*.tar"))) == 1
+    # and another died between renaming its finished shard and listing it (the fresh-clone suite caught
+    # this one: the file stayed on disk for the whole run, outside the cap's count)
+    orphan = shards / "t000-000999.tar"  # a name the resumed writer will not reach
+    orphan.write_bytes((shards / record.name).read_bytes())
     second = run_capture(cfg)  # the same data: resumed through the ledger
     assert (second.resumed, second.samples, second.skipped) == (len(settled), N - len(settled), 0)
     assert_each_sample_once_and_complete(shards, saved["keys"])
+    listed = {r.name for r in read_manifest(shards)}
+    assert not orphan.exists() and {p.name for p in shards.glob("*.tar")} <= listed  # nothing unlisted left
 
 
 def test_a_resume_over_other_data_is_refused_naming_the_change(saved, tmp_path):

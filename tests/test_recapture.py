@@ -19,7 +19,7 @@ from data_pipeline.ingest import sample_keys
 from data_pipeline.ledger import duplicate_keys
 from data_pipeline.records import DONE_NAME
 from data_pipeline.shard_reader import iter_shard_samples, read_manifest
-from data_pipeline.token_store import SequenceStore, read_sequences, read_store, write_sequences
+from data_pipeline.token_store import SequenceStore, read_sequences, read_store, remove_stale_tmp, write_sequences
 from tests.helpers.capture import capture_config, make_capture_target, write_conversations
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -77,8 +77,13 @@ def test_token_store_round_trip_is_atomic_verified_and_refuses_damage(tmp_path):
     assert read_store(store) == [a, b] and read_sequences(store, a)["k 2/é"] == (list(range(40)), [1] * 40)
     (store / ".tmp-t000-123-abc.tar").write_bytes(b"half a tar")  # a writer killed mid-write: never listed
     (store / "t000-000002.tar").write_bytes(b"renamed, never listed")  # killed between rename and listing
+    (store / "t001-000007.tar").write_bytes(b"another writer's, unlisted")
+    assert remove_stale_tmp(store, "t000") == [".tmp-t000-123-abc.tar", "t000-000002.tar"]  # this prefix's only
+    assert sorted(p.name for p in store.glob("*.tar")) == [a.name, b.name, "t001-000007.tar"]
+    (store / "t000-000002.tar").write_bytes(b"renamed, never listed")
     c = write_sequences(store, "t000", [("k4", [1, 2], [0, 1])])
     assert c.name == "t000-000003.tar"  # skips the unlisted name
+    (store / "t001-000007.tar").unlink()
     s = SequenceStore(store)
     assert s.get(["k3", "k1"]) == [([9], [1]), ([5, 6, 7], [0, 1, 1])] and s.length("k 2/é") == 40
     with pytest.raises(ValueError, match="no stored sequence for 1 key"):

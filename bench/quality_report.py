@@ -59,6 +59,7 @@ def summarize(results: dict) -> list[dict]:
             "loss": [r["points"][-1]["loss"] for r in done],
             "gpu_s": [r["gpu_s"] for r in done],
             "over_8": [r["points"][-1]["rounds_over_8"] for r in done if "rounds_over_8" in r["points"][-1]],
+            "loop_free": [r["points"][-1]["loop_free"]["tau_chain"] for r in done if "loop_free" in r["points"][-1]],
         }
         finals[v["name"]] = f
         rows.append(
@@ -90,8 +91,8 @@ def table(results: dict) -> str:
     rows = summarize(results)
     lines = [
         f"| variant | seeds | tau chain | tau DDTree-{budget} | chain vs default | DDTree-{budget} vs default | "
-        "train loss | chain rounds over 8 tokens | GPU-s / run |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "train loss | chain rounds over 8 tokens | tau chain, loop-free prompts | GPU-s / run |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         name = r["variant"] + (f" (= {', '.join(r['aliases'])})" if r["aliases"] else "")
@@ -102,7 +103,7 @@ def table(results: dict) -> str:
         gpu = f"{statistics.mean(r['gpu_s']):.1f}" if r["gpu_s"] else "-"
         lines.append(
             f"| {name} | {','.join(map(str, r['seeds'])) or '-'} | {_fmt(r['chain'])} | {_fmt(r['tree'])} | "
-            f"{gaps[0]} | {gaps[1]} | {_fmt(r['loss'])} | {_pct(r['over_8'])} | {gpu} |"
+            f"{gaps[0]} | {gaps[1]} | {_fmt(r['loss'])} | {_pct(r['over_8'])} | {_fmt(r['loop_free'])} | {gpu} |"
         )
     notes = []
     for r in rows:
@@ -118,7 +119,8 @@ def table(results: dict) -> str:
     head = (
         f"Final checkpoint ({seen}); ± is the standard deviation over seeds; "
         "'separates' = every seed of the variant on one side of every seed of the default; "
-        "'chain rounds over 8 tokens': the rounds in which block 8's cap would have bound (mean over seeds)."
+        "'chain rounds over 8 tokens': the rounds in which block 8's cap would have bound (mean over seeds); "
+        "'loop-free prompts': tau over the held-out prompts whose continuation does not end in a loop."
     )
     product = [p for p in results.get("product", []) if "tau_chain" in (p.get("bench_eval") or {})]
     if product:

@@ -41,7 +41,7 @@ from quality_variants import FEATURE_CODECS, Resolved
 from data_pipeline.records import Sample, ShardRecord
 from dflash_dist.config import load_config_dict
 from dflash_dist.evaluator.batched_replay import measure_replay_batched
-from dflash_dist.evaluator.measure import HeldOut
+from dflash_dist.evaluator.measure import HeldOut, loop_free
 from dflash_dist.model.drafter import DFlashDrafter
 from dflash_dist.model.export import load_drafter
 from dflash_dist.model.fused import resolve_kernels
@@ -288,7 +288,12 @@ def _tau(sh: Shared, drafter: DFlashDrafter, layers: tuple[int, ...] | None = No
         "rounds": r.rounds,
         # chain rounds that took more than 8 tokens: where block 8's cap would have bound (block8 vs 16)
         "rounds_over_8": sum(r.accept_hist[8:]) / max(r.rounds, 1),
+        "loop_free": _json_budgets(loop_free(m, refs, sh.budgets)),  # the prompts whose continuation is no loop
     }, time.monotonic() - t0
+
+
+def _json_budgets(record: dict) -> dict:
+    return {**record, "tau_ddtree": {str(b): t for b, t in record["tau_ddtree"].items()}}
 
 
 def train_run(sh: Shared, spec: RunSpec, worker: int) -> dict:

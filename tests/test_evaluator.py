@@ -68,12 +68,35 @@ def test_records_round_trip():
                    slot_acceptance=(0.5, 0.0), prompts=2, rounds=3, kernel_path="torch", seconds=0.5)
     d = json.loads(json.dumps(r.to_json()))
     assert EvalResult.from_json(d) == r and list(d["tau_ddtree"]) == ["4", "8"]
+    looped = replace(r, loop_free={"definition": "d", "prompts": 1, "loops": 1, "tau_chain": 2.0,
+                                   "tau_ddtree": {4: 2.5, 8: 2.75}})
+    assert EvalResult.from_json(json.loads(json.dumps(looped.to_json()))) == looped
+    assert "(loop-free prompts: chain 2.00)" in looped.table_row() and "loop-free" not in r.table_row()
     with pytest.raises(ValueError, match="version"):
         EvalResult.from_json({**d, "version": 99}, "x.json")
     with pytest.raises(ValueError, match="x.json"):
         EvalResult.from_json({k: v for k, v in d.items() if k != "rounds"}, "x.json")
     q = EvalRequest(step=3, export_dir="/o/export/step_3")
     assert EvalRequest.from_json(q.to_json()) == q and q.path == Path("/o/export/step_3")
+
+
+def test_loop_free_tau_leaves_out_the_prompts_whose_continuation_loops():
+    """measure.loop_free: the same rounds aggregated over the prompts whose reference continuation
+    does not end in a loop (target/continuations.ends_in_loop): a loop is trivial to draft."""
+    from dflash_dist.evaluator.measure import HeldOut, Measured, loop_free
+    from dflash_dist.model.replay import aggregate_rounds
+
+    loop = [5, 6, 7] * 15  # 45 tokens going round a 3-token segment
+    prose = list(range(10, 60))  # 50 distinct tokens
+    refs = [HeldOut(prompt_len=2, end=2 + len(c), sequence=tuple([1, 2] + c), features=torch.zeros(2 + len(c), 4))
+            for c in (prose, loop, prose[:20], loop[:9])]  # the last one is too short to count as a loop
+    chains = [[3, 2, 1], [8, 8, 8, 8], [2, 2], [1, 1, 1]]
+    trees = {4: [[3, 3], [5, 5, 5], [2, 3], [1, 2]]}
+    m = Measured(aggregate_rounds(8, chains, trees), chains, trees)
+    got = loop_free(m, refs, (4,))
+    want = aggregate_rounds(8, [chains[0], chains[2], chains[3]], {4: [trees[4][0], trees[4][2], trees[4][3]]})
+    assert got["prompts"] == 3 and got["loops"] == 1
+    assert got["tau_chain"] == want.tau_chain < m.result.tau_chain and got["tau_ddtree"] == {4: want.tau_ddtree(4)}
 
 
 def test_list_exports_sees_only_complete_step_directories(tmp_path):
@@ -135,8 +158,12 @@ def test_evaluator_scores_exports_and_a_restart_continues(tiny, tmp_path):
         assert sorted(r.tau_ddtree) == BUDGETS and len(r.slot_acceptance) == DEMO.block_size - 1
         assert 1.0 <= r.tau_chain <= DEMO.block_size
         assert all(1.0 <= r.tau_ddtree[b] <= b + 1 for b in BUDGETS)  # a tree of b nodes + the bonus
+        lf = r.loop_free
+        assert lf["prompts"] + lf["loops"] == r.prompts and sorted(lf["tau_ddtree"]) == BUDGETS
 
     tb = read_scalars(out / "tb" / "eval")
+    if trained.loop_free["prompts"]:
+        assert tb["eval/tau_chain_loop_free"][20] == pytest.approx(trained.loop_free["tau_chain"])
     assert tb["eval/tau_chain"] == pytest.approx({10: rand.tau_chain, 20: trained.tau_chain})
     for b in BUDGETS:
         assert tb[f"eval/tau_ddtree_{b}"] == pytest.approx({10: rand.tau_ddtree[b], 20: trained.tau_ddtree[b]})

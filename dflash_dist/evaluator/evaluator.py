@@ -46,7 +46,7 @@ from data_pipeline.shard_reader import read_manifest
 from dflash_dist.capture.fused_target import features_provenance
 from dflash_dist.config import Config
 from dflash_dist.evaluator.batched_replay import measure_replay_batched
-from dflash_dist.evaluator.measure import HeldOut, measure_live, measure_live_workers, rounds_agreement
+from dflash_dist.evaluator.measure import HeldOut, loop_free, measure_live, measure_live_workers, rounds_agreement
 from dflash_dist.evaluator.policy import (
     EvalRequest,
     EvalResult,
@@ -372,11 +372,12 @@ class Evaluator:
             accept_hist=tuple(res.accept_hist), slot_acceptance=tuple(res.slot_acceptance),
             prompts=len(res.tau_chain_per_prompt), rounds=res.rounds, kernel_path=kernel_path,
             seconds=time.time() - t0, mode=e.mode, count=e.count, live=live, server=server,
-            reference=self.reference_tau(),
+            reference=self.reference_tau(), loop_free=loop_free(replay, refs, self.budgets),
         )
         rounds_path = self.eval_dir / "rounds" / f"step_{step}.json"
         if earlier is not None:
             result = replace(earlier, mode=e.mode, live=live if live is not None else earlier.live,
+                             loop_free=earlier.loop_free if earlier.loop_free is not None else result.loop_free,
                              server=server if server is not None else earlier.server, reference=result.reference,
                              seconds=earlier.seconds + result.seconds)
             if rounds_path.is_file():  # the earlier replay rounds stay, the new mode's are added
@@ -394,6 +395,8 @@ class Evaluator:
         extra += f" server={server['tau']:.3f}" if server and "error" not in server else ""
         extra += " server=FAILED" if server and "error" in server else ""
         extra += f" vs reference x{result.tau_chain_vs_reference:.3f}" if result.reference else ""
+        lf = result.loop_free
+        extra += f" loop-free chain={lf['tau_chain']:.3f} ({lf['prompts']} prompts)" if lf and lf["loops"] else ""
         log.info("evaluator: step %d tau chain=%.3f %s%s (%d prompts, %.1fs)", step, result.tau_chain, trees, extra,
                  result.prompts, result.seconds)
         return result

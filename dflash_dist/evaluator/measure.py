@@ -15,6 +15,7 @@ from torch import nn
 from dflash_dist.evaluator.live import live_decode
 from dflash_dist.model.drafter import DFlashDrafter
 from dflash_dist.model.replay import ReplayResult, aggregate_rounds, replay_sequence
+from dflash_dist.target.continuations import LOOP_DEFINITION, ends_in_loop
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,18 @@ class Measured:
 
     def rounds_json(self) -> dict[str, Any]:
         return {"chain": self.chain_rounds, "ddtree": {str(b): t for b, t in self.tree_rounds.items()}}
+
+
+def loop_free(measured: Measured, refs: list[HeldOut], budgets: tuple[int, ...]) -> dict[str, Any]:
+    """tau over the prompts whose reference continuation does not end in a loop (the target going
+    round the same segment: target/continuations.ends_in_loop). A loop is trivial to draft, so a
+    small target's loops lift tau; this is the tau the drafter earns on the rest. Same rounds, same
+    aggregation, fewer prompts."""
+    keep = [i for i, ref in enumerate(refs) if not ends_in_loop(ref.continuation)]
+    res = aggregate_rounds(measured.result.block_size, [measured.chain_rounds[i] for i in keep],
+                           {b: [measured.tree_rounds[b][i] for i in keep] for b in budgets})
+    return {"definition": LOOP_DEFINITION, "prompts": len(res.tau_chain_per_prompt), "loops": len(refs) - len(keep),
+            "tau_chain": res.tau_chain, "tau_ddtree": {b: res.tau_ddtree(b) for b in budgets}}
 
 
 def measure_replay(drafter: DFlashDrafter, refs: list[HeldOut], budgets: tuple[int, ...], count: str,

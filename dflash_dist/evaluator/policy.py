@@ -98,7 +98,8 @@ class EvalResult:
     slot_acceptance, rounds and how many rounds and continuations equal replay's; `server` the
     engine's ServerResult JSON, or {"engine", "url", "error"} when the server failed (the replay
     tau is recorded all the same); `reference` the reference drafter's tau_chain and tau_ddtree
-    (replay, and live when measured) on the same prompts, for the ratio.
+    (replay, and live when measured) on the same prompts, for the ratio; `loop_free` replay's tau
+    over the prompts whose reference continuation does not end in a loop (a loop is trivial to draft).
     """
 
     step: int
@@ -115,6 +116,8 @@ class EvalResult:
     live: dict[str, Any] | None = None
     server: dict[str, Any] | None = None
     reference: dict[str, Any] | None = None
+    # replay's tau over the prompts whose reference continuation does not end in a loop (measure.loop_free)
+    loop_free: dict[str, Any] | None = None
 
     @property
     def server_error(self) -> str | None:
@@ -125,6 +128,8 @@ class EvalResult:
         """One line of the end-of-run table: replay tau, and live/server beside it where measured."""
         trees = "  ".join(f"DDTree-{b} {t:.2f}" for b, t in sorted(self.tau_ddtree.items()))
         row = f"step {self.step:>6}: tau chain {self.tau_chain:.2f}  {trees}"
+        if self.loop_free and self.loop_free["loops"]:
+            row += f"  (loop-free prompts: chain {self.loop_free['tau_chain']:.2f})"
         if self.live:
             row += f"  | live chain {self.live['tau_chain']:.2f}"
         if self.server_error is not None:
@@ -157,6 +162,8 @@ class EvalResult:
             "server": self.server,
             "reference": self.reference,
             "tau_chain_vs_reference": self.tau_chain_vs_reference,
+            "loop_free": None if self.loop_free is None else {
+                **self.loop_free, "tau_ddtree": {str(b): t for b, t in sorted(self.loop_free["tau_ddtree"].items())}},
         }
 
     @classmethod
@@ -183,6 +190,7 @@ class EvalResult:
                 live=tau_record_from_json(d.get("live")),
                 server=d.get("server"),
                 reference=tau_record_from_json(d.get("reference")),
+                loop_free=tau_record_from_json(d.get("loop_free")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"{where}: not a valid eval result ({type(e).__name__}: {e})") from None

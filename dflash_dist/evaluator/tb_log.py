@@ -2,6 +2,8 @@
 
 Scalars, per mode and budget:
   eval/tau_chain, eval/tau_ddtree_<b>, eval/slot_acceptance_<j>          greedy replay
+  eval/tau_chain_loop_free, eval/tau_ddtree_<b>_loop_free                 replay over the prompts
+                                                                          whose continuation is no loop
   eval/tau_live_chain, eval/tau_live_ddtree_<b>, eval/slot_acceptance_live_<j>,
   eval/live_rounds_equal (share of rounds with replay's tau)               eval.mode=live
   eval/tau_server, or eval/server_failed = 1 when the server failed          eval.mode=server
@@ -24,6 +26,9 @@ from dflash_dist.trainer.metrics import Metrics
 def scalars_of(result: EvalResult) -> dict[str, float]:
     out = {"eval/tau_chain": result.tau_chain}
     out.update({f"eval/tau_ddtree_{b}": t for b, t in result.tau_ddtree.items()})
+    if result.loop_free and result.loop_free["prompts"]:
+        out["eval/tau_chain_loop_free"] = result.loop_free["tau_chain"]
+        out.update({f"eval/tau_ddtree_{b}_loop_free": t for b, t in result.loop_free["tau_ddtree"].items()})
     out.update({f"eval/slot_acceptance_{j}": a for j, a in enumerate(result.slot_acceptance, start=1)})
     live = result.live
     if live:

@@ -153,7 +153,7 @@ def test_mid_gpu_run_captures_trains_over_nccl_and_tau_rises(mid_run) -> None:
         "shards": len(records),
         "tau_chain": dict(zip(steps, taus)),
         "tau_ddtree_8": {s: evals[s]["tau_ddtree"]["8"] for s in steps},
-        "loop_free": {s: evals[s].get("loop_free") for s in steps},  # tau over the prompts whose continuation is no loop
+        "loop_free": {s: evals[s].get("loop_free") for s in steps},  # tau where the continuation is no loop
         "live": {s: {"tau_chain": evals[s]["live"]["tau_chain"], "tau_ddtree_8": evals[s]["live"]["tau_ddtree"]["8"],
                      "rounds_equal": evals[s]["live"]["rounds_equal"],
                      "rounds_compared": evals[s]["live"]["rounds_compared"],

@@ -8,8 +8,7 @@
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu_capture}
-mkdir -p "$out"
-end=$(($(date +%s) + ${1:-570}))
+deadline_s=${1:-570}
 . bench/gpu_env.sh
 t0=$(date +%s)
 # the capture may use all but 20 s: what follows needs more than 150 s left, which a capture past ~410 s

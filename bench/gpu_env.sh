@@ -1,6 +1,9 @@
-# Sourced by the one-call device scripts (gpu_speed.sh, gpu_capture.sh, gpu_tests.sh) after they set $out:
-# installs the offline wheels of launcher/offline_wheels.sh (.whl/, carried with the call) into /tmp/site,
-# with RAY=1 also the slimmed Ray, and exports the environment the project's commands need there.
+# Sourced by the one-call device scripts (gpu_speed.sh, gpu_capture.sh, gpu_tests.sh) after they set $out and
+# $deadline_s (seconds from now the call must end by; left() counts down to it): installs the offline wheels of
+# launcher/offline_wheels.sh (.whl/, carried with the call) into /tmp/site, with RAY=1 also the slimmed Ray, and
+# exports the environment the project's commands need there.
+mkdir -p "$out"
+end=$(($(date +%s) + deadline_s))
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
     >"$out/install.log" 2>&1
 if [ -n "${RAY:-}" ]; then

@@ -10,8 +10,7 @@
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu_speed}
-mkdir -p "$out"
-end=$(($(date +%s) + ${1:-570}))
+deadline_s=${1:-570}
 RAY=1 . bench/gpu_env.sh
 t0=$(date +%s)
 timeout "${TRAIN_STEP_LIMIT_S:-300}" python3 bench/bench_train_step.py --loss chunked --kernels liger --steps "${STEPS:-8}" \

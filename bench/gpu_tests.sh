@@ -9,8 +9,7 @@
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu_tests}
-mkdir -p "$out"
-end=$(($(date +%s) + ${1:-570}))
+deadline_s=${1:-570}
 RAY=1 . bench/gpu_env.sh
 IFS=';' read -r -a groups <<<"${GPU_TESTS:?the gpu test groups to run, ';'-separated}"
 n=0

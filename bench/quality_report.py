@@ -75,7 +75,7 @@ def summarize(results: dict) -> list[dict]:
         )
     base = finals.get("default")
     for row in rows:
-        for key in ("chain", "tree"):
+        for key in ("chain", "tree", "loop_free"):  # loop_free: where the features, not the loops, carry tau
             if base is None or row["variant"] == "default" or not row[key] or not base[key]:
                 row[f"{key}_gap"], row[f"{key}_vs_default"] = None, "n/a"
                 continue
@@ -101,9 +101,11 @@ def table(results: dict) -> str:
             gap = r[f"{key}_gap"]
             gaps.append("-" if gap is None else f"{gap:+.3f} ({r[f'{key}_vs_default']})")
         gpu = f"{statistics.mean(r['gpu_s']):.1f}" if r["gpu_s"] else "-"
+        free = _fmt(r["loop_free"]) + ("" if r["loop_free_gap"] is None else
+                                       f" ({r['loop_free_gap']:+.3f}, {r['loop_free_vs_default']})")
         lines.append(
             f"| {name} | {','.join(map(str, r['seeds'])) or '-'} | {_fmt(r['chain'])} | {_fmt(r['tree'])} | "
-            f"{gaps[0]} | {gaps[1]} | {_fmt(r['loss'])} | {_pct(r['over_8'])} | {_fmt(r['loop_free'])} | {gpu} |"
+            f"{gaps[0]} | {gaps[1]} | {_fmt(r['loss'])} | {_pct(r['over_8'])} | {free} | {gpu} |"
         )
     notes = []
     for r in rows:

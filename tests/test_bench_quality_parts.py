@@ -335,15 +335,17 @@ def test_marks_at_the_product_checkpoints_compare_product_and_bench_at_equal_sam
     assert got[0]["best"] == "default" and got[0]["vs_best_pct"] == pytest.approx(100 * (1.9 / 5.5 - 1))
 
 
-def test_the_table_shows_where_block_8s_cap_would_bind():
+def test_the_table_shows_where_block_8s_cap_would_bind_and_the_loop_free_tau():
     """Per variant, the share of chain rounds that took more than 8 tokens (mean over the finished
-    seeds; '-' for results written before the bench recorded it)."""
+    seeds) and tau over the loop-free prompts with its gap to the default; '-' for results written
+    before the bench recorded them."""
     import quality_report
 
     def run(variant, seed, chain, over=None):
         point = {"samples": 100, "tau_chain": chain, "tau_ddtree": {"8": chain + 0.3}, "loss": 1.0}
         if over is not None:
             point["rounds_over_8"] = over
+            point["loop_free"] = {"tau_chain": chain - 0.5, "tau_ddtree": {"8": chain - 0.2}, "prompts": 50}
         return {"variant": variant, "seed": seed, "status": "done", "points": [point], "gpu_s": 1.0, "samples": 100}
 
     results = {"budgets": [8], "variants": [{"name": n, "doc": n} for n in ("default", "block8", "old")],
@@ -352,7 +354,9 @@ def test_the_table_shows_where_block_8s_cap_would_bind():
     rows = {line.split(" | ")[0].lstrip("| "): line for line in quality_report.table(results).splitlines()
             if line.startswith("| ") and not line.startswith("| variant")}
     assert "chain rounds over 8 tokens" in quality_report.table(results)
-    assert " | 2.00% | " in rows["default"] and " | 0.00% | " in rows["block8"] and " | - | " in rows["old"]
+    assert " | 2.00% | 2.050 ± 0.071 | " in rows["default"] and " | - | - | " in rows["old"]
+    # loop-free tau's gap and separation from the default, as for the other columns
+    assert " | 0.00% | 2.250 ± 0.071 (+0.200, above) | " in rows["block8"]
 
 
 @pytest.mark.parametrize("packing", [False, True])

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from data_pipeline.durable_files import append_lines, fsync_dir, write_text_atomic
-from data_pipeline.records import SKIPPED_NAME, TMP_PREFIX
+from data_pipeline.records import SHARD_NAME_RE, SKIPPED_NAME, TMP_PREFIX
 from data_pipeline.shard_reader import read_manifest
 from data_pipeline.shard_writer import manifest_lock
 
@@ -121,7 +121,9 @@ def remove_stale_tmp(shard_dir: str | os.PathLike[str], prefix: str | None = Non
     """Delete what writers that died left of their shards (this prefix's; every prefix when None):
     unfinished `.tmp-<prefix>-*.tar` files, and `<prefix>-NNNNNN.tar` files the manifest does not
     list (a writer killed between its rename and its manifest line: its samples are redone under
-    another name, so the file would stay on disk for the whole run, never released). Call only when
+    another name, so the file would stay on disk for the whole run, never released). "This
+    prefix's" takes in its sub-prefixes `<prefix>-<sub>` alike: a target actor's writer processes
+    write as `<prefix>-w<N>` (capture/host_sink.py) and are killed on abort. Call only when
     no live writer uses that prefix (an actor for its own prefix at start: Ray restarts an actor
     only after the old one died); the unlisted ones are safe to delete even then, since rename and
     listing happen under the lock held here."""
@@ -134,7 +136,8 @@ def remove_unlisted_tars(directory: str | os.PathLike[str], listed: Callable[[],
     (the directory's manifest, read under the manifest lock) does not name: see remove_stale_tmp;
     the token store's tars follow the same rule. Returns their names."""
     start = f"{TMP_PREFIX}{prefix}-" if prefix is not None else TMP_PREFIX
-    named = re.compile((re.escape(prefix) if prefix is not None else r"[A-Za-z0-9][A-Za-z0-9_.-]*") + r"-\d{6,}\.tar")
+    # the prefix's own shards and its sub-prefixes' (`<prefix>-<sub>-NNNNNN.tar`), as `start` takes their .tmp- files
+    named = SHARD_NAME_RE if prefix is None else re.compile(re.escape(prefix) + r"-(?:[A-Za-z0-9_.-]*-)?[0-9]{6,}\.tar")
     removed = []
     with manifest_lock(directory):
         names = listed()

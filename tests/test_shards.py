@@ -230,6 +230,28 @@ def test_killed_writer_leaves_only_tmp_and_no_manifest_line(tmp_path: Path) -> N
         next(iter_shard_samples(tmp_path / tmps[0]))
 
 
+def test_stale_cleanup_takes_what_a_prefixs_dead_writers_left_and_nothing_listed_or_others(tmp_path: Path) -> None:
+    """ledger.remove_stale_tmp(dir, "t000"): a target actor's cleanup before it writes. Its writer
+    processes write under `t000-w<N>` (capture/host_sink.py) and are SIGKILLed on abort, so a shard
+    renamed but never listed can be theirs too: it is taken like the actor's own; listed shards
+    (released and kept ones included) and other actors' files stay."""
+    from data_pipeline.ledger import remove_stale_tmp
+
+    prov = make_prov()
+    write_shards(tmp_path, prov, "t000", n_shards=1, per_shard=2)
+    write_shards(tmp_path, prov, "t000-w1", n_shards=2, per_shard=2)
+    write_shards(tmp_path, prov, "t001-w0", n_shards=1, per_shard=2)
+    listed = sorted(r.name for r in read_manifest(tmp_path))
+    body = (tmp_path / "t000-w1-000000.tar").read_bytes()
+    dead = ["t000-000004.tar", "t000-w1-000005.tar", ".tmp-t000-w0-123-abc.tar", ".tmp-t000-9-def.tar"]
+    others = ["t001-w0-000003.tar", ".tmp-t001-w0-7-ghi.tar", "t0001-000002.tar", "t000.tar", "notes-t000-000001.tar"]
+    for name in dead + others:
+        (tmp_path / name).write_bytes(body)
+    assert remove_stale_tmp(tmp_path, "t000") == sorted(dead)
+    assert sorted(p.name for p in tmp_path.glob("*.tar")) == sorted(listed + others)
+    assert remove_stale_tmp(tmp_path, "t000") == []
+
+
 def test_shard_size_limit(tmp_path: Path) -> None:
     prov = make_prov(layer_ids=(1, 2, 3, 4), hidden_size=32)  # 256 bf16 = 512 B per token
     limit = 48 * 1024

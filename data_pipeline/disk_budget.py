@@ -27,7 +27,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -212,13 +212,21 @@ def _release_dir(shard_dir: Path, policy: BufferPolicy, consumed: set[str]) -> l
     return deleted
 
 
+class BufferAbandoned(RuntimeError):
+    """The producer a gate serves must stop instead of waiting (`BufferGate(abandon=...)` said why)."""
+
+
 class BufferGate:
     """A producer's `ShardWriter(before_open=...)`: returns when the buffer has room, waits
     while it is full, raises BufferStalled after `policy.stall_s` without a release. It counts the
-    whole tree under `shard_dir` (the root): every epoch directory and the token store."""
+    whole tree under `shard_dir` (the root): every epoch directory and the token store. `abandon`,
+    asked on entry and at every poll: None, or why the producer must stop now (BufferAbandoned),
+    e.g. a capture writer process whose capture process died: left waiting, it would write its
+    shard after the restarted capture read its ledger, and those samples would be captured twice."""
 
-    def __init__(self, shard_dir: str | os.PathLike[str], policy: BufferPolicy) -> None:
-        self.shard_dir, self.policy = Path(shard_dir), policy
+    def __init__(self, shard_dir: str | os.PathLike[str], policy: BufferPolicy,
+                 abandon: Callable[[], str | None] | None = None) -> None:
+        self.shard_dir, self.policy, self.abandon = Path(shard_dir), policy, abandon
         self._followers: dict[Path, ManifestFollower] = {}
         self._records: dict[Path, list[ShardRecord]] = {}
         self.waited_s = 0.0  # total time this producer spent waiting for room
@@ -243,6 +251,8 @@ class BufferGate:
         since = last = time.monotonic()
         released = status.shards_released
         while True:
+            if self.abandon is not None and (why := self.abandon()):
+                raise BufferAbandoned(f"{self.shard_dir}: {why}")
             now = time.monotonic()
             decision = room_decision(
                 status.unconsumed_bytes + pending, self.policy.cap_bytes, now - since, self.policy.stall_s

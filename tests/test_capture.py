@@ -300,16 +300,22 @@ def pool_pass(rng: torch.Generator, keys: list[str], lengths: list[int], width: 
     return features, argmax, attention, items
 
 
-def writer_pool(shard_dir, writers: int, min_group_tokens: int | None, shard_bytes: int, writeback_idle: bool = True,
-                prefix: str = "t000", tokens_hint: int = 0):
+def pool_config(shard_bytes: int, **capture):
+    """(config, provenance) of the writer pools below: 2 layers of H 16 in bf16."""
     from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance
-    from dflash_dist.capture.host_sink import WriterPool
     from tests.helpers.config import config_from
 
-    cfg = config_from({"target": {"kind": "tiny_stdlib"},
-                       "capture": {"shard_bytes": shard_bytes, "writeback_idle": writeback_idle}})
+    cfg = config_from({"target": {"kind": "tiny_stdlib"}, "capture": {"shard_bytes": shard_bytes, **capture}})
     prov = Provenance(schema_version=SHARD_SCHEMA_VERSION, target_id="test:pool", target_hash="h", layer_ids=(1, 2),
                       hidden_size=16, dtype="bfloat16", kernel_path="torch", template_hash="none")
+    return cfg, prov
+
+
+def writer_pool(shard_dir, writers: int, min_group_tokens: int | None, shard_bytes: int, writeback_idle: bool = True,
+                prefix: str = "t000", tokens_hint: int = 0, **capture):
+    from dflash_dist.capture.host_sink import WriterPool
+
+    cfg, prov = pool_config(shard_bytes, writeback_idle=writeback_idle, **capture)
     return WriterPool(cfg, shard_dir, prov, prefix, 0, writers, min_group_tokens=min_group_tokens,
                       tokens_hint=tokens_hint)
 
@@ -484,6 +490,59 @@ def test_host_buffers_of_a_killed_capture_are_removed_by_the_next_one_and_no_oth
     _, fd = claim_buffer_dir(tmp_path, "t006", sweep=True)
     assert not kept.exists()
     os.close(fd)
+
+
+def _pool_at_a_full_gate(shard_dir: str, pids) -> None:  # a capture process whose writer waits at the disk gate
+    pool = writer_pool(Path(shard_dir), writers=1, min_group_tokens=8, shard_bytes=1024, writeback_idle=False,
+                       max_buffer_bytes=4096, buffer_stall_s=600)
+    pool.submit(*pool_pass(torch.Generator().manual_seed(0), ["a", "b"], [12, 9], 2 * 16))
+    pids.put(pool.procs[0].pid)
+    time.sleep(600)
+
+
+def _exited(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+def test_a_writer_waiting_at_the_disk_gate_stops_when_its_capture_process_is_killed(tmp_path):
+    """A capture process SIGKILLed (OOM, a node agent) while its writer process waits at the full
+    disk gate: the writer stops at its next poll instead of waiting for room (buffer_stall_s, an
+    hour by default) and then writing a shard after the restarted capture read its ledger (those
+    samples would be captured twice and the run refused)."""
+    import contextlib
+    import multiprocessing as mp
+    import signal
+
+    from data_pipeline.records import Sample
+    from data_pipeline.shard_reader import read_manifest
+    from data_pipeline.shard_writer import ShardWriter
+
+    shards = tmp_path / "shards"
+    with ShardWriter(shards, pool_config(1 << 20)[1], prefix="t009") as w:  # a listed shard: the 4 kB cap is full
+        w.write(Sample("full", torch.arange(200, dtype=torch.int32), torch.ones(200, dtype=torch.uint8),
+                       torch.zeros(200, 32, dtype=torch.bfloat16), torch.zeros(200, dtype=torch.int32)))
+    assert read_manifest(shards)[0].n_bytes > 4096
+    ctx = mp.get_context("spawn")
+    pids = ctx.Queue()
+    capture = ctx.Process(target=_pool_at_a_full_gate, args=(str(shards), pids))
+    capture.start()
+    writer = pids.get(timeout=120)
+    try:
+        time.sleep(2)  # the writer took the job and waits at the gate (it polls every 0.5 s)
+        assert not _exited(writer)
+        os.kill(capture.pid, signal.SIGKILL)
+        capture.join(30)
+        deadline = time.time() + 20
+        while not _exited(writer) and time.time() < deadline:
+            time.sleep(0.2)
+        assert _exited(writer), "the writer kept waiting at the gate after its capture process died"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(writer, signal.SIGKILL)  # no orphan left behind if it did not stop
+    assert [r.name for r in read_manifest(shards)] == ["t009-000000.tar"]  # it wrote nothing
 
 
 def _fail_unasked(conn) -> None:  # a writer whose idle write-back failed: its error, unasked, then exit 0

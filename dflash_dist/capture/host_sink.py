@@ -309,7 +309,10 @@ def _writer_main(conn, spec: dict) -> None:
     try:
         cfg = load_config_dict(spec["cfg"])
         gate_dir, policy = spec["gate_at"] or (spec["shard_dir"], dataclasses.asdict(BufferPolicy.from_config(cfg)))
-        gate = BufferGate(gate_dir, BufferPolicy(**policy))  # the tree's root: every epoch directory counts
+        parent = os.getppid()  # the capture process; a SIGKILLed one leaves this writer running, maybe at the gate
+        gate = BufferGate(gate_dir, BufferPolicy(**policy),  # the tree's root: every epoch directory counts
+                          abandon=lambda: None if os.getppid() == parent else
+                          f"the capture process {parent} that started this writer is gone (its restart redoes it)")
         writer = ShardWriter(spec["shard_dir"], Provenance.from_dict(spec["provenance"]), cfg.capture.shard_bytes,
                              spec["prefix"], before_open=gate if spec["gate"] else None)
         bufs: dict[str, HostBuffer] = {}

@@ -33,7 +33,7 @@ def _pipeline_parser(cmd: str) -> argparse.ArgumentParser:
     if cmd in ("run", "train", "extract"):  # extract: auto resumes an unfinished capture (ledger)
         ap.add_argument(
             "--resume",
-            default="never",
+            default=None,  # never, except for extract --slice, which always continues from the ledger
             metavar="auto|never|PATH",
             help="auto: continue from DIR/checkpoints/latest if present (complete shards are reused), else start "
             "fresh; never (default): refuse a DIR that already holds a run; PATH: start from that checkpoint tag "
@@ -77,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dflash-dist: unknown command {cmd!r}\n{__doc__.strip()}", file=sys.stderr)
         return 2
     args = _pipeline_parser(cmd).parse_intermixed_args(rest)
+    if getattr(args, "slice", None) and args.resume not in (None, "auto"):
+        print(f"dflash-dist extract: error: --slice always continues from the ledger (an array's tasks share --out "
+              f"and a requeued task resumes): --resume {args.resume} does not apply; drop it", file=sys.stderr)
+        return 2
+    if cmd in ("run", "train", "extract"):
+        args.resume = args.resume or "never"
     from dflash_dist.config import ConfigError, load_config
     from dflash_dist.logging_setup import setup_logging
 

@@ -37,3 +37,20 @@ def test_the_cli_exits_75_on_preemption_and_the_sbatch_scripts_requeue_on_it(mon
     for script in ("pipeline.sbatch", "train.sbatch"):
         text = Path(REPO / "slurm" / script).read_text()
         assert f'[ "$rc" = {EXIT_PREEMPTED} ]' in text and "scontrol requeue" in text, script
+
+
+def test_resume_defaults_to_never_and_a_slice_refuses_what_it_cannot_do(monkeypatch, capsys, tmp_path):
+    """--resume is `never` unless given; `extract --slice` always continues from the ledger (an array's
+    tasks share --out), so an explicit --resume never or PATH there is refused instead of ignored."""
+    from launcher import cli
+
+    seen = {}
+    monkeypatch.setattr(pipeline, "run_pipeline", lambda cfg, stages, resume: seen.setdefault("resume", resume))
+    assert cli.main(["run", str(REPO / "configs" / "tiny.yaml"), "--out", str(tmp_path / "run")]) == 0
+    assert seen == {"resume": "never"}
+    for resume in ("never", "checkpoints/step_4"):
+        out = tmp_path / f"slice-{resume.replace('/', '-')}"
+        code = cli.main(["extract", str(REPO / "configs" / "tiny.yaml"), "--out", str(out), "--slice", "0/2",
+                         "--resume", resume])
+        assert code == 2 and f"--resume {resume} does not apply" in capsys.readouterr().err
+        assert not out.exists()  # refused before anything was written

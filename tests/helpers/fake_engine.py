@@ -48,6 +48,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def _send(self, code: int, body: dict | str) -> None:
         data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+        if getattr(self, "counted", False):  # out of the in-flight count before the client can have the answer:
+            self.counted = False  # else its next request may arrive before this thread counts this one down
+            with self.server.lock:
+                self.server.in_flight -= 1
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -109,12 +113,15 @@ class Handler(BaseHTTPRequestHandler):
             s.max_in_flight = max(s.max_in_flight, s.in_flight)
             if s.in_flight >= 2:
                 s.gate.set()
+        self.counted = True  # _send counts it down just before the answer goes out
         s.gate.wait(timeout=2.0)
         try:
             self._answer(body)
         finally:
-            with s.lock:
-                s.in_flight -= 1
+            if self.counted:  # _answer failed before sending
+                self.counted = False
+                with s.lock:
+                    s.in_flight -= 1
 
     def _answer(self, body: dict) -> None:
         s = self.server

@@ -1,7 +1,7 @@
 """configs/mid_gpu.yaml on one GPU: the whole product path on the learned code_lm target. Marked
 gpu: `pytest -m gpu tests/test_gpu_mid.py` on a CUDA machine (README, "The mid-size code target").
 
-Build the target first, in its own command (about 6 minutes: `dflash-dist build-target
+Build the target first, in its own command (4.3-5 minutes on an H200: `dflash-dist build-target
 configs/mid_gpu.yaml`); the run then took 6.2 minutes on the H200 (2026-12-04, checks included).
 DFLASH_MID_GPU_OUT names the run directory
 (default: a temp directory) and keeps it for later readers (the quality bench): the run goes there

@@ -25,10 +25,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from webdataset.autodecode import Decoder, npy_loads
+from webdataset.autodecode import Decoder
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from data_pipeline.feature_codec import FP8, decode_fp8
+from data_pipeline.npy_bytes import npy_from_bytes
 from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance, check_compatible
 from data_pipeline.records import (
     DONE_NAME,
@@ -95,9 +96,9 @@ def read_manifest(shard_dir: str | os.PathLike[str]) -> list[ShardRecord]:
 
 
 def _decode_field(key: str, data: bytes) -> Any:
-    # Only npy (numpy's loader, allow_pickle=False) and json: nothing in a shard is unpickled.
+    # Only npy (npy_bytes: numpy's format, no object dtype) and json: nothing in a shard is unpickled.
     if key.endswith(".npy"):
-        return npy_loads(data)
+        return npy_from_bytes(data)
     if key.endswith(".json"):
         return json.loads(data)
     raise ValueError(f"unexpected shard member {key!r}: this reader knows only {SAMPLE_FIELDS}")

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from webdataset.autodecode import npy_loads
 from webdataset.tariterators import group_by_keys, tar_file_expander
 from webdataset.writer import TarWriter
 
 from data_pipeline.checksums import FILE_ALGORITHM, digest_bytes, digest_file, is_digest
 from data_pipeline.durable_files import append_lines, fsync_dir
 from data_pipeline.ledger import remove_unlisted_tars
+from data_pipeline.npy_bytes import npy_from_bytes
 from data_pipeline.records import MANIFEST_NAME, TMP_PREFIX
 from data_pipeline.shard_writer import manifest_lock
 
@@ -173,7 +173,7 @@ def read_sequences(store_dir: str | os.PathLike[str], record: SequenceRecord) ->
         if sorted(k for k in sample if not k.startswith("_")) != sorted(_MEMBERS) or i >= len(record.keys):
             raise ValueError(f"{path}: sample {i} is not (ids.npy, key.txt, mask.npy) or is not listed")
         key = sample["key.txt"].decode("utf-8")
-        ids, mask = npy_loads(sample["ids.npy"]), npy_loads(sample["mask.npy"])
+        ids, mask = npy_from_bytes(sample["ids.npy"]), npy_from_bytes(sample["mask.npy"])
         if key != record.keys[i] or ids.dtype != np.int32 or mask.dtype != np.uint8 or ids.shape != mask.shape:
             raise ValueError(f"{path}: sample {i} ({key!r}) does not match its manifest line or is malformed")
         out[key] = (ids.tolist(), mask.tolist())

@@ -25,7 +25,8 @@ get braceexpand==0.1.7 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0
     hjson==3.1.0
 # deepspeed is a source package: a wheel without its compiled ops (JIT where needed)
 if ! ls "$out"/deepspeed-0.19.8-*.whl >/dev/null 2>&1; then
-    DS_BUILD_OPS=0 python3 -m pip wheel -q --no-deps --no-build-isolation -w "$out" deepspeed==0.19.8
+    # (built in an isolated env: a bare python3 has no `wheel` for setup.py bdist_wheel)
+    DS_BUILD_OPS=0 python3 -m pip wheel -q --no-deps -w "$out" deepspeed==0.19.8
 fi
 # ray: unpack, drop what a trainer never imports, pack with xz
 if [ ! -f "$out/ray-2.60.0-cp312-slim.tar.xz" ]; then

@@ -229,8 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"from {a.train_json}: {row['name']}: {row['samples_per_s']:.2f} samples/s at world size 1")
     opt_ms, measured = a.opt_ms, None
     if a.measure_opt:
-        if a.device != "cpu":
-            _init_single_rank()
+        _init_single_rank(a.device)
         shape = [int(v) for v in a.shape.split(",")]
         measured = measure_opt(drafter_shapes(*shape), a.world, a.opt_steps, a.device, hidden=shape[0])
         print(
@@ -252,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _init_single_rank() -> None:
+def _init_single_rank(device: str) -> None:
+    """A one-rank process group for deepspeed.initialize: nccl on a GPU, gloo on the CPU."""
     import os
 
     import torch.distributed as dist
@@ -260,6 +260,9 @@ def _init_single_rank() -> None:
     for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29518", "RANK": "0", "LOCAL_RANK": "0",
                  "WORLD_SIZE": "1"}.items():  # fmt: skip
         os.environ.setdefault(k, v)
+    if device == "cpu":
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        return
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
 

@@ -60,3 +60,24 @@ def test_measured_optimizer_step_on_a_slice(single_rank_gloo, tmp_path):
     got = cost_model.measure_opt(shapes, world=4, steps=2, device="cpu", hidden=64)
     assert full / 4 <= got["params"] <= full / 4 + 64 * len(shapes)
     assert got["deepspeed_ms"] > 0 and got["lean_ms"] > 0 and got["fused_ms"] > 0
+
+
+def test_cli_measures_the_optimizer_on_cpu(tmp_path):
+    """`--measure-opt --device cpu` from the command line: the script sets up its own one-rank gloo group
+    (it used to pass no group to DeepSpeed on CPU and die in deepspeed.initialize) and feeds the
+    measured step into the estimate and its JSON."""
+    import json
+    import subprocess
+
+    from dflash_dist.actors.ports import free_ports
+
+    env = {**os.environ, "MASTER_PORT": str(free_ports(1, "127.0.0.1")[0])}
+    out = tmp_path / "cost.json"
+    args = "--measure-opt --device cpu --shape 64,2,4,2,16,128 --world 4 --placements 4 --fwd-ms 1 --bwd-ms 1"
+    args += f" --params 1e6 --opt-steps 2 --json {out}"
+    script = str(Path(cost_model.__file__))
+    proc = subprocess.run([sys.executable, script, *args.split()], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "optimizer step on a 1/4 slice" in proc.stdout
+    got = json.loads(out.read_text())
+    assert got["measured_opt"]["lean_ms"] > 0 and got["estimates"]

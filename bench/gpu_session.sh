@@ -79,7 +79,9 @@ fi
 wait "$gt"
 gt_rc=$?
 # a JIT op build the stop cut short leaves its lock, and the product run would wait on it for ever
-find "${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}" -name lock -delete 2>/dev/null
+# (the trainers build into trainer_group.default_extensions_dir(), the tests beside them may use torch's default)
+ext_dir=$(python3 -c "from dflash_dist.actors.trainer_group import default_extensions_dir as d; print(d())" 2>/dev/null)
+find ${ext_dir:+"$ext_dir"} "$HOME/.cache/torch_extensions" -name lock -delete 2>/dev/null
 echo "end gpu_tests rc=$gt_rc s=$(($(date +%s) - gt0))" >>"$LOG/status"
 cp "$DFLASH_CACHE"/code-lm-*/dflash_target.json "$LOG/target_record.json" 2>/dev/null
 

@@ -1,7 +1,7 @@
 # Sourced by the one-call device scripts (gpu_speed.sh, gpu_capture.sh, gpu_tests.sh) after they set $out and
-# $deadline_s (seconds from now the call must end by; left() counts down to it): installs the offline wheels of
-# launcher/offline_wheels.sh (.whl/, carried with the call) into /tmp/site, with RAY=1 also the slimmed Ray, and
-# exports the environment the project's commands need there.
+# $deadline_s (seconds from now the call must end by; left() counts down to it, cap() bounds a step's limit by
+# it): installs the offline wheels of launcher/offline_wheels.sh (.whl/, carried with the call) into /tmp/site,
+# with RAY=1 also the slimmed Ray, and exports the environment the project's commands need there.
 mkdir -p "$out"
 end=$(($(date +%s) + deadline_s))
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
@@ -14,3 +14,6 @@ export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH DFLASH_CACHE=/tmp/dfla
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$out/gpu.txt" 2>&1
 left() { echo $((end - $(date +%s))); }
+# a step's time limit: its own ($1 s) or what the deadline leaves less $2 s (default 10), whichever is
+# smaller, and at least 1 s (timeout 0 would mean no limit at all)
+cap() { local t=$(($(left) - ${2:-10})); t=$((t < $1 ? t : $1)); echo $((t > 0 ? t : 1)); }

@@ -13,7 +13,7 @@ out=${OUT:-/tmp/gpu_speed}
 deadline_s=${1:-570}
 RAY=1 . bench/gpu_env.sh
 t0=$(date +%s)
-timeout "${TRAIN_STEP_LIMIT_S:-300}" python3 bench/bench_train_step.py --loss chunked --kernels liger --steps "${STEPS:-8}" \
+timeout "$(cap "${TRAIN_STEP_LIMIT_S:-300}")" python3 bench/bench_train_step.py --loss chunked --kernels liger --steps "${STEPS:-8}" \
     --warmup 2 --settings "${TRAIN_STEP_SETTINGS:?the --settings to time}" ${TRAIN_STEP_ARGS:-} \
     --json "$out/train_step.json" >"$out/train_step.log" 2>&1
 echo "train_step rc=$? s=$(($(date +%s) - t0))"
@@ -22,7 +22,7 @@ grep -E "ms/step|^setting|bound share|FAILED" "$out/train_step.log" | tail -16
 grep -A 8 "^AUTOTUNE flex_attention" "$out/train_step.log" | head -40
 if [ -n "${COST:-}" ]; then  # the optimizer steps on a 1/9 slice (deepspeed, lean, fused) and the 9-rank estimate
     t0=$(date +%s)
-    timeout 150 python3 bench/cost_model.py --train-json "$out/train_step.json" --measure-opt --world 9 \
+    timeout "$(cap 150)" python3 bench/cost_model.py --train-json "$out/train_step.json" --measure-opt --world 9 \
         ${COST_SETTING:+--setting "$COST_SETTING"} --json "$out/cost.json" >"$out/cost.log" 2>&1
     echo "cost rc=$? s=$(($(date +%s) - t0))"
     tail -12 "$out/cost.log"

@@ -266,6 +266,30 @@ def test_checkpoint_of_another_step_resumes_under_the_one_kernel_step(writer, tm
         torch.testing.assert_close(weights(resumed)[name], w, rtol=1e-5, atol=1e-6)
 
 
+def test_universally_loaded_steps_go_where_torchs_own_load_puts_them():
+    """DeepSpeed's universal load (an elastic resume) sets AdamW's `step` as its converter stored it:
+    on the CPU, one tensor for several partitions under ZeRO-3. engine.place_loaded_steps gives each
+    state its own, and a fused (or capturable) group's goes beside its parameter in fp32, as torch's
+    load_state_dict places it: torch's fused kernel and the one-kernel AdamW read it on the GPU (where
+    the one-kernel step's `step -= found_inf` of a CPU step and a CUDA flag raised). The meta device
+    stands in for the GPU; a plain group's step stays as loaded; a partition outside every group
+    (ZeRO-3 puts its sub-groups' partitions in the groups only while it steps them) goes by theirs."""
+    from dflash_dist.trainer.engine import place_loaded_steps
+
+    on_gpu, on_cpu = nn.Parameter(torch.zeros(4, device="meta")), nn.Parameter(torch.zeros(4))
+    loose = nn.Parameter(torch.zeros(2, device="meta"))
+    opt = torch.optim.AdamW([{"params": [on_gpu], "fused": True}, {"params": [on_cpu]}])
+    shared = torch.tensor(3.0, dtype=torch.float64)  # as loaded: CPU, one tensor for all
+    opt.state[on_gpu]["step"] = opt.state[on_cpu]["step"] = opt.state[loose]["step"] = shared
+    place_loaded_steps(opt)
+    moved, kept = opt.state[on_gpu]["step"], opt.state[on_cpu]["step"]
+    assert moved.device.type == "meta" and moved.dtype == torch.float32 and moved.shape == ()
+    assert opt.state[loose]["step"].device.type == "meta" and opt.state[loose]["step"] is not moved
+    assert kept is not shared and kept.device.type == "cpu" and kept.dtype == torch.float64 and float(kept) == 3.0
+    kept += 1  # AdamW increments in place: the loaded tensor is no longer shared
+    assert float(shared) == 3.0
+
+
 def test_resolve_and_refusals(single_rank_gloo):
     assert zero_step.resolve_step("auto", on_gpu=True) == "lean"
     assert zero_step.resolve_step("auto", on_gpu=False) == "deepspeed"

@@ -162,12 +162,29 @@ def load_checkpoint(engine, path: Path, elastic: bool, group: Any = None) -> dic
         # every param group gets group 0's hyperparameters (our no-decay group would decay)
         for group_, before in zip(engine.optimizer.param_groups, groups):
             group_.update({k: v for k, v in before.items() if k not in ("params", "lr", "initial_lr")})
-        # one `step` tensor is shared by every flat partition, and AdamW increments it in
-        # place once per partition: each optimizer step would count several times
-        for state in engine.optimizer.optimizer.state.values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
+        place_loaded_steps(engine.optimizer.optimizer)
     return client
+
+
+def place_loaded_steps(optimizer: torch.optim.Optimizer) -> None:
+    """After DeepSpeed's universal load: each AdamW `step` its own tensor, where torch's
+    load_state_dict would have put it. DeepSpeed 0.19.8 sets one `step` tensor on every flat
+    partition (ZeRO-3), and AdamW increments it in place once per partition: each optimizer step
+    would count several times. And it sets the tensor as the converter stored it, on the CPU:
+    fused AdamW (torch's kernel, the GPU default, and the one-kernel step of trainer/fused_adamw.py)
+    reads the step on the parameter's device, so there it goes beside the parameter, in fp32, as
+    torch's own load places a fused or capturable group's step."""
+    groups = optimizer.param_groups
+    group_of = {id(p): g for g in groups for p in g["params"]}
+    for p, state in optimizer.state.items():
+        step = state.get("step")
+        if not torch.is_tensor(step):
+            continue
+        # ZeRO-3 swaps its sub-groups' partitions in and out of the groups (build_optimizer sets the
+        # same flags on every group): a partition not in one now goes by any group's
+        group = [group_of[id(p)]] if id(p) in group_of else groups
+        on_device = any(g.get("fused") or g.get("capturable") for g in group)
+        state["step"] = step.to(device=p.device, dtype=torch.float32, copy=True) if on_device else step.clone()
 
 
 def schedule_length(engine) -> tuple[int, str]:

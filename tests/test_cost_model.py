@@ -1,5 +1,7 @@
-"""bench/cost_model.py: the world-size-N estimate's arithmetic, and its optimizer measurement on a
-1/N slice of the drafter's tensors through a real DeepSpeed engine (CPU, gloo, tiny shape)."""
+"""bench/cost_model.py: the world-size-N estimate's arithmetic, its per-rank collective bytes against
+what the trainer's ZeRO-2 engine issues and gloo sends at 2 and 3 ranks, and its optimizer
+measurement on a 1/N slice of the drafter's tensors through a real DeepSpeed engine (CPU, gloo,
+tiny shape)."""
 
 from __future__ import annotations
 
@@ -28,18 +30,72 @@ def test_bus_bandwidth_of_placements():
 def test_estimate_counts_ring_bytes_and_what_hides():
     x = cost_model.Inputs(fwd_ms=100, bwd_ms=100, opt_ms=5, params=P, world=9, grad_accum=2, tail_params=0)
     fast = cost_model.estimate(x, 360)
-    ring_gb = 8 / 9 * 2 * P / 1e9  # (N-1)/N of the bf16 buffer per rank
-    assert fast["reduce_scatter_gb_per_micro"] == pytest.approx(ring_gb)
+    ring_gb = 8 / 9 * 2 * P / 1e9  # (N-1)/N of the bf16 buffer per rank: the all-gather
+    assert fast["grad_reduce_gb_per_micro"] == pytest.approx(2 * ring_gb)  # an all-reduce: twice that
+    assert fast["all_gather_gb_per_step"] == pytest.approx(ring_gb)
     assert fast["all_gather_ms"] == pytest.approx(ring_gb / 360 * 1e3)
-    assert fast["rs_hidden"] and fast["rs_exposed_ms"] == 0
+    assert fast["reduce_hidden"] and fast["reduce_exposed_ms"] == 0
     assert fast["step_ms"] == pytest.approx(2 * 200 + 5 + fast["all_gather_ms"])
     assert fast["samples_per_s_per_gpu"] == pytest.approx(2 / fast["step_ms"] * 1e3)
-    slow = cost_model.estimate(x, 20)  # 154 ms of reduce-scatter per micro-batch: longer than the backward
-    assert not slow["rs_hidden"]
-    assert slow["rs_exposed_ms"] == pytest.approx(slow["reduce_scatter_ms"] - 100)
+    slow = cost_model.estimate(x, 20)  # 308 ms of all-reduce per micro-batch: longer than the backward
+    assert not slow["reduce_hidden"]
+    assert slow["reduce_exposed_ms"] == pytest.approx(slow["grad_reduce_ms"] - 100)
     tail = cost_model.estimate(cost_model.Inputs(100, 100, 5, P, 9, tail_params=25600 * 5120), 360)
-    assert tail["rs_exposed_ms"] == pytest.approx(8 / 9 * 2 * 25600 * 5120 / 360e9 * 1e3)  # fc: after the backward
+    assert tail["reduce_exposed_ms"] == pytest.approx(2 * 8 / 9 * 2 * 25600 * 5120 / 360e9 * 1e3)  # fc: after
     assert cost_model.estimate(cost_model.Inputs(100, 100, 5, P, 1), 360)["all_gather_ms"] == 0  # one rank
+
+
+COMM_SHAPE = (128, 2, 4, 2, 32, 256)  # H, layers, heads, kv_heads, head_dim, I: 377728 parameters, k=3
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_model_bytes_are_what_the_engine_moves(world):
+    """The trainer's GPU ZeRO-2 engine (its deepspeed_config, bf16, overlap_comm, the lean step) at
+    `world` gloo ranks: DeepSpeed's comms logger records, per micro-batch, all-reduces (not a
+    reduce-scatter) over the whole bf16 gradient, and after the step one all-gather of the bf16
+    partitions; their bus bytes per rank are the model's, and the bytes each rank's gloo sockets sent
+    are those plus gloo's headers. With the reduce-scatter the model used to assume, the gradient
+    bytes would be half of both."""
+    shapes = cost_model.drafter_shapes(*COMM_SHAPE, k=3)
+    got = cost_model.measure_comm(shapes, world, hidden=COMM_SHAPE[0], grad_accum=2)
+    params = got["params"]
+    model = cost_model.step_bytes(params, world)
+    for rank in got["ranks"]:
+        assert rank["step"] == "lean" and rank["param_dtypes"] == ["torch.bfloat16"]
+        assert list(rank["phases"]) == ["micro1", "micro2", "step"]
+        for name in ("micro1", "micro2"):  # ZeRO-2 reduces at every backward, not only at the boundary
+            phase = rank["phases"][name]
+            assert list(phase["ops"]) == [cost_model.GRAD_REDUCE], (name, phase["ops"])
+            assert sum(size * n for size, n in phase["ops"]["all_reduce"].items()) == 2 * params  # bf16, all of it
+            assert phase["bus_bytes"] == pytest.approx(model["grad_reduce"], rel=1e-12)
+            assert 1.0 <= phase["wire_bytes"] / model["grad_reduce"] < 1.06, (name, phase["wire_bytes"])
+        step = rank["phases"]["step"]
+        assert step["ops"].pop("all_reduce") == {4: 1}  # the lean step's fp32 gradient norm
+        (shards,) = step["ops"].values()
+        assert list(step["ops"]) == [cost_model.PARAM_GATHER]
+        # each rank's bf16 partition (both parameter groups), padded to a multiple of the world size
+        assert 0 <= sum(shards) * world - 2 * params <= 2 * 2 * world
+        assert step["bus_bytes"] == pytest.approx(model["param_gather"], rel=1e-4)
+        assert 1.0 <= step["wire_bytes"] / model["param_gather"] < 1.02, step["wire_bytes"]
+    lines = cost_model.comm_report(got)
+    assert lines[0].startswith(f"world {world}, {params} parameters") and len(lines) == 4
+
+
+def test_main_measures_comm_beside_the_model(capsys, tmp_path):
+    """`--measure-comm` alone prints each phase's collectives with the model's bytes; with the timing
+    inputs it also estimates and writes the counts into the JSON."""
+    comm = ["--measure-comm", "--comm-worlds", "2", "--comm-shape", "64,1,2,1,16,64"]
+    assert cost_model.main(comm) == 0
+    out = capsys.readouterr().out
+    assert "world 2, " in out and "model gradient all-reduce" in out and "1.0000x" in out
+    assert "per node" not in out  # no estimate without --fwd-ms
+    path = tmp_path / "cost.json"
+    args = ["--fwd-ms", "1", "--bwd-ms", "1", "--opt-ms", "1", "--params", "1e6", "--world", "2", "--placements", "2"]
+    assert cost_model.main([*comm, *args, "--json", str(path)]) == 0
+    import json
+
+    got = json.loads(path.read_text())
+    assert got["measured_comm"][0]["world"] == 2 and got["estimates"][0]["grad_reduce_gb_per_micro"] > 0
 
 
 def test_main_prints_each_placement(capsys):

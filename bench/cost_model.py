@@ -4,22 +4,23 @@ plus documented link rates (issue 24, Build 2).
     python bench/bench_train_step.py --loss chunked --kernels liger --settings direct+lean --json train.json
     python bench/cost_model.py --train-json train.json --measure-opt --world 9     # on the GPU
     python bench/cost_model.py --fwd-ms 105 --bwd-ms 100 --opt-ms 4 --params 1.73e9 --world 9   # anywhere
-    python bench/cost_model.py --measure-comm    # one step's collectives at 2 and 3 gloo ranks (CPU)
+    python bench/cost_model.py --measure-comm    # one step's collectives at 2 and 3 gloo ranks (CPU), both modes
 
 What each rank does per optimizer step with ZeRO-2 (ds_config.py: overlap_comm, reduce_scatter,
 bf16 gradients and parameters, fp32 master weights and AdamW states partitioned 1/N):
 - grad_accum micro-batches of forward + backward, each the world-size-1 time (every rank runs its
   own micro-batch through the whole drafter; measured by bench_train_step.py);
-- per micro-batch an all-reduce of all bf16 gradients (ZeRO-2 reduces every backward), in buckets
+- per micro-batch the reduction of all bf16 gradients (ZeRO-2 reduces every backward), in buckets
   during the backward (overlap_comm); what does not fit under the backward is exposed, and the last
   gradients produced (fc's, the first layer: 25600 x 5120 at the 27B shape) are reduced after the
-  backward ends. An all-reduce, not a reduce-scatter (twice the bytes): DeepSpeed 0.19.8's ZeRO-2
-  (stage_1_and_2.average_tensor), with our `reduce_scatter: true` and its default
-  `use_multi_rank_bucket_allreduce: true`, all-reduces each whole bucket and every rank keeps its
-  own partition's slices (`reduce_scatter: false` all-reduces the bucket too; only
-  `use_multi_rank_bucket_allreduce: false` would send each rank its slices with one `reduce` per
-  rank). overlap_comm and contiguous_gradients change streams and buffers, not the collectives.
-  The same calls on gloo and NCCL (deepspeed.comm's all_reduce -> torch.distributed's); only the
+  backward ends. train.zero_grad_reduce (bench/zero_buckets.py: which calls, of what size):
+  "allreduce" (DeepSpeed 0.19.8's default use_multi_rank_bucket_allreduce; our reduce_scatter: true
+  does not make it a reduce-scatter) all-reduces each whole bucket, 2(N-1)/N x 2P bytes per rank;
+  "reduce" sends each destination rank its slices with one `reduce`: a ring reduce of M bytes moves M
+  through every link but the root's (nccl-tests' reduce bus bytes: M), 2P of link time per
+  micro-batch in all (0.56x the all-reduce's at 9 ranks), (N-1)/N x 2P sent per rank; but DeepSpeed
+  synchronizes the device before each reduce under overlap_comm, so the backward waits behind all
+  but the last reduce of each bucket. The same calls on gloo and NCCL (torch.distributed's); only the
   backend's algorithm differs. `--measure-comm` counts them on a real engine (gloo, CPU);
 - the optimizer step on 1/N of the parameters (`--measure-opt`: measured on this GPU at world size
   1 on a parameter set of the drafter's tensors with 1/N of their rows, DeepSpeed's step, the
@@ -40,8 +41,12 @@ collectives (nccl-tests all_gather/reduce_scatter on 8x H100/H200 SXM report ~36
 assumed the same for the all-reduce and for IB). Ranks split over two nodes (`--placements 5+4`):
 every ring crosses between the nodes, each crossing uses one GPU's NIC, and NCCL spreads its
 channels over the smaller side's NICs, so the bus bandwidth is min(NVLink, min(ranks per node) x
-IB) x efficiency. Not modelled: SM/HBM contention of NCCL kernels with the backward's GEMMs
-(`--comm-slowdown` adds a fraction of the backward), latency of small messages.
+IB) x efficiency. With the drafter's buckets (main: from --shape) the backward and its collectives
+run on zero_buckets.backward_ms's timeline (the ipg buffers' stream waits, the reduce path's device
+syncs), each collective + `--call-us` (assumed 20 us: NCCL's small-message latency) and each sync
++ `--sync-us` (assumed 10 us): assumptions, not measured; the NCCL timing needs a multi-GPU machine.
+Not modelled: SM/HBM contention of NCCL kernels with the backward's GEMMs (`--comm-slowdown` adds a
+fraction of the backward), the backward's work before the first trainable gradient (the loss).
 """
 
 from __future__ import annotations
@@ -54,13 +59,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import zero_buckets
 from torch import nn
 
 NVLINK_GBPS = 450.0  # H200 SXM NVLink 4: 900 GB/s bidirectional per GPU (datasheet) -> 450 per direction
 IB_GBPS = 50.0  # InfiniBand NDR, 400 Gb/s per GPU (ConnectX-7) -> 50 GB/s per direction
 BUS_EFFICIENCY = 0.8  # nccl-tests busbw / link rate for large all-gather / reduce-scatter (~360-390 of 450)
 GRAD_BYTES = PARAM_BYTES = 2  # bf16 gradients reduced, bf16 parameters gathered (ds_config: bf16, no fp32 comm)
-GRAD_REDUCE = "all_reduce"  # ZeRO-2's gradient reduction, each bucket whole (module docstring)
+GRAD_OPS = {"allreduce": "all_reduce", "reduce": "reduce"}  # train.zero_grad_reduce -> DeepSpeed's collective
+GRAD_REDUCE = GRAD_OPS["allreduce"]  # the default: each bucket whole (module docstring)
+CALL_US = 20.0  # assumed latency of one NCCL collective (small messages)
+SYNC_US = 10.0  # assumed cost of the reduce path's torch.cuda.synchronize before each call
 PARAM_GATHER = "all_gather_into_tensor"  # the bf16 partitions after the step (runtime/utils.all_gather_dp_groups)
 
 
@@ -101,35 +110,62 @@ def bus_bytes(op: str, msg_bytes: float, n: int) -> float:
     raise ValueError(f"no bus-byte rule for collective {op!r}: add it to cost_model.bus_bytes")
 
 
-def step_bytes(params: float, world: int) -> dict:
-    """Per-rank bus bytes of the model: the gradient all-reduce of one micro-batch, the parameter
-    all-gather of one step."""
+def step_bytes(params: float, world: int, mode: str = "allreduce") -> dict:
+    """Per-rank bus bytes of the model: the gradient reduction of one micro-batch (train.zero_grad_reduce
+    `mode`: the all-reduce of every bucket, or one reduce per destination of its 1/N share, M bytes of
+    bus each: 2P in all), the parameter all-gather of one step."""
+    grad = GRAD_BYTES * params
     return {
-        "grad_reduce": bus_bytes(GRAD_REDUCE, GRAD_BYTES * params, world),
+        "grad_reduce": bus_bytes("all_reduce", grad, world) if mode == "allreduce" else grad,
         "param_gather": bus_bytes(PARAM_GATHER, PARAM_BYTES * params / world, world),
     }
 
 
-def estimate(x: Inputs, bus: float) -> dict:
-    """One placement's step: times in ms, whether the gradient all-reduce hides under the backward,
-    samples/s per GPU."""
+def gloo_sent(mode: str, grad_bytes: float, n: int) -> float:
+    """Bytes one rank's gloo sockets send for one micro-batch's gradient reduction: its all-reduce is
+    a ring (the bus bytes); its reduce (gloo/reduce.cc) a ring reduce-scatter, (N-1)/N of the message
+    from every rank, then each non-root rank's reduced chunk, 1/N, to the root: over the N
+    destinations of an even split (N-1)/N x (1 + 1/N) x S (NCCL's ring reduce: (N-1)/N x S)."""
+    if mode == "allreduce":
+        return bus_bytes("all_reduce", grad_bytes, n)
+    return (n - 1) / n * (1 + 1 / n) * grad_bytes
+
+
+def estimate(
+    x: Inputs, bus: float, mode: str = "allreduce", buckets=None, call_us: float = CALL_US, sync_us: float = SYNC_US
+) -> dict:
+    """One placement's step: times in ms, whether the gradient reduction (train.zero_grad_reduce
+    `mode`) hides under the backward, samples/s per GPU. Without `buckets` (zero_buckets.grad_buckets)
+    the reduction overlaps the backward ideally, only the tail (fc's gradient) after it; with them, on
+    zero_buckets.backward_ms's timeline (`ideal_exposed_ms` keeps the ideal figure)."""
     n = x.world
-    b = step_bytes(x.params, n)
+    b = step_bytes(x.params, n, mode)
     reduce_ms = b["grad_reduce"] / (bus * 1e9) * 1e3  # per micro-batch
     ag_ms = b["param_gather"] / (bus * 1e9) * 1e3  # per step
-    tail_ms = step_bytes(x.tail_params, n)["grad_reduce"] / (bus * 1e9) * 1e3
+    tail_ms = step_bytes(x.tail_params, n, mode)["grad_reduce"] / (bus * 1e9) * 1e3
     bwd = x.bwd_ms * (1 + x.comm_slowdown)
     body = max(0.0, reduce_ms - tail_ms)  # reduced in buckets while the backward runs
-    exposed = max(0.0, body - bwd) + tail_ms
+    ideal = max(0.0, body - bwd) + tail_ms
+    exposed, calls = ideal, None
+    if buckets is not None:
+        per_elem = bus_bytes(GRAD_OPS[mode], GRAD_BYTES, n) / (bus * 1e9) * 1e3  # ms of one call per element
+        calls = sum(len(k.calls) for k in buckets)
+        end = zero_buckets.backward_ms(
+            buckets, bwd, lambda e: call_us / 1e3 + e * per_elem, sync_us / 1e3, host_sync=mode == "reduce"
+        )
+        exposed = end - bwd
     step_ms = x.grad_accum * (x.fwd_ms + bwd + exposed) + x.opt_ms + ag_ms
     samples = x.grad_accum * x.samples_per_micro
     return {
+        "mode": mode,
         "bus_gb_s": bus,
         "grad_reduce_gb_per_micro": b["grad_reduce"] / 1e9,
         "all_gather_gb_per_step": b["param_gather"] / 1e9,
         "grad_reduce_ms": reduce_ms,
-        "reduce_hidden": body <= bwd,
+        "grad_calls_per_micro": calls,
+        "reduce_hidden": body <= bwd,  # its bytes fit under the backward
         "reduce_exposed_ms": exposed,
+        "ideal_exposed_ms": ideal,
         "all_gather_ms": ag_ms,
         "step_ms": step_ms,
         "samples_per_s_per_gpu": samples / step_ms * 1e3,
@@ -137,7 +173,12 @@ def estimate(x: Inputs, bus: float) -> dict:
     }
 
 
-def report(x: Inputs, placements: list[tuple[int, ...]], nvlink: float, ib: float, eff: float) -> list[dict]:
+def report(
+    x: Inputs, placements: list[tuple[int, ...]], nvlink: float, ib: float, eff: float, buckets: dict | None = None,
+    call_us: float = CALL_US, sync_us: float = SYNC_US,
+) -> list[dict]:  # fmt: skip
+    """One line per placement and gradient reduction (`buckets`: {mode: zero_buckets.grad_buckets} priced on
+    the timeline; None: the all-reduce, ideally overlapped)."""
     single = x.samples_per_micro * x.grad_accum / (x.grad_accum * (x.fwd_ms + x.bwd_ms) + x.opt_ms) * 1e3
     print(
         f"inputs: fwd {x.fwd_ms:.1f} ms, bwd {x.bwd_ms:.1f} ms per micro-batch; optimizer {x.opt_ms:.1f} ms "
@@ -148,17 +189,20 @@ def report(x: Inputs, placements: list[tuple[int, ...]], nvlink: float, ib: floa
     print(f"no communication (the compute bound of a rank): {single:.2f} samples/s per GPU")
     rows = []
     for p in placements:
-        e = estimate(x, bus_gbps(p, nvlink, ib, eff))
-        e["placement"] = "+".join(map(str, p))
-        rows.append(e)
-        print(
-            f"world {x.world} as {e['placement']:>5} per node: bus {e['bus_gb_s']:6.1f} GB/s; gradient all-reduce "
-            f"{e['grad_reduce_gb_per_micro']:.2f} GB/micro-batch = {e['grad_reduce_ms']:.1f} ms "
-            f"({'hidden under' if e['reduce_hidden'] else 'LONGER than'} the {x.bwd_ms:.0f} ms backward; exposed "
-            f"{e['reduce_exposed_ms']:.1f} ms), all-gather {e['all_gather_gb_per_step']:.2f} GB/step = "
-            f"{e['all_gather_ms']:.1f} ms exposed; step {e['step_ms']:.1f} ms -> "
-            f"{e['samples_per_s_per_gpu']:.2f} samples/s per GPU, {e['samples_per_s_all']:.1f} for all {x.world}"
-        )
+        for mode, bks in (buckets or {"allreduce": None}).items():
+            e = estimate(x, bus_gbps(p, nvlink, ib, eff), mode, bks, call_us, sync_us)
+            e["placement"] = "+".join(map(str, p))
+            rows.append(e)
+            calls = "" if bks is None else f" in {e['grad_calls_per_micro']} calls"
+            ideal = "" if bks is None else f"; ideally overlapped {e['ideal_exposed_ms']:.1f}"
+            print(
+                f"world {x.world} as {e['placement']:>5} per node: bus {e['bus_gb_s']:6.1f} GB/s; gradient {mode} "
+                f"{e['grad_reduce_gb_per_micro']:.2f} GB/micro-batch{calls} = {e['grad_reduce_ms']:.1f} ms "
+                f"({'fits under' if e['reduce_hidden'] else 'LONGER than'} the {x.bwd_ms:.0f} ms backward; exposed "
+                f"{e['reduce_exposed_ms']:.1f} ms{ideal}), all-gather {e['all_gather_gb_per_step']:.2f} GB/step = "
+                f"{e['all_gather_ms']:.1f} ms exposed; step {e['step_ms']:.1f} ms -> "
+                f"{e['samples_per_s_per_gpu']:.2f} samples/s per GPU, {e['samples_per_s_all']:.1f} for all {x.world}"
+            )
     return rows
 
 
@@ -177,19 +221,61 @@ class Slice(nn.Module):
         return sum(p.sum() for p in self.w) * x
 
 
-def drafter_shapes(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, inter: int, k: int = 5):
-    """Shapes of the trainable drafter tensors, from the model itself (built on the meta device)."""
+def _drafter(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, inter: int, k: int, vocab: int = 8):
     from dflash_dist.model.config import DrafterConfig
     from dflash_dist.model.drafter import DFlashDrafter
 
     dc = DrafterConfig(
         hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim=head_dim, intermediate_size=inter, vocab_size=8, target_layer_ids=tuple(range(1, k + 1)),
-        num_target_layers=k + 2, block_size=16, mask_token_id=7,
+        head_dim=head_dim, intermediate_size=inter, vocab_size=vocab, target_layer_ids=tuple(range(1, k + 1)),
+        num_target_layers=k + 2, block_size=4, mask_token_id=vocab - 1,
     )  # fmt: skip
+    return DFlashDrafter(dc)
+
+
+def drafter_params(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, inter: int, k: int = 5):
+    """(name, shape) of the trainable drafter tensors in registration order, from the model itself
+    (built on the meta device)."""
     with torch.device("meta"):
-        d = DFlashDrafter(dc)
-    return [tuple(p.shape) for n, p in d.named_parameters() if n not in DFlashDrafter.TARGET_KEYS]
+        d = _drafter(hidden, layers, heads, kv_heads, head_dim, inter, k)
+    return [(n, tuple(p.shape)) for n, p in d.named_parameters() if n not in type(d).TARGET_KEYS]
+
+
+def drafter_shapes(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, inter: int, k: int = 5):
+    """Shapes of the trainable drafter tensors in registration order."""
+    return [shape for _, shape in drafter_params(hidden, layers, heads, kv_heads, head_dim, inter, k)]
+
+
+def gradient_order(layers: int, k: int = 5) -> list[str]:
+    """The trainable drafter tensors' names in the order the training backward finishes their
+    gradients (DeepSpeed's hooks fill its buckets in this order): a tiny drafter of the same layers and
+    k through dflash_loss on the CPU, recorded by post-accumulate-grad hooks (the order follows the
+    graph, not the widths)."""
+    from dflash_dist.model.loss import dflash_loss, sample_anchors
+
+    torch.manual_seed(0)
+    d = _drafter(32, layers, 2, 1, 16, 64, k, vocab=40)
+    d.set_target_weights(torch.randn(40, 32), torch.randn(40, 32))
+    seen: list[str] = []
+    for n, p in d.named_parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda _, n=n: seen.append(n))
+    ids, mask = torch.randint(0, 39, (1, 24)), torch.ones(1, 24, dtype=torch.long)
+    anchors = sample_anchors(mask, 4, torch.Generator().manual_seed(0))
+    dflash_loss(d, ids, torch.randn(1, 24, k * 32), mask, anchors, target_argmax=ids, attention="dense").loss.backward()
+    return seen
+
+
+def drafter_buckets(shape: list[int], world: int, mode: str, k: int = 5) -> list:
+    """zero_buckets.grad_buckets of the drafter `shape` (H, layers, heads, kv_heads, head_dim, I) at
+    `world` ranks: the trainer's reduce bucket (H^2, ds_config.py), the training backward's order."""
+    named = drafter_params(*shape, k=k)
+    index = {n: i for i, (n, _) in enumerate(named)}
+    order = [index[n] for n in gradient_order(shape[1], k)]
+    if sorted(order) != list(range(len(named))):
+        raise RuntimeError("gradient_order does not name every trainable drafter tensor once")
+    numels, matrix = [math.prod(s) for _, s in named], [len(s) >= 2 for _, s in named]
+    return zero_buckets.grad_buckets(numels, matrix, order, world, shape[0] * shape[0], mode)
 
 
 def measure_opt(shapes, world: int, steps: int, device: str, hidden: int) -> dict:
@@ -235,10 +321,12 @@ def sync(device: str) -> None:
 # ---- the collectives of one optimizer step, counted on a real engine at world size N (gloo, CPU) ----
 
 
-def measure_comm(shapes, world: int, hidden: int, grad_accum: int = 2, timeout_s: float = 300) -> dict:
+def measure_comm(
+    shapes, world: int, hidden: int, grad_accum: int = 2, timeout_s: float = 300, mode: str = "allreduce"
+) -> dict:
     """The collectives one optimizer step of the trainer's GPU engine (deepspeed_config with
-    on_gpu: ZeRO-2, bf16, overlap_comm; the lean step) issues at `world` gloo ranks on this CPU,
-    over the drafter's full tensors `shapes`. Per rank and phase (each micro-batch's forward and
+    on_gpu: ZeRO-2, bf16, overlap_comm; the lean step; train.zero_grad_reduce `mode`) issues at `world`
+    gloo ranks on this CPU, over the drafter's full tensors `shapes`. Per rank and phase (each micro-batch's forward and
     backward, then the step): DeepSpeed's comms logger's calls {op: {message bytes: count}}, their
     bus bytes (`bus_bytes`), and the bytes the rank's gloo TCP connections sent (the kernel's
     tcp_info: gloo's own algorithm, with its message headers)."""
@@ -250,7 +338,7 @@ def measure_comm(shapes, world: int, hidden: int, grad_accum: int = 2, timeout_s
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_ports(1, "127.0.0.1")[0]
-    args = (world, port, shapes, hidden, grad_accum, results)
+    args = (world, port, shapes, hidden, grad_accum, mode, results)
     procs = [ctx.Process(target=_comm_rank, args=(r, *args), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -279,10 +367,23 @@ def measure_comm(shapes, world: int, hidden: int, grad_accum: int = 2, timeout_s
             if p.exitcode is None:
                 p.terminate()  # our own child, by its handle
     params = sum(math.prod(s) for s in shapes)
-    return {"world": world, "params": params, "grad_accum": grad_accum, "ranks": [ranks[r] for r in range(world)]}
+    out = {"world": world, "params": params, "grad_accum": grad_accum, "mode": mode}
+    return {**out, "model_calls": slice_calls(shapes, world, hidden, mode), "ranks": [ranks[r] for r in range(world)]}
 
 
-def _comm_rank(rank: int, world: int, port: int, shapes, hidden: int, grad_accum: int, results) -> None:
+def slice_calls(shapes, world: int, hidden: int, mode: str) -> dict[int, int]:
+    """{message bytes: calls} zero_buckets predicts for one backward of measure_comm's engine (`Slice`:
+    its gradients come in reverse registration order)."""
+    numels, matrix = [math.prod(s) for s in shapes], [len(s) >= 2 for s in shapes]
+    order = list(reversed(range(len(shapes))))
+    counts: dict[int, int] = {}
+    for b in zero_buckets.grad_buckets(numels, matrix, order, world, hidden * hidden, mode):
+        for n in b.calls:
+            counts[GRAD_BYTES * n] = counts.get(GRAD_BYTES * n, 0) + 1
+    return counts
+
+
+def _comm_rank(rank: int, world: int, port: int, shapes, hidden: int, grad_accum: int, mode: str, results) -> None:
     """One gloo rank of measure_comm: a warm-up step, then one step counted phase by phase."""
     import os
 
@@ -299,6 +400,7 @@ def _comm_rank(rank: int, world: int, port: int, shapes, hidden: int, grad_accum
     try:
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
         overrides = ["target.kind=tiny_stdlib", "train.max_steps=100000", f"train.grad_accum={grad_accum}"]
+        overrides.append(f"train.zero_grad_reduce={mode}")
         cfg = load_config(None, overrides)
         model = Slice(shapes, 1)  # the whole tensors: every rank holds the model, ZeRO-2 partitions the rest
         opt = build_optimizer(cfg, model, fused=True)
@@ -370,16 +472,22 @@ def _tcp_bytes_sent(store_port: int) -> int:
 def comm_report(got: dict) -> list[str]:
     """Lines: per phase, the engine's collectives and bytes (rank 0; every rank's bus bytes agree)
     beside the model's."""
-    n, params = got["world"], got["params"]
-    model = step_bytes(params, n)
+    n, params, mode = got["world"], got["params"], got.get("mode", "allreduce")
+    model = step_bytes(params, n, mode)
     first = got["ranks"][0]
-    lines = [f"world {n}, {params} parameters, {first['step']} step, parameters {first['param_dtypes']}"]
+    lines = [
+        f"world {n}, {params} parameters, gradient {mode}, {first['step']} step, parameters {first['param_dtypes']}"
+    ]
     for name, phase in first["phases"].items():
-        want = model["param_gather"] if name == "step" else model["grad_reduce"]
-        what = f"model {'all-gather' if name == 'step' else 'gradient all-reduce'} {want:.0f}"
+        step = name == "step"
+        want = model["param_gather"] if step else model["grad_reduce"]
+        wire = want if step else gloo_sent(mode, GRAD_BYTES * params, n)
+        same = phase["ops"].get(GRAD_OPS[mode]) == got["model_calls"]
+        calls = "" if step else f", calls {'=' if same else '!='} model's"
         lines.append(
-            f"  {name:>6}: {phase['ops']}: bus {phase['bus_bytes']:.0f} B/rank ({what}, "
-            f"{phase['bus_bytes'] / want:.4f}x); gloo sent {phase['wire_bytes']} B ({phase['wire_bytes'] / want:.3f}x)"
+            f"  {name:>6}: {phase['ops']}: bus {phase['bus_bytes']:.0f} B/rank (model "
+            f"{'all-gather' if step else 'gradient ' + mode} {want:.0f}, {phase['bus_bytes'] / want:.4f}x{calls}); "
+            f"gloo sent {phase['wire_bytes']} B (model {wire:.0f}, {phase['wire_bytes'] / wire:.3f}x)"
         )
     return lines
 
@@ -419,11 +527,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--measure-comm", action="store_true", help="count one step's collectives on gloo ranks here")
     ap.add_argument("--comm-shape", default="128,2,4,2,32,256", help="--measure-comm's drafter shape (as --shape)")
     ap.add_argument("--comm-worlds", default="2,3", help="--measure-comm's world sizes")
+    ap.add_argument("--grad-reduce", default="both", choices=[*zero_buckets.MODES, "both"], help="mode(s) to price")
+    ap.add_argument("--call-us", type=float, default=CALL_US, help="latency of one gradient collective (assumed)")
+    ap.add_argument("--sync-us", type=float, default=SYNC_US, help="the reduce path's device sync per call (assumed)")
     a = ap.parse_args(argv)
+    modes = zero_buckets.MODES if a.grad_reduce == "both" else (a.grad_reduce,)
     comm = None
     if a.measure_comm:
         shape = [int(v) for v in a.comm_shape.split(",")]
-        comm = [measure_comm(drafter_shapes(*shape), int(n), shape[0], a.grad_accum) for n in a.comm_worlds.split(",")]
+        worlds = [int(n) for n in a.comm_worlds.split(",")]
+        comm = [measure_comm(drafter_shapes(*shape), n, shape[0], a.grad_accum, mode=m) for n in worlds for m in modes]
         for got in comm:
             print("\n".join(comm_report(got)))
         if a.fwd_ms is None and a.train_json is None:
@@ -434,9 +547,9 @@ def main(argv: list[str] | None = None) -> int:
         fwd, bwd, params = fwd or row["fwd_ms"], bwd or row["bwd_ms"], params or trainable
         print(f"from {a.train_json}: {row['name']}: {row['samples_per_s']:.2f} samples/s at world size 1")
     opt_ms, measured = a.opt_ms, None
+    shape = [int(v) for v in a.shape.split(",")]
     if a.measure_opt:
         _init_single_rank(a.device)
-        shape = [int(v) for v in a.shape.split(",")]
         measured = measure_opt(drafter_shapes(*shape), a.world, a.opt_steps, a.device, hidden=shape[0])
         print(
             f"optimizer step on a 1/{a.world} slice ({measured['params'] / 1e6:.1f}M parameters, world size 1): "
@@ -451,7 +564,8 @@ def main(argv: list[str] | None = None) -> int:
     for p in placements:
         if sum(p) != a.world:
             raise SystemExit(f"--placements {'+'.join(map(str, p))} does not add up to --world {a.world}")
-    rows = report(x, placements, a.nvlink_gbps, a.ib_gbps, a.efficiency)
+    buckets = {m: drafter_buckets(shape, a.world, m) for m in modes}
+    rows = report(x, placements, a.nvlink_gbps, a.ib_gbps, a.efficiency, buckets, a.call_us, a.sync_us)
     if a.json:
         out = {"inputs": vars(x), "measured_opt": measured, "measured_comm": comm, "estimates": rows}
         Path(a.json).write_text(json.dumps(out, indent=1))

@@ -204,6 +204,17 @@ class TrainSection(_Section):
     # gradients and writes the bf16 weights: trainer/fused_adamw.py; opt-in until measured at 1/N of
     # the parameters), "auto": lean on GPU ranks, deepspeed on CPU (the pinned loss curve)
     optimizer_step: Literal["auto", "deepspeed", "lean", "fused"] = "auto"
+    # ZeRO-1/2's gradient reduction each micro-batch (DeepSpeed's use_multi_rank_bucket_allreduce,
+    # ds_config.py): "allreduce" (DeepSpeed's default) all-reduces every whole bucket, 2(N-1)/N x 2P bytes
+    # of ring bus per rank; "reduce" sends each rank its partition's slices, one `reduce` per destination
+    # rank and bucket, 2P of bus in all (0.56x at 9 ranks), but DeepSpeed synchronizes the device before
+    # each reduce under overlap_comm. gloo, 377,728 parameters, per rank and micro-batch: 766,400 ->
+    # 573,456 B sent at 2 ranks, 1,028,044 -> 686,288 at 3; the same losses and weights bitwise at 2 ranks,
+    # within one bf16 rounding at 3 (another addition order; tests/test_grad_reduce.py). The cost model
+    # (bench/cost_model.py) puts 9 ranks of the 27B drafter at 4.80 vs 4.74 samples/s per GPU in one NVLink
+    # domain, 4.52 vs 4.53 as 5+4 nodes, 3.04 vs 3.52 as 8+1: allreduce stays the default until NCCL
+    # timings on several GPUs exist (docs/BENCHMARKS.md)
+    zero_grad_reduce: Literal["allreduce", "reduce"] = "allreduce"
     checkpoint_every: PosInt = 500
     keep_checkpoints: PosInt = 3
     log_every: PosInt = 10
@@ -450,6 +461,9 @@ def _validate(cfg: Config, path, check_files: bool = True) -> None:
         raise ConfigError(f"{where}: train.micro_batch_tokens={t.micro_batch_tokens} is shorter than data.max_length="
                           f"{cfg.data.max_length}: a packed row must hold the longest sample (raise it, or unset it "
                           "for micro_batch_size x max_length)")
+    if t.zero_grad_reduce != "allreduce" and t.zero_stage not in (1, 2):
+        raise ConfigError(f"{where}: train.zero_grad_reduce={t.zero_grad_reduce} applies to ZeRO stages 1 and 2 "
+                          f"(zero_stage is {t.zero_stage}): remove it or set train.zero_stage to 1 or 2")
     _validate_capture(cfg, where)
     _validate_regen(cfg.regen, where)
     _validate_eval(cfg.eval, where)

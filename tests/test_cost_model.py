@@ -1,7 +1,8 @@
-"""bench/cost_model.py: the world-size-N estimate's arithmetic, its per-rank collective bytes against
-what the trainer's ZeRO-2 engine issues and gloo sends at 2 and 3 ranks, and its optimizer
-measurement on a 1/N slice of the drafter's tensors through a real DeepSpeed engine (CPU, gloo,
-tiny shape)."""
+"""bench/cost_model.py: the world-size-N estimate's arithmetic (both gradient reductions,
+train.zero_grad_reduce, and bench/zero_buckets.py's timeline), its per-rank collective bytes and
+calls against what the trainer's ZeRO-2 engine issues and gloo sends at 2 and 3 ranks in both modes,
+and its optimizer measurement on a 1/N slice of the drafter's tensors through a real DeepSpeed engine
+(CPU, gloo, tiny shape)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dflash_dist.actors.trainer_group import default_extensions_dir
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())  # DeepSpeed's shm op compiles once
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import cost_model  # noqa: E402
+import zero_buckets  # noqa: E402
 
 P = 1.73e9  # the 27B drafter's trainable parameters
 
@@ -45,30 +47,86 @@ def test_estimate_counts_ring_bytes_and_what_hides():
     assert cost_model.estimate(cost_model.Inputs(100, 100, 5, P, 1), 360)["all_gather_ms"] == 0  # one rank
 
 
-COMM_SHAPE = (128, 2, 4, 2, 32, 256)  # H, layers, heads, kv_heads, head_dim, I: 377728 parameters, k=3
+COMM_SHAPE = (128, 2, 4, 2, 32, 256)  # H, layers, heads, kv_heads, head_dim, I: 344960 parameters, k=3
 
 
+def test_reduce_mode_prices_each_destinations_share():
+    """train.zero_grad_reduce=reduce: one reduce per destination of its 1/N share, M bytes of bus each:
+    2P per micro-batch (the all-reduce's 2(N-1)/N x 2P: 1.78x that at 9 ranks); gloo's reduce sends
+    (N-1)/N x (1 + 1/N) of it per rank."""
+    ar, rd = cost_model.step_bytes(P, 9), cost_model.step_bytes(P, 9, "reduce")
+    assert rd["grad_reduce"] == pytest.approx(2 * P) and ar["grad_reduce"] == pytest.approx(16 / 9 * 2 * P)
+    assert rd["param_gather"] == ar["param_gather"]
+    assert cost_model.gloo_sent("reduce", 1000, 2) == pytest.approx(750)
+    assert cost_model.gloo_sent("allreduce", 1000, 2) == pytest.approx(1000)
+    x = cost_model.Inputs(fwd_ms=100, bwd_ms=100, opt_ms=5, params=P, world=9, grad_accum=2, tail_params=0)
+    slow = cost_model.estimate(x, 20, "reduce")  # no buckets: ideally overlapped
+    assert slow["grad_reduce_ms"] == pytest.approx(2 * P / 20e9 * 1e3)  # 173 ms > the backward
+    assert slow["reduce_exposed_ms"] == slow["ideal_exposed_ms"] == pytest.approx(slow["grad_reduce_ms"] - 100)
+
+
+def test_timeline_waits_for_earlier_reductions_and_the_reduce_paths_syncs():
+    """zero_buckets.backward_ms on two buckets of 10 ms of backward each: the all-reduce overlaps the
+    next bucket's backward (the compute stream waits only for reductions issued before its bucket);
+    the reduce path's device sync before each call stalls the backward behind all but a bucket's
+    last reduce."""
+    two = [zero_buckets.Bucket(10, (4, 6)), zero_buckets.Bucket(10, (10,))]
+    call = float  # 1 ms per element
+    # compute 0-10, calls 10-14-20; compute 10-20; its call 20-30 (the end: 30)
+    assert zero_buckets.backward_ms(two, 20, call) == 30
+    # sync at 10, call 10-14; the host waits to 14, call 14-20; compute only from 14 (the host) to 24, call 24-34
+    assert zero_buckets.backward_ms(two, 20, call, host_sync=True) == 34
+    assert zero_buckets.backward_ms(two, 20, call, sync_ms=0.5, host_sync=True) == 35.5  # 3 syncs, one hidden
+    # three buckets, long calls: the third bucket's backward waits for the first bucket's reduction
+    three = [zero_buckets.Bucket(10, (15,))] * 3
+    # compute 0-10, call 10-25; compute 10-20, call 25-40; compute from 25 (waits) to 35, call 40-55
+    assert zero_buckets.backward_ms(three, 30, call) == 55
+
+
+def test_drafter_buckets_follow_the_training_backward():
+    """The 27B drafter's buckets at 9 ranks: every gradient element once in both modes, fc last (the
+    backward's last gradient, the first layer), the MLP matrices alone (each > H^2); the reduce path
+    issues more, smaller calls (a bucket's slices go to up to N destinations)."""
+    shape = [5120, 5, 32, 8, 128, 17408]
+    total = sum(math.prod(s) for s in cost_model.drafter_shapes(*shape))
+    order = cost_model.gradient_order(5)
+    assert order[-1] == "fc.weight" and order[1] == "layers.4.mlp.down_proj.weight"
+    got = {m: cost_model.drafter_buckets(shape, 9, m) for m in zero_buckets.MODES}
+    for buckets in got.values():
+        assert sum(sum(b.calls) for b in buckets) == sum(b.numel for b in buckets) == total
+        assert buckets[-1].numel == 25600 * 5120
+        assert sum(b.numel == 17408 * 5120 for b in buckets) == 15
+    calls = {m: sum(len(b.calls) for b in got[m]) for m in got}
+    assert calls["allreduce"] < calls["reduce"], calls
+    assert [b.numel for b in got["allreduce"]] == [b.numel for b in got["reduce"]]
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "reduce"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_model_bytes_are_what_the_engine_moves(world):
+def test_model_bytes_are_what_the_engine_moves(world, mode):
     """The trainer's GPU ZeRO-2 engine (its deepspeed_config, bf16, overlap_comm, the lean step) at
-    `world` gloo ranks: DeepSpeed's comms logger records, per micro-batch, all-reduces (not a
-    reduce-scatter) over the whole bf16 gradient, and after the step one all-gather of the bf16
-    partitions; their bus bytes per rank are the model's, and the bytes each rank's gloo sockets sent
-    are those plus gloo's headers. With the reduce-scatter the model used to assume, the gradient
-    bytes would be half of both."""
+    `world` gloo ranks with train.zero_grad_reduce=`mode`: DeepSpeed's comms logger records, per
+    micro-batch, all-reduces (not a reduce-scatter) or reduces over the whole bf16 gradient, call by
+    call the sizes zero_buckets predicts, and after the step one all-gather of the bf16 partitions;
+    their bus bytes per rank are the model's, and the bytes each rank's gloo sockets sent are gloo's
+    algorithm's plus its headers. With the reduce-scatter the model used to assume, the all-reduce's
+    gradient bytes would be half of both."""
     shapes = cost_model.drafter_shapes(*COMM_SHAPE, k=3)
-    got = cost_model.measure_comm(shapes, world, hidden=COMM_SHAPE[0], grad_accum=2)
+    got = cost_model.measure_comm(shapes, world, hidden=COMM_SHAPE[0], grad_accum=2, mode=mode)
     params = got["params"]
-    model = cost_model.step_bytes(params, world)
+    model = cost_model.step_bytes(params, world, mode)
+    wire = cost_model.gloo_sent(mode, 2 * params, world)
+    op = cost_model.GRAD_OPS[mode]
     for rank in got["ranks"]:
         assert rank["step"] == "lean" and rank["param_dtypes"] == ["torch.bfloat16"]
         assert list(rank["phases"]) == ["micro1", "micro2", "step"]
         for name in ("micro1", "micro2"):  # ZeRO-2 reduces at every backward, not only at the boundary
             phase = rank["phases"][name]
-            assert list(phase["ops"]) == [cost_model.GRAD_REDUCE], (name, phase["ops"])
-            assert sum(size * n for size, n in phase["ops"]["all_reduce"].items()) == 2 * params  # bf16, all of it
+            assert list(phase["ops"]) == [op], (name, phase["ops"])
+            assert sum(size * n for size, n in phase["ops"][op].items()) == 2 * params  # bf16, all of it
+            assert phase["ops"][op] == got["model_calls"]
             assert phase["bus_bytes"] == pytest.approx(model["grad_reduce"], rel=1e-12)
-            assert 1.0 <= phase["wire_bytes"] / model["grad_reduce"] < 1.06, (name, phase["wire_bytes"])
+            assert 1.0 <= phase["wire_bytes"] / wire < 1.06, (name, phase["wire_bytes"], wire)
         step = rank["phases"]["step"]
         assert step["ops"].pop("all_reduce") == {4: 1}  # the lean step's fp32 gradient norm
         (shards,) = step["ops"].values()
@@ -78,16 +136,17 @@ def test_model_bytes_are_what_the_engine_moves(world):
         assert step["bus_bytes"] == pytest.approx(model["param_gather"], rel=1e-4)
         assert 1.0 <= step["wire_bytes"] / model["param_gather"] < 1.02, step["wire_bytes"]
     lines = cost_model.comm_report(got)
-    assert lines[0].startswith(f"world {world}, {params} parameters") and len(lines) == 4
+    assert lines[0].startswith(f"world {world}, {params} parameters, gradient {mode}") and len(lines) == 4
+    assert "calls = model's" in lines[1] and "calls = model's" in lines[2]
 
 
 def test_main_measures_comm_beside_the_model(capsys, tmp_path):
     """`--measure-comm` alone prints each phase's collectives with the model's bytes; with the timing
     inputs it also estimates and writes the counts into the JSON."""
-    comm = ["--measure-comm", "--comm-worlds", "2", "--comm-shape", "64,1,2,1,16,64"]
+    comm = ["--measure-comm", "--comm-worlds", "2", "--comm-shape", "64,1,2,1,16,64", "--grad-reduce", "allreduce"]
     assert cost_model.main(comm) == 0
     out = capsys.readouterr().out
-    assert "world 2, " in out and "model gradient all-reduce" in out and "1.0000x" in out
+    assert "world 2, " in out and "model gradient allreduce" in out and "1.0000x" in out
     assert "per node" not in out  # no estimate without --fwd-ms
     path = tmp_path / "cost.json"
     args = ["--fwd-ms", "1", "--bwd-ms", "1", "--opt-ms", "1", "--params", "1e6", "--world", "2", "--placements", "2"]
@@ -99,10 +158,17 @@ def test_main_measures_comm_beside_the_model(capsys, tmp_path):
 
 
 def test_main_prints_each_placement(capsys):
+    """Both gradient reductions per placement, on the 27B drafter's buckets: the reduce path moves
+    0.56x the bytes at 9 ranks, yet exposes more where the all-reduce hides (one NVLink domain:
+    its device syncs), less where the all-reduce is longer than the backward (8+1)."""
     assert cost_model.main(["--fwd-ms", "105", "--bwd-ms", "100", "--opt-ms", "4", "--params", "1.73e9"]) == 0
     out = capsys.readouterr().out
+    rows = {}
     for placement in ("9 per node", "5+4 per node", "8+1 per node"):
-        assert placement in out
+        lines = [line for line in out.splitlines() if placement in line]
+        assert [("gradient allreduce" in line, "gradient reduce" in line) for line in lines] == [(1, 0), (0, 1)]
+        rows[placement] = [float(line.split("-> ")[1].split()[0]) for line in lines]  # samples/s per GPU
+    assert rows["9 per node"][0] > rows["9 per node"][1] and rows["8+1 per node"][0] < rows["8+1 per node"][1]
     with pytest.raises(SystemExit, match="does not add up"):
         cost_model.main(["--fwd-ms", "1", "--bwd-ms", "1", "--opt-ms", "1", "--params", "1", "--placements", "4+4"])
 

@@ -92,6 +92,7 @@ def test_deepspeed_config_reaches_engine(tiny, tmp_path, monkeypatch):
         tmp_path,
         tiny["target_dir"],
         zero_stage=1,
+        zero_grad_reduce="reduce",
         grad_clip=0.25,
         micro_batch_size=3,
         grad_accum=2,
@@ -111,6 +112,7 @@ def test_deepspeed_config_reaches_engine(tiny, tmp_path, monkeypatch):
         total = 8
         engine = build_engine(cfg, tiny["drafter"], tiny["target_dir"], total, world_size=1, on_gpu=False)
         assert engine.zero_optimization_stage() == 1
+        assert engine.optimizer.use_multi_rank_bucket_allreduce is False  # train.zero_grad_reduce=reduce
         assert engine.gradient_clipping() == 0.25
         assert engine.train_micro_batch_size_per_gpu() == 3
         assert engine.gradient_accumulation_steps() == 2

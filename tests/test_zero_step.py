@@ -25,37 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dflash_dist.config import load_config
 from dflash_dist.trainer import zero_step
 from dflash_dist.trainer.ds_config import build_lr_schedule, build_optimizer, deepspeed_config
-
-CLIP = 0.05  # far below the gradient norm of the first steps: the clip is active
-
-
-class Net(nn.Module):
-    """Matrices (decayed) and a 1-D gain (not decayed): two DeepSpeed partition groups."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(16, 48)
-        self.g = nn.Parameter(torch.ones(48))
-        self.b = nn.Linear(48, 8, bias=False)
-
-    def forward(self, x, y):
-        return ((self.b(torch.tanh(self.a(x)) * self.g) - y) ** 2).mean()
-
-
-def cfg_for(grad_clip: float = CLIP, grad_accum: int = 2):
-    return load_config(
-        None,
-        [
-            "target.kind=tiny_stdlib",
-            f"train.grad_clip={grad_clip}",
-            "train.weight_decay=0.01",
-            "train.max_steps=50",
-            f"train.grad_accum={grad_accum}",
-            "train.lr=0.01",
-            "train.warmup_frac=0.0",
-        ],
-    )
+from tests.helpers.zero_net import BUCKET, CLIP, Net, assert_bitwise, batches, cfg_for, state_of
 
 
 def make_engine(kind: str, fused: bool, cfg=None, device: str = "cpu"):
@@ -73,13 +43,6 @@ def make_engine(kind: str, fused: bool, cfg=None, device: str = "cpu"):
     )
     assert zero_step.install(engine, kind, on_gpu=device != "cpu") == kind
     return engine
-
-
-def batches(n: int, device: str = "cpu"):
-    g = torch.Generator().manual_seed(1)
-    return [
-        (torch.randn(4, 16, generator=g).to(device), 3 * torch.randn(4, 8, generator=g).to(device)) for _ in range(n)
-    ]
 
 
 def train(engine, data) -> list[float]:
@@ -355,8 +318,6 @@ def test_two_rank_zero2_run_with_the_lean_step_follows_the_pinned_curve(kind, ti
 
 # ---- the gradient path cuts (zero_step.cut_grad_path): bf16 engines as on a GPU, bitwise ----
 
-BUCKET = 400  # reduce_bucket_size: a.weight (768) is past it, b.weight (384), a.bias and g are not
-
 
 def cut_engine(cuts: bool, grad_accum: int, overlap: bool, world: int = 1, device: str = "cpu", kind: str = "lean"):
     """A bf16 ZeRO-2 engine with the lean step (the trainer's GPU config), with or without the cuts."""
@@ -406,23 +367,6 @@ def run_and_inspect(engine, data, grad_accum: int) -> dict:
             out["norms"].append(float(engine.get_global_grad_norm()))
         out["losses"].append(float(loss.detach().float()))
     return out
-
-
-def state_of(engine) -> list[torch.Tensor]:
-    """The bf16 weights, fp32 masters and AdamW moments, as exact copies."""
-    opt = engine.optimizer
-    moments = [s[k].clone() for s in opt.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
-    return (
-        [p.detach().clone() for p in engine.module.parameters()]
-        + [m.detach().clone() for m in opt.single_partition_of_fp32_groups]
-        + moments
-    )
-
-
-def assert_bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
-    assert len(a) == len(b)
-    for i, (x, y) in enumerate(zip(a, b)):
-        assert torch.equal(x, y), i
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["no_overlap", "overlap_comm"])

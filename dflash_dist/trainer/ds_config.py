@@ -44,6 +44,8 @@ def deepspeed_config(
             "contiguous_gradients": True,
             "overlap_comm": on_gpu,  # needs side streams; on CPU it only adds threads
             "reduce_scatter": True,
+            # False: one reduce per destination rank instead of the bucket's all-reduce (train.zero_grad_reduce)
+            "use_multi_rank_bucket_allreduce": t.zero_grad_reduce == "allreduce",
             "reduce_bucket_size": h * h if h else int(5e8),
             "allgather_partitions": True,
             "allgather_bucket_size": int(5e8),

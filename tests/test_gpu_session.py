@@ -162,7 +162,7 @@ def test_the_chain_runs_every_step_in_order_with_its_limit(tmp_path):
     assert started[:4] == ["install", "preflight", "gpu_tests", "build"]
     limits = _limits(calls)
     budget = int(next(x for x in status if x.startswith("qbench budget")).split()[2].removesuffix("s"))
-    assert 600 - 15 - 3 <= budget <= 600 - 15, status  # the deadline file less the tail
+    assert 600 - 15 - 5 <= budget <= 600 - 15, status  # the deadline file less the tail
     assert {k: limits[k] for k in ("install", "preflight", "build", "mid", "train_step", "cost", "gpu_tests")} == {
         "install": "180", "preflight": "150", "build": "540", "mid": "900", "train_step": "240", "cost": "150",
         "gpu_tests": "600"}  # fmt: skip
@@ -204,7 +204,7 @@ def test_the_bench_budget_is_read_from_the_deadline_file_when_the_bench_starts(t
     status, calls, _ = _session(tmp_path, deadline_in=100, STANDIN_NEW_DEADLINE=str(int(time.time()) + 400))
     (bench,) = _bench_args(calls)
     budget = int(bench[bench.index("--time-budget-s") + 1])
-    assert 400 - 15 - 3 <= budget <= 400 - 15 and f"qbench budget {budget}s" in status
+    assert 400 - 15 - 5 <= budget <= 400 - 15 and f"qbench budget {budget}s" in status
     assert bench[-2:] == ["--workers", "7"]  # QBENCH_ARGS' default
 
 
@@ -221,11 +221,9 @@ def test_the_bench_is_skipped_and_says_so_with_under_120_s_or_no_shards(tmp_path
     short.mkdir()
     no_shards.mkdir()
     status, calls, _ = _session(short, deadline_in=130)  # 130 s less the tail
-    skipped = [x for x in status if x.startswith("qbench skipped: ")]
-    assert skipped in (
-        ["qbench skipped: 115s left before the deadline, under 120"],
-        ["qbench skipped: 114s left before the deadline, under 120"],  # a second ticked by
-    ), status
+    (skipped,) = [x for x in status if x.startswith("qbench skipped: ")]
+    left = int(skipped.split()[2].removesuffix("s"))  # 115 less the seconds the chain took
+    assert 110 <= left <= 115 and skipped == f"qbench skipped: {left}s left before the deadline, under 120", status
     assert not _bench_args(calls) and status[-1].startswith("done ")
     status, calls, _ = _session(no_shards, STANDIN_NO_DONE="1")
     assert f"qbench skipped: no {no_shards / 'run'}/shards/DONE (the product run's capture did not finish)" in status
@@ -293,8 +291,8 @@ def test_lease_a_started_and_watched_in_one_call(tmp_path):
     env = _standins(tmp_path)
     env.update(RUN=str(tmp_path / "run"), TRAIN_STEP="1", TRAIN_STEP_SETTINGS="direct+lean")
     (tmp_path / "deadline").write_text(f"{int(time.time()) + 300}\n")
-    cmd = (f"setsid bash {SESSION} {tmp_path / 'gpu'} >/dev/null 2>&1 </dev/null & sleep 1; "
-           f"bash {WATCH} 40 {tmp_path / 'gpu'} {tmp_path / 'run'}")  # fmt: skip
+    cmd = (f"setsid {SESSION} {tmp_path / 'gpu'} >/dev/null 2>&1 </dev/null & sleep 1; "  # as LEASES.md runs them
+           f"{WATCH} 40 {tmp_path / 'gpu'} {tmp_path / 'run'}")  # fmt: skip
     t0 = time.monotonic()
     done = subprocess.run(["bash", "-c", cmd], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 0 and time.monotonic() - t0 < 20, done

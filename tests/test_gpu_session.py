@@ -184,9 +184,9 @@ def test_the_chain_runs_every_step_in_order_with_its_limit(tmp_path):
 
 
 def test_a_failing_step_stops_only_what_needs_it(tmp_path):
-    """The preflight fails: the product run falls back to DeepSpeed's optimizer step; the build, the
-    product run's test and the trainer step fail and hang: every later step still runs, the hanging gpu
-    tests are stopped a grace after the build, and the chain ends with its `done` line."""
+    """The preflight fails: the product run falls back to DeepSpeed's optimizer step. The install, the
+    build, the product run's test and the trainer step fail, the gpu tests hang: every later step still
+    runs, the gpu tests are stopped a grace after the build, and the chain ends with its `done` line."""
     status, calls, took = _session(tmp_path, STANDIN_FAIL="install,preflight,build,mid,train_step",
                                    STANDIN_HANG="gpu_tests", TRAIN_STEP="1")  # fmt: skip
     assert _steps(status) == [("install", "1"), ("preflight", "1"), ("build", "1"), ("gpu_tests", "143"),

@@ -27,7 +27,8 @@ per checkpoint against samples, for comparing the product to the bench at equal 
 
 Writes OUT/results.json (every point of every run, the budget and how it was chosen, the data,
 the machine), OUT/table.md (the markdown table), and the figure (--png; needs matplotlib, the
-`bench` extra: without it, `--report` renders it later from results.json).
+`bench` extra: without it, `--report` renders it later from results.json). results.json and
+table.md are rewritten after every finished run (the table headed as partial until the end).
 """
 
 from __future__ import annotations
@@ -164,8 +165,30 @@ def _args(argv):
     return args
 
 
-def _write(out: Path, results: dict) -> None:
+def _write(out: Path, results: dict, tabled: str | None = None) -> str | None:
+    """OUT/results.json, and with `tabled` OUT/table.md too, each written then renamed. "partial": after
+    every result while the bench runs, so that what is on disk at any moment (a device call packing it
+    mid-bench, a bench killed at its limit) holds every run finished so far, the table headed as partial
+    (a table that cannot be made yet is left for the next result); "final": once the runs are over.
+    Returns the table."""
     write_text_atomic(out / "results.json", json.dumps(results, indent=1) + "\n")
+    if tabled is None:
+        return None
+    if tabled == "final":
+        md = table(results)
+    else:
+        try:
+            md = table(results)
+        except Exception:  # a partial record the report cannot show must not end the bench
+            log.exception("table.md not rewritten after this result")
+            return None
+        runs = results["budget"].get("runs", "?")
+        md = (
+            f"Partial: written while the bench ran, {results['seconds']} s in, {len(results['runs'])} of {runs} "
+            f"runs recorded (the figure comes at the end, or from `--report {out / 'results.json'}`).\n\n{md}"
+        )
+    write_text_atomic(out / "table.md", md + "\n")
+    return md
 
 
 class InlinePool:
@@ -554,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 results["runs"].append(res)
             results["seconds"] = round(time.monotonic() - t0, 1)
-            _write(out, results)
+            _write(out, results, "partial")
 
         left_over = _run_until(
             pool,
@@ -573,9 +596,7 @@ def main(argv: list[str] | None = None) -> int:
             failed = True
             results["runs"].append({"kind": kind, "status": "killed", **_names(kind, payload)})
     results["seconds"] = round(time.monotonic() - t0, 1)
-    _write(out, results)
-    md = table(results)
-    write_text_atomic(out / "table.md", md + "\n")
+    md = _write(out, results, "final")
     png = Path(args.png or out / "quality_run.png")
     drawn = plot(results, png)
     print(md)

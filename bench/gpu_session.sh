@@ -10,7 +10,10 @@
 #   4. the product run on it (configs/mid_gpu.yaml through tests/test_gpu_mid.py, which runs and checks it)
 #   5. the recipe-quality bench on that run's shards (bench/bench_quality_run.py, QBENCH_ARGS), until
 #      the epoch second in QBENCH_DEADLINE_FILE (default /tmp/qbench_deadline; a later call may move
-#      it) or, without that file, for QBENCH_BUDGET_S (default 480)
+#      it) or, without that file, for QBENCH_BUDGET_S (default 480), its results, table and figure written
+#      by then (QBENCH_TAIL_S); results.json and table.md are rewritten after each run, so a watch call
+#      during the bench brings back the runs finished so far. A bench that finishes no run (its worker
+#      processes failing) runs once more in one process (--workers 0) for the time left.
 #   6. (only with SPEED=1) the trainer step at the 27B shape, the world-size cost model, and capture
 #      over 50 passes
 # With TRAIN_STEP=1, between 4 and 5: the 27B trainer step under the --settings in TRAIN_STEP_SETTINGS
@@ -33,7 +36,7 @@ step() {  # step NAME TIMEOUT_S CMD...
     shift 2
     t0=$(date +%s)
     echo "start $name $t0" >>"$LOG/status"
-    timeout "$limit" "$@" >"$LOG/$name.log" 2>&1
+    timeout -k 30 "$limit" "$@" >"$LOG/$name.log" 2>&1  # -k: a step that outlives TERM must not hold the chain
     rc=$?
     echo "end $name rc=$rc s=$(($(date +%s) - t0))" >>"$LOG/status"
     return $rc
@@ -103,17 +106,40 @@ if [ -n "${TRAIN_STEP:-}" ]; then  # the 27B trainer step: decay, D-PACE as it r
         --json "$LOG/cost.json"
 fi
 
-if [ -f "$RUN/shards/DONE" ]; then
+# the quality bench's time: from now to the deadline, less QBENCH_TAIL_S (default 15) for what its own clock
+# does not count (the interpreter's start before it, the table and figure after its runs), so that its files
+# are complete by the deadline; with under 120 s it does not start. Sets $budget; 1 when skipped.
+qbench_budget() {  # qbench_budget NAME
+    local now deadline
     now=$(date +%s)
     deadline=$(cat "${QBENCH_DEADLINE_FILE:-/tmp/qbench_deadline}" 2>/dev/null)
     if ! [[ "$deadline" =~ ^[0-9]+$ ]]; then  # no file, or not an epoch second: the fixed budget
         deadline=$((now + ${QBENCH_BUDGET_S:-480}))
     fi
-    budget=$((deadline - now))
-    echo "qbench budget ${budget}s" >>"$LOG/status"
-    if [ "$budget" -ge 120 ]; then
-        step qbench $((budget + 90)) python3 bench/bench_quality_run.py --run "$RUN" --out "$LOG/quality" \
-            --time-budget-s "$budget" ${QBENCH_ARGS:---workers 7}
+    budget=$((deadline - now - ${QBENCH_TAIL_S:-15}))
+    echo "$1 budget ${budget}s" >>"$LOG/status"
+    if [ "$budget" -lt 120 ]; then
+        echo "$1 skipped: ${budget}s left before the deadline, under 120" >>"$LOG/status"
+        return 1
+    fi
+}
+if [ ! -f "$RUN/shards/DONE" ]; then
+    echo "qbench skipped: no $RUN/shards/DONE (the product run's capture did not finish)" >>"$LOG/status"
+elif qbench_budget qbench; then
+    # what else holds the GPU now (a product run's leftovers shrink the workers' memory share)
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv >"$LOG/gpu_apps.txt" 2>&1
+    step qbench $((budget + 90)) python3 bench/bench_quality_run.py --run "$RUN" --out "$LOG/quality" \
+        --time-budget-s "$budget" ${QBENCH_ARGS:---workers 7}
+    rc=$?
+    # failed before any run finished (the worker processes' path: calibration failed on every worker, as in the
+    # fourth lease): once more in this process alone (--workers 0: no worker processes, no CUDA IPC)
+    if [ "$rc" -ne 0 ] && ! grep -qE '"status": "(done|stopped)"' "$LOG/quality/results.json" 2>/dev/null; then
+        rm -rf "$LOG/quality_workers" && mv "$LOG/quality" "$LOG/quality_workers" 2>/dev/null
+        echo "qbench finished no run (rc=$rc): once more with --workers 0" >>"$LOG/status"
+        if qbench_budget qbench_inline; then
+            step qbench_inline $((budget + 90)) python3 bench/bench_quality_run.py --run "$RUN" --out "$LOG/quality" \
+                --time-budget-s "$budget" ${QBENCH_ARGS:-} --workers 0
+        fi
     fi
 fi
 

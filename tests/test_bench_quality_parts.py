@@ -401,3 +401,28 @@ def test_the_fp8_round_trip_on_the_device_is_the_shard_encodings(dtype):
     want = decode_fp8(encode_fp8(x, 3), list(x.shape), dtype, 3)
     got = round_trip_fp8(x, 3)
     assert got.dtype == dtype and torch.equal(got, want) and not torch.equal(got, x)
+
+
+def test_the_lease_commands_parse():
+    """bench/LEASES.md's Lease A, as gpu_session.sh passes it: QBENCH_ARGS after --run/--out/--time-budget-s
+    (and before the retry's --workers 0) parse as bench_quality_run's arguments, every variant registered
+    and available; each TRAIN_STEP_SETTINGS word is bench_train_step's. A typo there costs the lease's bench
+    (argparse exits at once, the retry too) or the trainer step (its settings are read after the engine)."""
+    import re
+    import shlex
+
+    import bench_quality_run
+    from train_step_settings import parse_setting
+
+    text = (Path(__file__).resolve().parents[1] / "bench" / "LEASES.md").read_text()
+    lease = text[text.index("## Lease A") : text.index("## Lease B")]
+    qbench, settings = re.findall(r'QBENCH_ARGS="([^"]+)"', lease), re.findall(r'TRAIN_STEP_SETTINGS="([^"]+)"', lease)
+    assert qbench and settings, lease
+    for line in qbench:
+        head = ["--run", "/tmp/mid_gpu", "--out", "/tmp/gpu/quality", "--time-budget-s", "300"]
+        args = bench_quality_run._args([*head, *shlex.split(line)])
+        assert args.workers == 7 and args.schedule == "product" and len(args.variants.split(",")) == 10
+        assert bench_quality_run._args([*head, *shlex.split(line), "--workers", "0"]).workers == 0
+    for line in settings:
+        for setting in line.split(","):
+            parse_setting(setting)

@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -41,11 +42,29 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # as each of the bench
 
 @pytest.fixture(scope="module")
 def bench(readme_run, tmp_path_factory):
-    out = tmp_path_factory.mktemp("qbench") / "out"
+    """(run dir, OUT, results.json, what OUT held while the bench ran: (results, table.md) at each change,
+    as a device call packing OUT mid-bench finds them)."""
+    root = tmp_path_factory.mktemp("qbench")
+    out = root / "out"
     cmd = [sys.executable, str(BENCH), "--run", str(readme_run.out), "--out", str(out), *ARGS.split()]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    return readme_run.out, out, json.loads((out / "results.json").read_text())
+    seen: list[tuple[dict, str]] = []
+    with open(root / "stdout", "w") as stdout, open(root / "stderr", "w") as stderr:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=stdout, stderr=stderr, text=True)
+        deadline = time.monotonic() + 900
+        while proc.poll() is None and time.monotonic() < deadline:
+            if (out / "table.md").exists():
+                md = (out / "table.md").read_text()
+                res = json.loads((out / "results.json").read_text())
+                same = f"{res['seconds']} s in, {len(res['runs'])} of " in md.split("\n")[0]  # not a write between
+                if proc.poll() is None and same and (not seen or (res, md) != seen[-1]):
+                    seen.append((res, md))
+            time.sleep(0.05)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    logs = f"{(root / 'stdout').read_text()[-4000:]}\n{(root / 'stderr').read_text()[-4000:]}"
+    assert proc.returncode == 0, logs
+    return readme_run.out, out, json.loads((out / "results.json").read_text()), seen
 
 
 def _run(results: dict, variant: str, seed: int) -> dict:
@@ -54,7 +73,7 @@ def _run(results: dict, variant: str, seed: int) -> dict:
 
 
 def test_variants_seeds_points_and_table(bench):
-    run_dir, out, r = bench
+    run_dir, out, r, _ = bench
     assert r["version"] == 1 and r["run_dir"] == str(run_dir)
     manifest = [json.loads(x) for x in (run_dir / "shards" / "manifest.jsonl").read_text().splitlines()]
     assert r["data"]["samples"] == sum(m["n_samples"] for m in manifest) and r["data"]["kernel_path"] == "torch"
@@ -87,10 +106,28 @@ def test_variants_seeds_points_and_table(bench):
         assert (out / "quality_run.png").stat().st_size > 10_000
 
 
+def test_results_and_table_are_on_disk_while_the_bench_runs(bench):
+    """After every result, results.json and table.md hold what is finished so far (a device call that
+    packs OUT mid-bench, or a bench killed at its limit, keeps them): before the last run ended the
+    table already showed a finished run, headed as partial; the final table is not."""
+    _, out, r, seen = bench
+    assert seen, "table.md was only written at the end"
+    partial = [(res, md) for res, md in seen if 0 < len(res["runs"]) < len(r["runs"])]
+    assert partial, [len(res["runs"]) for res, _ in seen]
+    for res, md in partial:
+        assert md.startswith(f"Partial: written while the bench ran, {res['seconds']} s in, {len(res['runs'])} of 4 ")
+        for run in res["runs"]:
+            assert run["status"] == "done" and run in r["runs"]  # as the final results record it
+        for variant in {run["variant"] for run in res["runs"]}:
+            seeds = ",".join(str(x["seed"]) for x in res["runs"] if x["variant"] == variant)
+            assert f"| {variant} | {seeds} |" in md
+    assert not (out / "table.md").read_text().startswith("Partial")
+
+
 def test_the_runs_own_exports_measure_as_its_evaluator_measured_them(bench):
     """Same held-out prompts (the first 4 of the run's), same greedy continuations, same replay:
     the bench's tau of every export equals the run's evaluator's over those prompts."""
-    run_dir, _, r = bench
+    run_dir, _, r, _ = bench
     assert r["product"] and all("tau_chain" in p.get("bench_eval", {}) for p in r["product"])
     for p in r["product"]:
         rounds = json.loads((run_dir / "eval" / "rounds" / f"step_{p['step']}.json").read_text())["replay"]
@@ -104,7 +141,7 @@ def test_the_runs_own_exports_measure_as_its_evaluator_measured_them(bench):
 @pytest.fixture(scope="module")
 def here(bench):
     """The bench's inputs built in this process as its main process builds them."""
-    run_dir, _, r = bench
+    run_dir, _, r, _ = bench
     inputs = quality_data.load_run(run_dir)
     data, report = quality_data.load_train_set(inputs, torch.device("cpu"))
     refs, info = quality_data.held_out_references(inputs, 4, inputs.cfg.eval.max_new_tokens, "capped", 0, 64)
@@ -219,7 +256,8 @@ def test_the_default_variant_is_the_products_training(solo_run, tmp_path):
     assert results["budget"]["marks_from"] == "evenly spaced and product checkpoints"
     compared = quality_report.product_vs_bench(results)
     assert [c["step"] for c in compared] == [4, 8, 12] and [c["samples"] for c in compared] == [
-        s["samples"] for s in steps if s["step"] in (4, 8, 12)]
+        s["samples"] for s in steps if s["step"] in (4, 8, 12)
+    ]
     assert all(abs(c["vs_default_pct"]) < 0.5 for c in compared), compared
     assert "the product's DDTree-8 is" in (out / "table.md").read_text()
     assert all(0.0 <= p["rounds_over_8"] <= 1.0 for p in run["points"])  # block 8's cap, for the block8 decision

@@ -573,19 +573,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _init_single_rank(device: str) -> None:
-    """A one-rank process group for deepspeed.initialize: nccl on a GPU, gloo on the CPU."""
+    """A one-rank process group for deepspeed.initialize: nccl on a GPU, gloo on the CPU, over the
+    project's rendezvous store on 127.0.0.1 only (torch's env:// store listens on every interface
+    whatever MASTER_ADDR says: actors/rendezvous.py)."""
+    import datetime
     import os
 
     import torch.distributed as dist
 
+    from dflash_dist.actors.rendezvous import rendezvous_store
+
     for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29518", "RANK": "0", "LOCAL_RANK": "0",
                  "WORLD_SIZE": "1"}.items():  # fmt: skip
         os.environ.setdefault(k, v)
+    store = rendezvous_store(dict(os.environ), datetime.timedelta(minutes=10))
     if device == "cpu":
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         return
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
 
 
 if __name__ == "__main__":

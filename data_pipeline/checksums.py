@@ -66,6 +66,17 @@ def digest_file(path: str | os.PathLike[str], algorithm: str = FILE_ALGORITHM) -
     return h.hexdigest()
 
 
+def inside(root: Path, name: Any, where: str) -> Path:
+    """`root / name` for a name read from a record (a completion marker's file list): a relative
+    path of plain parts, else a ValueError naming `where` (an absolute name or a `..` part would
+    have the reader hash, stat or load a file outside `root`)."""
+    parts = name.split("/") if isinstance(name, str) else []
+    if not parts or name.startswith("/") or any(p in ("", ".", "..") or "\0" in p for p in parts):
+        raise ValueError(f"{where}: file name {name!r} is not a relative path inside {root}: this record was not "
+                         "written by dflash-dist")
+    return root / name
+
+
 def file_checksums(root: Path, names: Iterable[str], algorithm: str = FILE_ALGORITHM) -> dict[str, Any]:
     """{"algorithm", "files": {relative name: hex digest}} of the files `names` under `root`."""
     return {"algorithm": algorithm, "files": {name: digest_file(root / name, algorithm) for name in sorted(names)}}
@@ -78,8 +89,9 @@ def mismatched_files(root: Path, checksums: dict[str, Any], names: Iterable[str]
     listed = checksums["files"]
     bad = []
     for name in sorted(listed if names is None else names):
+        path = inside(root, name, str(root))
         try:
-            if digest_file(root / name, algorithm) != listed[name]:
+            if digest_file(path, algorithm) != listed[name]:
                 bad.append(name)
         except OSError:
             bad.append(name)

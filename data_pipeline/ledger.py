@@ -16,6 +16,7 @@ stay on disk for the run nor count against the shard tree's cap (disk_budget.py)
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections import Counter
@@ -108,6 +109,26 @@ def captured_keys(shard_dir: str | os.PathLike[str]) -> set[str]:
     keys = {k for record in read_manifest(shard_dir) for k in record.keys}
     keys.update(rec["key"] for rec in read_skipped(shard_dir))
     return keys
+
+
+def capture_loss_problem(shard_dir: str | os.PathLike[str], max_lost_fraction: float) -> str | None:
+    """Why the capture of `shard_dir` lost more samples than `max_lost_fraction` allows (the keys
+    skipped.jsonl records as not written, against every settled sample), naming the file and the
+    setting; None when within it. Every path that finishes a capture (the pipeline's, each Slurm
+    array slice that marks DONE) and the run plan of every training over a finished capture ask
+    it: a run that lost data beyond the setting must not end with exit 0."""
+    skipped = read_skipped(shard_dir)
+    if not skipped:
+        return None
+    captured = sum(r.n_samples for r in read_manifest(shard_dir))
+    allowed = math.floor(max_lost_fraction * (captured + len(skipped)))
+    if len(skipped) <= allowed:
+        return None
+    keys = ", ".join(str(r.get("key")) for r in skipped[:5])
+    return (f"capture: {len(skipped)} of {captured + len(skipped)} sample(s) had non-finite features and were not "
+            f"written (first: {keys}; see {Path(shard_dir) / SKIPPED_NAME}), more than data.max_lost_fraction="
+            f"{max_lost_fraction} allows ({allowed}): check the target's dtype and kernels, or raise "
+            "data.max_lost_fraction")
 
 
 def duplicate_keys(shard_dir: str | os.PathLike[str]) -> list[str]:

@@ -467,6 +467,23 @@ def _validate(cfg: Config, path, check_files: bool = True) -> None:
     _validate_capture(cfg, where)
     _validate_regen(cfg.regen, where)
     _validate_eval(cfg.eval, where)
+    _validate_ray(cfg.ray, where)
+
+
+def _validate_ray(r: RaySection, where) -> None:
+    """The local cluster's dashboard serves Ray's job API (it runs any command it is sent): only on
+    a loopback address, reached from elsewhere through an SSH tunnel (README)."""
+    import ipaddress
+
+    host = r.dashboard_host
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ConfigError(f"{where}: ray.dashboard_host {host!r} is not a loopback address: the dashboard serves "
+                          "Ray's job API, which runs whatever it is sent; keep 127.0.0.1 and reach it through an "
+                          "SSH tunnel (ssh -L 8265:127.0.0.1:8265 HOST)")
 
 
 def _validate_eval(e: EvalSection, where) -> None:

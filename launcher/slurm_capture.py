@@ -69,6 +69,7 @@ def _capture_slice(cfg: Config, index: int, count: int) -> dict:
     shards = cfg.out / "shards"
     if (shards / DONE_NAME).exists():  # the whole capture is complete
         log.info("%s is complete (%s): nothing to capture", shards, DONE_NAME)
+        _check_loss(cfg, shards)
         return {"slice": index, "skipped": "complete"}
     marker = slice_marker(cfg.out, index, count)
     if marker.exists():
@@ -96,9 +97,21 @@ def _capture_slice(cfg: Config, index: int, count: int) -> dict:
                                 "re-extract into another --out")
         mark_done(shards)
         log.info("all %d slices finished: %s marked DONE", count, shards)
+        _check_loss(cfg, shards)
     else:
         log.info("%d of %d slices finished; the last one marks %s DONE", len(done), count, shards)
     return result
+
+
+def _check_loss(cfg: Config, shards: Path) -> None:
+    """The slice that finds the capture complete fails (exit 1) when it lost more samples than
+    data.max_lost_fraction allows, as the pipeline's capture does (ledger.capture_loss_problem)."""
+    from data_pipeline.ledger import capture_loss_problem
+    from dflash_dist.orchestration.run_plan import PipelineError
+
+    problem = capture_loss_problem(shards, cfg.data.max_lost_fraction)
+    if problem is not None:
+        raise PipelineError(problem)
 
 
 def plan_key(env, count: int) -> str:

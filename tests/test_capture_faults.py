@@ -148,6 +148,64 @@ def test_plan_stages_resumes_an_unfinished_capture_and_refuses_a_cap_without_tra
     assert plan_stages(cfg, ("extract", "train"), "auto") == ("train",)
 
 
+def test_a_capture_that_lost_too_many_samples_fails_every_way_it_can_finish(tmp_path):
+    """A poisoned target (one token's embedding is NaN): its sequences are skipped as non-finite. The
+    Slurm array slice that completes the capture (`extract --slice`) used to mark it DONE and exit 0
+    whatever data.max_lost_fraction said, and train.sbatch then trained without those samples; now
+    that slice fails naming skipped.jsonl and the setting, so does a rerun of it, and the run plan
+    refuses to train over the capture. Within the setting all three go on."""
+    from data_pipeline.ledger import read_skipped
+    from dflash_dist.orchestration.run_plan import PipelineError, make_plan
+    from launcher.slurm_capture import capture_slice
+
+    write_conversations(tmp_path / "train.jsonl", 12, seed=1)
+    target = make_capture_target(tmp_path / "poisoned", poison_token=7)
+    cfg = capture_config(tmp_path / "run", target, tmp_path / "train.jsonl", "eval.enabled=false")
+    shards = cfg.out / "shards"
+    lost = r"(?s)capture: (\d+) of 12 sample\(s\) had non-finite features.*skipped.jsonl.*data.max_lost_fraction=0.0"
+    with pytest.raises(PipelineError, match=lost) as err:
+        capture_slice(cfg, 0, 1)
+    skipped = len(read_skipped(shards))
+    assert 0 < skipped < 12 and err.match(rf"capture: {skipped} of 12") and (shards / DONE_NAME).exists()
+    with pytest.raises(PipelineError, match=lost):  # the array task requeued: the capture is complete, still lost
+        capture_slice(cfg, 0, 1)
+    with pytest.raises(PipelineError, match=lost + ".*training over this capture is refused"):
+        make_plan(cfg, ("train",), "auto")
+    cfg.data.max_lost_fraction = skipped / 12
+    assert capture_slice(cfg, 0, 1) == {"slice": 0, "skipped": "complete"}
+    assert make_plan(cfg, ("train",), "auto").num_samples == 12 - skipped
+
+
+def test_the_run_plan_refuses_a_shard_tree_of_another_target_in_any_epoch_directory(saved, tmp_path):
+    """Under later_epochs: recapture, epoch e >= 1 is captured from epoch 0's token store into its own
+    directory, which holds no shard when the epoch starts, while epoch 0's shards may already be
+    deleted (released): a run resumed there with another target (or template, layers, dtype, kernel
+    path) would have had every reader and writer see only directories it wrote itself, and mixed
+    two targets' features in one training. The run plan compares every listed shard of every epoch
+    directory (epoch 0's manifest keeps its lines after its shards are deleted) with what this run
+    demands, before anything is written."""
+    from data_pipeline.epoch_dirs import RECAPTURE, epoch_dir, write_mode
+    from dflash_dist.orchestration.run_plan import PipelineError, make_plan
+
+    cfg = capture_config(tmp_path / "run", saved["dir"], saved["jsonl"], "eval.enabled=false",
+                         "capture.later_epochs=recapture", "train.epochs=2")  # fmt: skip
+    cfg.data.max_train_samples = 4
+    run_capture(cfg)  # epoch 0 of the first target
+    shards = cfg.out / "shards"
+    write_mode(shards, RECAPTURE)
+    mark_done(shards)
+    for p in shards.glob("*.tar"):
+        p.unlink()  # released after training: only the manifest lines remain
+    epoch_dir(shards, 1, recapture=True).mkdir()  # epoch 1 not started
+    assert make_plan(cfg, ("extract", "train"), "auto").stages == ("extract", "train")  # the same target: fine
+    files = sorted((cfg.out / "data").glob("*"))
+    before = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in files}
+    cfg.target.path = str(make_capture_target(tmp_path / "other", poison_token=7))  # other weights
+    with pytest.raises(PipelineError, match=r"(?s)provenance mismatch in .*/shards/t000-000000.tar.*target_hash"):
+        make_plan(cfg, ("extract", "train"), "auto")
+    assert files and {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in files} == before  # nothing rewritten
+
+
 # ---------------------------------------------------------------------------- disk budget: policy and release
 def test_room_decision_and_policy_from_config():
     assert room_decision(10, None, 1e9, 1.0) == WRITE

@@ -54,6 +54,10 @@ def test_tiny_config_loads_with_overrides():
         ("capture.gpus_per_actor=-1", "capture.gpus_per_actor must be >= 0"),
         ("train.shuffle=1", "train.shuffle: expected bool"),
         ("ray.placement=packed", "ray.placement: 'packed' is not one of"),
+        ("ray.dashboard_host=0.0.0.0", "ray.dashboard_host '0.0.0.0' is not a loopback address.*job API"),
+        ("ray.dashboard_host='::'", "ray.dashboard_host '::' is not a loopback address"),
+        ("ray.dashboard_host=10.1.2.3", "ray.dashboard_host '10.1.2.3' is not a loopback address"),
+        ("ray.dashboard_host=node7", "ray.dashboard_host 'node7' is not a loopback address"),
         ("eval.bogus.x=1", "unknown key eval.bogus"),
         ("novalue", "expected key.path=value"),
     ],
@@ -61,6 +65,11 @@ def test_tiny_config_loads_with_overrides():
 def test_bad_config_names_the_field(override, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
         load_config(TINY, [override])
+
+
+def test_the_dashboard_may_listen_on_loopback_addresses():
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert load_config(TINY, ["ray.dashboard=true", f"ray.dashboard_host={host}"]).ray.dashboard_host == host
 
 
 def test_missing_and_invalid_files(tmp_path):

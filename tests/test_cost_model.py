@@ -203,3 +203,28 @@ def test_cli_measures_the_optimizer_on_cpu(tmp_path):
     assert "optimizer step on a 1/4 slice" in proc.stdout
     got = json.loads(out.read_text())
     assert got["measured_opt"]["lean_ms"] > 0 and got["estimates"]
+
+
+def test_the_one_rank_group_listens_on_loopback_only(tmp_path):
+    """`--measure-opt` starts its own one-rank group; its store listened on every interface (torch's
+    env:// rendezvous binds the wildcard address whatever MASTER_ADDR says), reachable from the
+    network for as long as the bench ran. It now goes through actors/rendezvous.py: every socket the
+    process listens on is on 127.0.0.1."""
+    import json
+    import subprocess
+
+    from dflash_dist.actors.ports import free_ports
+
+    port = free_ports(1, "127.0.0.1")[0]
+    code = (
+        "import json, os, sys; sys.path.insert(0, 'bench'); import cost_model; "
+        "cost_model._init_single_rank('cpu'); from tests.test_rendezvous import listening_sockets; "
+        "print(json.dumps(listening_sockets(os.getpid())))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "GLOO_SOCKET_IFNAME")}
+    env.update(MASTER_PORT=str(port), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    listening = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert ["127.0.0.1", port] in listening and all(host == "127.0.0.1" for host, _ in listening), listening

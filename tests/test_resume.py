@@ -202,6 +202,38 @@ def test_marker_checksums_name_a_damaged_file(tmp_path):
         checkpoint.verify_checksums(tag, {k: v for k, v in meta.items() if k != "checksums"})
 
 
+def test_latest_and_marker_names_stay_inside_the_checkpoint_directory(tmp_path):
+    """`latest` and a marker's file list are read from disk and joined to paths: `latest` naming
+    another directory (../other_run/step_9, or an absolute path) had `--resume auto` load a
+    checkpoint from outside this run's checkpoints, and a marker listing `../x` or `/etc/hostname`
+    had the resume stat and hash files outside the tag. Both are refused, naming the file."""
+    cfg = Config()
+    cfg.run.out_dir = str(tmp_path / "run")
+    ckpt = cfg.out / "checkpoints"
+    fake_tag(ckpt, 2, cfg)
+    elsewhere = fake_tag(tmp_path / "other_run" / "checkpoints", 9, cfg)
+    for name in ("../../other_run/checkpoints/step_9", str(elsewhere)):
+        (ckpt / checkpoint.LATEST).write_text(name)
+        with pytest.raises(ResumeError, match=re.escape(f"{ckpt / checkpoint.LATEST} names ") + ".*not a tag"):
+            checkpoint.plan_resume("auto", ckpt)
+    checkpoint.publish_latest(ckpt, "step_2")
+    assert checkpoint.plan_resume("auto", ckpt) == ckpt / "step_2"
+    tag = ckpt / "step_2"
+    marker = json.loads((tag / checkpoint.MARKER).read_text())
+    outside = tmp_path / "secret"
+    outside.write_bytes(b"s" * 7)
+    for name in ("../../../secret", str(outside), "./mp_rank_00_model_states.pt"):
+        forged = {**marker, "files": {**marker["files"], name: 7},
+                  "checksums": {**marker["checksums"], "files": {**marker["checksums"]["files"], name: "0" * 32}}}
+        (tag / checkpoint.MARKER).write_text(json.dumps(forged))
+        problem = checkpoint.marker_problem(tag)
+        assert problem is not None and f"file name {name!r} is not a relative path inside {tag}" in problem, problem
+        with pytest.raises(ResumeError, match="not a relative path inside"):
+            checkpoint.plan_resume("auto", ckpt)
+        with pytest.raises(ValueError, match="not a relative path inside"):
+            checkpoint.verify_checksums(tag, forged)
+
+
 def test_step_log_truncation_drops_later_and_torn_lines(tmp_path):
     log = tmp_path / "train_log.jsonl"
     log.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 7)) + '{"step": 7, "lo')

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import math
 import os
 import threading
 import time
@@ -146,11 +145,15 @@ def _run(cfg: Config, stages: tuple[str, ...], resume: str) -> PipelineResult:
             evaluator = _start_evaluator(cfg, plan, prompts, paths["shards"], where("evaluator", 0))
         outlived = group is not None and plan.later_epochs == "recapture"  # capture may outlive training
         dirs = _capture_dirs(cfg, plan, paths["shards"])
-        if capture_refs and not (outlived and _stop_capture_after(ray, capture_workers, capture_refs, training, dirs)):
+        stopped = bool(capture_refs) and outlived and _stop_capture_after(ray, capture_workers, capture_refs,
+                                                                          training, dirs)
+        if capture_refs and not stopped:
             capture = tuple(_finish_capture(ray, capture_refs, dirs, cfg.data.max_lost_fraction))
         final_step = None
         if group is not None:
             results = tuple(training.result())
+            if stopped:  # the epochs the stopped capture finished count as a finished capture's
+                _check_capture_loss(dirs, cfg.data.max_lost_fraction)
             final_step = max(r.steps for r in results)
             log.info("training %s at step %d", f"stopped by {results[0].preempted}" if results[0].preempted
                      else "finished", final_step)  # fmt: skip
@@ -344,14 +347,21 @@ def _finish_capture(ray, refs, shard_dirs: list[Path], max_lost_fraction: float 
         log.info("capture %s: %d samples, %d tokens in %d shards, %d skipped as non-finite (kernel path %s)",
                  shard_dir.name, captured, sum(r.n_tokens for r in records), len(records), len(skipped),
                  results[0].kernel_path)
-        allowed = math.floor(max_lost_fraction * (captured + len(skipped)))
-        if len(skipped) > allowed:
-            keys = ", ".join(str(r.get("key")) for r in skipped[:5])
-            raise PipelineError(f"capture: {len(skipped)} sample(s) had non-finite features and were not written "
-                                f"(first: {keys}; see {shard_dir}/skipped.jsonl), more than data.max_lost_fraction="
-                                f"{max_lost_fraction} allows: check the target's dtype and kernels, or raise "
-                                "data.max_lost_fraction")  # fmt: skip
+    _check_capture_loss(shard_dirs, max_lost_fraction)
     return list(results)
+
+
+def _check_capture_loss(shard_dirs: list[Path], max_lost_fraction: float) -> None:
+    """PipelineError when a finished (DONE) capture directory lost more than data.max_lost_fraction
+    (ledger.capture_loss_problem); one still being captured is judged once it is finished."""
+    from data_pipeline.ledger import capture_loss_problem
+    from data_pipeline.records import DONE_NAME
+
+    for shard_dir in shard_dirs:
+        done = (shard_dir / DONE_NAME).exists()
+        problem = capture_loss_problem(shard_dir, max_lost_fraction) if done else None
+        if problem is not None:
+            raise PipelineError(problem)
 
 
 def _start_trainers(cfg: Config, plan: RunPlan, paths: dict[str, Path], resume, where):

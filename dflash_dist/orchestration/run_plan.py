@@ -203,17 +203,46 @@ def make_plan(cfg: Config, stages: tuple[str, ...], resume: str, made_by: str = 
     splits, data = _plan_data(cfg, tokenizer) if ("extract" in stages or "eval" in stages) else (None, None)
     num_samples = planned_samples(cfg, data)
     resume_from = decide_training(cfg, stages, resume, num_samples)
-    if splits is not None:  # every check passed: now the ingested files may be replaced
-        write_data(cfg, splits)
     t0 = time.monotonic()
     ident = target_identity(cfg, target_dir)
     log.info("target %s: weights hashed once for the run in %.1fs (%s...)", ident.target_id, time.monotonic() - t0,
              ident.target_hash[:12])
     expected = expected_provenance(cfg, target_dir, ident, tokenizer)
+    check_shard_tree(cfg, stages, expected)
+    if splits is not None:  # every check passed: now the ingested files may be replaced
+        write_data(cfg, splits)
     drafter = drafter_config_for(cfg, target_dir, tokenizer_mask_id(tokenizer))
     mode, costs = plan_later_epochs(cfg, stages, data, num_samples, expected, target_dir)
     return RunPlan(tuple(stages), resume, resume_from, str(target_dir), ident, expected, drafter, data, num_samples,
                    made_by or f"pid {os.getpid()} on {os.uname().nodename}", mode, costs)
+
+
+def check_shard_tree(cfg: Config, stages: tuple[str, ...], expected: Provenance) -> None:
+    """What an earlier run left in the shard tree, checked before anything runs over it: every
+    listed shard of every epoch's directory has the provenance this run demands, and training does
+    not start over a finished capture that lost more samples than data.max_lost_fraction allows
+    (ledger.capture_loss_problem), both as a PipelineError naming the file. The readers and
+    writers check each directory they open, but under recapture a later epoch is captured from
+    the token store, i.e. from what epoch 0 tokenized with its template for its target, into a
+    directory that may hold no shard yet, while epoch 0's shards are already released: a changed
+    target, template, layer set, dtype or kernel path would go unnoticed there. Epoch 0's
+    manifest keeps its lines after its shards are deleted, so its provenance is still known."""
+    from data_pipeline.epoch_dirs import epoch_dirs
+    from data_pipeline.ledger import capture_loss_problem
+    from data_pipeline.provenance import check_compatible
+    from data_pipeline.records import DONE_NAME
+    from data_pipeline.shard_reader import read_manifest
+
+    for _, shard_dir in epoch_dirs(cfg.out / "shards"):
+        try:
+            for record in read_manifest(shard_dir):
+                check_compatible(expected, record.provenance, str(shard_dir / record.name))
+        except ValueError as e:  # ProvenanceMismatch, or a manifest line that does not parse
+            raise PipelineError(str(e)) from None
+        if "train" in stages and (shard_dir / DONE_NAME).exists():
+            problem = capture_loss_problem(shard_dir, cfg.data.max_lost_fraction)
+            if problem is not None:
+                raise PipelineError(f"{problem}; training over this capture is refused")
 
 
 def plan_later_epochs(cfg: Config, stages: tuple[str, ...], data: DataPlan | None, num_samples: int | None,

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from data_pipeline.checksums import file_checksums, mismatched_files
+from data_pipeline.checksums import file_checksums, inside, mismatched_files
 from data_pipeline.durable_files import fsync_dir, write_text_atomic
 from data_pipeline.shard_reader import read_manifest
 
@@ -82,9 +82,14 @@ def _check_marker(tag_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
         return None, f"{tag_dir / MARKER} cannot be read ({e.strerror if isinstance(e, OSError) else e})"
     if not isinstance(meta, dict) or meta.get("version") != MARKER_VERSION:
         return None, f"{tag_dir / MARKER} is not a version-{MARKER_VERSION} completion marker"
-    for name, size in meta.get("files", {}).items():
+    files = meta.get("files", {})
+    if not isinstance(files, dict):
+        return None, f"{tag_dir / MARKER}: `files` is not a mapping of file names to sizes"
+    for name, size in files.items():
         try:
-            actual = (tag_dir / name).stat().st_size
+            actual = inside(tag_dir, name, str(tag_dir / MARKER)).stat().st_size
+        except ValueError as e:
+            return None, str(e)
         except OSError as e:
             return None, f"{tag_dir / name} is listed in {MARKER} but cannot be read ({e.strerror})"
         if actual != size:
@@ -126,10 +131,16 @@ def complete_tags(ckpt_dir: Path) -> list[Path]:
 
 
 def read_latest(ckpt_dir: Path) -> str | None:
+    """The tag `latest` names: a `step_N` directory name (ResumeError for anything else, which
+    would have a resume load a directory outside ckpt_dir)."""
     try:
-        return (ckpt_dir / LATEST).read_text().strip() or None
+        name = (ckpt_dir / LATEST).read_text().strip() or None
     except FileNotFoundError:
         return None
+    if name is not None and not TAG_RE.fullmatch(name):
+        raise ResumeError(f"{ckpt_dir / LATEST} names {name[:80]!r}, not a tag of this directory (step_N): it is "
+                          "written only by the trainer; delete it to resume from the newest complete tag")
+    return name
 
 
 def has_checkpoints(ckpt_dir: Path) -> bool:

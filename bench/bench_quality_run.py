@@ -55,11 +55,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import quality_budget  # noqa: E402
 from quality_data import held_out_references, load_run, load_train_set, product_checkpoints  # noqa: E402
-from quality_report import plot, table  # noqa: E402
+from quality_report import plot, table, write_results  # noqa: E402
 from quality_train import RunSpec, Shared, run_task, steps, steps_to, worker_main  # noqa: E402
 from quality_variants import REGISTRY, Facts, available, default_names, resolve  # noqa: E402
 
-from data_pipeline.durable_files import write_text_atomic  # noqa: E402
 from dflash_dist.config import load_config_dict  # noqa: E402
 
 log = logging.getLogger("bench_quality_run")
@@ -163,32 +162,6 @@ def _args(argv):
         if text is not None and not all(x.strip().isdigit() for x in text.split(",")):
             ap.error(f"{flag} {text!r}: comma-separated non-negative integers")
     return args
-
-
-def _write(out: Path, results: dict, tabled: str | None = None) -> str | None:
-    """OUT/results.json, and with `tabled` OUT/table.md too, each written then renamed. "partial": after
-    every result while the bench runs, so that what is on disk at any moment (a device call packing it
-    mid-bench, a bench killed at its limit) holds every run finished so far, the table headed as partial
-    (a table that cannot be made yet is left for the next result); "final": once the runs are over.
-    Returns the table."""
-    write_text_atomic(out / "results.json", json.dumps(results, indent=1) + "\n")
-    if tabled is None:
-        return None
-    if tabled == "final":
-        md = table(results)
-    else:
-        try:
-            md = table(results)
-        except Exception:  # a partial record the report cannot show must not end the bench
-            log.exception("table.md not rewritten after this result")
-            return None
-        runs = results["budget"].get("runs", "?")
-        md = (
-            f"Partial: written while the bench ran, {results['seconds']} s in, {len(results['runs'])} of {runs} "
-            f"runs recorded (the figure comes at the end, or from `--report {out / 'results.json'}`).\n\n{md}"
-        )
-    write_text_atomic(out / "table.md", md + "\n")
-    return md
 
 
 class InlinePool:
@@ -447,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": None,
     }
     out.mkdir(parents=True, exist_ok=True)
-    _write(out, results)
+    write_results(out, results)
 
     ctx = tmp.get_context("spawn")
     stop = ctx.Event()
@@ -577,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 results["runs"].append(res)
             results["seconds"] = round(time.monotonic() - t0, 1)
-            _write(out, results, "partial")
+            write_results(out, results, "partial")
 
         left_over = _run_until(
             pool,
@@ -596,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
             failed = True
             results["runs"].append({"kind": kind, "status": "killed", **_names(kind, payload)})
     results["seconds"] = round(time.monotonic() - t0, 1)
-    md = _write(out, results, "final")
+    md = write_results(out, results, "final")
     png = Path(args.png or out / "quality_run.png")
     drawn = plot(results, png)
     print(md)

@@ -5,9 +5,15 @@ later from results.json with `--report`)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import statistics
 from pathlib import Path
+
+from data_pipeline.durable_files import write_text_atomic
+
+log = logging.getLogger("bench_quality_run")
 
 FINAL = "done"  # runs that reached the full sample budget; "stopped" runs are curves only
 _VERDICT = {
@@ -247,3 +253,29 @@ def plot(results: dict, png: Path) -> bool:
     plt.close(fig)
     os.replace(tmp, png)
     return True
+
+
+def write_results(out: Path, results: dict, tabled: str | None = None) -> str | None:
+    """OUT/results.json, and with `tabled` OUT/table.md too, each written then renamed. "partial": after
+    every result while the bench runs, so that what is on disk at any moment (a device call packing it
+    mid-bench, a bench killed at its limit) holds every run finished so far, the table headed as partial
+    (a table that cannot be made yet is left for the next result); "final": once the runs are over.
+    Returns the table."""
+    write_text_atomic(out / "results.json", json.dumps(results, indent=1) + "\n")
+    if tabled is None:
+        return None
+    if tabled == "final":
+        md = table(results)
+    else:
+        try:
+            md = table(results)
+        except Exception:  # a partial record the report cannot show must not end the bench
+            log.exception("table.md not rewritten after this result")
+            return None
+        runs = results["budget"].get("runs", "?")
+        md = (
+            f"Partial: written while the bench ran, {results['seconds']} s in, {len(results['runs'])} of {runs} "
+            f"runs recorded (the figure comes at the end, or from `--report {out / 'results.json'}`).\n\n{md}"
+        )
+    write_text_atomic(out / "table.md", md + "\n")
+    return md

@@ -175,6 +175,32 @@ def test_evaluator_scores_exports_and_a_restart_continues(tiny, tmp_path):
     assert ev2.next_request() is None and ev2.done == {10, 20, 30}
 
 
+def test_a_damaged_export_is_named_not_measured(tiny, tmp_path):
+    """An export's bytes changed since the trainer wrote it (same size: the safetensors file still
+    loads) used to be measured and logged as that checkpoint's tau; the evaluator now verifies the
+    checksums the export records and stops naming the file, and an export of the run without that
+    record is refused as not written whole by the trainer."""
+    from data_pipeline.checksums import ChecksumMismatch
+
+    out = tmp_path / "run"
+    (out / "export").mkdir(parents=True)
+    publish(tiny, out, "trained", 10)
+    weights = out / "export" / "step_10" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x01
+    weights.write_bytes(bytes(data))
+    ev = Evaluator(tiny["cfg"], out, tiny["target_dir"], tiny["prompts"], expected=None)
+    with pytest.raises(ChecksumMismatch, match=r"step_10: model.safetensors differ\(s\) from the xxh3_128"):
+        ev.run_until(lambda: (True, 10), poll_s=0.05)
+    from dflash_dist.model.export import EXPORT_RECORD
+
+    (out / "export" / "step_10" / EXPORT_RECORD).unlink()
+    with pytest.raises(ValueError, match=f"step_10/{EXPORT_RECORD}: missing"):
+        ev.run_until(lambda: (True, 10), poll_s=0.05)
+    ev.close()
+    assert not (out / "eval" / "step_10.json").exists()
+
+
 def _write_shard(shard_dir: Path, prov) -> str:
     t = 5
     sample = Sample(key="s0", input_ids=torch.arange(t, dtype=torch.int32), loss_mask=torch.ones(t, dtype=torch.uint8),

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_dist.model.export import export_drafter, load_drafter
+from dflash_dist.model.export import EXPORT_RECORD, export_drafter, load_drafter
 from tests.helpers.drafter import small_drafter
 
 
@@ -59,6 +59,7 @@ def test_load_errors_name_the_problem(tmp_path):
         load_drafter(tmp_path)
     d = small_drafter()
     out = export_drafter(d, tmp_path / "e")
+    (out / EXPORT_RECORD).unlink()  # edited by hand below: a drafter config from elsewhere, not our export
     cfg = json.loads((out / "config.json").read_text())
     cfg["num_hidden_layers"] = 3
     (out / "config.json").write_text(json.dumps(cfg))
@@ -77,3 +78,30 @@ def test_load_errors_name_the_problem(tmp_path):
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"config.json: layer_types\[2\]='mamba' is not supported"):
         load_drafter(out)
+
+
+def test_an_export_carries_its_checksums_and_a_damaged_one_is_named(tmp_path):
+    """Exports had no checksum: a flipped byte in model.safetensors (same size, still a valid file)
+    loaded and was measured as if trained. The export now records its files' XXH3 checksums
+    (dflash_export.json, beside the z-lab format's two files) and loading verifies them; the
+    evaluator requires the record of its run's exports, a drafter from elsewhere has none."""
+    from data_pipeline.checksums import ChecksumMismatch
+
+    d = small_drafter(k=3, block=4)
+    out = export_drafter(d, tmp_path / "e")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", EXPORT_RECORD, "model.safetensors"]
+    load_drafter(out, d.embed_tokens.weight, d.lm_head.weight, require_record=True)
+    weights = out / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x40  # a weight's byte: the file still parses
+    weights.write_bytes(bytes(data))
+    for required in (False, True):
+        with pytest.raises(ChecksumMismatch, match=rf"{out}: model.safetensors differ\(s\) from the xxh3_128"):
+            load_drafter(out, d.embed_tokens.weight, d.lm_head.weight, require_record=required)
+    (out / EXPORT_RECORD).unlink()  # a drafter from elsewhere: loads; one of the run's own: refused
+    load_drafter(out, d.embed_tokens.weight, d.lm_head.weight)
+    with pytest.raises(ValueError, match=rf"{EXPORT_RECORD}: missing"):
+        load_drafter(out, d.embed_tokens.weight, d.lm_head.weight, require_record=True)
+    (out / EXPORT_RECORD).write_text('{"version": 1, "checksums": {"algorithm": "xxh3_128", "files": {}}}')
+    with pytest.raises(ValueError, match="not a version-1 record"):
+        load_drafter(out, d.embed_tokens.weight, d.lm_head.weight)

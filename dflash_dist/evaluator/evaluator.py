@@ -276,9 +276,10 @@ class Evaluator:
         the mid run's 64 prompts took 24-26 s one prompt at a time)."""
         return measure_replay_batched(drafter, refs, self.budgets, count, self.provenance.kernel_path, self.stop_ids)
 
-    def _load_drafter(self, export_dir: Path):
+    def _load_drafter(self, export_dir: Path, own: bool = True):
+        """An export of this run (`own`: its checksum record required and verified) or another drafter."""
         drafter = load_drafter(export_dir, self.model.get_input_embeddings().weight,
-                               self.model.get_output_embeddings().weight, device=self.device)
+                               self.model.get_output_embeddings().weight, device=self.device, require_record=own)
         self._check_drafter(drafter.config, export_dir)
         return drafter
 
@@ -327,7 +328,7 @@ class Evaluator:
                     self._reference = tau_record_from_json(saved["reference"])
                     return self._reference
             t0 = time.time()
-            drafter = self._load_drafter(Path(e.reference_drafter))
+            drafter = self._load_drafter(Path(e.reference_drafter), own=False)
             refs = self._counted(self.references(), drafter.config.block_size)
             replay = self._replay(drafter, refs, e.count)
             ref = {"dir": key["dir"], "tau_chain": replay.result.tau_chain,

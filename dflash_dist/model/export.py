@@ -1,6 +1,9 @@
 """Export/import of the drafter in the z-lab/HF format (config.json + model.safetensors) that
 z-lab's DFlashDraftModel, SGLang and vLLM load. Written to a temporary directory and renamed,
-so a reader never sees half an export."""
+so a reader never sees half an export. Beside the two files, `dflash_export.json` records their
+XXH3 checksums (data_pipeline/checksums.py; the loaders above ignore it), verified when an export
+is loaded: the evaluator requires it of the run's own exports, so a damaged one is named instead
+of measured; a drafter from elsewhere (z-lab's, eval.reference_drafter) has none and loads as is."""
 
 from __future__ import annotations
 
@@ -13,8 +16,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from data_pipeline.checksums import ChecksumMismatch, file_checksums, mismatched_files
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.drafter import DFlashDrafter
+
+EXPORTED = ("config.json", "model.safetensors")  # what the z-lab/HF format is
+EXPORT_RECORD = "dflash_export.json"  # their checksums, written with them
+_RECORD_VERSION = 1
 
 
 def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None,
@@ -30,6 +38,8 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dty
     try:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        record = {"version": _RECORD_VERSION, "checksums": file_checksums(tmp, EXPORTED)}
+        (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
         if out_dir.exists():
             old = out_dir.with_name(f".old-{out_dir.name}-{os.getpid()}")
             os.rename(out_dir, old)
@@ -43,17 +53,47 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dty
     return out_dir
 
 
+def verify_export(export_dir: str | Path, required: bool = False) -> bool:
+    """Check the export's files against the checksums its record holds (ChecksumMismatch naming
+    them); True if it had a record. Without one: False, or with `required` a ValueError naming it."""
+    export_dir = Path(export_dir)
+    path = export_dir / EXPORT_RECORD
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        if required:
+            raise ValueError(f"{path}: missing: this export was not written whole by this version's trainer (its "
+                             "files' checksums are written with them); export it again from its checkpoint") from None
+        return False
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not an export record ({e}); export it again from its checkpoint") from None
+    record = record if isinstance(record, dict) else {}
+    checksums = record.get("checksums")
+    files = checksums.get("files") if isinstance(checksums, dict) else None
+    if record.get("version") != _RECORD_VERSION or not isinstance(files, dict) or set(files) != set(EXPORTED):
+        raise ValueError(f"{path}: not a version-{_RECORD_VERSION} record of {list(EXPORTED)}; export it again")
+    bad = mismatched_files(export_dir, checksums, EXPORTED)
+    if bad:
+        raise ChecksumMismatch(f"{export_dir}: {', '.join(bad)} differ(s) from the {checksums['algorithm']} checksum "
+                               f"{EXPORT_RECORD} recorded when it was exported: the export was damaged since; export "
+                               "it again from its checkpoint")
+    return True
+
+
 def load_drafter(
     export_dir: str | Path,
     embed_weight: torch.Tensor | None = None,
     lm_head_weight: torch.Tensor | None = None,
     device: str | torch.device = "cpu",
+    require_record: bool = False,
 ) -> DFlashDrafter:
-    """Build a drafter from an export; the target's embedding and lm_head are passed in (frozen)."""
+    """Build a drafter from an export; the target's embedding and lm_head are passed in (frozen).
+    Its files are verified against its checksum record when it has one (`require_record`: it must)."""
     export_dir = Path(export_dir)
     cfg_path = export_dir / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path}: no drafter config.json here (expected an export directory)")
+    verify_export(export_dir, require_record)
     cfg = DrafterConfig.from_hf_dict(json.loads(cfg_path.read_text()), where=str(cfg_path))
     state = load_file(str(export_dir / "model.safetensors"), device=str(device))
     with torch.device("meta"):

@@ -390,6 +390,7 @@ def _comm_rank(rank: int, world: int, port: int, shapes, hidden: int, grad_accum
     import deepspeed
     import torch.distributed as dist
 
+    from dflash_dist.actors.trainer_group import join_group
     from dflash_dist.config import load_config
     from dflash_dist.trainer import zero_step
     from dflash_dist.trainer.ds_config import build_lr_schedule, build_optimizer, deepspeed_config
@@ -398,7 +399,8 @@ def _comm_rank(rank: int, world: int, port: int, shapes, hidden: int, grad_accum
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ["LOCAL_RANK"] = str(rank)
     try:
-        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+        # the trainers' own rendezvous: its store listens on MASTER_ADDR only (torch's env:// on every interface)
+        join_group(dict(os.environ), on_gpu=False)
         overrides = ["target.kind=tiny_stdlib", "train.max_steps=100000", f"train.grad_accum={grad_accum}"]
         overrides.append(f"train.zero_grad_reduce={mode}")
         cfg = load_config(None, overrides)

@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 
+from dflash_dist.actors.local_ranks import run_ranks
 from dflash_dist.config import load_config
 from dflash_dist.trainer import zero_step
 from dflash_dist.trainer.ds_config import build_lr_schedule, build_optimizer, deepspeed_config
@@ -126,46 +127,33 @@ def run(engine, rank: int, world: int) -> dict:
     return out
 
 
-def _worker(rank: int, port: int, queue, world: int, cases: list) -> None:
-    import os
-
-    import deepspeed
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    os.environ["LOCAL_RANK"] = str(rank)
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
-    try:
-        report = []
-        for on_gpu, overlap, kind in cases:
-            case = f"{'bf16' if on_gpu else 'fp32'} overlap={overlap} {kind}"
-            runs = {}
-            for mode in ("allreduce", "reduce"):
-                engine = engine_for(mode, on_gpu, overlap, kind, world)
-                runs[mode] = run(engine, rank, world), state_of(engine)
-            (ar, ar_state), (rd, rd_state) = runs["allreduce"], runs["reduce"]
-            assert ar["ops"] == {"all_reduce"} and rd["ops"] == {"reduce"}, (case, ar["ops"], rd["ops"])
-            tol = 2e-2 if on_gpu else 1e-5  # bf16 gradients (8 mantissa bits) / fp32 summation order
-            for mode, got in runs.items():
-                assert max(got[0]["errors"]) < tol, (case, mode, got[0]["errors"])
-                assert min(got[0]["own_errors"]) > 0.3, (case, mode, got[0]["own_errors"])
-            if world == 2:  # one addition a + b per element either way
-                assert rd["losses"] == ar["losses"] and rd["norms"] == ar["norms"], case
-                assert_bitwise(rd_state, ar_state)
-                drift = 0.0
-            else:  # the ranks' sums in another order: one rounding of the sum's dtype apart
-                assert rd["losses"] == pytest.approx(ar["losses"], rel=1e-2 if on_gpu else 1e-6), case
-                assert rd["norms"] == pytest.approx(ar["norms"], rel=1e-4 if on_gpu else 1e-6), case
-                drift = max(float((x.float() - y.float()).abs().max() / y.float().abs().max()) for x, y in
-                            zip(rd_state, ar_state))  # fmt: skip
-                assert drift < (2e-2 if on_gpu else 1e-6), (case, drift)
-            report.append((case, max(ar["errors"]), max(rd["errors"]), min(rd["own_errors"]), drift))
-        queue.put((rank, report))
-    except BaseException as e:  # noqa: BLE001 - the parent reports it
-        queue.put((rank, f"{type(e).__name__}: {e}"))
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int, cases: list) -> list:
+    """One rank (run_ranks has joined it to the group): every case in both modes, checked here."""
+    report = []
+    for on_gpu, overlap, kind in cases:
+        case = f"{'bf16' if on_gpu else 'fp32'} overlap={overlap} {kind}"
+        runs = {}
+        for mode in ("allreduce", "reduce"):
+            engine = engine_for(mode, on_gpu, overlap, kind, world)
+            runs[mode] = run(engine, rank, world), state_of(engine)
+        (ar, ar_state), (rd, rd_state) = runs["allreduce"], runs["reduce"]
+        assert ar["ops"] == {"all_reduce"} and rd["ops"] == {"reduce"}, (case, ar["ops"], rd["ops"])
+        tol = 2e-2 if on_gpu else 1e-5  # bf16 gradients (8 mantissa bits) / fp32 summation order
+        for mode, got in runs.items():
+            assert max(got[0]["errors"]) < tol, (case, mode, got[0]["errors"])
+            assert min(got[0]["own_errors"]) > 0.3, (case, mode, got[0]["own_errors"])
+        if world == 2:  # one addition a + b per element either way
+            assert rd["losses"] == ar["losses"] and rd["norms"] == ar["norms"], case
+            assert_bitwise(rd_state, ar_state)
+            drift = 0.0
+        else:  # the ranks' sums in another order: one rounding of the sum's dtype apart
+            assert rd["losses"] == pytest.approx(ar["losses"], rel=1e-2 if on_gpu else 1e-6), case
+            assert rd["norms"] == pytest.approx(ar["norms"], rel=1e-4 if on_gpu else 1e-6), case
+            drift = max(float((x.float() - y.float()).abs().max() / y.float().abs().max()) for x, y in
+                        zip(rd_state, ar_state))  # fmt: skip
+            assert drift < (2e-2 if on_gpu else 1e-6), (case, drift)
+        report.append((case, max(ar["errors"]), max(rd["errors"]), min(rd["own_errors"]), drift))
+    return report
 
 
 @pytest.mark.parametrize(
@@ -179,21 +167,8 @@ def test_reduce_and_allreduce_train_the_same(world, cases):
     than its all-reduce: norms within 1e-4 (bf16 gradients) or equal (fp32), weights and moments
     within one bf16 rounding (measured 0.9% of a tensor's largest value) or 1e-6 in fp32 (measured
     1.9e-7), and both modes equally close to the mean (5.3e-3 and 5.2e-3 in bf16)."""
-    import multiprocessing as mp
-
-    from dflash_dist.actors.ports import free_ports
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_ports(1, "127.0.0.1")[0]
-    procs = [ctx.Process(target=_worker, args=(r, port, queue, world, cases)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    results = run_ranks(_worker, world, (cases,), timeout_s=600)
     for rank in range(world):
-        assert not isinstance(results[rank], str), results[rank]
         for case, ar_err, rd_err, own, drift in results[rank]:
             print(f"world {world} rank {rank} {case}: error vs mean allreduce {ar_err:.2e} reduce {rd_err:.2e}; "
                   f"own share {own:.2f}; reduce vs allreduce state {drift:.1e}")  # fmt: skip

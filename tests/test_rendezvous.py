@@ -117,6 +117,26 @@ def test_store_listens_on_the_given_master_address(tmp_path):
     assert [s for s in sockets if s[1] == port] == [("127.0.0.2", port)], sockets
 
 
+def _listening_after_connect(rank: int, world: int) -> list:
+    import torch.distributed as dist
+
+    dist.barrier()  # every gloo pair is connected
+    found = listening_sockets(os.getpid()) if rank == 0 else []
+    dist.barrier()
+    return found
+
+
+def test_local_ranks_listen_on_loopback_only():
+    """local_ranks.run_ranks (the 2- and 3-rank DeepSpeed checks and bench/measure_comm.py): its ranks
+    join through join_group too, so rank 0 listens on 127.0.0.1 only (they used to join through
+    deepspeed.init_distributed, torch's env:// store on every interface)."""
+    from dflash_dist.actors.local_ranks import run_ranks
+
+    sockets = run_ranks(_listening_after_connect, 2)[0]
+    assert len(sockets) >= 2, sockets  # the store and gloo's listener(s)
+    assert all(host == "127.0.0.1" for host, _ in sockets), f"listening beyond loopback: {sockets}"
+
+
 if __name__ == "__main__":
     rank_main(*sys.argv[1:])
 

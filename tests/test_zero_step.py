@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dflash_dist.actors.local_ranks import run_ranks
 from dflash_dist.config import load_config
 from dflash_dist.trainer import zero_step
 from dflash_dist.trainer.ds_config import build_lr_schedule, build_optimizer, deepspeed_config
@@ -420,56 +421,29 @@ def test_grad_path_cuts_resume_exactly(tmp_path, single_rank_gloo):
     assert_bitwise(state_of(plain), state_of(first))
 
 
-def _two_rank_worker(rank: int, port: int, grad_accum: int, overlap: bool, queue) -> None:
-    """One of two gloo ranks: the same run with and without the cuts (rank-dependent data, so the
-    reduction sums different gradients; ZeRO-2 cuts a.weight between the ranks' partitions)."""
-    import os
-
-    import deepspeed
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    os.environ["LOCAL_RANK"] = str(rank)
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
-    try:
-        data = [(x + rank, y - rank) for x, y in batches(3 * grad_accum)]
-        runs = {}
-        for cuts in (False, True):
-            engine = cut_engine(cuts, grad_accum, overlap, world=2)
-            runs[cuts] = run_and_inspect(engine, data, grad_accum), state_of(engine), engine.optimizer
-        (ref, ref_state, ref_opt), (cut, cut_state, cut_opt) = runs[False], runs[True]
-        assert_bitwise(cut_state, ref_state)
-        assert cut["losses"] == ref["losses"] and cut["norms"] == ref["norms"]
-        assert ref_opt.gradient_average and cut_opt.gradient_average  # (a) two ranks divide by 2: kept
-        assert ref["divides"] == cut["divides"] > 0
-        assert "copy_grads_in_partition" in vars(cut_opt)  # (b) applies
-        assert len(cut["storages"][0]) > len(ref["storages"][0])  # a.weight's part read in place
-        queue.put((rank, "ok"))
-    except BaseException as e:  # noqa: BLE001 - the parent reports it
-        queue.put((rank, f"{type(e).__name__}: {e}"))
-    finally:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
+def _two_rank_worker(rank: int, world: int, grad_accum: int, overlap: bool) -> str:
+    """One of two gloo ranks (run_ranks has joined it to the group): the same run with and without the
+    cuts (rank-dependent data, so the reduction sums different gradients; ZeRO-2 cuts a.weight between
+    the ranks' partitions)."""
+    data = [(x + rank, y - rank) for x, y in batches(3 * grad_accum)]
+    runs = {}
+    for cuts in (False, True):
+        engine = cut_engine(cuts, grad_accum, overlap, world=world)
+        runs[cuts] = run_and_inspect(engine, data, grad_accum), state_of(engine), engine.optimizer
+    (ref, ref_state, ref_opt), (cut, cut_state, cut_opt) = runs[False], runs[True]
+    assert_bitwise(cut_state, ref_state)
+    assert cut["losses"] == ref["losses"] and cut["norms"] == ref["norms"]
+    assert ref_opt.gradient_average and cut_opt.gradient_average  # (a) two ranks divide by 2: kept
+    assert ref["divides"] == cut["divides"] > 0
+    assert "copy_grads_in_partition" in vars(cut_opt)  # (b) applies
+    assert len(cut["storages"][0]) > len(ref["storages"][0])  # a.weight's part read in place
+    return "ok"
 
 
 @pytest.mark.parametrize("grad_accum,overlap", [(1, True), (2, False)])
 def test_grad_path_cuts_at_two_ranks(grad_accum, overlap):
     """Two gloo ranks: (a) is not applied (the divide by 2 changes numbers), (b) is, bitwise."""
-    import multiprocessing as mp
-
-    from dflash_dist.actors.ports import free_ports
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_ports(1, "127.0.0.1")[0]
-    procs = [ctx.Process(target=_two_rank_worker, args=(r, port, grad_accum, overlap, queue)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    assert results == {0: "ok", 1: "ok"}
+    assert run_ranks(_two_rank_worker, 2, (grad_accum, overlap)) == ["ok", "ok"]
 
 
 # ---- CUDA: the bf16 engine the trainer builds on a GPU (pytest -m gpu) ----

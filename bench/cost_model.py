@@ -4,7 +4,7 @@ plus documented link rates (issue 24, Build 2).
     python bench/bench_train_step.py --loss chunked --kernels liger --settings direct+lean --json train.json
     python bench/cost_model.py --train-json train.json --measure-opt --world 9     # on the GPU
     python bench/cost_model.py --fwd-ms 105 --bwd-ms 100 --opt-ms 4 --params 1.73e9 --world 9   # anywhere
-    python bench/cost_model.py --measure-comm    # one step's collectives at 2 and 3 gloo ranks (CPU), both modes
+    python bench/measure_comm.py     # the engine's collectives at 2 and 3 gloo ranks (CPU) beside this model's
 
 What each rank does per optimizer step with ZeRO-2 (ds_config.py: overlap_comm, reduce_scatter,
 bf16 gradients and parameters, fp32 master weights and AdamW states partitioned 1/N):
@@ -21,7 +21,7 @@ bf16 gradients and parameters, fp32 master weights and AdamW states partitioned 
   micro-batch in all (0.56x the all-reduce's at 9 ranks), (N-1)/N x 2P sent per rank; but DeepSpeed
   synchronizes the device before each reduce under overlap_comm, so the backward waits behind all
   but the last reduce of each bucket. The same calls on gloo and NCCL (torch.distributed's); only the
-  backend's algorithm differs. `--measure-comm` counts them on a real engine (gloo, CPU);
+  backend's algorithm differs. bench/measure_comm.py counts them on a real engine (gloo, CPU);
 - the optimizer step on 1/N of the parameters (`--measure-opt`: measured on this GPU at world size
   1 on a parameter set of the drafter's tensors with 1/N of their rows, DeepSpeed's step, the
   lean one (the GPU default) and fused, trainer/zero_step.py);
@@ -119,16 +119,6 @@ def step_bytes(params: float, world: int, mode: str = "allreduce") -> dict:
         "grad_reduce": bus_bytes("all_reduce", grad, world) if mode == "allreduce" else grad,
         "param_gather": bus_bytes(PARAM_GATHER, PARAM_BYTES * params / world, world),
     }
-
-
-def gloo_sent(mode: str, grad_bytes: float, n: int) -> float:
-    """Bytes one rank's gloo sockets send for one micro-batch's gradient reduction: its all-reduce is
-    a ring (the bus bytes); its reduce (gloo/reduce.cc) a ring reduce-scatter, (N-1)/N of the message
-    from every rank, then each non-root rank's reduced chunk, 1/N, to the root: over the N
-    destinations of an even split (N-1)/N x (1 + 1/N) x S (NCCL's ring reduce: (N-1)/N x S)."""
-    if mode == "allreduce":
-        return bus_bytes("all_reduce", grad_bytes, n)
-    return (n - 1) / n * (1 + 1 / n) * grad_bytes
 
 
 def estimate(
@@ -318,182 +308,6 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-# ---- the collectives of one optimizer step, counted on a real engine at world size N (gloo, CPU) ----
-
-
-def measure_comm(
-    shapes, world: int, hidden: int, grad_accum: int = 2, timeout_s: float = 300, mode: str = "allreduce"
-) -> dict:
-    """The collectives one optimizer step of the trainer's GPU engine (deepspeed_config with
-    on_gpu: ZeRO-2, bf16, overlap_comm; the lean step; train.zero_grad_reduce `mode`) issues at `world`
-    gloo ranks on this CPU, over the drafter's full tensors `shapes`. Per rank and phase (each micro-batch's forward and
-    backward, then the step): DeepSpeed's comms logger's calls {op: {message bytes: count}}, their
-    bus bytes (`bus_bytes`), and the bytes the rank's gloo TCP connections sent (the kernel's
-    tcp_info: gloo's own algorithm, with its message headers)."""
-    import multiprocessing as mp
-    import queue as queue_mod
-
-    from dflash_dist.actors.ports import free_ports
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_ports(1, "127.0.0.1")[0]
-    args = (world, port, shapes, hidden, grad_accum, mode, results)
-    procs = [ctx.Process(target=_comm_rank, args=(r, *args), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    ranks: dict[int, dict] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(ranks) < world:
-            try:
-                rank, got = results.get(timeout=1.0)
-            except queue_mod.Empty:
-                rank = got = None
-            if rank is None:
-                gone = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in ranks]
-                if gone:
-                    codes = [procs[r].exitcode for r in gone]
-                    raise RuntimeError(f"measure_comm at world {world}: rank(s) {gone} exited {codes} without a result")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"measure_comm at world {world}: no result in {timeout_s:.0f} s")
-                continue
-            if isinstance(got, str):
-                raise RuntimeError(f"measure_comm at world {world}: rank {rank} failed: {got}")
-            ranks[rank] = got
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.exitcode is None:
-                p.terminate()  # our own child, by its handle
-    params = sum(math.prod(s) for s in shapes)
-    out = {"world": world, "params": params, "grad_accum": grad_accum, "mode": mode}
-    return {**out, "model_calls": slice_calls(shapes, world, hidden, mode), "ranks": [ranks[r] for r in range(world)]}
-
-
-def slice_calls(shapes, world: int, hidden: int, mode: str) -> dict[int, int]:
-    """{message bytes: calls} zero_buckets predicts for one backward of measure_comm's engine (`Slice`:
-    its gradients come in reverse registration order)."""
-    numels, matrix = [math.prod(s) for s in shapes], [len(s) >= 2 for s in shapes]
-    order = list(reversed(range(len(shapes))))
-    counts: dict[int, int] = {}
-    for b in zero_buckets.grad_buckets(numels, matrix, order, world, hidden * hidden, mode):
-        for n in b.calls:
-            counts[GRAD_BYTES * n] = counts.get(GRAD_BYTES * n, 0) + 1
-    return counts
-
-
-def _comm_rank(rank: int, world: int, port: int, shapes, hidden: int, grad_accum: int, mode: str, results) -> None:
-    """One gloo rank of measure_comm: a warm-up step, then one step counted phase by phase."""
-    import os
-
-    import deepspeed
-    import torch.distributed as dist
-
-    from dflash_dist.actors.trainer_group import join_group
-    from dflash_dist.config import load_config
-    from dflash_dist.trainer import zero_step
-    from dflash_dist.trainer.ds_config import build_lr_schedule, build_optimizer, deepspeed_config
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    os.environ["LOCAL_RANK"] = str(rank)
-    try:
-        # the trainers' own rendezvous: its store listens on MASTER_ADDR only (torch's env:// on every interface)
-        join_group(dict(os.environ), on_gpu=False)
-        overrides = ["target.kind=tiny_stdlib", "train.max_steps=100000", f"train.grad_accum={grad_accum}"]
-        overrides.append(f"train.zero_grad_reduce={mode}")
-        cfg = load_config(None, overrides)
-        model = Slice(shapes, 1)  # the whole tensors: every rank holds the model, ZeRO-2 partitions the rest
-        opt = build_optimizer(cfg, model, fused=True)
-        ds = deepspeed_config(cfg, world, True, hidden_size=hidden)  # the GPU ranks' config, as it is
-        ds["comms_logger"] = {"enabled": True, "prof_all": True, "verbose": False, "debug": False}
-        engine, *_ = deepspeed.initialize(
-            model=model, optimizer=opt, lr_scheduler=build_lr_schedule(cfg, opt, 100000), config=ds,
-            dist_init_required=False,
-        )  # fmt: skip
-        step_kind = zero_step.install(engine, "auto", on_gpu=True)
-        logged = deepspeed.comm.comms_logger.comms_dict
-        x = torch.ones((), dtype=torch.bfloat16)
-        for _ in range(2):  # the second step is counted
-            phases = {}
-            for m in range(grad_accum):
-                logged.clear()
-                sent = _tcp_bytes_sent(port)
-                engine.backward(engine(x))
-                phases[f"micro{m + 1}"] = _phase(logged, _tcp_bytes_sent(port) - sent, world)
-            logged.clear()
-            sent = _tcp_bytes_sent(port)
-            engine.step()
-            phases["step"] = _phase(logged, _tcp_bytes_sent(port) - sent, world)
-        dtypes = sorted({str(g.dtype) for g in engine.optimizer.bit16_groups_flat})
-        results.put((rank, {"phases": phases, "step": step_kind, "param_dtypes": dtypes}))
-    except BaseException as e:  # noqa: BLE001 - the parent reports it with the rank
-        results.put((rank, f"{type(e).__name__}: {e}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _phase(logged: dict, wire: int, world: int) -> dict:
-    """comms_dict {op: {message bytes: [count, latencies, ...]}} as ops, bus bytes and wire bytes."""
-    ops = {op: {int(size): rec[0] for size, rec in sizes.items()} for op, sizes in logged.items()}
-    bus = sum(bus_bytes(op, size, world) * n for op, sizes in ops.items() for size, n in sizes.items())
-    return {"ops": ops, "bus_bytes": bus, "wire_bytes": wire}
-
-
-def _tcp_bytes_sent(store_port: int) -> int:
-    """Bytes this process's connected TCP sockets have sent (tcp_info's tcpi_bytes_sent, Linux >=
-    4.19; before it tcpi_bytes_acked), the rendezvous store's connection left out: gloo's traffic."""
-    import os
-    import socket
-    import struct
-
-    total = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                continue
-            sock = socket.socket(fileno=os.dup(int(fd)))
-        except OSError:
-            continue
-        with sock:
-            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
-                continue
-            try:
-                ends = (sock.getsockname()[1], sock.getpeername()[1])
-            except OSError:  # listening, not connected
-                continue
-            if store_port in ends:
-                continue
-            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
-            total += struct.unpack_from("Q", info, 200 if len(info) >= 208 else 120)[0]
-    return total
-
-
-def comm_report(got: dict) -> list[str]:
-    """Lines: per phase, the engine's collectives and bytes (rank 0; every rank's bus bytes agree)
-    beside the model's."""
-    n, params, mode = got["world"], got["params"], got.get("mode", "allreduce")
-    model = step_bytes(params, n, mode)
-    first = got["ranks"][0]
-    lines = [
-        f"world {n}, {params} parameters, gradient {mode}, {first['step']} step, parameters {first['param_dtypes']}"
-    ]
-    for name, phase in first["phases"].items():
-        step = name == "step"
-        want = model["param_gather"] if step else model["grad_reduce"]
-        wire = want if step else gloo_sent(mode, GRAD_BYTES * params, n)
-        same = phase["ops"].get(GRAD_OPS[mode]) == got["model_calls"]
-        calls = "" if step else f", calls {'=' if same else '!='} model's"
-        lines.append(
-            f"  {name:>6}: {phase['ops']}: bus {phase['bus_bytes']:.0f} B/rank (model "
-            f"{'all-gather' if step else 'gradient ' + mode} {want:.0f}, {phase['bus_bytes'] / want:.4f}x{calls}); "
-            f"gloo sent {phase['wire_bytes']} B (model {wire:.0f}, {phase['wire_bytes'] / wire:.3f}x)"
-        )
-    return lines
-
-
 def from_train_json(path: str, setting: str | None) -> tuple[dict, float]:
     """(the chosen result line, trainable parameters) of bench_train_step.py --json."""
     data = json.loads(Path(path).read_text())
@@ -526,23 +340,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--comm-slowdown", type=float, default=0.0)
     ap.add_argument("--shape", default="5120,5,32,8,128,17408", help="H,layers,heads,kv_heads,head_dim,I")
     ap.add_argument("--json", default=None, help="write inputs and estimates here")
-    ap.add_argument("--measure-comm", action="store_true", help="count one step's collectives on gloo ranks here")
-    ap.add_argument("--comm-shape", default="128,2,4,2,32,256", help="--measure-comm's drafter shape (as --shape)")
-    ap.add_argument("--comm-worlds", default="2,3", help="--measure-comm's world sizes")
     ap.add_argument("--grad-reduce", default="both", choices=[*zero_buckets.MODES, "both"], help="mode(s) to price")
     ap.add_argument("--call-us", type=float, default=CALL_US, help="latency of one gradient collective (assumed)")
     ap.add_argument("--sync-us", type=float, default=SYNC_US, help="the reduce path's device sync per call (assumed)")
     a = ap.parse_args(argv)
     modes = zero_buckets.MODES if a.grad_reduce == "both" else (a.grad_reduce,)
-    comm = None
-    if a.measure_comm:
-        shape = [int(v) for v in a.comm_shape.split(",")]
-        worlds = [int(n) for n in a.comm_worlds.split(",")]
-        comm = [measure_comm(drafter_shapes(*shape), n, shape[0], a.grad_accum, mode=m) for n in worlds for m in modes]
-        for got in comm:
-            print("\n".join(comm_report(got)))
-        if a.fwd_ms is None and a.train_json is None:
-            return 0
     fwd, bwd, params = a.fwd_ms, a.bwd_ms, a.params
     if a.train_json:
         row, trainable = from_train_json(a.train_json, a.setting)
@@ -569,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     buckets = {m: drafter_buckets(shape, a.world, m) for m in modes}
     rows = report(x, placements, a.nvlink_gbps, a.ib_gbps, a.efficiency, buckets, a.call_us, a.sync_us)
     if a.json:
-        out = {"inputs": vars(x), "measured_opt": measured, "measured_comm": comm, "estimates": rows}
+        out = {"inputs": vars(x), "measured_opt": measured, "estimates": rows}
         Path(a.json).write_text(json.dumps(out, indent=1))
     return 0
 

@@ -1,6 +1,6 @@
 """ZeRO-1/2's gradient collectives as DeepSpeed 0.19.8 issues them, computed from the trainable
-parameters' sizes (bench/cost_model.py prices them; tests/test_cost_model.py checks them against a real
-engine's comms logger at 2 and 3 gloo ranks, call by call size).
+parameters' sizes (bench/cost_model.py prices them; bench/measure_comm.py and tests/test_measure_comm.py
+check them against a real engine's comms logger at 2 and 3 gloo ranks, call by call size).
 
 What stage_1_and_2.py does with our ds_config (contiguous_gradients, reduce_bucket_size B = hidden^2,
 no round-robin, no parameter alignment): each parameter group (build_optimizer: matrices, then 1-D

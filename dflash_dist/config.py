@@ -73,8 +73,9 @@ class DataSection(_Section):
     on_overlong: Literal["truncate", "skip", "error"] = "truncate"  # over max_length: truncate | skip (counted) | error
     max_train_samples: PosInt | None = None
     max_length: Annotated[int, Field(ge=2)] = 2048
-    # samples that could not be read (a missing, truncated or corrupt shard, non-finite features), as a
-    # fraction of the run's planned samples (epochs x samples), before the run fails; 0: any loss fails it
+    # samples lost in total, those the capture skipped (non-finite features) plus those no trainer could
+    # read (a missing, truncated or corrupt shard), as a fraction of the run's planned samples (epochs x
+    # samples), before the run fails (a capture alone is held to it too); 0: any loss fails it
     max_lost_fraction: Annotated[Float, Field(ge=0, le=1)] = 0.0
 
 

@@ -12,6 +12,8 @@
   dflash-dist status DIR [--json]                              shards, disk, trainer, tau, roles alive
   dflash-dist demo                                             the tiny core demo (no Ray)
   dflash-dist parity DIR [--device cuda]                       numerics against golden data
+  dflash-dist cluster-token CLUSTER_YAML [--new]               before `ray up`: the cluster's auth token file
+  dflash-dist ray-start ARGS                                   `ray start ARGS` with token auth (cluster YAMLs)
 """
 
 from __future__ import annotations
@@ -71,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         return parity_main(rest)
     if cmd == "regenerate":
         return _regenerate(rest)
+    if cmd in ("cluster-token", "ray-start"):
+        from launcher.ray_auth import cluster_token_main, ray_start_main
+
+        return (cluster_token_main if cmd == "cluster-token" else ray_start_main)(rest)
     if cmd == "build-target":
         return _build_target(rest)
     if cmd not in STAGES:

@@ -4,7 +4,8 @@
 
 `ray submit` copies this file to the head node's home directory and runs it there with the
 head's Python, where `setup_commands` installed the project (launcher/cluster.yaml). It joins
-the running cluster (RAY_ADDRESS=auto unless set), resolves relative paths against the
+the running cluster (RAY_ADDRESS=auto unless set) with the cluster's token (~/dflash-ray-token,
+which `ray up` copied there; launcher/ray_auth.py) unless RAY_AUTH_MODE is set, resolves relative paths against the
 project checkout as `dflash-dist run` does in one, and calls the same CLI. Nothing else happens
 here (STYLE 1): placement, roles and outputs are the pipeline's.
 """
@@ -26,6 +27,12 @@ def project_root() -> Path:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_ADDRESS", "auto")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    from launcher.ray_auth import REMOTE_TOKEN, auth_env
+
+    token = Path(os.path.expanduser(REMOTE_TOKEN))
+    if "RAY_AUTH_MODE" not in os.environ and token.exists():  # the cluster's, not a user's RAY_AUTH_TOKEN
+        os.environ.pop("RAY_AUTH_TOKEN", None)
+        os.environ.update(auth_env(token_path=token))
     os.chdir(project_root())
     from launcher.cli import main as cli_main
 

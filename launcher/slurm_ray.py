@@ -2,12 +2,14 @@
 pipeline on it (slurm/pipeline.sbatch runs this on the job's first node).
 
 `ray start --head --block` here, bound to this node's address (127.0.0.1 in a one-node job; no
-dashboard), `srun ray start --block` once on every other node, the pipeline as a child process
-joined through RAY_ADDRESS, and at the end every Ray process this started is stopped (never
-`ray stop`, which would stop every Ray of the user on the node). SIGUSR1/SIGTERM (Slurm's notice
-before the time limit, forwarded by the batch script) goes on as SIGUSR1 to the trainer ranks,
-found by their heartbeats (pid, host): they save at the next step boundary and the pipeline ends;
-this exits 0 and the script requeues, and the requeued run continues with `--resume auto`.
+dashboard) with token authentication (a new token per job, in the environment of this job's
+processes only: launcher/ray_auth.py), `srun ray start --block` once on every other node, the
+pipeline as a child process joined through RAY_ADDRESS, and at the end every Ray process this
+started is stopped (never `ray stop`, which would stop every Ray of the user on the node).
+SIGUSR1/SIGTERM (Slurm's notice before the time limit, forwarded by the batch script) goes on as
+SIGUSR1 to the trainer ranks, found by their heartbeats (pid, host): they save at the next step
+boundary and the pipeline ends; this exits 0 and the script requeues, and the requeued run
+continues with `--resume auto`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import contextlib
 import json
 import logging
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from dflash_dist.actors.ports import free_ports
 from dflash_dist.config import Config, ConfigError
+from launcher.ray_auth import new_token, with_auth
 from launcher.slurm_train import step_hostnames
 
 log = logging.getLogger(__name__)
@@ -57,12 +59,11 @@ class SlurmRayCluster:
         self.temp_dir = tempfile.mkdtemp(prefix=f"dfray-{os.environ.get('SLURM_JOB_ID', 'x')}-", dir="/tmp")
         self.ports = free_ports(len(_HEAD_PORT_FLAGS))
         self.address = f"{self.address_ip}:{self.ports[0]}"
-        # Ray 2.60 wants a token for a new cluster: one of this job's own, for its processes only
-        self.env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token",
-                        RAY_AUTH_TOKEN=secrets.token_hex(32))
+        # the nodes listen on the cluster network: every Ray process demands this job's own token
+        # (srun passes the environment on; it is never written to a file or printed)
+        self.env = with_auth(dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"), token=new_token())
         self.env.setdefault(RAYLET_WAIT, "120")  # a loaded node registers its raylet slowly
-        for key in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH"):
-            self.env.pop(key, None)
+        self.env.pop("RAY_ADDRESS", None)
         self.procs: list[subprocess.Popen] = []
 
     def start(self, timeout_s: float = 300.0) -> None:

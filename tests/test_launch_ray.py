@@ -5,8 +5,10 @@ entry script."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -112,6 +114,21 @@ def test_ray_entry_joins_the_cluster_and_runs_the_cli_from_the_project(monkeypat
     ray_entry.main(["configs/tiny.yaml"])
     assert seen["address"] == "10.0.0.1:6379"
 
+    # on a node of a launcher-made cluster the driver joins with the cluster's token
+    from launcher.ray_auth import write_token
+
+    for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.setenv(key, "")  # recorded, so what ray_entry sets is undone after the test
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    ray_entry.main(["configs/tiny.yaml"])
+    assert "RAY_AUTH_MODE" not in os.environ  # no token file: Ray's own defaults
+    write_token(tmp_path / "dflash-ray-token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "a user's other token")
+    ray_entry.main(["configs/tiny.yaml"])
+    assert os.environ["RAY_AUTH_MODE"] == "token" and "RAY_AUTH_TOKEN" not in os.environ
+    assert os.environ["RAY_AUTH_TOKEN_PATH"] == str(tmp_path / "dflash-ray-token")
+
 
 def _tiny(*overrides: str):
     from dflash_dist.config import load_config
@@ -183,3 +200,122 @@ def test_roles_run_in_their_bundles_and_an_unplaceable_group_fails_naming_the_re
     with pytest.raises(TimeoutError, match=r"trainer\[1\] \{'CPU': 0.5, 'dflash_trainer': 0.001\}"):
         reserve(ray_cluster, plan_placement(cfg, ("train",)), timeout_s=3)
     assert ray_cluster.available_resources().get("CPU") == 2.0  # the refused group was removed
+
+
+# ---------------------------------------------------------------------------- token authentication
+def _no_auth_env(home: Path) -> dict:
+    """This process's environment without any Ray token setting, HOME pointing at `home` (where
+    `dflash-dist ray-start` looks for ~/dflash-ray-token and Ray for ~/.ray/auth_token)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
+    return env | {"HOME": str(home), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def test_cluster_yamls_start_every_ray_process_with_a_token_the_launcher_makes(monkeypatch, tmp_path, capsys):
+    """Both cluster-launcher YAMLs start every Ray process through `dflash-dist ray-start` (token
+    auth, refused without a private token file) and copy a token file to every node that is
+    gitignored; `dflash-dist cluster-token` makes it mode 0600 without printing it, keeps it when
+    asked again, replaces it with --new, and refuses a YAML whose `ray start` has no token auth."""
+    import stat
+
+    from launcher.cli import main as cli
+    from launcher.ray_auth import REMOTE_TOKEN, START_COMMAND, start_problems, token_file_problem
+
+    for name in ("cluster.yaml", "cluster_onprem.yaml"):
+        path = REPO / "launcher" / name
+        cluster = yaml.safe_load(path.read_text())
+        assert start_problems(cluster, name) == []
+        fields = ("head_start_ray_commands", "worker_start_ray_commands")
+        starts = [c for f in fields for c in cluster[f] if "start" in c]
+        assert len(starts) == 2 and all(f"{START_COMMAND} " in c for c in starts)
+        local = cluster["file_mounts"][REMOTE_TOKEN]
+        ignored = subprocess.run(["git", "check-ignore", "-q", local], cwd=REPO)
+        assert ignored.returncode == 0, f"{name}: {local} is not gitignored"
+        assert local not in (cluster.get("rsync_exclude") or [])  # the exclusions apply to every mount
+
+        monkeypatch.chdir(tmp_path)  # `ray up` resolves the mount against its cwd, the checkout
+        assert cli(["cluster-token", str(path)]) == 0
+        token_file = tmp_path / local
+        token = token_file.read_text()
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600 and token_file_problem(token_file) is None
+        assert cli(["cluster-token", str(path)]) == 0 and token_file.read_text() == token  # kept
+        assert cli(["cluster-token", "--new", str(path)]) == 0 and token_file.read_text() != token
+        printed = capsys.readouterr()
+        assert token not in printed.out + printed.err and token_file.read_text() not in printed.out + printed.err
+
+    plain = yaml.safe_load((REPO / "launcher" / "cluster.yaml").read_text())
+    plain["worker_start_ray_commands"] = ["ray stop", "ray start --address=$RAY_HEAD_IP:6379"]
+    (tmp_path / "plain.yaml").write_text(yaml.safe_dump(plain))
+    assert cli(["cluster-token", str(tmp_path / "plain.yaml")]) == 2
+    refused = capsys.readouterr().err
+    assert "worker_start_ray_commands: 'ray start --address=$RAY_HEAD_IP:6379' starts Ray without token auth" in refused
+
+    # a node never starts Ray without a private token file
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    assert cli(["ray-start", "--head"]) == 2
+    assert "refusing to start Ray without token authentication" in capsys.readouterr().err
+    (tmp_path / "home" / "dflash-ray-token").write_text(token)
+    (tmp_path / "home" / "dflash-ray-token").chmod(0o644)
+    assert cli(["ray-start", "--head"]) == 2
+    assert "has mode 0644: others could read the token" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_head_started_by_ray_start_refuses_clients_without_its_token(tmp_path):
+    """`dflash-dist ray-start` (what the cluster YAMLs run on every node) starts a real head, here
+    on 127.0.0.1: a client without the token and one with another token are refused by the GCS;
+    one with the token file (as `ray job submit` is told in the README) connects. The token is
+    in no log or file of the head's temp dir, nor in its output."""
+    import signal
+    import tempfile
+
+    from dflash_dist.actors.ports import free_ports
+    from launcher.ray_auth import write_token
+
+    home = tmp_path / "home"
+    home.mkdir()
+    token = write_token(home / "dflash-ray-token").read_text()
+    temp_dir = tempfile.mkdtemp(prefix="dfauth-", dir="/tmp")  # short: Ray's socket paths
+    port, *other = free_ports(6, "127.0.0.1")
+    flags = ("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
+             "--metrics-export-port", "--ray-client-server-port")  # fmt: skip
+    head = subprocess.Popen(
+        [str(VENV_BIN / "dflash-dist"), "ray-start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+         "--port", str(port), "--include-dashboard", "false", "--num-cpus", "1", "--disable-usage-stats",
+         "--temp-dir", temp_dir, *(a for f, p in zip(flags, other) for a in (f, str(p)))],
+        env=_no_auth_env(home) | {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"},  # SIGTERM stops it at once
+        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    out: list[str] = []
+    try:
+        for line in head.stdout:
+            out.append(line)
+            if "Ray runtime started" in line:
+                break
+        assert head.poll() is None, "".join(out)
+        probe = (f"import ray; ray.init(address='127.0.0.1:{port}', _node_ip_address='127.0.0.1'); "
+                 "print('CPUS', ray.cluster_resources().get('CPU')); ray.shutdown()")  # fmt: skip
+        one_try = {"RAY_gcs_server_port_wait_time_s": "1"}  # a refused client gives up after one attempt
+
+        def client(extra: dict) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-c", probe], env=_no_auth_env(tmp_path) | extra,
+                                  capture_output=True, text=True, timeout=60)  # fmt: skip
+
+        none = client(one_try)
+        assert none.returncode != 0 and "Authentication token is missing or incorrect" in none.stderr, none.stderr
+        wrong = client(one_try | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64})
+        assert wrong.returncode != 0 and "Authentication token is missing or incorrect" in wrong.stderr, wrong.stderr
+        right = client({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(home / "dflash-ray-token")})
+        assert right.returncode == 0 and "CPUS 1.0" in right.stdout, right.stdout + right.stderr
+        leaked = subprocess.run(["grep", "-rl", token, temp_dir], capture_output=True, text=True)
+        assert leaked.stdout == "", f"the token is written in {leaked.stdout}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGTERM)
+        try:
+            rest = head.communicate(timeout=40)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            rest = head.communicate()[0]
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert token not in "".join(out) + (rest or "")

@@ -56,7 +56,7 @@ def rank_main(spec_path: str) -> None:
     import torch.distributed as dist
 
     from dflash_dist.config import load_config_dict
-    from dflash_dist.trainer.step_source import Halt, StepSource
+    from dflash_dist.trainer.step_source import DataLost, Halt, StepSource
 
     spec = json.loads(Path(spec_path).read_text())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -67,10 +67,14 @@ def rank_main(spec_path: str) -> None:
                             recapture=spec.get("recapture", False))
         if spec.get("state") is not None:
             source.load_state_dict(spec["state"][rank])
-        steps, halt, states = [], None, []
+        steps, halt, states, lost = [], None, [], None
         while halt is None:
             notice = signal.SIGTERM if rank == spec.get("notice_rank") and len(steps) == spec.get("notice_at") else 0
-            got = source.next_step(notice)
+            try:
+                got = source.next_step(notice)
+            except DataLost as e:  # every rank at the same slot
+                lost = {"error": str(e), "at_step": len(steps)}
+                break
             ends = [e.__dict__ for e in got.epoch_ends]
             if isinstance(got, Halt):
                 halt = {"notice": got.notice, "ends": ends}
@@ -79,7 +83,7 @@ def rank_main(spec_path: str) -> None:
                           "real_all": got.real_all, "samples_all": got.samples_all, "ends": ends})  # fmt: skip
             states.append(source.state_dict())
         source.close()
-        out = {"steps": steps, "halt": halt, "states": states, "final": source.state_dict()}
+        out = {"steps": steps, "halt": halt, "states": states, "final": source.state_dict(), "data_lost": lost}
         Path(spec["dump"] + f".{rank}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
@@ -212,6 +216,40 @@ def test_recaptured_epochs_are_read_from_their_own_growing_directories(tmp_path)
             got = [k for s in d["steps"] if s["epoch"] == e for ks in s["keys"] for k in ks]
             assert got == orders[e][rank::2], (e, rank, got)
     assert dumps[0]["halt"]["ends"][-1] == {"epoch": 2, "trained": 6, "lost": 0, "total": 6}
+
+
+def test_samples_the_capture_skipped_and_unreadable_ones_count_against_one_budget(tmp_path):
+    """8 one-sample shards of the 9 samples the capture was given (one skipped as non-finite), one
+    shard truncated, 2 epochs re-reading them (keep): 2 samples lost per epoch, 4 of the 18 the
+    run trains on. data.max_lost_fraction=0.2 allows 3: each part alone (2 of 18 unreadable, 1 of
+    9 skipped at capture) is within it, as the old separate checks found, but the run is not:
+    every rank raises DataLost at the same slot naming both parts and the setting. 0.25 allows 4:
+    the run trains, every readable sample once per epoch."""
+    from data_pipeline.ledger import capture_loss_problem, record_skipped
+    from data_pipeline.shard_reader import read_manifest
+
+    shards = tmp_path / "shards"
+    keys = write_samples(shards, [1] * 8)
+    record_skipped(shards, "k-nonfinite", "non-finite features", 0)
+    bad = shards / read_manifest(shards)[3].name
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    cfg = source_cfg(tmp_path / "out", epochs=2, grad_accum=1)
+    cfg.data.max_lost_fraction = 0.2
+    assert capture_loss_problem(shards, 0.2) is None  # the capture's own share is within the setting
+    failed = run_ranks(tmp_path, "a", 2, cfg, shards, planned=9)
+    assert all(d["data_lost"] is not None and d["halt"] is None for d in failed), failed
+    assert len({d["data_lost"]["at_step"] for d in failed}) == 1  # the same slot on both ranks
+    msg = failed[0]["data_lost"]["error"]
+    assert "2 sample(s) could not be read and 2 were skipped by the capture as non-finite" in msg, msg
+    assert "4 lost, more than data.max_lost_fraction=0.2 of the 18 the run trains on allows (3)" in msg, msg
+    assert any(bad.name in d["data_lost"]["error"] for d in failed)  # the rank that read it names it
+
+    cfg.data.max_lost_fraction = 0.25
+    dumps = run_ranks(tmp_path, "b", 2, cfg, shards, planned=9)
+    assert all(d["data_lost"] is None for d in dumps)
+    readable = Counter(k for k in keys if k != read_manifest(shards)[3].keys[0])
+    assert per_epoch(dumps) == {0: readable, 1: readable}
+    assert dumps[0]["halt"]["ends"][-1] == {"epoch": 1, "trained": 7, "lost": 1, "total": 8}
 
 
 if __name__ == "__main__":

@@ -171,8 +171,11 @@ def decide_training(cfg: Config, stages: tuple[str, ...], resume: str,
 
 
 def planned_samples(cfg: Config, data: DataPlan | None) -> int | None:
-    """Samples per epoch: the ingested conversations when this run reads them, else those of a
-    complete capture's manifest, else data.max_train_samples."""
+    """Samples per epoch: the ingested conversations when this run reads them, else those a
+    complete capture was given (its manifest's plus those it skipped as non-finite, as the
+    ingested count includes them: the same base for the LR schedule and data.max_lost_fraction
+    however the run is resumed), else data.max_train_samples."""
+    from data_pipeline.ledger import read_skipped
     from data_pipeline.records import DONE_NAME
     from data_pipeline.shard_reader import read_manifest
 
@@ -180,7 +183,7 @@ def planned_samples(cfg: Config, data: DataPlan | None) -> int | None:
         return data.capture.records
     shards = cfg.out / "shards"
     if (shards / DONE_NAME).exists():
-        return sum(r.n_samples for r in read_manifest(shards))
+        return sum(r.n_samples for r in read_manifest(shards)) + len(read_skipped(shards))
     return cfg.data.max_train_samples
 
 

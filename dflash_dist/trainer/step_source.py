@@ -22,9 +22,13 @@ a slow capture writes the next shard): while a rank waits, all poll again after 
   is the mean over the step's real micro-batches (`Step.real_all`).
 
 Every sample of an epoch's shards is thus trained once or counted as lost (a missing, truncated
-or corrupt shard, a sample whose features are not finite); `EpochEnd` says both, and more lost
-samples than `data.max_lost_fraction` of the run's planned samples raise `DataLost` on every rank
-at the same slot, naming what this rank could not read.
+or corrupt shard, a sample whose features are not finite); `EpochEnd` says both. The run's loss
+is one total against one budget: the samples no rank could read plus those the capture skipped as
+non-finite (each epoch's directory's skipped.jsonl, which never reach a manifest; under keep every
+epoch re-reads epoch 0's shards and so misses its skipped samples again), against
+`data.max_lost_fraction` of the samples the run was meant to train on (planned per epoch x
+epochs). Over it, every rank raises `DataLost` at the same slot, naming both parts and what this
+rank could not read (checking each part alone let a run lose up to twice the fraction).
 
 Epoch 0 follows the manifest while capture still writes it; later epochs re-read the finished
 manifest in a shard order seeded by (run.seed, epoch) (shard_reader.ShardStream), or, when they
@@ -49,6 +53,8 @@ import torch.distributed as dist
 
 from data_pipeline.disk_budget import BufferPolicy, release_consumed
 from data_pipeline.epoch_dirs import epoch_dir
+from data_pipeline.ledger import read_skipped
+from data_pipeline.records import SKIPPED_NAME
 from data_pipeline.shard_reader import ShardStream, merge_reader_states, read_manifest
 from dflash_dist.config import Config
 from dflash_dist.trainer.batching import (
@@ -65,12 +71,13 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.02  # how often waiting ranks re-check each other's data readiness
 STATE_VERSION = 1
-# the per-slot all-reduce vector: [ready, waiting, dry, SIGTERM, SIGUSR1, lost so far, batch samples]
+# the per-slot all-reduce vector: [ready, waiting, dry, SIGTERM, SIGUSR1, lost so far, batch samples,
+# capture-skipped so far (rank 0's reading of the skipped.jsonl files; 0 from the others)]
 _NOTICES = ("SIGTERM", "SIGUSR1")
 
 
 class DataLost(RuntimeError):
-    """More samples could not be read than data.max_lost_fraction allows."""
+    """More samples were lost (unreadable, or skipped by the capture) than data.max_lost_fraction allows."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +119,7 @@ class _Slot:
     notice: str | None
     lost: int  # samples of the open epoch no rank could read, so far
     samples: int  # samples of the micro-batches the ready ranks take in this slot
+    capture_lost: int  # samples the capture skipped, over the epochs up to the open one (rank 0's count)
 
 
 class StepSource:
@@ -135,6 +143,8 @@ class StepSource:
         self.carried = 0  # samples all ranks trained in the epoch before an elastic resume
         self.lost_before = 0  # samples lost in finished epochs (all ranks)
         self.lost_epoch = 0  # samples lost in the open epoch so far (all ranks, as of the last slot)
+        self.capture_lost = 0  # samples the capture skipped, epochs up to the open one (as of the last slot)
+        self._skipped = _SkippedCount()  # rank 0 reads the capture's skipped.jsonl files
         self._feeder: MicroBatchFeeder | None = None
 
     # ------------------------------------------------------------------ steps
@@ -195,25 +205,28 @@ class StepSource:
         """Poll until no rank waits for data (or a notice came), agreeing on the slot's outcome."""
         while True:
             status = feeder.status()  # raises the reader thread's own error
-            vec = torch.zeros(7, dtype=torch.int64)
+            vec = torch.zeros(8, dtype=torch.int64)
             vec[status_index(status)] = 1
             if signum:
                 name = _signal_name(signum)
                 vec[3 + _NOTICES.index(name)] = 1
             vec[5] = sum(feeder.skipped.values())
             vec[6] = len(feeder.peek().keys) if status == READY else 0
+            vec[7] = self.capture_skipped() if self.rank == 0 else 0
             dist.all_reduce(vec, group=self.group)
-            ready, waiting, dry, term, usr1, lost, samples = (int(x) for x in vec)
+            ready, waiting, dry, term, usr1, lost, samples, capture_lost = (int(x) for x in vec)
             notice = _NOTICES[0] if term else _NOTICES[1] if usr1 else None
-            self.lost_epoch = lost
-            self._check_lost(lost, feeder)
+            self.lost_epoch, self.capture_lost = lost, capture_lost
+            self._check_lost(lost, capture_lost, feeder)
             if notice is not None or waiting == 0:
-                return _Slot(ready, waiting, dry, notice, lost, samples)
+                return _Slot(ready, waiting, dry, notice, lost, samples, capture_lost)
             time.sleep(POLL_S)
 
-    def _check_lost(self, lost_epoch: int, feeder: MicroBatchFeeder) -> None:
-        """Every rank sees the same totals, so every rank raises at the same slot."""
-        lost = self.lost_before + lost_epoch
+    def _check_lost(self, lost_epoch: int, capture_lost: int, feeder: MicroBatchFeeder) -> None:
+        """The run's lost samples, unreadable plus skipped by the capture, against one budget.
+        Every rank sees the same totals, so every rank raises at the same slot."""
+        unread = self.lost_before + lost_epoch
+        lost = unread + capture_lost
         if lost == 0:
             return
         fraction = self.cfg.data.max_lost_fraction
@@ -224,12 +237,20 @@ class StepSource:
         own = feeder.problems
         mine = "; ".join(own[:5]) + (f" (+{len(own) - 5} more)" if len(own) > 5 else "") if own else "none here"
         err = DataLost(
-            f"{lost} sample(s) could not be read, more than data.max_lost_fraction={fraction} of the "
-            f"{planned} planned ({allowed} allowed). Rank {self.rank} could not read: {mine}. Restore or re-extract "
-            f"the shards under {self.shard_dir} (and --resume auto), or raise data.max_lost_fraction"
+            f"{unread} sample(s) could not be read and {capture_lost} were skipped by the capture as non-finite "
+            f"({SKIPPED_NAME} under {self.shard_dir}): {lost} lost, more than data.max_lost_fraction={fraction} of "
+            f"the {planned} the run trains on allows ({allowed}). Rank {self.rank} could not read: {mine}. Restore "
+            f"or re-extract the shards (and --resume auto), check the target's dtype and kernels, or raise "
+            f"data.max_lost_fraction"
         )
         err.names_nothing = not own  # every rank raises; the group reports one that names the samples
         raise err
+
+    def capture_skipped(self) -> int:
+        """Samples the capture skipped (never in a manifest) in the directories of the epochs up to
+        the open one: under recapture each epoch's own; under keep epoch 0's, once per epoch. The
+        open epoch's file may still grow (capture runs alongside); it is re-read when it does."""
+        return sum(self._skipped.count(self.epoch_dir_of(e)) for e in range(self.epoch + 1))
 
     def _commit(self, batches: list[MicroBatch]) -> None:
         """The position after the step just handed out. A rank that ran dry takes its stream's
@@ -261,7 +282,10 @@ class StepSource:
 
     def epoch_dir(self) -> Path:
         """The directory the open epoch's shards are in."""
-        return epoch_dir(self.shard_dir, self.epoch, self.recapture)
+        return self.epoch_dir_of(self.epoch)
+
+    def epoch_dir_of(self, epoch: int) -> Path:
+        return epoch_dir(self.shard_dir, epoch, self.recapture)
 
     def release(self, reader_states: list[dict[str, Any] | None]) -> list[str]:
         """After a checkpoint is published (rank 0, with every rank's reader state at it): release
@@ -325,6 +349,25 @@ class StepSource:
             "carried": int(first["carried"]) + (sum(int(s["trained"]) for s in saved) if len(saved) != world else 0),
             "lost_before": int(first["lost_before"]),
         }
+
+
+class _SkippedCount:
+    """Records in each directory's skipped.jsonl (append-only), re-read only when its size changed:
+    rank 0 asks at every slot."""
+
+    def __init__(self) -> None:
+        self._seen: dict[Path, tuple[int, int]] = {}  # directory -> (file size, records)
+
+    def count(self, shard_dir: Path) -> int:
+        try:
+            size = (shard_dir / SKIPPED_NAME).stat().st_size
+        except FileNotFoundError:
+            return 0
+        seen = self._seen.get(shard_dir)
+        if seen is None or seen[0] != size:
+            seen = (size, len(read_skipped(shard_dir)))
+            self._seen[shard_dir] = seen
+        return seen[1]
 
 
 def status_index(status: int) -> int:

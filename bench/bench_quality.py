@@ -50,13 +50,14 @@ from multiprocessing import get_context
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from data_pipeline.chat_data import ChatEncoder  # noqa: E402
-from data_pipeline.durable_files import write_text_atomic  # noqa: E402
+from data_pipeline.checksums import FILE_ALGORITHM, digest_bytes, digest_file  # noqa: E402
+from data_pipeline.durable_files import atomic_path, write_text_atomic  # noqa: E402
 from data_pipeline.records import Sample  # noqa: E402
 from dflash_dist.config import TrainSection, load_config  # noqa: E402
 from dflash_dist.model.capture import capture_features  # noqa: E402
@@ -117,13 +118,12 @@ def _respond(model, tokenizer, prompts: list[list[int]], max_new: int, batch: in
 
 def prepare_data(args, cfg, data_path: Path) -> dict:
     """Train and held-out sequences with their features, cached in <out>/data.safetensors."""
-    meta_path = data_path.with_suffix(".json")
     want = {"responses": args.responses, "test_target": args.test_target, "train": args.train_samples,
             "eval": args.eval_prompts, "seed": args.data_seed, "train_new": cfg.capture.max_new_tokens,
             "eval_new": args.eval_new_tokens}
-    if data_path.exists() and meta_path.exists() and json.loads(meta_path.read_text()).get("want") == want:
+    if (meta := cached_meta(data_path, want)) is not None:
         log.info("reusing captured data in %s", data_path)
-        return json.loads(meta_path.read_text())
+        return meta
     t0 = time.time()
     if args.test_target:  # the tiny target's test-size settings, built under <out>: seconds, for smoke runs
         target_dir = build_tiny_target(data_path.parent / "tiny-target-test", TEST_SETTINGS, log=log.info)
@@ -158,9 +158,49 @@ def prepare_data(args, cfg, data_path: Path) -> dict:
         tensors[f"{name}.features"], tensors[f"{name}.argmax"] = torch.cat(feats), torch.cat(argmax)
         meta[f"{name}.lengths"], meta[f"{name}.starts"] = lens, starts
         log.info("%s: %d sequences, %d tokens (%.0f s so far)", name, len(lens), sum(lens), time.time() - t0)
-    save_file(tensors, str(data_path))
-    write_text_atomic(meta_path, json.dumps(meta))
+    return store_data(data_path, tensors, meta)
+
+
+def cached_meta(data_path: Path, want: dict) -> dict | None:
+    """<out>/data.json when it was written for `want` and <out>/data.safetensors still holds the bytes
+    it was written with (their checksum: the data of another `want`, or a file torn by an earlier
+    crash, is captured again); else None."""
+    meta_path = data_path.with_suffix(".json")
+    if not (data_path.is_file() and meta_path.is_file()):
+        return None
+    meta = json.loads(meta_path.read_text())
+    if meta.get("want") != want:
+        return None
+    if meta.get("data_xxh3_128") != digest_file(data_path):
+        log.warning("%s does not match the checksum %s recorded: capturing again", data_path, meta_path)
+        return None
     return meta
+
+
+def store_data(data_path: Path, tensors: dict, meta: dict) -> dict:
+    """data.safetensors written then renamed, then data.json with its checksum (written then renamed):
+    a crash at any point leaves no data.json that vouches for other bytes. Partial files of crashed
+    writers (their process gone) are removed first."""
+    for tmp in data_path.parent.glob(f".{data_path.name}.tmp-*"):
+        pid = tmp.name.rsplit(".tmp-", 1)[1].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+    blob = save(tensors)  # in memory, then our write: not save_file, whose own tmp handling varies by version
+    with atomic_path(data_path) as tmp:
+        tmp.write_bytes(blob)
+    meta = {**meta, "data_xxh3_128": digest_bytes(blob, FILE_ALGORITHM)}
+    write_text_atomic(data_path.with_suffix(".json"), json.dumps(meta))
+    return meta
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _split(tensors: dict, meta: dict, name: str) -> list[tuple[torch.Tensor, ...]]:

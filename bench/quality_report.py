@@ -35,6 +35,18 @@ def _fmt(xs: list[float]) -> str:
     return f"{m:.3f}" if sd is None else f"{m:.3f} ± {sd:.3f}"
 
 
+def _loop_free(done: list[dict]) -> list[dict]:
+    """The final point's loop-free record (quality_train._tau, measure.loop_free) of each run that has one."""
+    return [r["points"][-1]["loop_free"] for r in done if r["points"][-1].get("loop_free")]
+
+
+def _measured(lf: dict) -> bool:
+    """A loop-free record with a tau: some prompt's continuation does not loop (a record of 0 prompts
+    holds None; results.json files from before held NaN)."""
+    tau = lf.get("tau_chain")
+    return bool(lf.get("prompts", 1)) and tau is not None and tau == tau
+
+
 def _pct(xs: list[float]) -> str:
     return f"{100 * statistics.mean(xs):.2f}%" if xs else "-"
 
@@ -65,7 +77,7 @@ def summarize(results: dict) -> list[dict]:
             "loss": [r["points"][-1]["loss"] for r in done],
             "gpu_s": [r["gpu_s"] for r in done],
             "over_8": [r["points"][-1]["rounds_over_8"] for r in done if "rounds_over_8" in r["points"][-1]],
-            "loop_free": [r["points"][-1]["loop_free"]["tau_chain"] for r in done if "loop_free" in r["points"][-1]],
+            "loop_free": [lf["tau_chain"] for lf in _loop_free(done) if _measured(lf)],
         }
         finals[v["name"]] = f
         rows.append(
@@ -76,6 +88,8 @@ def summarize(results: dict) -> list[dict]:
                 "seeds": [r["seed"] for r in done],
                 "not_final": {r["seed"]: r.get("status") for r in runs if r not in done},
                 "samples": done[0]["samples"] if done else None,
+                # seeds whose held-out continuations all loop: no loop-free tau to average (never NaN)
+                "loop_free_none": sum(not _measured(lf) for lf in _loop_free(done)),
                 **{k: vals for k, vals in f.items()},
             }
         )
@@ -109,6 +123,9 @@ def table(results: dict) -> str:
         gpu = f"{statistics.mean(r['gpu_s']):.1f}" if r["gpu_s"] else "-"
         free = _fmt(r["loop_free"]) + ("" if r["loop_free_gap"] is None else
                                        f" ({r['loop_free_gap']:+.3f}, {r['loop_free_vs_default']})")
+        if r["loop_free_none"]:  # seeds with 0 loop-free prompts: said, not averaged in
+            none = f"{r['loop_free_none']} seed{'s' if r['loop_free_none'] > 1 else ''}"
+            free = "n/a (0 loop-free prompts)" if not r["loop_free"] else f"{free}; {none} n/a (0 loop-free prompts)"
         lines.append(
             f"| {name} | {','.join(map(str, r['seeds'])) or '-'} | {_fmt(r['chain'])} | {_fmt(r['tree'])} | "
             f"{gaps[0]} | {gaps[1]} | {_fmt(r['loss'])} | {_pct(r['over_8'])} | {free} | {gpu} |"

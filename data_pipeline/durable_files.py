@@ -78,6 +78,27 @@ def atomic_writer(path: Path) -> Iterator[TextIO]:
     fsync_dir(path.parent)
 
 
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary name beside `path` (`.NAME.tmp-PID-TID`) for a writer that takes a path
+    (safetensors' save_file, torch.save): on a clean exit the file is fsynced, renamed over `path`
+    and the directory synced; on an error it is removed and `path` is untouched. A crash in the
+    middle leaves `path` as it was, the partial bytes only under the temporary name."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write to a temporary name beside `path`, fsync, rename over it, fsync the directory."""
     with atomic_writer(path) as f:

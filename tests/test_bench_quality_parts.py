@@ -359,6 +359,31 @@ def test_the_table_shows_where_block_8s_cap_would_bind_and_the_loop_free_tau():
     assert " | 0.00% | 2.250 ± 0.071 (+0.200, above) | " in rows["block8"]
 
 
+def test_the_table_says_n_a_where_every_held_out_continuation_loops():
+    """A run whose held-out continuations all loop has no loop-free tau (measure.loop_free: prompts 0,
+    taus None; NaN in results.json files written before): the column says "n/a (0 loop-free prompts)",
+    averages only the seeds that have one, and never shows NaN."""
+    import quality_report
+
+    def run(variant, seed, chain, free):
+        lf = {"tau_chain": free, "tau_ddtree": {"8": free}, "prompts": 0 if free is None or free != free else 40,
+              "loops": 10}  # fmt: skip
+        point = {"samples": 100, "tau_chain": chain, "tau_ddtree": {"8": chain}, "loss": 1.0, "loop_free": lf}
+        return {"variant": variant, "seed": seed, "status": "done", "points": [point], "gpu_s": 1.0, "samples": 100}
+
+    nan = float("nan")
+    results = {"budgets": [8], "variants": [{"name": n, "doc": n} for n in ("default", "mixed", "looping")],
+               "runs": [run("default", 0, 2.5, 2.0), run("default", 1, 2.6, 2.2), run("mixed", 0, 2.7, 2.4),
+                        run("mixed", 1, 2.8, None), run("looping", 0, 2.0, None), run("looping", 1, 2.1, nan)]}
+    md = quality_report.table(results)
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines()
+            if line.startswith("| ") and not line.startswith("| variant")}  # fmt: skip
+    assert "nan" not in md.lower()
+    assert " | n/a (0 loop-free prompts) | " in rows["looping"]
+    assert " | 2.400 (+0.300, n/a); 1 seed n/a (0 loop-free prompts) | " in rows["mixed"]
+    assert " | 2.100 ± 0.141 | " in rows["default"]
+
+
 @pytest.mark.parametrize("packing", [False, True])
 def test_steps_to_counts_the_runs_own_steps(run_dir, packing):
     """The LR schedule of a run in steps needs its step count before it starts: steps_to counts

@@ -85,3 +85,20 @@ def test_no_other_module_opens_a_file_for_append() -> None:
                         if re.fullmatch("[rwxbt+]*a[rwxbt+]*", text):
                             found.append(f"{path.relative_to(REPO)}:{node.lineno}: open(..., {m.value!r})")
     assert not found, "append through data_pipeline.durable_files.append_lines:\n" + "\n".join(found)
+
+
+def test_atomic_path_replaces_the_file_only_on_a_clean_exit(tmp_path: Path) -> None:
+    """For writers that take a path (safetensors, torch.save): an error in the middle leaves the old
+    file and no temporary bytes; a clean exit renames the new file over it."""
+    from data_pipeline.durable_files import atomic_path
+
+    path = tmp_path / "data.bin"
+    path.write_bytes(b"old")
+    with pytest.raises(RuntimeError, match="mid-write"), atomic_path(path) as tmp:
+        tmp.write_bytes(b"half of the n")
+        raise RuntimeError("mid-write")
+    assert path.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["data.bin"]
+    with atomic_path(path) as tmp:
+        assert tmp.parent == path.parent and tmp.name.startswith(".data.bin.tmp-")
+        tmp.write_bytes(b"new")
+    assert path.read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == ["data.bin"]

@@ -99,6 +99,37 @@ def test_loop_free_tau_leaves_out_the_prompts_whose_continuation_loops():
     assert got["tau_chain"] == want.tau_chain < m.result.tau_chain and got["tau_ddtree"] == {4: want.tau_ddtree(4)}
 
 
+def test_loop_free_tau_of_prompts_that_all_loop_is_none_with_its_count_never_nan():
+    """Every reference continuation loops: no loop-free prompt, so no loop-free tau. The record says
+    so (prompts 0, taus None); the table, the log text, the result JSON and TensorBoard's scalars carry
+    "n/a (0 loop-free prompts)", null or nothing, never NaN. A result written before (NaN) reads the same."""
+    from dflash_dist.evaluator.measure import HeldOut, Measured, loop_free
+    from dflash_dist.evaluator.policy import loop_free_text
+    from dflash_dist.evaluator.tb_log import scalars_of
+    from dflash_dist.model.replay import aggregate_rounds
+
+    loop = [5, 6, 7] * 15
+    refs = [HeldOut(prompt_len=2, end=2 + len(loop), sequence=tuple([1, 2] + loop), features=torch.zeros(47, 4))] * 2
+    chains, trees = [[8, 8], [8, 7]], {4: [[5, 5], [5, 4]]}
+    got = loop_free(Measured(aggregate_rounds(8, chains, trees), chains, trees), refs, (4,))
+    assert got["prompts"] == 0 and got["loops"] == 2
+    assert got["tau_chain"] is None and got["tau_ddtree"] == {4: None}
+    assert loop_free_text(got) == "n/a (0 loop-free prompts)"
+
+    r = EvalResult(step=7, tau_chain=7.75, tau_ddtree={4: 4.75}, accept_hist=(0,) * 7 + (3,),
+                   slot_acceptance=(1.0,) * 7, prompts=2, rounds=4, kernel_path="torch", seconds=0.5, loop_free=got)
+    text = json.dumps(r.to_json(), allow_nan=False)  # raises on a NaN anywhere in the record
+    assert json.loads(text)["loop_free"]["tau_chain"] is None
+    assert EvalResult.from_json(json.loads(text)) == r
+    row = r.table_row()
+    assert "(loop-free prompts: chain n/a (0 loop-free prompts))" in row and "nan" not in row.lower()
+    scalars = scalars_of(r)
+    assert not any("loop_free" in tag for tag in scalars) and all(v == v for v in scalars.values())
+    # eval/step_N.json written before this change held NaN for these taus
+    old = {**r.to_json(), "loop_free": {**got, "tau_chain": float("nan"), "tau_ddtree": {"4": float("nan")}}}
+    assert EvalResult.from_json(json.loads(json.dumps(old))) == r
+
+
 def test_list_exports_sees_only_complete_step_directories(tmp_path):
     for name, files in [("step_10", 2), ("step_20", 1), (".tmp-step_30-ab", 2), ("step_x", 2), ("step_40", 0)]:
         (tmp_path / name).mkdir()

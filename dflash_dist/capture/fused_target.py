@@ -56,18 +56,54 @@ def _fla_conv1d(x: torch.Tensor, weight: torch.Tensor, bias=None, activation=Non
     return causal_conv1d(x.transpose(1, 2), weight=weight, bias=bias, activation=activation)[0].transpose(1, 2)
 
 
+# shapes one capture kernel may compile for (ranks 3 and 4, batch and length 1 or not, each dtype:
+# capture, greedy generation and live verification share these code objects); dynamo's default is 8
+RECOMPILE_LIMIT = 64
+
+
 def compile_kernel(f):
     """torch.compile for the fused capture kernels (here and capture/fused_layers.py): dynamic shapes,
     and inductor rounding where eager rounds (bf16 intermediates, `emulate_precision_casts`) in these
-    compiles only, not in every later compile of the process (the drafter's, a bench's)."""
-    # one code object serves every norm of the target in every shape capture, greedy generation and
-    # live verification meet (ranks 3 and 4, batch and length 1 or not): past dynamo's default of 8
-    # graphs a new shape would run eagerly, its features no longer the kernel path's
-    import torch._dynamo.config as dynamo_config
+    compiles only, not in every later compile of the process (the drafter's, a bench's).
 
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
-    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 256)
-    return torch.compile(f, dynamic=True, options={"emulate_precision_casts": True})
+    A kernel never runs eagerly in the kernel path's name: past its recompile limit (or at a graph
+    break) plain torch.compile would run that call in eager, the shards still saying "fla_fused";
+    fullgraph=True makes dynamo raise instead, turned here into an error naming the kernel and what to
+    do. An error, not a recorded "eager" path: the run's features would then mix two paths, which the
+    trainer and evaluator refuse anyway, only later."""
+    import inspect
+
+    import torch._dynamo.config as dynamo_config
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    kwargs = {}
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:  # torch >= 2.13: this region only
+        kwargs["recompile_limit"] = RECOMPILE_LIMIT
+    else:  # older torch: dynamo's global limit (per thread in torch 2.12: in another thread the kernel stops
+        # at dynamo's 8, loudly all the same)
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+    compiled = torch.compile(f, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True}, **kwargs)
+    name = getattr(f, "__name__", None) or getattr(getattr(f, "func", None), "__name__", repr(f))
+    if compiled is f or dynamo_config.disable:
+        raise ValueError(
+            f"capture kernel {name}: torch.compile is disabled in this process (TORCHDYNAMO_DISABLE=1 "
+            "or TORCH_COMPILE_DISABLE=1), so capture.kernels=fused/fused2 would run eagerly under a "
+            "fused kernel path; unset it, or set capture.kernels=eager"
+        )
+    return functools.partial(_guarded, compiled, name, FailOnRecompileLimitHit)
+
+
+def _guarded(compiled, name: str, limit_hit: type[Exception], *args, **kwargs):
+    try:
+        return compiled(*args, **kwargs)
+    except limit_hit as err:
+        raise RuntimeError(
+            f"capture kernel {name} (dflash_dist/capture/) met more input shapes/dtypes than its "
+            f"{RECOMPILE_LIMIT} compiles: torch.compile would run it eagerly, and the features would no longer "
+            "come from the kernel path their shards record; stopped instead. TORCH_LOGS=recompiles shows the "
+            "shapes; raise dflash_dist.capture.fused_target.RECOMPILE_LIMIT, or capture with "
+            "capture.kernels=eager (kernel path 'fla': a new run, its evaluator on the same setting)"
+        ) from err
 
 
 @functools.cache
@@ -116,9 +152,11 @@ def apply_capture_kernels(kernels: str, model: nn.Module, kernel_path: str) -> s
     if kernels == "eager":
         return kernel_path
     if kernel_path != "fla":
-        raise ValueError(f"capture.kernels={kernels} needs fla's kernels on CUDA; this target runs {kernel_path!r} "
-                         "(set target.device=cuda with flash-linear-attention and triton installed, or "
-                         "capture.kernels=eager)")
+        raise ValueError(
+            f"capture.kernels={kernels} needs fla's kernels on CUDA; this target runs {kernel_path!r} "
+            "(set target.device=cuda with flash-linear-attention and triton installed, or "
+            "capture.kernels=eager)"
+        )
     fuse_target(model, layers=kernels == "fused2")
     return KERNEL_PATH_OF[kernels]
 

@@ -52,6 +52,7 @@ from dflash_dist.evaluator.policy import (
     EvalResult,
     lacks_mode,
     live_checkpoint,
+    loop_free_text,
     pending_steps,
     should_stop,
     tau_record_from_json,
@@ -397,7 +398,9 @@ class Evaluator:
         extra += " server=FAILED" if server and "error" in server else ""
         extra += f" vs reference x{result.tau_chain_vs_reference:.3f}" if result.reference else ""
         lf = result.loop_free
-        extra += f" loop-free chain={lf['tau_chain']:.3f} ({lf['prompts']} prompts)" if lf and lf["loops"] else ""
+        if lf and lf["loops"]:  # "n/a (0 loop-free prompts)" when every continuation loops
+            extra += f" loop-free chain={loop_free_text(lf, 3)}"
+            extra += f" ({lf['prompts']} prompts)" if lf["prompts"] else ""
         log.info("evaluator: step %d tau chain=%.3f %s%s (%d prompts, %.1fs)", step, result.tau_chain, trees, extra,
                  result.prompts, result.seconds)
         return result

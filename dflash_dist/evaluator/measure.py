@@ -59,12 +59,16 @@ def loop_free(measured: Measured, refs: list[HeldOut], budgets: tuple[int, ...])
     """tau over the prompts whose reference continuation does not end in a loop (the target going
     round the same segment: target/continuations.ends_in_loop). A loop is trivial to draft, so a
     small target's loops lift tau; this is the tau the drafter earns on the rest. Same rounds, same
-    aggregation, fewer prompts."""
+    aggregation, fewer prompts. With no loop-free prompt left ("prompts": 0: every continuation
+    loops) the taus are None, not the NaN of an empty mean: tables say "n/a (0 loop-free prompts)"
+    (policy.loop_free_text), JSON holds null, TensorBoard gets no loop-free scalar."""
     keep = [i for i, ref in enumerate(refs) if not ends_in_loop(ref.continuation)]
     res = aggregate_rounds(measured.result.block_size, [measured.chain_rounds[i] for i in keep],
                            {b: [measured.tree_rounds[b][i] for i in keep] for b in budgets})
-    return {"definition": LOOP_DEFINITION, "prompts": len(res.tau_chain_per_prompt), "loops": len(refs) - len(keep),
-            "tau_chain": res.tau_chain, "tau_ddtree": {b: res.tau_ddtree(b) for b in budgets}}
+    n = len(res.tau_chain_per_prompt)
+    return {"definition": LOOP_DEFINITION, "prompts": n, "loops": len(refs) - len(keep),
+            "tau_chain": res.tau_chain if n else None,
+            "tau_ddtree": {b: res.tau_ddtree(b) if n else None for b in budgets}}
 
 
 def measure_replay(drafter: DFlashDrafter, refs: list[HeldOut], budgets: tuple[int, ...], count: str,

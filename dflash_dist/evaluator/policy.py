@@ -129,7 +129,7 @@ class EvalResult:
         trees = "  ".join(f"DDTree-{b} {t:.2f}" for b, t in sorted(self.tau_ddtree.items()))
         row = f"step {self.step:>6}: tau chain {self.tau_chain:.2f}  {trees}"
         if self.loop_free and self.loop_free["loops"]:
-            row += f"  (loop-free prompts: chain {self.loop_free['tau_chain']:.2f})"
+            row += f"  (loop-free prompts: chain {loop_free_text(self.loop_free)})"
         if self.live:
             row += f"  | live chain {self.live['tau_chain']:.2f}"
         if self.server_error is not None:
@@ -190,7 +190,7 @@ class EvalResult:
                 live=tau_record_from_json(d.get("live")),
                 server=d.get("server"),
                 reference=tau_record_from_json(d.get("reference")),
-                loop_free=tau_record_from_json(d.get("loop_free")),
+                loop_free=_loop_free_from_json(d.get("loop_free")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"{where}: not a valid eval result ({type(e).__name__}: {e})") from None
@@ -203,7 +203,26 @@ def tau_record_from_json(d: dict[str, Any] | None) -> dict[str, Any] | None:
     out = dict(d)
     for key, value in d.items():
         if key.endswith("tau_ddtree") and isinstance(value, dict):
-            out[key] = {int(b): float(t) for b, t in value.items()}
+            out[key] = {int(b): None if t is None else float(t) for b, t in value.items()}
         elif key == "replay_own" and isinstance(value, dict):  # live: replay over live's own continuations
             out[key] = tau_record_from_json(value)
     return out
+
+
+def _loop_free_from_json(d: dict[str, Any] | None) -> dict[str, Any] | None:
+    """measure.loop_free's record read back; one of 0 prompts written before its taus became None
+    (they were NaN then) reads as None too."""
+    out = tau_record_from_json(d)
+    if out is not None and not out.get("prompts"):
+        out["tau_chain"] = None
+        out["tau_ddtree"] = {b: None for b in out.get("tau_ddtree", {})}
+    return out
+
+
+def loop_free_text(record: dict[str, Any], digits: int = 2) -> str:
+    """measure.loop_free's chain tau as a table or a log line shows it: "n/a (0 loop-free prompts)"
+    when every prompt's continuation loops (no tau to show, never NaN)."""
+    tau = record.get("tau_chain")
+    if not record.get("prompts") or tau is None or tau != tau:
+        return f"n/a ({record.get('prompts', 0)} loop-free prompts)"
+    return f"{tau:.{digits}f}"

@@ -1,0 +1,91 @@
+"""capture/fused_target.py's compile_kernel, the one torch.compile wrapper of the fused capture kernels
+(capture.kernels=fused/fused2, kernel paths "fla_fused"/"fla_fused2"): a kernel never runs eagerly under
+the fused path's name. Past its recompile limit plain torch.compile runs the call in eager without a
+word (dynamo's RUN_ONLY fallback); these kernels raise instead. Tested on CPU through the production
+entry points (`_compiled()`, `gpu_kernels()`), which build every compiled capture kernel."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from dflash_dist.capture import fused_layers, fused_target
+
+
+def _clear():
+    fused_target._compiled.cache_clear()
+    fused_layers.gpu_kernels.cache_clear()
+    fused_layers._compiled_rope.cache_clear()
+    torch._dynamo.reset()
+
+
+@pytest.fixture()
+def fresh_kernels():
+    _clear()
+    yield
+    _clear()
+
+
+def test_capture_kernel_past_its_recompile_limit_raises_instead_of_running_eagerly(fresh_kernels, monkeypatch):
+    monkeypatch.setattr(fused_target, "RECOMPILE_LIMIT", 2, raising=False)
+    rms = fused_target._compiled()[0]  # the RMSNorm every fused target layer calls
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(16, generator=gen)
+    xs = [torch.randn(*lead, 16, generator=gen) for lead in ((3,), (2, 3), (2, 2, 3))]  # ranks 2, 3, 4
+    for x in xs[:2]:  # dynamic shapes: one graph per rank
+        torch.testing.assert_close(rms(x, weight=w, eps=1e-6), fused_target._rms_norm(x, w, 1e-6))
+    with pytest.raises(RuntimeError, match=r"capture kernel _rms_norm .* than its 2 compiles: .*RECOMPILE_LIMIT"):
+        rms(xs[2], weight=w, eps=1e-6)
+    # the shapes already compiled keep running their graphs
+    torch.testing.assert_close(rms(xs[0], weight=w, eps=1e-6), fused_target._rms_norm(xs[0], w, 1e-6))
+
+
+def test_every_capture_kernel_goes_through_the_guard_and_compiles_whole_on_cpu(fresh_kernels):
+    """fullgraph=True turns a graph break into an error too: each compiled kernel of both fused paths
+    traces as one graph (on CPU here; the trace does not depend on the device) and equals its eager
+    function."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
+
+    def guarded(k):
+        return isinstance(k, functools.partial) and k.func is fused_target._guarded
+
+    rms, gated, silu_mul = fused_target._compiled()
+    k = fused_layers.gpu_kernels()
+    assert all(guarded(f) for f in (rms, gated, silu_mul, k.gating, k.gated_norm, k.add_norm, k.gate_out))
+    assert guarded(fused_layers._compiled_rope(apply_rotary_pos_emb))
+
+    gen = torch.Generator().manual_seed(1)
+    b, t, h, d = 2, 5, 3, 8
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    x, z, w = r(b, t, h, d), r(b, t, h, d), r(d)
+    torch.testing.assert_close(rms(x, weight=w, eps=1e-6), fused_target._rms_norm(x, w, 1e-6))
+    torch.testing.assert_close(gated(x, z, weight=w, eps=1e-6), fused_target._gated_rms_norm(x, z, w, 1e-6))
+    torch.testing.assert_close(silu_mul(x, z), fused_target._silu_mul(x, z))
+    ba, a_log, dt = r(b, t, h), r(h), r(h)
+    for got, want in zip(k.gating(ba, ba, a_log, dt), fused_layers._gating(ba, ba, a_log, dt), strict=True):
+        torch.testing.assert_close(got, want)
+    res, y, w2 = r(b, t, h * d), r(b, t, h * d), r(h * d)
+    for got, want in zip(k.add_norm(res, y, w2, 1e-6), fused_layers._add_rms_norm(res, y, w2, 1e-6), strict=True):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(k.gate_out(x, z), fused_layers._gate_out(x, z))
+    cos, sin = r(b, t, d // 2), r(b, t, d // 2)  # partial RoPE over half the head
+    args = (x, z, w, w, 1e-6, cos, sin)
+    got = k.norm_rope(apply_rotary_pos_emb, *args)
+    for g_, w_ in zip(got, fused_layers._norm_rope(apply_rotary_pos_emb, *args), strict=True):
+        torch.testing.assert_close(g_, w_)
+
+
+def test_disabled_compile_is_refused_before_any_capture(fresh_kernels, monkeypatch):
+    """TORCHDYNAMO_DISABLE=1 makes torch.compile return the function itself (eager kernels under the
+    "fla_fused" name); TORCH_COMPILE_DISABLE=1 (dynamo's `disable`) skips every frame."""
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    with pytest.raises(ValueError, match="torch.compile is disabled .* capture.kernels=eager"):
+        fused_target.compile_kernel(fused_target._silu_mul)
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE")
+    with torch._dynamo.config.patch(disable=True), pytest.raises(ValueError, match="torch.compile is disabled"):
+        fused_target._compiled()

@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dflash_dist.config import Config
-from dflash_dist.orchestration.run_plan import PipelineError, decide_training, plan_stages
+from dflash_dist.orchestration.run_plan import PipelineError, decide_training, plan_stages, planned_samples
 from dflash_dist.trainer import checkpoint, resume
 from dflash_dist.trainer.checkpoint import ResumeError
 from dflash_dist.trainer.ds_config import planned_schedule
@@ -44,15 +44,17 @@ STEPS = 16  # 4 epochs
 EVERY = 4  # checkpoint_every
 
 
-def fake_tag(ckpt_dir: Path, step: int, cfg: Config, world: int = 2, complete: bool = True) -> Path:
-    """A tag directory as the trainer leaves it (a DeepSpeed file, and the marker if complete)."""
+def fake_tag(ckpt_dir: Path, step: int, cfg: Config, world: int = 2, complete: bool = True,
+             samples: int = NUM) -> Path:  # fmt: skip
+    """A tag directory as the trainer leaves it (a DeepSpeed file, and the marker if complete; its LR
+    schedule planned over `samples` per epoch)."""
     tag = ckpt_dir / checkpoint.tag_name(step)
     tag.mkdir(parents=True)
     (tag / "mp_rank_00_model_states.pt").write_bytes(b"x" * 100)
     if complete:
         data = checkpoint.data_fingerprint(cfg.out / "shards")
         meta = {"step": step, "world_size": world, "config": cfg.to_dict(), "data": data,
-                "schedule": list(planned_schedule(cfg, NUM)), "state_version": STATE_VERSION}  # fmt: skip
+                "schedule": list(planned_schedule(cfg, samples)), "state_version": STATE_VERSION}  # fmt: skip
         checkpoint.write_marker(tag, meta)
     return tag
 
@@ -282,6 +284,38 @@ def test_plan_stages_reuses_done_shards_and_checks_the_checkpoint(tmp_path, tiny
     marker.write_text(marker.read_text().replace('"step": 4', '"step": 4 '))  # changed after the decision
     with pytest.raises(ResumeError, match="changed after the resume was decided"):
         resume.verify(decision)
+
+
+def test_a_run_planned_over_the_written_samples_alone_resumes_on_that_base(tmp_path, tiny):
+    """A training over a finished capture that skipped a sample (non-finite) planned, before the
+    capture's skipped samples counted, over the written ones alone; its checkpoint records that LR
+    schedule. Resumed now, the plan keeps that base (schedule, step count, loss budget as they were)
+    instead of refusing "another LR schedule length" over the same shards. A run without a
+    checkpoint, or one planned over written + skipped, plans over written + skipped."""
+    from data_pipeline.ledger import record_skipped
+    from data_pipeline.shard_reader import read_manifest
+
+    cfg = make_cfg(tmp_path / "run", tiny["target_dir"])
+    shards = cfg.out / "shards"
+    write_shards(shards, tiny["prov"], tiny["samples"][:4], done=True)
+    record_skipped(shards, "k-nonfinite", "non-finite features", 0)
+    written = sum(r.n_samples for r in read_manifest(shards))
+    assert planned_schedule(cfg, written) != planned_schedule(cfg, written + 1)
+    assert planned_samples(cfg, None, ("train",), "auto") == written + 1  # a fresh run: what the capture was given
+    ckpts = cfg.out / "checkpoints"
+    fake_tag(ckpts, 4, cfg, samples=written)  # planned over the written samples alone
+    assert planned_samples(cfg, None, ("extract", "train"), "auto") == written
+    samples = planned_samples(cfg, None, ("train",), "auto")
+    assert samples == written
+    assert decide_training(cfg, ("train",), "auto", samples).step == 4  # resumed, not refused
+    assert planned_samples(cfg, None, ("train",), str(ckpts / "step_4")) == written  # a tag named alike
+    fake_tag(ckpts, 8, cfg, samples=written + 1)  # a run planned over written + skipped keeps that
+    checkpoint.publish_latest(ckpts, "step_8")
+    assert planned_samples(cfg, None, ("train",), "auto") == written + 1
+    cfg.train.epochs += 1  # another schedule length than either base: refused as before
+    samples = planned_samples(cfg, None, ("train",), "auto")
+    with pytest.raises(PipelineError, match="LR schedule spans"):
+        decide_training(cfg, ("train",), "auto", samples)
 
 
 def test_cli_never_refuses_a_directory_holding_a_run(tmp_path):

@@ -170,21 +170,45 @@ def decide_training(cfg: Config, stages: tuple[str, ...], resume: str,
         raise PipelineError(str(e)) from None
 
 
-def planned_samples(cfg: Config, data: DataPlan | None) -> int | None:
+def planned_samples(cfg: Config, data: DataPlan | None, stages: tuple[str, ...], resume: str) -> int | None:
     """Samples per epoch: the ingested conversations when this run reads them, else those a
     complete capture was given (its manifest's plus those it skipped as non-finite, as the
     ingested count includes them: the same base for the LR schedule and data.max_lost_fraction
-    however the run is resumed), else data.max_train_samples."""
+    however the run is resumed), else data.max_train_samples. A training that resumes a
+    checkpoint planned over a finished capture's written samples alone (a training-only run
+    before the skipped ones counted) keeps that base (`_checkpoint_base`)."""
     from data_pipeline.ledger import read_skipped
     from data_pipeline.records import DONE_NAME
     from data_pipeline.shard_reader import read_manifest
 
-    if data is not None:
-        return data.capture.records
     shards = cfg.out / "shards"
-    if (shards / DONE_NAME).exists():
-        return sum(r.n_samples for r in read_manifest(shards)) + len(read_skipped(shards))
-    return cfg.data.max_train_samples
+    if not (shards / DONE_NAME).exists():
+        return data.capture.records if data is not None else cfg.data.max_train_samples
+    written = sum(r.n_samples for r in read_manifest(shards))
+    given = data.capture.records if data is not None else written + len(read_skipped(shards))
+    return _checkpoint_base(cfg, resume, given, written) if "train" in stages else given
+
+
+def _checkpoint_base(cfg: Config, resume: str, given: int, written: int) -> int:
+    """`written` when the checkpoint `resume` picks records the LR schedule planned over it and
+    not the one over `given` (the recorded plan wins: the run resumes exactly, with its schedule,
+    step count and loss budget, instead of being refused as another schedule length over the same
+    shards); else `given`. A checkpoint that cannot be read is left to decide_training to name."""
+    from dflash_dist.trainer.checkpoint import ResumeError, plan_resume, read_marker
+    from dflash_dist.trainer.ds_config import planned_schedule
+
+    if given == written:
+        return given
+    try:
+        path = plan_resume(resume, cfg.out / "checkpoints")
+        saved = tuple(((read_marker(path) if path is not None else None) or {}).get("schedule") or ())
+        if saved and saved != planned_schedule(cfg, given) and saved == planned_schedule(cfg, written):
+            log.info("%s planned its LR schedule over the %d written samples (not the %d given): resumed on them",
+                     path, written, given)  # fmt: skip
+            return written
+    except (ResumeError, ValueError):
+        pass
+    return given
 
 
 def make_plan(cfg: Config, stages: tuple[str, ...], resume: str, made_by: str = "") -> RunPlan:
@@ -204,7 +228,7 @@ def make_plan(cfg: Config, stages: tuple[str, ...], resume: str, made_by: str = 
     target_dir = resolve_target_dir(cfg)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     splits, data = _plan_data(cfg, tokenizer) if ("extract" in stages or "eval" in stages) else (None, None)
-    num_samples = planned_samples(cfg, data)
+    num_samples = planned_samples(cfg, data, stages, resume)
     resume_from = decide_training(cfg, stages, resume, num_samples)
     t0 = time.monotonic()
     ident = target_identity(cfg, target_dir)

@@ -88,7 +88,11 @@ def token_file_problem(path: str | os.PathLike[str]) -> str | None:
         return f"{path} has mode {stat.S_IMODE(st.st_mode):04o}: others could read the token; chmod 600 it"
     if st.st_uid != os.getuid():
         return f"{path} belongs to another user (uid {st.st_uid})"
-    text = path.read_text().strip()
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        return (f"{path} cannot be read as a token file ({type(e).__name__}: {e}); write a new one with "
+                "`dflash-dist cluster-token CLUSTER_YAML --new`")
     if len(text) < 32 or not text.isalnum():
         return f"{path} does not hold a token (32 or more letters and digits)"
     return None

@@ -258,6 +258,11 @@ def test_cluster_yamls_start_every_ray_process_with_a_token_the_launcher_makes(m
     (tmp_path / "home" / "dflash-ray-token").chmod(0o644)
     assert cli(["ray-start", "--head"]) == 2
     assert "has mode 0644: others could read the token" in capsys.readouterr().err
+    garbled = tmp_path / "home" / "dflash-ray-token"
+    garbled.write_bytes(b"\xff" * 40)  # private, but not a token: refused with a message, no traceback
+    garbled.chmod(0o600)
+    assert cli(["ray-start", "--head"]) == 2
+    assert "cannot be read as a token file (UnicodeDecodeError" in capsys.readouterr().err
 
 
 @pytest.mark.slow

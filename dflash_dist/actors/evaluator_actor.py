@@ -49,7 +49,7 @@ class EvaluatorTask:
     cfg: dict  # Config.to_dict(): run.out_dir is the run directory; eval.* the modes, poll and backlog policy
     target_dir: str
     eval_prompts: tuple[tuple[int, ...], ...]
-    identity: TargetIdentity | None = None  # the run plan's (weights hashed once per run); None: hashed here
+    identity: TargetIdentity | None = None  # the run plan's: the target's files must hash to it; None: hashed here
     expected: Provenance | None = None  # the training shards' provenance the target must reproduce; None: unchecked
     shard_dir: str | None = None  # shards re-checked before every evaluation; None: none
 

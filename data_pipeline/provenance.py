@@ -156,12 +156,9 @@ def check_compatible(expected: Provenance, found: Provenance, where: str) -> Non
         raise ProvenanceMismatch(where, diffs)
 
 
-def hash_weight_files(model_dir: str | os.PathLike[str], chunk_bytes: int = 8 << 20) -> str:
-    """sha256 over the target's weight files (*.safetensors, *.bin), sorted by name, streamed.
-
-    Each file's name and size are hashed before its bytes, so a different split of the same
-    bytes into files gives a different hash. Reads every byte: ~1-2 min for a 27B target.
-    """
+def weight_files(model_dir: str | os.PathLike[str]) -> list[Path]:
+    """The target's weight files (*.safetensors, *.bin) in `model_dir`, sorted by name: what
+    `hash_weight_files` hashes (and target/weights_check.py stamps)."""
     root = Path(model_dir)
     if not root.is_dir():
         raise ValueError(f"hash_weight_files: {root} is not a directory")
@@ -171,8 +168,17 @@ def hash_weight_files(model_dir: str | os.PathLike[str], chunk_bytes: int = 8 <<
             f"hash_weight_files: no {' / '.join(WEIGHT_FILE_PATTERNS)} files in {root}; "
             "point it at the HF model directory holding the target's weights"
         )
+    return files
+
+
+def hash_weight_files(model_dir: str | os.PathLike[str], chunk_bytes: int = 8 << 20) -> str:
+    """sha256 over the target's weight files (*.safetensors, *.bin), sorted by name, streamed.
+
+    Each file's name and size are hashed before its bytes, so a different split of the same
+    bytes into files gives a different hash. Reads every byte: ~1-2 min for a 27B target.
+    """
     h = hashlib.sha256()
-    for path in files:
+    for path in weight_files(model_dir):
         h.update(f"{path.name}\0{path.stat().st_size}\0".encode())
         with open(path, "rb") as f:
             while chunk := f.read(chunk_bytes):

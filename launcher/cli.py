@@ -26,6 +26,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 STAGES = {"run": ("extract", "train", "eval"), "extract": ("extract",), "train": ("train",), "eval": ("eval",)}
+NO_TORCH = ("status", "cluster-token")  # commands that compile nothing (and start nothing that does)
 
 
 def _pipeline_parser(cmd: str) -> argparse.ArgumentParser:
@@ -59,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip())
         return 0
     cmd, rest = argv[0], argv[1:]
+    if cmd not in NO_TORCH:
+        problem = compile_cache_problem()
+        if problem:
+            print(f"dflash-dist {cmd}: error: {problem}", file=sys.stderr)
+            return 1
     if cmd == "demo":
         from dflash_dist.tools.demo import main as demo_main
 
@@ -123,6 +129,19 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def compile_cache_problem() -> str | None:
+    """Put torch.compile's and Triton's caches in a directory only this user can write (this
+    process and every one it starts: Ray's raylets and actors, srun tasks, spawned workers), or why
+    not (dflash_dist/compile_cache.py). Before anything imports torch's compiler."""
+    from dflash_dist.compile_cache import CacheDirError, use_private_cache_dirs
+
+    try:
+        use_private_cache_dirs()
+    except CacheDirError as e:
+        return str(e)
+    return None
 
 
 def failure_text(error: BaseException) -> str:

@@ -27,6 +27,7 @@ import ray
 import torch
 
 from data_pipeline.provenance import Provenance
+from dflash_dist.compile_cache import actor_runtime_env, use_private_cache_dirs
 from dflash_dist.config import Config
 from dflash_dist.evaluator.policy import EvalResult
 from dflash_dist.target.loading import TargetIdentity
@@ -38,7 +39,8 @@ MAX_CONCURRENCY = 4  # wait() blocks one slot; status()/trainer_finished() need 
 def evaluator_actor_options(cfg: Config) -> dict:
     """The evaluator actor's Ray options, every key written out (STYLE 4)."""
     return {"num_cpus": cfg.eval.num_cpus, "num_gpus": cfg.eval.num_gpus, "max_concurrency": MAX_CONCURRENCY,
-            "max_restarts": cfg.eval.max_restarts, "max_task_retries": 0}
+            "max_restarts": cfg.eval.max_restarts, "max_task_retries": 0,
+            "runtime_env": actor_runtime_env()}  # the driver's private compile cache directories
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class EvaluatorTask:
     cfg: dict  # Config.to_dict(): run.out_dir is the run directory; eval.* the modes, poll and backlog policy
     target_dir: str
     eval_prompts: tuple[tuple[int, ...], ...]
-    identity: TargetIdentity | None = None  # the run plan's (weights hashed once per run); None: hashed here
+    identity: TargetIdentity | None = None  # the run plan's: the target's files must hash to it; None: hashed here
     expected: Provenance | None = None  # the training shards' provenance the target must reproduce; None: unchecked
     shard_dir: str | None = None  # shards re-checked before every evaluation; None: none
 
@@ -61,6 +63,7 @@ class EvaluatorActor:
         from dflash_dist.logging_setup import setup_logging
 
         setup_logging("evaluator", 0)  # the evaluator's INFO lines (references, tau per step) reach the driver
+        use_private_cache_dirs()  # on this node, before anything compiles (its live workers inherit it)
         self.task = task
         self.cfg = load_config_dict(task.cfg)
         if self.cfg.eval.num_gpus == 0:

@@ -14,7 +14,18 @@ import torch
 
 from data_pipeline.ledger import CaptureData
 from dflash_dist.capture.capture_job import CaptureResult
+from dflash_dist.compile_cache import actor_runtime_env, use_private_cache_dirs
+from dflash_dist.config import Config
 from dflash_dist.target.loading import TargetIdentity
+
+
+def target_actor_options(cfg: Config) -> dict:
+    """Ray options of a target actor, every key written out (STYLE 4): Ray restarts a dead one and
+    retries its call (capture.max_restarts), which resumes from the ledger."""
+    retries = cfg.capture.max_restarts
+    return {"num_cpus": cfg.capture.cpus_per_actor, "num_gpus": cfg.capture.gpus_per_actor, "name": None,
+            "max_restarts": retries, "max_task_retries": retries,
+            "runtime_env": actor_runtime_env()}  # the driver's private compile cache directories
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,7 @@ class TargetWorker:
 
         cfg = load_config_dict(task.cfg)
         setup_logging("target", task.actor_index)
+        use_private_cache_dirs()  # on this node, before anything compiles (capture.kernels fused)
         if not torch.cuda.is_available():
             torch.set_num_threads(max(1, int(os.environ.get("DFLASH_THREADS_PER_ACTOR", "1"))))
         with Heartbeat(cfg.out, "target", task.actor_index) as beat:

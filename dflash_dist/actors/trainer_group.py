@@ -20,6 +20,7 @@ import ray
 from data_pipeline.provenance import Provenance
 from dflash_dist.actors.faults import DIED, ERROR
 from dflash_dist.actors.ports import free_ports
+from dflash_dist.compile_cache import actor_runtime_env, use_private_cache_dirs
 from dflash_dist.config import Config, load_config_dict
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.trainer.ds_config import planned_schedule
@@ -129,6 +130,7 @@ def run_rank(cfg_dict: dict, job: TrainJob, env: dict[str, str], extensions_dir:
     and an srun task (launcher/slurm_train.py) both call it."""
     os.environ.update(env)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir)
+    use_private_cache_dirs()  # on this node, before anything compiles
     interpreter_bin_first()
     import torch
     import torch.distributed as dist
@@ -252,6 +254,7 @@ def trainer_actor_options(cfg: Config) -> dict:
         "num_gpus": cfg.train.gpus_per_rank,
         "max_restarts": 0,
         "max_task_retries": 0,
+        "runtime_env": actor_runtime_env(),  # the driver's private compile cache directories
     }
 
 

@@ -9,7 +9,9 @@ is measured once on the same prompts and modes; each checkpoint's tau is shown a
 Plain Python (the Ray actor in actors/evaluator_actor.py only runs it in a thread). The target
 is loaded once, the way capture loads it, so its Provenance (target, layers, dtype, GDN kernel
 path, template) is computed, not assumed: a drafter trained on features of another origin is
-refused instead of scored. The target's greedy continuation of every held-out prompt and the
+refused instead of scored. The weight files it loads must hash to the run's recorded target_hash
+(target/weights_check.py: hashed once per process; the live workers reuse that check while the
+files are unchanged, and refuse other weights too). The target's greedy continuation of every held-out prompt and the
 target features of prompt+continuation do not depend on the checkpoint, so they are computed
 once (while the evaluator waits for the first export) and reused; each checkpoint then costs only
 drafter forwards.
@@ -63,7 +65,7 @@ from dflash_dist.model.capture import capture_features
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.export import load_drafter
 from dflash_dist.target.generation import generate_in_batches, generate_responses, pad_token_id, stop_token_ids
-from dflash_dist.target.loading import TargetIdentity, load_target, target_identity
+from dflash_dist.target.loading import TargetIdentity, load_verified_target, target_identity
 from dflash_dist.trainer.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -104,7 +106,8 @@ class Evaluator:
     def __init__(self, cfg: Config, out_dir: str | os.PathLike[str], target_dir: str | os.PathLike[str],
                  eval_prompts: list[list[int]], expected: Provenance | None,
                  shard_dir: str | os.PathLike[str] | None = None, identity: TargetIdentity | None = None) -> None:
-        """identity: the run plan's (weights hashed once per run); None: computed here."""
+        """identity: the run plan's (the weight files loaded here must hash to its target_hash: checked
+        once per process, weights_check.py); None: computed here."""
         prompts = [[int(t) for t in p] for p in eval_prompts[: cfg.eval.num_prompts]]
         if not prompts or not all(prompts):
             raise ValueError("Evaluator needs at least one non-empty eval prompt (data.eval_path, eval.num_prompts)")
@@ -120,7 +123,10 @@ class Evaluator:
         target_dir = Path(target_dir)
         self.target_dir = target_dir
         self.identity = identity if identity is not None else target_identity(cfg, target_dir)
-        self.model, self.tokenizer = load_target(cfg, target_dir)
+        # the weights loaded here (and by every live worker: self.weights) are those the identity's
+        # hash names, i.e. the features' target: checked once per process, refused otherwise
+        self.model, self.tokenizer, self.weights = load_verified_target(
+            cfg, target_dir, self.identity.target_hash, f"the evaluator's target {target_dir}")
         # its own target's features, computed here (never read from shards: as serving does), on the
         # kernels capture ran (capture.kernels); the encoding names how the training shards store
         # theirs, so the checks compare like for like
@@ -294,7 +300,7 @@ class Evaluator:
     def _measure_live(self, drafter, refs, export_dir: Path):
         e = self.cfg.eval
         if e.live_workers > 1:
-            return measure_live_workers(e.live_workers, self.cfg.to_dict(), self.target_dir, export_dir, refs,
+            return measure_live_workers(e.live_workers, self.cfg.to_dict(), self.weights, export_dir, refs,
                                         self.budgets, e.count, self.stop_ids, e.max_new_tokens,
                                         self.provenance.kernel_path, drafter.config.block_size)  # fmt: skip
         return measure_live(self.model, drafter, refs, self.budgets, e.count, self.stop_ids, e.max_new_tokens,

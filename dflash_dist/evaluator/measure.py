@@ -5,6 +5,7 @@ with each prompt's per-round tau kept so replay and live can be compared round b
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from dflash_dist.evaluator.live import live_decode
 from dflash_dist.model.drafter import DFlashDrafter
 from dflash_dist.model.replay import ReplayResult, aggregate_rounds, replay_sequence
 from dflash_dist.target.continuations import LOOP_DEFINITION, ends_in_loop
+from dflash_dist.target.weights_check import VerifiedWeights
 
 
 @dataclass(frozen=True)
@@ -107,21 +109,35 @@ def measure_live(target: nn.Module, drafter: DFlashDrafter, refs: list[HeldOut],
     return _live_measured(done, refs, budgets, drafter.config.block_size, kernel_path)
 
 
-_WORKER: dict[str, Any] = {}  # a live worker process's target and drafter (live_worker_init)
+_WORKER: dict[str, Any] = {}  # a live worker process's target and drafter, or why it has none (live_worker_init)
 
 
-def live_worker_init(cfg_dict: dict, target_dir: str, export_dir: str, kernel_path: str, threads: int) -> None:
-    """A live worker: its own copy of the target (on the kernels the evaluator checked and
-    capture.kernels applied: the same path is required) and of the drafter export."""
+def live_worker_init(cfg_dict: dict, target_dir: str, export_dir: str, kernel_path: str, threads: int,
+                     verified: VerifiedWeights) -> None:
+    """A live worker: its own copy of the target (the weights the evaluator verified, `verified`:
+    other weight files are refused; on the kernels the evaluator checked and capture.kernels
+    applied: the same path is required) and of the drafter export. A refusal is kept and raised
+    by every prompt's call, so the evaluator gets the error itself (an initializer that raises
+    only breaks the pool)."""
+    try:
+        _WORKER.update(_load_worker(cfg_dict, target_dir, export_dir, kernel_path, threads, verified), error=None)
+    except Exception as e:
+        _WORKER.clear()
+        _WORKER["error"] = e
+
+
+def _load_worker(cfg_dict: dict, target_dir: str, export_dir: str, kernel_path: str, threads: int,
+                 verified: VerifiedWeights) -> dict[str, Any]:
     from dflash_dist.capture.fused_target import apply_capture_kernels
     from dflash_dist.config import load_config_dict
     from dflash_dist.model.capture import check_kernel_path
     from dflash_dist.model.export import load_drafter
-    from dflash_dist.target.loading import load_target
+    from dflash_dist.target.loading import load_verified_target
 
     torch.set_num_threads(threads)
     cfg = load_config_dict(cfg_dict)
-    model, _ = load_target(cfg, Path(target_dir))
+    model, _, _ = load_verified_target(cfg, Path(target_dir), verified.target_hash,
+                                       f"live worker (pid {os.getpid()})", verified)
     path = check_kernel_path(model, cfg.target.allow_torch_gdn_on_cuda)
     path = apply_capture_kernels(cfg.capture.kernels, model, path)
     if path != kernel_path:
@@ -130,29 +146,31 @@ def live_worker_init(cfg_dict: dict, target_dir: str, export_dir: str, kernel_pa
     dev = next(model.parameters()).device
     drafter = load_drafter(export_dir, model.get_input_embeddings().weight, model.get_output_embeddings().weight,
                            device=dev)
-    _WORKER.update(model=model, drafter=drafter)
+    return {"model": model, "drafter": drafter}
 
 
 def live_worker_prompt(prompt: list[int], budgets: tuple[int, ...], count: str, stop_ids: tuple[int, ...],
                        max_new_tokens: int) -> tuple[list[int], list[int], dict[int, list[int]]]:
     """decode_prompt in a worker, on its own target and drafter."""
+    if _WORKER.get("error") is not None:
+        raise _WORKER["error"]
     return decode_prompt(_WORKER["model"], _WORKER["drafter"], prompt, budgets, count, stop_ids, max_new_tokens)
 
 
-def measure_live_workers(workers: int, cfg_dict: dict, target_dir: str | Path, export_dir: str | Path,
+def measure_live_workers(workers: int, cfg_dict: dict, weights: VerifiedWeights, export_dir: str | Path,
                          refs: list[HeldOut], budgets: tuple[int, ...], count: str, stop_ids: tuple[int, ...],
                          max_new_tokens: int, kernel_path: str, block_size: int) -> Measured:
     """measure_live with the prompts spread over `workers` spawned processes (eval.live_workers),
     each decoding one prompt at a time as measure_live does; the per-prompt rounds come back in
-    prompt order, so the result is measure_live's."""
+    prompt order, so the result is measure_live's. `weights`: the evaluator's verified target
+    (weights_check.py), loaded by every worker without hashing it again while its files are unchanged."""
     import multiprocessing
-    import os
     from concurrent.futures import ProcessPoolExecutor
 
     threads = max(1, (os.cpu_count() or 1) // workers)
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=live_worker_init,
-                             initargs=(cfg_dict, str(target_dir), str(export_dir), kernel_path, threads)) as pool:
+    initargs = (cfg_dict, weights.target_dir, str(export_dir), kernel_path, threads, weights)
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=live_worker_init, initargs=initargs) as pool:
         futures = [pool.submit(live_worker_prompt, ref.prompt, budgets, count, stop_ids, max_new_tokens)
                    for ref in refs]  # fmt: skip
         done = [f.result() for f in futures]

@@ -307,14 +307,11 @@ def _start_capture(cfg: Config, plan: RunPlan, paths: dict[str, Path], where) ->
     call, which resumes from the ledger. No writer is alive yet, so unfinished shards left by an
     earlier attempt are removed first."""
     from data_pipeline.ledger import remove_stale_tmp
-    from dflash_dist.actors.target_worker import CaptureTask, TargetWorker
+    from dflash_dist.actors.target_worker import CaptureTask, TargetWorker, target_actor_options
 
     n = cfg.capture.num_actors
     remove_stale_tmp(paths["shards"])
-    retries = cfg.capture.max_restarts
-    workers = [TargetWorker.options(num_cpus=cfg.capture.cpus_per_actor, num_gpus=cfg.capture.gpus_per_actor,
-                                    name=None, max_restarts=retries, max_task_retries=retries,
-                                    **where("target", i)).remote() for i in range(n)]
+    workers = [TargetWorker.options(**target_actor_options(cfg), **where("target", i)).remote() for i in range(n)]
     cfg_dict = cfg.to_dict()
     refs = [w.capture.remote(CaptureTask(cfg_dict, plan.target_dir, plan.identity, plan.data.train_jsonl,
                                          plan.data.capture, str(paths["shards"]), i, n, plan.later_epochs))

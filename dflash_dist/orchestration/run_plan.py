@@ -4,8 +4,9 @@
 the target, ingests the data (with the content hash the capture ledger records), plans the LR
 schedule over the samples the run will train, makes the resume decision (trainer/resume.py: the
 one place it is made; ranks only verify it), and only then writes the ingested data, so a refused
-run leaves an earlier run's files as they were. It hashes the target's weights (the only place a
-run does: 1-2 min at 27B) and derives the provenance trainers demand and the drafter shape. The
+run leaves an earlier run's files as they were. It hashes the target's weights (1-2 min at 27B; the
+only other hash of a run is the evaluator's check of the files it loads, once per evaluator process:
+target/weights_check.py) and derives the provenance trainers demand and the drafter shape. The
 result is a frozen `RunPlan`: the Ray pipeline uses it directly; under Slurm one task computes it
 and writes it atomically as JSON
 (`<out>/plans/<key>.json`, `share_plan`), and the other tasks of the job read it instead of

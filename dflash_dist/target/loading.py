@@ -13,11 +13,12 @@ import torch
 from safetensors import safe_open
 
 from data_pipeline.feature_codec import ENCODING_OF
-from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance, hash_weight_files, installed_versions
+from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance, installed_versions
 from dflash_dist.config import Config, ConfigError, load_config
 from dflash_dist.model.capture import check_capture_layer_ids, gdn_kernel_path
 from dflash_dist.model.config import DrafterConfig, build_target_layer_ids
 from dflash_dist.target.gdn_path import route_cpu_to_torch
+from dflash_dist.target.weights_check import VerifiedWeights, check_unchanged, hashed_weights, verify_weights
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -58,6 +59,17 @@ def load_target(cfg: Config, target_dir: Path, device: torch.device | None = Non
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     route_cpu_to_torch()  # CPU tensors to torch GDN: fla (picked where Triton imports) cannot run them
     return model.to(device).eval(), tokenizer
+
+
+def load_verified_target(cfg: Config, target_dir: Path, recorded_hash: str, where: str,
+                         verified: VerifiedWeights | None = None):
+    """(model, tokenizer, VerifiedWeights): load_target of weight files checked to hash to the
+    run's recorded target_hash (weights_check.py; `verified`: the evaluator's check, reused while
+    the files are unchanged), and still unchanged once loaded. For every process that measures tau."""
+    weights = verify_weights(target_dir, recorded_hash, where, verified)
+    model, tokenizer = load_target(cfg, target_dir)
+    check_unchanged(weights, where)
+    return model, tokenizer, weights
 
 
 def target_matmul_params(target_dir: Path) -> int:
@@ -168,8 +180,9 @@ class TargetIdentity:
 
 
 def target_identity(cfg: Config, target_dir: Path) -> TargetIdentity:
+    """The target's identity; its weights hashed once per process and set of files (weights_check.py)."""
     t = target_config_dict(target_dir)
-    return TargetIdentity(str(target_dir), target_id(cfg, target_dir), hash_weight_files(target_dir),
+    return TargetIdentity(str(target_dir), target_id(cfg, target_dir), hashed_weights(target_dir).target_hash,
                           tuple(layer_ids_for(cfg, t["num_hidden_layers"])), t["hidden_size"], cfg.target.dtype)
 
 

@@ -1,0 +1,108 @@
+"""The weights a process loads for evaluation are the ones the features were captured from.
+
+The run plan hashes the target's weight files once (provenance.hash_weight_files: the
+`target_hash` of every shard's provenance and of the plan's TargetIdentity). A process that loads
+the target to measure tau (the evaluator, each live worker) checks that the files it loads hash to
+that value, so tau is never measured against another model: another `target_dir` on this node,
+or a target changed on disk since capture. A mismatch is a `TargetWeightsMismatch` naming both
+hashes, the directory and what to do.
+
+Hashing reads every byte (1-2 min at 27B), so it is done once per process and set of files, and
+not at all where the evaluator already did it:
+- `WeightsStamp`: every weight file's resolved path, size, mtime, ctime, inode and device. The
+  kernel sets ctime on every write or rename and no user call can set it back, so files with the
+  stamp a hash was taken under still hold the bytes hashed. A process keeps its hashes by stamp
+  (`hashed_weights`); a stamp that changed is hashed again.
+- The evaluator verifies once (its process hashes, unless the run plan did so in the same
+  process) and hands its live workers the `VerifiedWeights` (stamp + hash): a worker whose files
+  carry that stamp loads them without hashing (an `os.stat` per file); a different stamp (another
+  directory, a rewritten file) is hashed in full there. A token from elsewhere could only skip
+  hashing for files that already carry the stamp it names.
+- After the load the stamp is taken again (`check_unchanged`): files replaced while they were
+  read are refused, not trusted.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from data_pipeline import provenance
+
+# (resolved path, size, mtime_ns, ctime_ns, inode, device) of each weight file, in hash order
+WeightsStamp = tuple[tuple[str, int, int, int, int, int], ...]
+
+_HASHES: dict[WeightsStamp, str] = {}  # this process's hashes by stamp (hashed_weights)
+
+
+@dataclass(frozen=True)
+class VerifiedWeights:
+    """Weight files whose hash this process (or the evaluator that passed it on) computed."""
+
+    target_dir: str
+    target_hash: str
+    stamp: WeightsStamp
+
+
+class TargetWeightsMismatch(ValueError):
+    """The target's weight files are not the ones the run recorded (the features' target)."""
+
+    def __init__(self, target_dir: str, recorded: str, found: str, where: str) -> None:
+        self.target_dir, self.recorded, self.found, self.where = target_dir, recorded, found, where
+        super().__init__(
+            f"{where}: the target's weight files in {target_dir} hash to {found}, but the run recorded "
+            f"target_hash {recorded} (the run plan's and the training shards' provenance): tau would be measured "
+            "against another model than the one the features were captured from. Point target.path at the target "
+            "the shards were captured from (on every node), or restore its weights there; to evaluate this target, "
+            "capture and train on it into a fresh --out"
+        )
+
+    def __reduce__(self):  # travels through Ray and process pools with its message intact
+        return (type(self), (self.target_dir, self.recorded, self.found, self.where))
+
+
+def weights_stamp(target_dir: str | os.PathLike[str]) -> WeightsStamp:
+    """The stamp of the weight files `hash_weight_files` would hash (one stat each)."""
+    stamp = []
+    for path in provenance.weight_files(target_dir):
+        st = os.stat(path)
+        stamp.append((str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev))
+    return tuple(stamp)
+
+
+def hashed_weights(target_dir: str | os.PathLike[str]) -> VerifiedWeights:
+    """The files' hash, computed once per stamp in this process (hash_weight_files, the one hash)."""
+    stamp = weights_stamp(target_dir)
+    found = _HASHES.get(stamp)
+    if found is None:
+        found = provenance.hash_weight_files(target_dir)
+        if weights_stamp(target_dir) != stamp:
+            raise ValueError(
+                f"the target's weight files in {target_dir} changed while they were hashed: "
+                "wait until whatever writes them has finished, then start again"
+            )
+        _HASHES[stamp] = found
+    return VerifiedWeights(str(target_dir), found, stamp)
+
+
+def verify_weights(
+    target_dir: str | os.PathLike[str], recorded_hash: str, where: str, verified: VerifiedWeights | None = None
+) -> VerifiedWeights:
+    """The weight files in `target_dir`, checked to hash to `recorded_hash`; `verified`: a
+    check already made (by the evaluator), reused while the files carry its stamp."""
+    if verified is not None and verified.target_hash == recorded_hash and weights_stamp(target_dir) == verified.stamp:
+        return VerifiedWeights(str(target_dir), verified.target_hash, verified.stamp)
+    got = hashed_weights(target_dir)
+    if got.target_hash != recorded_hash:
+        raise TargetWeightsMismatch(str(target_dir), recorded_hash, got.target_hash, where)
+    return got
+
+
+def check_unchanged(verified: VerifiedWeights, where: str) -> None:
+    """After loading: the files still carry the stamp they were verified under."""
+    if weights_stamp(verified.target_dir) != verified.stamp:
+        raise ValueError(
+            f"{where}: the target's weight files in {verified.target_dir} changed while they were "
+            "loaded (after their hash was checked): wait until whatever writes them has finished, then "
+            "start again"
+        )

@@ -61,13 +61,15 @@ def fsync_dir(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_writer(path: Path) -> Iterator[TextIO]:
+def atomic_writer(path: Path, private: bool = False) -> Iterator[TextIO]:
     """A text file to stream into at a temporary name beside `path` (unique per writer thread);
     on a clean exit it is fsynced, renamed over `path` and the directory synced; on an error it
-    is removed and `path` is untouched."""
+    is removed and `path` is untouched. `private`: created new with mode 0600, so no other user can
+    read it, not even while it is written (secrets)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if private else os.O_TRUNC)
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with os.fdopen(os.open(tmp, flags, 0o600 if private else 0o666), "w", encoding="utf-8") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())

@@ -57,21 +57,11 @@ def with_auth(env: dict[str, str], **kwargs: str | os.PathLike[str] | None) -> d
 def write_token(path: str | os.PathLike[str], token: str | None = None) -> Path:
     """A token file at `path`: created mode 0600 at a temporary name beside it (never readable by
     others, not even while written), fsynced, renamed over `path`, the directory synced."""
-    from data_pipeline.durable_files import fsync_dir
+    from data_pipeline.durable_files import atomic_writer
 
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(new_token() if token is None else token)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    with atomic_writer(path, private=True) as f:
+        f.write(new_token() if token is None else token)
     return path
 
 

@@ -324,8 +324,7 @@ def test_cuda_evaluator_measures_on_the_fused_capture_kernels(tiny, tmp_path, mo
     print(f"{kernels}: replay tau {result.tau_chain:.3f}, live {live['tau_chain']:.3f}, "
           f"replay over live's own {live['replay_own']['tau_chain']:.3f}")
     assert live["tau_chain"] == pytest.approx(live["replay_own"]["tau_chain"], rel=0.1)
-    live_worker_init(cfg.to_dict(), str(target_dir), str(out / "export" / "step_5"), KERNEL_PATH_OF[kernels], 1,
-                     ev.weights)
+    live_worker_init(cfg.to_dict(), str(out / "export" / "step_5"), KERNEL_PATH_OF[kernels], 1, ev.weights)
     assert _WORKER["error"] is None and "model" in _WORKER
     _WORKER.clear()
 

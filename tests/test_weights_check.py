@@ -4,6 +4,7 @@ is not the run's recorded target_hash, and the hash is computed once per process
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -67,20 +68,22 @@ def test_the_evaluator_refuses_weights_other_than_the_recorded_ones(tiny, tmp_pa
 
 
 def test_a_live_worker_refuses_weights_other_than_the_evaluators(tiny, tmp_path):
-    """A live worker given another target_dir than the evaluator verified: refused with the
-    mismatch (kept, and raised by its prompt calls); given the evaluator's own, it loads."""
+    """A live worker handed a check of another target_dir than the one whose files were hashed
+    (the hash and stamp of the evaluator's own): refused with the mismatch (kept, and raised by its
+    prompt calls); given the evaluator's own check, it loads."""
     from dflash_dist.evaluator.measure import _WORKER, live_worker_init, live_worker_prompt
 
     ev = Evaluator(tiny["cfg"], tmp_path / "run", tiny["target_dir"], tiny["prompts"], expected=None)
     other = other_target(tiny, tmp_path / "other")
-    args = (tiny["cfg"].to_dict(), str(other), str(tiny["root"] / "trained"), ev.provenance.kernel_path, 1, ev.weights)
+    elsewhere = dataclasses.replace(ev.weights, target_dir=str(other))
+    args = (tiny["cfg"].to_dict(), str(tiny["root"] / "trained"), ev.provenance.kernel_path, 1)
     try:
-        live_worker_init(*args)
+        live_worker_init(*args, elsewhere)
         assert isinstance(_WORKER["error"], TargetWeightsMismatch) and "model" not in _WORKER
         mismatch_named(_WORKER["error"], other, ev.identity.target_hash)
         with pytest.raises(TargetWeightsMismatch):
             live_worker_prompt(tiny["prompts"][0], (4,), "capped", (), 4)
-        live_worker_init(*args[:1], str(tiny["target_dir"]), *args[2:])
+        live_worker_init(*args, ev.weights)
         assert _WORKER["error"] is None and "model" in _WORKER
     finally:
         _WORKER.clear()

@@ -112,21 +112,21 @@ def measure_live(target: nn.Module, drafter: DFlashDrafter, refs: list[HeldOut],
 _WORKER: dict[str, Any] = {}  # a live worker process's target and drafter, or why it has none (live_worker_init)
 
 
-def live_worker_init(cfg_dict: dict, target_dir: str, export_dir: str, kernel_path: str, threads: int,
+def live_worker_init(cfg_dict: dict, export_dir: str, kernel_path: str, threads: int,
                      verified: VerifiedWeights) -> None:
-    """A live worker: its own copy of the target (the weights the evaluator verified, `verified`:
-    other weight files are refused; on the kernels the evaluator checked and capture.kernels
+    """A live worker: its own copy of the target (the weights the evaluator verified, `verified`, from
+    its target_dir: other weight files are refused; on the kernels the evaluator checked and capture.kernels
     applied: the same path is required) and of the drafter export. A refusal is kept and raised
     by every prompt's call, so the evaluator gets the error itself (an initializer that raises
     only breaks the pool)."""
     try:
-        _WORKER.update(_load_worker(cfg_dict, target_dir, export_dir, kernel_path, threads, verified), error=None)
+        _WORKER.update(_load_worker(cfg_dict, export_dir, kernel_path, threads, verified), error=None)
     except Exception as e:
         _WORKER.clear()
         _WORKER["error"] = e
 
 
-def _load_worker(cfg_dict: dict, target_dir: str, export_dir: str, kernel_path: str, threads: int,
+def _load_worker(cfg_dict: dict, export_dir: str, kernel_path: str, threads: int,
                  verified: VerifiedWeights) -> dict[str, Any]:
     from dflash_dist.capture.fused_target import apply_capture_kernels
     from dflash_dist.config import load_config_dict
@@ -136,12 +136,12 @@ def _load_worker(cfg_dict: dict, target_dir: str, export_dir: str, kernel_path: 
 
     torch.set_num_threads(threads)
     cfg = load_config_dict(cfg_dict)
-    model, _, _ = load_verified_target(cfg, Path(target_dir), verified.target_hash,
+    model, _, _ = load_verified_target(cfg, Path(verified.target_dir), verified.target_hash,
                                        f"live worker (pid {os.getpid()})", verified)
     path = check_kernel_path(model, cfg.target.allow_torch_gdn_on_cuda)
     path = apply_capture_kernels(cfg.capture.kernels, model, path)
     if path != kernel_path:
-        raise RuntimeError(f"live worker: the target in {target_dir} loaded on kernel path {path!r}, the "
+        raise RuntimeError(f"live worker: the target in {verified.target_dir} loaded on kernel path {path!r}, the "
                            f"evaluator's is {kernel_path!r}")
     dev = next(model.parameters()).device
     drafter = load_drafter(export_dir, model.get_input_embeddings().weight, model.get_output_embeddings().weight,
@@ -169,7 +169,7 @@ def measure_live_workers(workers: int, cfg_dict: dict, weights: VerifiedWeights,
 
     threads = max(1, (os.cpu_count() or 1) // workers)
     ctx = multiprocessing.get_context("spawn")
-    initargs = (cfg_dict, weights.target_dir, str(export_dir), kernel_path, threads, weights)
+    initargs = (cfg_dict, str(export_dir), kernel_path, threads, weights)
     with ProcessPoolExecutor(workers, mp_context=ctx, initializer=live_worker_init, initargs=initargs) as pool:
         futures = [pool.submit(live_worker_prompt, ref.prompt, budgets, count, stop_ids, max_new_tokens)
                    for ref in refs]  # fmt: skip

@@ -5,7 +5,8 @@ anyone who reaches those ports could submit work, i.e. run code, unless the clus
 token. Ray 2.60 does (`RAY_AUTH_MODE=token`: every gRPC and dashboard request must carry the
 cluster's token); this module is where the project turns it on, in one place:
 
-- `auth_env`: the environment a Ray process (head, worker, driver, CLI) needs to use a token.
+- `auth_env` / `with_auth` (dflash_dist/orchestration/ray_token.py): the environment a Ray process
+  (head, worker, driver, CLI) needs to use a token.
 - The cluster launcher (launcher/cluster*.yaml): `dflash-dist cluster-token CLUSTER_YAML`, run
   before `ray up` in the checkout, writes a new random token (mode 0600, never printed) to the
   local file the YAML's `file_mounts` copy to `~/dflash-ray-token` on every node (rsync keeps
@@ -15,43 +16,23 @@ cluster's token); this module is where the project turns it on, in one place:
 - Slurm (launcher/slurm_ray.py): one new token per job, passed in the environment (srun hands it
   to the other nodes), never written to disk.
 
-A single-node run (`ray.init` of pipeline.ray_session) binds 127.0.0.1 only and is Ray's own
-default (token auth on, its token in ~/.ray/auth_token).
+A single-node run (`ray.init` of pipeline.ray_session) binds 127.0.0.1 only, with a token of its
+own process that is never written to disk (ray_token.local_cluster_auth), not Ray's default
+~/.ray/auth_token (written with the umask's mode, readable by every local user).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import secrets
 import stat
 import sys
 from pathlib import Path
 
+from dflash_dist.orchestration.ray_token import new_token, with_auth
+
 REMOTE_TOKEN = "~/dflash-ray-token"  # the token on every node of a launcher-made cluster
-TOKEN_BYTES = 32  # 64 hex characters
 START_COMMAND = "dflash-dist ray-start"  # what every `ray start` of the cluster YAMLs runs through
-
-
-def new_token() -> str:
-    return secrets.token_hex(TOKEN_BYTES)
-
-
-def auth_env(*, token: str | None = None, token_path: str | os.PathLike[str] | None = None) -> dict[str, str]:
-    """The variables that make Ray processes demand (server) and send (client) a token: the token
-    itself (`token`, for processes of one job) or a file holding it (`token_path`)."""
-    if (token is None) == (token_path is None):
-        raise ValueError("auth_env: give exactly one of token, token_path")
-    if token is not None:
-        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
-
-
-def with_auth(env: dict[str, str], **kwargs: str | os.PathLike[str] | None) -> dict[str, str]:
-    """`env` with auth_env(**kwargs), and without the other way of giving a token (Ray would
-    prefer RAY_AUTH_TOKEN over a file, and a user's variable over ours)."""
-    out = {k: v for k, v in env.items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
-    return out | auth_env(**kwargs)
 
 
 def write_token(path: str | os.PathLike[str], token: str | None = None) -> Path:

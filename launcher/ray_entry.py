@@ -27,12 +27,12 @@ def project_root() -> Path:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_ADDRESS", "auto")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    from launcher.ray_auth import REMOTE_TOKEN, auth_env
+    from dflash_dist.orchestration.ray_token import set_auth
+    from launcher.ray_auth import REMOTE_TOKEN
 
     token = Path(os.path.expanduser(REMOTE_TOKEN))
     if "RAY_AUTH_MODE" not in os.environ and token.exists():  # the cluster's, not a user's RAY_AUTH_TOKEN
-        os.environ.pop("RAY_AUTH_TOKEN", None)
-        os.environ.update(auth_env(token_path=token))
+        set_auth(os.environ, token_path=token)
     os.chdir(project_root())
     from launcher.cli import main as cli_main
 

@@ -324,3 +324,59 @@ def test_a_head_started_by_ray_start_refuses_clients_without_its_token(tmp_path)
             rest = head.communicate()[0]
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert token not in "".join(out) + (rest or "")
+
+
+_LOCAL_SESSIONS = r"""
+import os, subprocess, sys
+import ray
+from dflash_dist.config import load_config
+from dflash_dist.orchestration.pipeline import ray_session
+
+cfg = load_config(sys.argv[1], ["ray.num_cpus=1"], out_dir=sys.argv[2])
+home = os.environ["HOME"]
+
+def probe_without_token():
+    addr = ray.get_runtime_context().gcs_address
+    code = f"import ray; ray.init(address={addr!r}, _node_ip_address='127.0.0.1'); print('JOINED')"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env["RAY_gcs_server_port_wait_time_s"] = "1"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    return r.returncode != 0 and "Authentication token is missing or incorrect" in r.stderr
+
+with ray_session(cfg):
+    print("TASK", ray.get(ray.remote(lambda: 41 + 1).remote()))
+    print("TOKEN_FILE", os.path.exists(os.path.join(home, ".ray", "auth_token")))
+    print("REFUSED", probe_without_token())
+print("ENV_AFTER", sorted(k for k in os.environ if k.startswith("RAY_AUTH")))
+# Ray's own default cluster in the same process (it writes ~/.ray/auth_token), then ours again, then Ray's
+for name, session in (("plain", None), ("ours", ray_session), ("plain2", None)):
+    if session is None:
+        ray.init(address="local", num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1")
+        print(name.upper(), ray.get(ray.remote(lambda: 7).remote()))
+        ray.shutdown()
+    else:
+        with session(cfg):
+            print(name.upper(), ray.get(ray.remote(lambda: 7).remote()))
+"""
+
+
+@pytest.mark.slow
+def test_a_local_run_cluster_demands_a_token_that_is_never_on_disk(tmp_path):
+    """A single-node run's own Ray cluster (pipeline.ray_session) demands a token, as Ray's
+    default does, but the token lives only in the run's environment: Ray's default writes it to
+    ~/.ray/auth_token with mode 0644, where any local user could read it and run code as the run's
+    user on its cluster. A client without the token is refused; no token file appears in HOME; the
+    environment is as before afterwards; and a process that started Ray's own default cluster
+    before (or after) one of ours still connects to each (Ray caches the first token it read)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    proc = subprocess.run([sys.executable, "-c", _LOCAL_SESSIONS, str(REPO / "configs" / "tiny.yaml"),
+                           str(tmp_path / "out")], cwd=REPO, env=_no_auth_env(home), capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    out = proc.stdout
+    assert "TASK 42" in out
+    assert "TOKEN_FILE False" in out, out
+    assert "REFUSED True" in out, out
+    assert "ENV_AFTER []" in out, out
+    assert "PLAIN 7" in out and "OURS 7" in out and "PLAIN2 7" in out, out

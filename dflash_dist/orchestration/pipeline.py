@@ -6,6 +6,7 @@ tensors travel only inside shards."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -13,7 +14,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from dflash_dist.actors.heartbeat import Heartbeat, clear_heartbeats
 from dflash_dist.config import Config
 from dflash_dist.evaluator.policy import EvalResult
 from dflash_dist.orchestration import placement
+from dflash_dist.orchestration.ray_token import local_cluster_auth
 from dflash_dist.orchestration.run_lock import RunLock, RunLocked
 from dflash_dist.orchestration.run_plan import PLAN_NAME, PipelineError, RunPlan, make_plan, write_plan
 
@@ -54,7 +55,7 @@ class PipelineResult:
     seconds: float
 
 
-@contextmanager
+@contextlib.contextmanager
 def ray_session(cfg: Config):
     """Join cfg.ray.address (or RAY_ADDRESS, as under `ray job submit`) or start a local cluster
     bound to 127.0.0.1; shut down only what we started."""
@@ -66,17 +67,20 @@ def ray_session(cfg: Config):
         return
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     kwargs: dict = {"log_to_driver": True}
+    auth = contextlib.nullcontext()  # joining: the cluster's own token settings (launcher/ray_auth.py)
     if address:
         kwargs["address"] = address
     else:  # "local": a new cluster, never one that happens to run on this host (ray.init's default joins
         # the last one `ray start` or another process started, named in /tmp/ray/ray_current_cluster)
         kwargs.update(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.dashboard,
                       dashboard_host=cfg.ray.dashboard_host, _node_ip_address="127.0.0.1")
-    ray.init(**kwargs)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
+        auth = local_cluster_auth()  # its token in this process's environment, not in ~/.ray/auth_token
+    with auth:
+        ray.init(**kwargs)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
 
 
 def _layout(cfg: Config) -> dict[str, Path]:
@@ -289,7 +293,7 @@ def wait_evaluator(ray, evaluator, final_step: int | None, max_restarts: int) ->
                         "checkpoint", type(e).__name__)
 
 
-@contextmanager
+@contextlib.contextmanager
 def _placement_group(ray, cfg: Config, plan):
     """Reserve every role's bundle before any actor starts (placement.py); released at the end."""
     try:

@@ -246,22 +246,18 @@ class Pool:
         return killed
 
 
-def memory_share(device: torch.device, workers: int, reserve_gib: float = 6.0) -> float | None:
-    """Each worker process's fraction of the GPU's total memory: what is free once this process
-    holds the shared train set and references, less `reserve_gib` a worker for what its allocator
-    does not count (CUDA context, cuBLAS workspaces, compiled kernels: ~5 GiB a worker in the H200
-    OOM report), split evenly. None off CUDA or with no worker processes."""
+def memory_share(device: torch.device, workers: int) -> tuple[int, float | None]:
+    """quality_budget.fit_workers on this GPU's memory left after the shared data; (workers, None)
+    off CUDA or with no worker processes."""
     if device.type != "cuda" or workers < 1:
-        return None
+        return workers, None
     torch.cuda.empty_cache()  # this process's cached blocks are free for the workers
     free, total = torch.cuda.mem_get_info(device)
-    share = (free - workers * reserve_gib * 2**30) / workers / total
-    if share <= 0:
-        raise RuntimeError(
-            f"{workers} workers do not fit the {free / 2**30:.1f} GiB left on {device} after the shared "
-            f"data: lower --workers"
-        )
-    return share
+    fit, share = quality_budget.fit_workers(free, total, workers)
+    if fit < workers:
+        log.warning("%d workers do not fit the %.1f GiB left on %s after the shared data: %d run, %.1f GiB each",
+                    workers, free / 2**30, device, fit, share * total / 2**30)  # fmt: skip
+    return fit, share
 
 
 def _names(kind: str, payload) -> dict:
@@ -424,7 +420,12 @@ def main(argv: list[str] | None = None) -> int:
 
     ctx = tmp.get_context("spawn")
     stop = ctx.Event()
-    fraction = memory_share(device, workers)
+    asked = workers
+    workers, fraction = memory_share(device, workers)
+    if workers != asked:  # fewer processes, each with more threads
+        slots, threads = workers, max(1, (os.cpu_count() or 2) // workers)
+        results["machine"].update(workers=workers, threads_per_worker=threads, workers_asked=asked)
+        write_results(out, results)
     if fraction is not None:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # the workers' (spawned)
         results["memory_fraction_per_worker"] = round(fraction, 4)

@@ -29,6 +29,23 @@ def estimate(drafter, batches: list) -> dict:
             "samples_per_s": round(rate * 1e12 / per_sample, 1) if per_sample else None}  # fmt: skip
 
 
+def fit_workers(free: int, total: int, workers: int, reserve_gib: float = 6.0,
+                min_share_gib: float = 6.0) -> tuple[int, float]:  # fmt: skip
+    """How many of `workers` processes fit `free` bytes of a GPU of `total`, and each one's fraction
+    of `total` (torch.cuda.set_per_process_memory_fraction): the free memory less `reserve_gib` a
+    worker for what its allocator does not count (CUDA context, cuBLAS workspaces, compiled kernels:
+    ~5 GiB a worker in an H200 OOM report), split evenly. A share under `min_share_gib` is too small
+    to train in (an H100 at 7 workers gave each 2.4 GiB and every calibration died of OOM at 2.3 GiB
+    allocated), so fewer workers run, each with a share that fits."""
+    per_worker = (reserve_gib + min_share_gib) * 2**30
+    fit = min(workers, int(free // per_worker))
+    if fit < 1:
+        need = per_worker / 2**30
+        raise RuntimeError(f"not one worker fits the {free / 2**30:.1f} GiB left on the GPU after the shared "
+                           f"data ({need:.0f} GiB a worker): run with --workers 0 (in this process)")  # fmt: skip
+    return fit, (free - fit * reserve_gib * 2**30) / fit / total
+
+
 def reserve_s(eval_s: float) -> float:
     """Seconds kept at the end for the last measurements of runs the budget stops, and the report."""
     return max(10.0, 1.5 * eval_s)

@@ -300,6 +300,22 @@ def test_the_budget_fits_every_run_in_the_time_left():
     assert quality_budget.marks(100, 4) == (25, 50, 75, 100) and quality_budget.marks(3, 4) == (1, 2, 3)
 
 
+def test_fewer_workers_run_where_seven_shares_would_be_too_small_to_train_in():
+    """The H100 lease of 2026-12-05: 58.8 GiB free of 79.2 after the shared data gave each of 7
+    workers 2.4 GiB and every calibration died of OOM; 4 workers fit, each with 8.7 GiB. The H200
+    (119 GiB free of 139.8) keeps its 7. Nothing fits: the error says what to do."""
+    import quality_budget
+
+    gib = 2**30
+    fit, share = quality_budget.fit_workers(int(58.8 * gib), int(79.18 * gib), 7)
+    assert fit == 4 and share * 79.18 == pytest.approx((58.8 - 4 * 6) / 4)
+    fit, share = quality_budget.fit_workers(int(119 * gib), int(139.8 * gib), 7)
+    assert fit == 7 and share * 139.8 == pytest.approx((119 - 7 * 6) / 7)
+    assert quality_budget.fit_workers(int(30 * gib), int(80 * gib), 1)[0] == 1
+    with pytest.raises(RuntimeError, match=r"not one worker fits the 10.0 GiB .* run with --workers 0"):
+        quality_budget.fit_workers(10 * gib, 80 * gib, 3)
+
+
 def test_marks_at_the_product_checkpoints_compare_product_and_bench_at_equal_samples():
     import quality_budget
     import quality_report

@@ -242,7 +242,7 @@ class StepSource:
             ready, waiting, dry, term, usr1, lost, samples, capture_lost = (int(x) for x in vec[:_FAILED])
             notice = _NOTICES[0] if term else _NOTICES[1] if usr1 else None
             self.lost_epoch, self.capture_lost = lost, capture_lost
-            self._check_lost(lost, capture_lost, feeder)
+            self._check_lost(feeder)
             if notice is not None or waiting == 0:
                 return _Slot(ready, waiting, dry, notice, lost, samples, capture_lost, status)
             time.sleep(POLL_S)
@@ -260,11 +260,10 @@ class StepSource:
             f"data ({failed}); fix what that error names, then continue with --resume auto"
         )
 
-    def _check_lost(self, lost_epoch: int, capture_lost: int, feeder: MicroBatchFeeder) -> None:
+    def _check_lost(self, feeder: MicroBatchFeeder) -> None:
         """The run's lost samples, unreadable plus skipped by the capture, against one budget.
         Every rank sees the same totals, so every rank raises at the same slot."""
-        unread = self.lost_before + lost_epoch
-        lost = unread + capture_lost
+        unread, capture_lost, lost = self.unreadable, self.capture_lost, self.lost
         if lost == 0:
             return
         fraction = self.cfg.data.max_lost_fraction
@@ -283,6 +282,22 @@ class StepSource:
         )
         err.names_nothing = not own  # every rank raises; the group reports one that names the samples
         raise err
+
+    @property
+    def unreadable(self) -> int:
+        """Samples no rank could read since step 0 (all ranks, as of the last slot)."""
+        return self.lost_before + self.lost_epoch
+
+    @property
+    def lost(self) -> int:
+        """The samples data.max_lost_fraction holds against the run: unreadable plus those the
+        capture skipped, counted once per epoch that reads their directory."""
+        return self.unreadable + self.capture_lost
+
+    def lost_scalars(self) -> dict[str, int]:
+        """data/lost_samples (what the budget holds) and its two parts, for TensorBoard."""
+        return {"data/lost_samples": self.lost, "data/unreadable_samples": self.unreadable,
+                "data/capture_skipped_samples": self.capture_lost}  # fmt: skip
 
     def capture_skipped(self) -> int:
         """Samples the capture skipped (never in a manifest) in the directories of the epochs up to
@@ -336,10 +351,6 @@ class StepSource:
         if self._feeder is not None:
             self._feeder.close()
             self._feeder = None
-
-    def skipped(self) -> int:
-        """This rank's unreadable samples in the open epoch so far (for the log window)."""
-        return sum(self._feeder.skipped.values()) if self._feeder is not None else 0
 
     # ------------------------------------------------------------------ position
     def state_dict(self) -> dict[str, Any]:

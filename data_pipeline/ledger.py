@@ -86,13 +86,18 @@ def read_skipped(shard_dir: str | os.PathLike[str]) -> list[dict]:
     except FileNotFoundError:
         return []
     records = []
+    fix = (
+        "the capture appends whole lines only, so this one was damaged or edited: restore the file from a copy, "
+        'or repair that line to {"actor": <int>, "key": "<sample key>", "reason": "<why>"} (deleting it drops '
+        "its sample from the lost-sample count data.max_lost_fraction holds), then run again"
+    )
     for i, raw in enumerate(data[: data.rfind(b"\n") + 1].splitlines(), 1):
         try:
             rec = json.loads(raw)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{i}: not a JSON line ({e}); the file is append-only, do not edit it") from None
+            raise ValueError(f"{path}:{i}: not a JSON line ({e}); {fix}") from None
         if not isinstance(rec, dict) or not isinstance(rec.get("key"), str):
-            raise ValueError(f"{path}:{i}: expected an object with a string 'key', got {raw[:80]!r}")
+            raise ValueError(f"{path}:{i}: expected an object with a string 'key', got {raw[:80]!r}; {fix}")
         records.append(rec)
     return records
 

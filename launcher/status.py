@@ -174,7 +174,8 @@ def collect(out: str | os.PathLike[str], now: float | None = None) -> dict:
         "tokens_per_s": _tokens_per_s(out / "tb" / "train"),
         "latest_checkpoint": latest.read_text().strip() if latest.is_file() else None,
         "max_steps": _config_value(cfg, "train.max_steps"),
-        # samples no rank could read so far (every rank reports the group's count; data.max_lost_fraction)
+        # samples lost so far as data.max_lost_fraction holds them: unreadable plus capture-skipped per
+        # epoch read (every rank reports the group's count)
         "samples_lost": max((b["info"]["samples_lost"] for b in beats
                              if b.get("role") == "trainer" and "samples_lost" in b.get("info", {})), default=None),
     }
@@ -243,7 +244,7 @@ def render(s: dict) -> tuple[list[tuple[str, str]], list[list[str]]]:
             f"step {_f(tr['step'], 'd')} epoch {_f(tr['epoch'], 'd')} loss {_f(tr['loss'], '.4f')}; "
             f"checkpoint {tr['latest_checkpoint'] or '-'}",
         ),
-        ("samples lost", _f(tr["samples_lost"], "d")),  # unreadable so far, all ranks (data.max_lost_fraction)
+        ("samples lost", _f(tr["samples_lost"], "d")),  # unreadable + capture-skipped, as data.max_lost_fraction holds
         ("tokens/s", f"{tps['value']:.0f} (at step {tps['step']})" if tps else "-"),
         ("tau", f"step {ev['step']}: chain {ev['tau_chain']:.2f}  {taus}" if ev["step"] is not None else "-"),
         *([("tau vs reference", f"chain {ev['tau_chain_vs_reference']:.2f}x the reference drafter's "

@@ -53,6 +53,8 @@ def source_cfg(out: Path, epochs: int, grad_accum: int):
 
 def rank_main(spec_path: str) -> None:
     """One rank: init gloo from the file store, drive a StepSource as the spec says, dump its steps."""
+    import time
+
     import torch.distributed as dist
 
     from dflash_dist.config import load_config_dict
@@ -67,13 +69,16 @@ def rank_main(spec_path: str) -> None:
                             recapture=spec.get("recapture", False))
         if spec.get("state") is not None:
             source.load_state_dict(spec["state"][rank])
-        steps, halt, states, lost = [], None, [], None
+        steps, halt, states, lost, error = [], None, [], None, None
         while halt is None:
             notice = signal.SIGTERM if rank == spec.get("notice_rank") and len(steps) == spec.get("notice_at") else 0
             try:
                 got = source.next_step(notice)
             except DataLost as e:  # every rank at the same slot
                 lost = {"error": str(e), "at_step": len(steps)}
+                break
+            except Exception as e:  # a reading error: every rank must get one, none may wait in a collective
+                error = {"type": type(e).__name__, "error": str(e), "at_step": len(steps)}
                 break
             ends = [e.__dict__ for e in got.epoch_ends]
             if isinstance(got, Halt):
@@ -83,27 +88,49 @@ def rank_main(spec_path: str) -> None:
                           "real_all": got.real_all, "samples_all": got.samples_all, "ends": ends})  # fmt: skip
             states.append(source.state_dict())
         source.close()
-        out = {"steps": steps, "halt": halt, "states": states, "final": source.state_dict(), "data_lost": lost}
+        out = {"steps": steps, "halt": halt, "states": states, "final": source.state_dict(), "data_lost": lost,
+               "error": error}  # fmt: skip
         Path(spec["dump"] + f".{rank}.json").write_text(json.dumps(out))
+        while error is not None and spec.get("linger") and not Path(spec["dump"] + ".release").exists():
+            time.sleep(0.1)  # as a Ray actor whose task failed: the process and its gloo group stay up
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(tmp: Path, name: str, world: int, cfg, shards: Path, planned: int, **extra) -> list[dict]:
+def run_ranks(tmp: Path, name: str, world: int, cfg, shards: Path, planned: int, timeout_s: float = 240,
+              linger: bool = False, **extra) -> list[dict]:  # fmt: skip
+    """Each rank's dump. `linger`: a rank that failed keeps its process (and gloo group) up until every
+    rank has dumped, so a peer left waiting in a collective is found by the timeout, not by gloo
+    noticing a closed connection."""
     import subprocess
+    import time
 
     store = tmp / f"{name}.store"
     spec = {"cfg": cfg.to_dict(), "shards": str(shards), "planned": planned, "store": str(store),
-            "dump": str(tmp / name), **extra}  # fmt: skip
+            "dump": str(tmp / name), "linger": linger, **extra}  # fmt: skip
     spec_path = tmp / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
     procs = [subprocess.Popen([sys.executable, "-m", "tests.test_step_source", str(spec_path)], cwd=REPO,
                               env=os.environ | {"RANK": str(r), "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]  # fmt: skip
-    outs = [p.communicate(timeout=240)[0] for p in procs]
+    dumps = [tmp / f"{name}.{r}.json" for r in range(world)]
+    deadline = time.monotonic() + timeout_s
+    while linger and not all(d.exists() for d in dumps) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    (tmp / f"{name}.release").touch()
+    try:
+        if linger and not all(d.exists() for d in dumps):
+            raise subprocess.TimeoutExpired("rank", timeout_s)
+        outs = [p.communicate(timeout=max(deadline - time.monotonic(), 1))[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        hung = [r for r, d in enumerate(dumps) if not d.exists()]
+        for p in procs:
+            p.kill()  # our own children, by handle
+            p.communicate()
+        raise AssertionError(f"rank(s) {hung} had no result after {timeout_s} s (waiting in a collective?)") from None
     assert [p.returncode for p in procs] == [0] * world, "\n".join(o[-3000:] for o in outs)
-    return [json.loads((tmp / f"{name}.{r}.json").read_text()) for r in range(world)]
+    return [json.loads(d.read_text()) for d in dumps]
 
 
 def per_epoch(dumps: list[dict]) -> dict[int, Counter]:
@@ -250,6 +277,49 @@ def test_samples_the_capture_skipped_and_unreadable_ones_count_against_one_budge
     readable = Counter(k for k in keys if k != read_manifest(shards)[3].keys[0])
     assert per_epoch(dumps) == {0: readable, 1: readable}
     assert dumps[0]["halt"]["ends"][-1] == {"epoch": 1, "trained": 7, "lost": 1, "total": 8}
+
+
+def test_a_malformed_skipped_line_stops_every_rank_with_its_file_and_line(tmp_path):
+    """Rank 0 alone reads the capture's skipped.jsonl, at every slot; a malformed line there used to
+    raise on rank 0 before the slot's all-reduce, and rank 1 waited in it for as long as rank 0's
+    process lived (a Ray actor's outlives its failed task). Now the failure rides in the all-reduce: rank 0 raises its
+    own error naming the file, the line and the fix, rank 1 a PeerDataError carrying that text."""
+    from data_pipeline.ledger import record_skipped
+    from data_pipeline.records import SKIPPED_NAME
+
+    shards = tmp_path / "shards"
+    write_samples(shards, [1] * 4)
+    record_skipped(shards, "k-nonfinite", "non-finite features", 0)
+    with open(shards / SKIPPED_NAME, "ab") as f:
+        f.write(b'{"key": "k-torn", "reas\n')  # a damaged line (the capture appends whole lines only)
+    cfg = source_cfg(tmp_path / "out", epochs=1, grad_accum=1)
+    cfg.data.max_lost_fraction = 0.5
+    dumps = run_ranks(tmp_path, "a", 2, cfg, shards, planned=5, timeout_s=60, linger=True)
+    r0, r1 = (d["error"] for d in dumps)
+    assert r0 is not None and r1 is not None, dumps
+    assert r0["type"] == "ValueError" and r1["type"] == "PeerDataError", (r0, r1)
+    assert r0["at_step"] == r1["at_step"] == 0
+    where = f"{shards / SKIPPED_NAME}:2: not a JSON line"
+    for e in (r0, r1):
+        assert where in e["error"] and "restore the file from a copy, or repair that line" in e["error"], e
+    assert "rank 1 stops at epoch 0 because another rank could not read its data (rank 0: ValueError: " in r1["error"]
+
+
+def test_a_position_one_rank_cannot_load_stops_its_peers_at_the_same_slot(tmp_path):
+    """The same for an error of one rank alone while its stream opens (a resumed position it cannot
+    load; its reader thread's errors take the same path): rank 1 is handed rank 0's position of a
+    2-rank run and raises naming it, rank 0 a PeerDataError carrying that text, at one slot."""
+    shards = tmp_path / "shards"
+    write_samples(shards, [1] * 6)
+    cfg = source_cfg(tmp_path / "out", epochs=1, grad_accum=1)
+    first = run_ranks(tmp_path, "a", 2, cfg, shards, planned=6, notice_rank=0, notice_at=1)
+    swapped = [first[0]["final"], first[0]["final"]]  # rank 1 gets rank 0's share
+    r0, r1 = (d["error"] for d in run_ranks(tmp_path, "b", 2, cfg, shards, planned=6, state=swapped, timeout_s=60,
+                                            linger=True))  # fmt: skip
+    assert r1 is not None and r1["type"] == "ValueError" and "was saved by rank 0 of 2" in r1["error"], r1
+    assert r0 is not None and r0["type"] == "PeerDataError", r0
+    assert "(rank 1: ValueError: ShardStream state was saved by rank 0 of 2" in r0["error"], r0
+    assert r0["at_step"] == r1["at_step"] == 0
 
 
 if __name__ == "__main__":

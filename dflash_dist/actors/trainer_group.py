@@ -151,7 +151,7 @@ def run_rank(cfg_dict: dict, job: TrainJob, env: dict[str, str], extensions_dir:
             trainer = Trainer(cfg, job)
             beat.info = lambda: {"step": trainer.state.step, "epoch": trainer.source.epoch,
                                  "samples": trainer.samples_consumed,
-                                 "samples_lost": trainer.source.lost_before + trainer.source.lost_epoch,
+                                 "samples_lost": trainer.source.lost,
                                  "shards_consumed": len((trainer.source.reader or {}).get("consumed", ()))}
             return trainer.run()
     finally:

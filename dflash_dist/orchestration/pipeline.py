@@ -50,7 +50,7 @@ class PipelineResult:
     capture: tuple[Any, ...]  # CaptureResult per target actor (its last attempt)
     train: tuple[Any, ...]  # TrainResult per rank
     eval: tuple[Any, ...]  # the evaluator's results, one per evaluated checkpoint
-    samples_lost: int  # samples no trainer could read plus samples the capture refused (non-finite)
+    samples_lost: int  # as data.max_lost_fraction holds them (samples_lost says how)
     preempted: str | None  # the notice that stopped the trainers, None when the run finished
     seconds: float
 
@@ -165,8 +165,7 @@ def _run(cfg: Config, stages: tuple[str, ...], resume: str) -> PipelineResult:
             if final_step is None:  # eval alone: everything exported so far (None: nothing to wait for)
                 final_step = max(_export_steps(paths["export"]), default=None)
             evals = tuple(wait_evaluator(ray, evaluator, final_step, cfg.eval.max_restarts))
-    lost = sum(_capture_lost(d) for d in _capture_dirs(cfg, plan, paths["shards"])) + (
-        results[0].samples_lost if results else 0)
+    lost = samples_lost(results, _capture_dirs(cfg, plan, paths["shards"]))
     result = PipelineResult(str(cfg.out), tuple(stages), capture, results, evals, lost,
                             results[0].preempted if results else None, time.time() - t0)  # fmt: skip
     _print_summary(cfg, paths, result)
@@ -209,10 +208,15 @@ def _capture_dirs(cfg: Config, plan: RunPlan, shard_dir: Path) -> list[Path]:
     return [epoch_dir(shard_dir, e, recapture) for e in range(cfg.train.epochs if recapture else 1)]
 
 
-def _capture_lost(shard_dir: Path) -> int:
+def samples_lost(train: tuple | list, capture_dirs: list[Path]) -> int:
+    """The run's lost samples as data.max_lost_fraction held them: with training, the trainers' own
+    count (unreadable plus capture-skipped once per epoch read: under keep every epoch re-reads
+    epoch 0's directory and misses its skipped samples again); a capture alone, each directory's."""
     from data_pipeline.ledger import read_skipped
 
-    return len(read_skipped(shard_dir)) if shard_dir.is_dir() else 0
+    if train:
+        return train[0].samples_lost
+    return sum(len(read_skipped(d)) for d in capture_dirs if d.is_dir())
 
 
 def supervise_training(cfg: Config, group, start_group: Callable[[str], Any], resume: str) -> list:
@@ -403,7 +407,8 @@ def _print_summary(cfg: Config, paths: dict[str, Path], result: PipelineResult) 
     if result.train:
         t = result.train[0]
         print(f"[train] {t.steps} steps, {t.epochs_completed} epoch(s) completed, {result.samples_lost} sample(s) "
-              f"lost (data.max_lost_fraction={cfg.data.max_lost_fraction})")  # fmt: skip
+              f"lost ({result.samples_lost - t.capture_skipped} unreadable, {t.capture_skipped} skipped by the "
+              f"capture, counted per epoch read; data.max_lost_fraction={cfg.data.max_lost_fraction})")  # fmt: skip
     state = f"stopped by {result.preempted} (not finished: --resume auto continues)" if result.preempted else "done"
     print(f"{state} in {result.seconds:.0f}s; outputs under {cfg.out}")
     print(f"TensorBoard: tensorboard --logdir {paths['tb']} --host 127.0.0.1")

@@ -73,9 +73,12 @@ class TrainResult:
     checkpoints: tuple[str, ...]  # tags saved by this run, e.g. ("step_50", "step_100")
     exports: tuple[str, ...]  # export directories written by this run
     samples_consumed: int  # samples this rank trained on (this run)
-    samples_lost: int  # samples no rank could read, since step 0 (all ranks; data.max_lost_fraction)
+    # samples lost since step 0, as data.max_lost_fraction holds them: those no rank could read plus
+    # those the capture skipped, counted once per epoch that reads their directory (all ranks)
+    samples_lost: int
     resumed_from: str | None = None
     preempted: str | None = None  # the signal's name when a preemption notice ended the run
+    capture_skipped: int = 0  # the part of samples_lost the capture skipped (non-finite features)
 
 
 class Trainer:
@@ -157,9 +160,10 @@ class Trainer:
             checkpoints=tuple(self.checkpoints),
             exports=tuple(self.exports),
             samples_consumed=self.samples_consumed,
-            samples_lost=self.source.lost_before + self.source.lost_epoch,
+            samples_lost=self.source.lost,
             resumed_from=self.resumed_from,
             preempted=self.preempted,
+            capture_skipped=self.source.capture_lost,
         )
 
     def train_step(self) -> bool:
@@ -257,7 +261,7 @@ class Trainer:
         return self.source.finished or (max_steps is not None and self.state.step >= max_steps)
 
     def _log_epoch(self, end: EpochEnd) -> None:
-        self.metrics.log(self.state.step, {"data/lost_samples": self.source.lost_before, "data/epoch": end.epoch + 1})
+        self.metrics.log(self.state.step, {**self.source.lost_scalars(), "data/epoch": end.epoch + 1})
         if self.rank == 0:
             log.info(
                 "epoch %d done at step %d: %d of %d samples trained, %d could not be read", end.epoch,
@@ -290,8 +294,8 @@ class Trainer:
     def _log(self) -> None:
         self.state.samples_seen = self.logs.flush(self.state.samples_seen)
         grad_norm = self.engine.get_global_grad_norm()
-        scalars, per_sample = self.window.reduce(self.world, self.source.skipped(), self.source.lost_before,
-                                                 self._ctrl)  # fmt: skip
+        scalars, per_sample = self.window.reduce(self.world, self._ctrl)
+        scalars.update(self.source.lost_scalars())  # what data.max_lost_fraction holds, as of the last slot
         self.final_loss = scalars["train/loss"]
         if not math.isfinite(self.final_loss):  # the loss's finite check, read here: no host sync per micro-batch
             raise FloatingPointError(f"non-finite DFlash loss {self.final_loss} in the steps up to {self.state.step}")

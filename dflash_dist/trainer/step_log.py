@@ -142,23 +142,20 @@ class Window:
         self.wait_s += wait_s
         self.wall_s += wall_s
 
-    def reduce(
-        self, world: int, skipped: int, skipped_before: int, group: Any = None
-    ) -> tuple[dict[str, float], torch.Tensor]:
+    def reduce(self, world: int, group: Any = None) -> tuple[dict[str, float], torch.Tensor]:
         """(scalars, per-sample rows [n, 4] of every rank) of the window, summed over the ranks:
-        train/loss (mean micro-batch loss), tokens_per_s, acc_slot_j, acc_len_*, data/wait_frac,
-        data/lost_samples (`skipped_before`: finished epochs, plus every rank's `skipped` of this one)."""
-        host = torch.tensor([self.micro, self.tokens, self.wait_s, self.wall_s, skipped], dtype=torch.float64)
+        train/loss (mean micro-batch loss), tokens_per_s, acc_slot_j, acc_len_*, data/wait_frac.
+        The lost-sample counts come from the step source (what data.max_lost_fraction holds)."""
+        host = torch.tensor([self.micro, self.tokens, self.wait_s, self.wall_s], dtype=torch.float64)
         vec = torch.cat([host, self.sums.cpu()])
         dist.all_reduce(vec, group=group)
-        micro, tokens, wait_s, wall_s, skipped_all, loss_sum = vec[:6].tolist()
+        micro, tokens, wait_s, wall_s, loss_sum = vec[:5].tolist()
         b = self.block_size
-        correct, count = vec[6 : 6 + b], vec[6 + b :]
+        correct, count = vec[5 : 5 + b], vec[5 + b :]
         scalars = {
             "train/loss": loss_sum / max(micro, 1.0),
             "train/tokens_per_s": tokens / max(wall_s / world, 1e-9),  # wall_s: summed over ranks
             "data/wait_frac": wait_s / max(wall_s, 1e-9),
-            "data/lost_samples": skipped_before + skipped_all,
         }
         for j in range(1, b):
             scalars[f"train/acc_slot_{j}"] = float(correct[j] / count[j].clamp(min=1))

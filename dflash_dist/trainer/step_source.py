@@ -7,15 +7,20 @@ never meets an epoch edge: the source crosses epochs itself and reports each epo
 
 Lock-step: before each slot the ranks all-reduce (SUM) one small vector: how many have a
 micro-batch ready, are waiting for the capture, or are dry (their share of the epoch is read),
-the preemption notices, the samples each rank could not read so far, and the ready batch's
-samples. Nobody waits inside a collective for data (a gloo/NCCL collective would time out while
-a slow capture writes the next shard): while a rank waits, all poll again after POLL_S.
+the preemption notices, the samples each rank could not read so far, the ready batch's samples,
+the capture's skipped samples (rank 0 reads them) and the ranks whose reading failed. Nobody
+waits inside a collective for data (a gloo/NCCL collective would time out while a slow capture
+writes the next shard): while a rank waits, all poll again after POLL_S.
 - a notice on any rank: every rank halts at the same slot; nothing of the open step counts, and
   the position stays that of the last handed-out step (it is committed only with a whole step,
   so a preemption needs no rewind: the resumed run reads the open step's samples again);
 - every rank dry: the epoch ends. A step already begun is handed out short (its remaining slots
   empty on every rank), so a step never spans two epochs and the epoch's last samples are
   trained; the epoch is closed when the next step is asked for;
+- a rank could not read what it needs (its stream's position, its reader thread's error, rank 0's
+  reading of a skipped.jsonl): every rank raises at the same slot, the failed rank its own error,
+  the others `PeerDataError` carrying its text (raised before the all-reduce, such an error left
+  the peers waiting in it for as long as the failed rank's process lived);
 - some ranks dry, others ready: the dry ranks fill the slot with an empty micro-batch (`Step.pads`)
   and the others train theirs, so a rank whose shards held more samples trains its remainder
   instead of dropping it. The trainer scales each real micro-batch's loss so the step's gradient
@@ -46,7 +51,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -72,12 +77,22 @@ log = logging.getLogger(__name__)
 POLL_S = 0.02  # how often waiting ranks re-check each other's data readiness
 STATE_VERSION = 1
 # the per-slot all-reduce vector: [ready, waiting, dry, SIGTERM, SIGUSR1, lost so far, batch samples,
-# capture-skipped so far (rank 0's reading of the skipped.jsonl files; 0 from the others)]
+# capture-skipped so far (rank 0's reading of the skipped.jsonl files; 0 from the others),
+# ranks that could not read (1 from a rank whose status or reading raised)]
+_VEC_LEN = 9
+_FAILED = 8
 _NOTICES = ("SIGTERM", "SIGUSR1")
 
 
 class DataLost(RuntimeError):
     """More samples were lost (unreadable, or skipped by the capture) than data.max_lost_fraction allows."""
+
+
+class PeerDataError(RuntimeError):
+    """Another rank could not read its data at this slot (its own error names the file and the fix);
+    this rank stops with it instead of waiting for that rank in the next collective."""
+
+    names_nothing = True  # the trainer group reports the failed rank's own error (trainer_group._classify)
 
 
 @dataclass(frozen=True)
@@ -120,6 +135,7 @@ class _Slot:
     lost: int  # samples of the open epoch no rank could read, so far
     samples: int  # samples of the micro-batches the ready ranks take in this slot
     capture_lost: int  # samples the capture skipped, over the epochs up to the open one (rank 0's count)
+    mine: int  # this rank's status in the slot (READY, WAITING, DRY): what it does in it, not asked again
 
 
 class StepSource:
@@ -161,8 +177,8 @@ class StepSource:
         while len(batches) + pads < self.grad_accum:
             if self.finished:
                 return Halt(None, tuple(ends))
-            feeder = self._open()
-            slot = self._agree(feeder, signum)
+            slot = self._agree(signum)
+            feeder = self._open()  # opened by _agree
             if slot.notice is not None:
                 return Halt(slot.notice, tuple(ends))
             if slot.dry == self.world:
@@ -171,7 +187,7 @@ class StepSource:
                     break
                 ends.append(self._close_epoch(feeder))
                 continue
-            if feeder.status() == READY:
+            if slot.mine == READY:  # asked again, a reader error since would raise on this rank alone
                 batches.append(feeder.take())
             else:
                 pads += 1
@@ -201,32 +217,53 @@ class StepSource:
         )  # fmt: skip
         return self._feeder
 
-    def _agree(self, feeder: MicroBatchFeeder, signum: int) -> _Slot:
-        """Poll until no rank waits for data (or a notice came), agreeing on the slot's outcome."""
+    def _agree(self, signum: int) -> _Slot:
+        """Poll until no rank waits for data (or a notice came), agreeing on the slot's outcome.
+        Opening the epoch's stream (a resumed position), the reader thread's errors and rank 0's
+        reading of skipped.jsonl fail inside the agreement, so every rank raises at this slot."""
         while True:
-            status = feeder.status()  # raises the reader thread's own error
-            vec = torch.zeros(8, dtype=torch.int64)
-            vec[status_index(status)] = 1
+            vec = torch.zeros(_VEC_LEN, dtype=torch.int64)
             if signum:
                 name = _signal_name(signum)
                 vec[3 + _NOTICES.index(name)] = 1
-            vec[5] = sum(feeder.skipped.values())
-            vec[6] = len(feeder.peek().keys) if status == READY else 0
-            vec[7] = self.capture_skipped() if self.rank == 0 else 0
+            own: Exception | None = None
+            try:  # a rank-local error goes through the all-reduce: raised here, it left the peers in it
+                feeder = self._open()
+                vec[5] = sum(feeder.skipped.values())
+                status = feeder.status()  # raises the reader thread's own error
+                vec[status_index(status)] = 1
+                vec[6] = len(feeder.peek().keys) if status == READY else 0
+                vec[7] = self.capture_skipped() if self.rank == 0 else 0
+            except Exception as e:  # noqa: BLE001 - raised below on this rank, named on the others
+                own, vec[_FAILED] = e, 1
             dist.all_reduce(vec, group=self.group)
-            ready, waiting, dry, term, usr1, lost, samples, capture_lost = (int(x) for x in vec)
+            if vec[_FAILED]:
+                self._raise_unreadable(own)
+            ready, waiting, dry, term, usr1, lost, samples, capture_lost = (int(x) for x in vec[:_FAILED])
             notice = _NOTICES[0] if term else _NOTICES[1] if usr1 else None
             self.lost_epoch, self.capture_lost = lost, capture_lost
-            self._check_lost(lost, capture_lost, feeder)
+            self._check_lost(feeder)
             if notice is not None or waiting == 0:
-                return _Slot(ready, waiting, dry, notice, lost, samples, capture_lost)
+                return _Slot(ready, waiting, dry, notice, lost, samples, capture_lost, status)
             time.sleep(POLL_S)
 
-    def _check_lost(self, lost_epoch: int, capture_lost: int, feeder: MicroBatchFeeder) -> None:
+    def _raise_unreadable(self, own: Exception | None) -> NoReturn:
+        """Every rank, at the same slot, once some rank could not read: the failed ranks raise
+        their own error (type and traceback kept), the others `PeerDataError` with its text."""
+        texts: list[Any] = [None] * self.world
+        dist.all_gather_object(texts, None if own is None else f"{type(own).__name__}: {own}", group=self.group)
+        if own is not None:
+            raise own
+        failed = "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts) if t is not None)
+        raise PeerDataError(
+            f"rank {self.rank} stops at epoch {self.epoch} because another rank could not read its "
+            f"data ({failed}); fix what that error names, then continue with --resume auto"
+        )
+
+    def _check_lost(self, feeder: MicroBatchFeeder) -> None:
         """The run's lost samples, unreadable plus skipped by the capture, against one budget.
         Every rank sees the same totals, so every rank raises at the same slot."""
-        unread = self.lost_before + lost_epoch
-        lost = unread + capture_lost
+        unread, capture_lost, lost = self.unreadable, self.capture_lost, self.lost
         if lost == 0:
             return
         fraction = self.cfg.data.max_lost_fraction
@@ -245,6 +282,22 @@ class StepSource:
         )
         err.names_nothing = not own  # every rank raises; the group reports one that names the samples
         raise err
+
+    @property
+    def unreadable(self) -> int:
+        """Samples no rank could read since step 0 (all ranks, as of the last slot)."""
+        return self.lost_before + self.lost_epoch
+
+    @property
+    def lost(self) -> int:
+        """The samples data.max_lost_fraction holds against the run: unreadable plus those the
+        capture skipped, counted once per epoch that reads their directory."""
+        return self.unreadable + self.capture_lost
+
+    def lost_scalars(self) -> dict[str, int]:
+        """data/lost_samples (what the budget holds) and its two parts, for TensorBoard."""
+        return {"data/lost_samples": self.lost, "data/unreadable_samples": self.unreadable,
+                "data/capture_skipped_samples": self.capture_lost}  # fmt: skip
 
     def capture_skipped(self) -> int:
         """Samples the capture skipped (never in a manifest) in the directories of the epochs up to
@@ -298,10 +351,6 @@ class StepSource:
         if self._feeder is not None:
             self._feeder.close()
             self._feeder = None
-
-    def skipped(self) -> int:
-        """This rank's unreadable samples in the open epoch so far (for the log window)."""
-        return sum(self._feeder.skipped.values()) if self._feeder is not None else 0
 
     # ------------------------------------------------------------------ position
     def state_dict(self) -> dict[str, Any]:

@@ -328,6 +328,37 @@ def test_target_actor_killed_mid_shard_is_restarted_and_resumes(saved, ray_clust
     print(f"\nkill test: killed pid {killed} after {len(complete_before)} shard(s); {time.monotonic() - t0:.1f}s")
 
 
+def test_a_target_actor_with_other_weights_fails_the_capture_naming_both_hashes(saved, ray_cluster, tmp_path):
+    """A node whose target.path holds other weights than the plan hashed (here: the task's
+    target_dir, on this one machine): its actor's TargetWeightsMismatch reaches the driver with
+    its message, through Ray (not retried: max_task_retries is for dead processes) and the
+    pipeline's PipelineError (the CLI's nonzero exit), and nothing is written in the shard tree."""
+    from dflash_dist.actors.target_worker import CaptureTask, TargetWorker
+    from dflash_dist.capture.data_prep import capture_data
+    from dflash_dist.orchestration.pipeline import _finish_capture
+    from dflash_dist.orchestration.run_plan import PipelineError
+    from dflash_dist.target.loading import target_identity
+    from dflash_dist.target.weights_check import TargetWeightsMismatch
+    from tests.helpers.weights import other_target
+
+    cfg = capture_config(tmp_path / "run", saved["dir"], saved["jsonl"])
+    ident = target_identity(cfg, saved["dir"])  # the run plan's
+    other = other_target(saved["dir"], tmp_path / "node2_target")
+    shards = cfg.out / "shards"
+    worker = TargetWorker.options(num_cpus=0.5, max_restarts=2, max_task_retries=2).remote()
+    ref = worker.capture.remote(CaptureTask(cfg.to_dict(), str(other), ident, str(saved["jsonl"]),
+                                            capture_data(cfg, saved["jsonl"]), str(shards), 0, 1))
+    with pytest.raises(PipelineError, match="target capture failed") as info:
+        _finish_capture(ray_cluster, [ref], [shards])
+    cause = info.value.__cause__
+    assert isinstance(cause, TargetWeightsMismatch) and cause.recorded == ident.target_hash
+    text = str(info.value)
+    assert ident.target_hash in text and cause.found in text and str(other) in text and "target actor 0 on " in text
+    assert not shards.exists()
+    beat = json.loads((cfg.out / "heartbeat" / "target-0.json").read_text())
+    assert beat["state"] == "failed" and "TargetWeightsMismatch" in beat["error"] and ident.target_hash in beat["error"]
+
+
 # ---------------------------------------------------------------------------- a real tiny run under a disk cap
 def test_shard_directory_stays_under_the_cap_while_the_trainer_consumes(saved, ray_cluster, tmp_path):
     from dflash_dist.orchestration.pipeline import run_pipeline

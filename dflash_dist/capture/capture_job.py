@@ -13,6 +13,7 @@ exact sequence its features came from."""
 from __future__ import annotations
 
 import logging
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from dflash_dist.config import Config
 from dflash_dist.logging_setup import progress
 from dflash_dist.model.capture import capture_features
 from dflash_dist.target.generation import generate_responses, pad_token_id, stop_token_ids
-from dflash_dist.target.loading import TargetIdentity, load_target
+from dflash_dist.target.loading import TargetIdentity, load_verified_target
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +94,13 @@ class CaptureJob:
     @classmethod
     def load(cls, cfg: Config, target_dir: str | Path, ident: TargetIdentity, shard_dir: str | Path,
              actor_index: int, num_actors: int, recapture: bool = False) -> CaptureJob:
-        """The job of one target actor: its target loaded here (the identity, with the weight hash,
-        comes from the run plan), its kernel path checked, fused if capture.kernels says so."""
-        model, tokenizer = load_target(cfg, Path(target_dir))
+        """The job of one target actor: its target loaded here, its weight files checked on this node
+        to hash to the run plan's (the identity's target_hash, which every shard records: another
+        model's weights are refused before anything is written; hashed while the target loads, and
+        not at all where the plan hashed them in this process), its kernel path checked, fused if
+        capture.kernels says so."""
+        where = f"target actor {actor_index} on {socket.gethostname()}"
+        model, tokenizer, _ = load_verified_target(cfg, Path(target_dir), ident.target_hash, where, purpose="capture")
         provenance, _ = features_provenance(cfg, ident, model, tokenizer)
         return cls(cfg, model, provenance, Path(shard_dir), actor_index, num_actors, tokenizer, recapture)
 

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -18,7 +21,13 @@ from dflash_dist.config import Config, ConfigError, load_config
 from dflash_dist.model.capture import check_capture_layer_ids, gdn_kernel_path
 from dflash_dist.model.config import DrafterConfig, build_target_layer_ids
 from dflash_dist.target.gdn_path import route_cpu_to_torch
-from dflash_dist.target.weights_check import VerifiedWeights, check_unchanged, hashed_weights, verify_weights
+from dflash_dist.target.weights_check import (
+    VerifiedWeights,
+    check_unchanged,
+    hashed_weights,
+    verify_weights,
+    weights_stamp,
+)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -62,14 +71,50 @@ def load_target(cfg: Config, target_dir: Path, device: torch.device | None = Non
 
 
 def load_verified_target(cfg: Config, target_dir: Path, recorded_hash: str, where: str,
-                         verified: VerifiedWeights | None = None):
+                         verified: VerifiedWeights | None = None, purpose: str = "eval"):
     """(model, tokenizer, VerifiedWeights): load_target of weight files checked to hash to the
     run's recorded target_hash (weights_check.py; `verified`: the evaluator's check, reused while
-    the files are unchanged), and still unchanged once loaded. For every process that measures tau."""
-    weights = verify_weights(target_dir, recorded_hash, where, verified)
-    model, tokenizer = load_target(cfg, target_dir)
-    check_unchanged(weights, where)
+    the files are unchanged; `purpose` "eval" or "capture": what a mismatch puts at stake), and
+    unchanged from before the load to after it. For every process that loads the plan's target.
+
+    The hash (where this process has none for these files) runs in a thread while the target
+    loads: both read the same files, the later reader from the page cache, and sha256 releases the
+    GIL, so the check adds about max(hash, load) - load of wall time. Its verdict is in before this
+    returns: nothing is made from another model's weights. A load that fails waits for the hash,
+    whose mismatch (another model, another shape) says more than the load's own error."""
+    before = weights_stamp(target_dir)
+    hashed = _in_thread(verify_weights, target_dir, recorded_hash, where, verified, purpose)
+    try:
+        model, tokenizer = load_target(cfg, target_dir)
+    except Exception:
+        hashed()  # raises the mismatch, if there is one, from the load's error
+        raise
+    weights = hashed()
+    check_unchanged(weights, where, since=before)
     return model, tokenizer, weights
+
+
+def _in_thread(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    """fn(*args) started in a daemon thread (one left behind by an error holds no process open);
+    the returned call waits for it and returns its value or raises its error."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # raised by the waiting call
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name=fn.__name__, daemon=True)
+    thread.start()
+
+    def wait() -> Any:
+        thread.join()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    return wait
 
 
 def target_matmul_params(target_dir: Path) -> int:

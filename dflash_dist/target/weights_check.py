@@ -1,11 +1,12 @@
-"""The weights a process loads for evaluation are the ones the features were captured from.
+"""The weights a process loads are the ones the run plan hashed: the features' target.
 
 The run plan hashes the target's weight files once (provenance.hash_weight_files: the
 `target_hash` of every shard's provenance and of the plan's TargetIdentity). A process that loads
-the target to measure tau (the evaluator, each live worker) checks that the files it loads hash to
-that value, so tau is never measured against another model: another `target_dir` on this node,
-or a target changed on disk since capture. A mismatch is a `TargetWeightsMismatch` naming both
-hashes, the directory and what to do.
+the target checks that the files it loads hash to that value: a capture actor, so no shard records
+a model hash its features do not come from (another node's `target.path` holding other weights);
+the evaluator and each live worker, so tau is never measured against another model (another
+`target_dir` on this node, or a target changed on disk since capture). A mismatch is a
+`TargetWeightsMismatch` naming both hashes, the directory and what to do.
 
 Hashing reads every byte (1-2 min at 27B), so it is done once per process and set of files, and
 not at all where the evaluator already did it:
@@ -18,8 +19,12 @@ not at all where the evaluator already did it:
   carry that stamp loads them without hashing (an `os.stat` per file); a different stamp (another
   directory, a rewritten file) is hashed in full there. A token from elsewhere could only skip
   hashing for files that already carry the stamp it names.
-- After the load the stamp is taken again (`check_unchanged`): files replaced while they were
-  read are refused, not trusted.
+- A capture actor checks on its own node (another node's `target.path` may hold other weights):
+  it hashes there unless the run plan did so in its process, and refuses before it writes anything.
+- A hash that must be computed runs in a thread while the target loads (load_verified_target in
+  loading.py): both read the same files, so it adds the hash's excess over the load, not the hash.
+- The stamp is taken before the load and again after it (`check_unchanged`): files replaced while
+  they were read are refused, not trusted.
 """
 
 from __future__ import annotations
@@ -44,21 +49,30 @@ class VerifiedWeights:
     stamp: WeightsStamp
 
 
+# what loading another model than the recorded one would do, and the other way out, by purpose
+_CONSEQUENCE = {
+    "eval": "tau would be measured against another model than the one the features were captured from. Point "
+    "target.path at the target the shards were captured from (on every node), or restore its weights there; to "
+    "evaluate this target, capture and train on it into a fresh --out",
+    "capture": "the shards captured here would record a model hash their features do not come from. Give "
+    "target.path the same weight files on every node (those of the node that made the run plan), or restore them "
+    "here; to capture from these weights, make the run plan from them into a fresh --out",
+}
+
+
 class TargetWeightsMismatch(ValueError):
     """The target's weight files are not the ones the run recorded (the features' target)."""
 
-    def __init__(self, target_dir: str, recorded: str, found: str, where: str) -> None:
+    def __init__(self, target_dir: str, recorded: str, found: str, where: str, purpose: str = "eval") -> None:
         self.target_dir, self.recorded, self.found, self.where = target_dir, recorded, found, where
+        self.purpose = purpose
         super().__init__(
             f"{where}: the target's weight files in {target_dir} hash to {found}, but the run recorded "
-            f"target_hash {recorded} (the run plan's and the training shards' provenance): tau would be measured "
-            "against another model than the one the features were captured from. Point target.path at the target "
-            "the shards were captured from (on every node), or restore its weights there; to evaluate this target, "
-            "capture and train on it into a fresh --out"
+            f"target_hash {recorded} (the run plan's and the training shards' provenance): {_CONSEQUENCE[purpose]}"
         )
 
     def __reduce__(self):  # travels through Ray and process pools with its message intact
-        return (type(self), (self.target_dir, self.recorded, self.found, self.where))
+        return (type(self), (self.target_dir, self.recorded, self.found, self.where, self.purpose))
 
 
 def weights_stamp(target_dir: str | os.PathLike[str]) -> WeightsStamp:
@@ -86,23 +100,28 @@ def hashed_weights(target_dir: str | os.PathLike[str]) -> VerifiedWeights:
 
 
 def verify_weights(
-    target_dir: str | os.PathLike[str], recorded_hash: str, where: str, verified: VerifiedWeights | None = None
+    target_dir: str | os.PathLike[str],
+    recorded_hash: str,
+    where: str,
+    verified: VerifiedWeights | None = None,
+    purpose: str = "eval",
 ) -> VerifiedWeights:
     """The weight files in `target_dir`, checked to hash to `recorded_hash`; `verified`: a
-    check already made (by the evaluator), reused while the files carry its stamp."""
+    check already made (by the evaluator), reused while the files carry its stamp; `purpose`
+    ("eval", "capture"): what the mismatch says is at stake."""
     if verified is not None and verified.target_hash == recorded_hash and weights_stamp(target_dir) == verified.stamp:
         return VerifiedWeights(str(target_dir), verified.target_hash, verified.stamp)
     got = hashed_weights(target_dir)
     if got.target_hash != recorded_hash:
-        raise TargetWeightsMismatch(str(target_dir), recorded_hash, got.target_hash, where)
+        raise TargetWeightsMismatch(str(target_dir), recorded_hash, got.target_hash, where, purpose)
     return got
 
 
-def check_unchanged(verified: VerifiedWeights, where: str) -> None:
-    """After loading: the files still carry the stamp they were verified under."""
-    if weights_stamp(verified.target_dir) != verified.stamp:
+def check_unchanged(verified: VerifiedWeights, where: str, since: WeightsStamp | None = None) -> None:
+    """After loading: the files still carry the stamp they were verified under, and carried it
+    when the load began (`since`, taken then: the hash may have run alongside the load)."""
+    if weights_stamp(verified.target_dir) != verified.stamp or since not in (None, verified.stamp):
         raise ValueError(
             f"{where}: the target's weight files in {verified.target_dir} changed while they were "
-            "loaded (after their hash was checked): wait until whatever writes them has finished, then "
-            "start again"
+            "loaded and hashed: wait until whatever writes them has finished, then start again"
         )

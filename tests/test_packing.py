@@ -195,9 +195,7 @@ def test_packed_rows_take_few_anchor_shapes_and_flex_compiles_past_dynamos_defau
     """A packed row's anchor slots (a flex_attention shape each) come from a small set, padded by
     under num_anchors or 25%, whatever the row holds; the compiled flex_attention accepts that many shapes
     (past dynamo's default of 8 it would run eagerly and materialise the scores: an OOM on the
-    H200 at the mid config)."""
-    import torch._dynamo
-
+    H200 at the mid config; past its own limit it raises)."""
     from dflash_dist.model import attention
     from dflash_dist.trainer.batching import anchor_slots, make_micro_batch
 
@@ -214,6 +212,5 @@ def test_packed_rows_take_few_anchor_shapes_and_flex_compiles_past_dynamos_defau
         k = int(row.anchors.keep.sum())
         assert row.anchors.positions.shape[1] == anchor_slots(k, 2)
     assert len({row.anchors.positions.shape[1] for row in rows}) < len({int(r.anchors.keep.sum()) for r in rows})
-    attention._compiled_flex.cache_clear()
-    attention._compiled_flex()
-    assert torch._dynamo.config.recompile_limit >= max(len(shapes), attention.FLEX_RECOMPILE_LIMIT)
+    # the compiled flex_attention's own limit, in every thread (tests/test_attention_compile.py)
+    assert len(shapes) <= attention.FLEX_RECOMPILE_LIMIT

@@ -8,6 +8,10 @@ A real one-rank Trainer (DeepSpeed on CPU over gloo) on the tiny target's captur
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
+
 from tests.helpers.tb import scalars
 from tests.helpers.tiny import NUM_SAMPLES, PER_SHARD, make_cfg, write_shards
 
@@ -54,3 +58,37 @@ def test_logged_and_printed_lost_samples_are_what_the_budget_holds(tiny, tmp_pat
     printed = capsys.readouterr().out
     assert (f"{unreadable + skipped} sample(s) lost ({unreadable} unreadable, {skipped} skipped by the capture, "
             "counted per epoch read; data.max_lost_fraction=0.2)") in printed, printed  # fmt: skip
+
+
+@pytest.mark.parametrize("stop", ["epochs", "max_steps"])
+def test_a_resume_that_trains_nothing_still_reports_what_the_budget_holds(tiny, tmp_path, single_rank_gloo, stop):
+    """`--resume auto` over a run whose training is finished (the evaluator failed, say): the
+    trainer resumes from the final checkpoint (every epoch done, or train.max_steps reached in
+    epoch 0, its truncated shard already read) and has no step left to agree on. Its result still
+    says what the budget held, unreadable plus capture-skipped per epoch read; it said the
+    unreadable samples of finished epochs alone (both counts came from the slots, and no slot
+    was run), so the pipeline summary printed "0 skipped by the capture"."""
+    from data_pipeline.ledger import record_skipped
+    from data_pipeline.shard_reader import read_manifest
+    from dflash_dist.actors.trainer_group import train_job
+    from dflash_dist.trainer.loop import STATE_VERSION, Trainer
+    from dflash_dist.trainer.resume import decide
+
+    shards, out = tmp_path / "shards", tmp_path / "run"
+    write_shards(shards, tiny["prov"], tiny["samples"], done=True)
+    record_skipped(shards, "k-nonfinite", "nonfinite_features", 0)
+    bad = shards / read_manifest(shards)[0].name
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    train = {"max_steps": 3} if stop == "max_steps" else {}
+    cfg = make_cfg(out, tiny["target_dir"], "data.max_lost_fraction=0.2", world_size=1, epochs=2, log_every=3,
+                   checkpoint_every=100, **train)  # fmt: skip
+    job = train_job(cfg, tiny["target_dir"], shards, tiny["prov"], tiny["drafter"], num_samples=NUM_SAMPLES + 1)
+    first = Trainer(cfg, job).run()
+    epochs = 1 if stop == "max_steps" else 2  # epochs read: each misses the truncated shard and the skipped sample
+    held = (epochs * (PER_SHARD + 1), epochs * 1)
+    assert (first.samples_lost, first.capture_skipped) == held
+
+    decision = decide("auto", cfg, shards, (job.total_steps, job.schedule_unit), STATE_VERSION)
+    again = Trainer(cfg, dataclasses.replace(job, resume=decision)).run()
+    assert again.resumed_from is not None and again.steps == first.steps
+    assert (again.samples_lost, again.capture_skipped) == held

@@ -137,6 +137,8 @@ class Trainer:
         t = self.cfg.train
         try:
             with self._preemption_notice():
+                if self._finished():  # resumed with nothing left to train: no slot says what was lost
+                    self.source.settle()
                 while not self._finished() and self.train_step():
                     if self.state.step % t.log_every == 0:
                         self._log()

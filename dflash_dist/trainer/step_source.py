@@ -301,9 +301,39 @@ class StepSource:
 
     def capture_skipped(self) -> int:
         """Samples the capture skipped (never in a manifest) in the directories of the epochs up to
-        the open one: under recapture each epoch's own; under keep epoch 0's, once per epoch. The
-        open epoch's file may still grow (capture runs alongside); it is re-read when it does."""
-        return sum(self._skipped.count(self.epoch_dir_of(e)) for e in range(self.epoch + 1))
+        the open one (the last, once every epoch is done): under recapture each epoch's own; under
+        keep epoch 0's, once per epoch. The open epoch's file may still grow (capture runs
+        alongside); it is re-read when it does."""
+        last = min(self.epoch, self.cfg.train.epochs - 1)
+        return sum(self._skipped.count(self.epoch_dir_of(e)) for e in range(last + 1))
+
+    def settle(self) -> None:
+        """The lost-sample counts of a run that agrees no slot (resumed with nothing left to train:
+        every epoch done, or train.max_steps reached), as its last slot would have had them: every
+        rank's unreadable samples of the open epoch from its resumed position, and rank 0's reading
+        of skipped.jsonl. Without it such a run reported the unreadable samples of finished epochs
+        alone. All ranks call it together; a reading error stops every rank, as in a slot."""
+        vec = torch.zeros(3, dtype=torch.int64)
+        own: Exception | None = None
+        try:
+            vec[0] = self._resumed_skipped()
+            vec[1] = self.capture_skipped() if self.rank == 0 else 0
+        except Exception as e:  # noqa: BLE001 - raised below on this rank, named on the others
+            own, vec[2] = e, 1
+        dist.all_reduce(vec, group=self.group)
+        if vec[2]:
+            self._raise_unreadable(own)
+        self.lost_epoch, self.capture_lost = int(vec[0]), int(vec[1])
+
+    def _resumed_skipped(self) -> int:
+        """This rank's share of the open epoch's unreadable samples in its position: its own
+        stream's count, or a merged position's (for_world) on rank 0 alone, as the stream loads it."""
+        if self.finished or self.reader is None:
+            return 0
+        own = (self.reader.get("rank"), self.reader.get("world_size")) == (self.rank, self.world)
+        if not own and not (self.rank == 0 and self.reader.get("complete")):
+            return 0
+        return sum(int(n) for n in self.reader.get("skipped", {}).values())
 
     def _commit(self, batches: list[MicroBatch]) -> None:
         """The position after the step just handed out. A rank that ran dry takes its stream's

@@ -65,6 +65,13 @@ def rank_main(spec_path: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{spec['store']}", rank=rank, world_size=world)
     try:
         cfg = load_config_dict(spec["cfg"])
+        if rank == spec.get("manifest_fails_on"):  # this node's reading of the manifest fails (as an NFS ESTALE)
+            from dflash_dist.trainer import step_source
+
+            def unreadable(shard_dir):
+                raise OSError(116, "Stale file handle", str(Path(shard_dir) / "manifest.jsonl"))
+
+            step_source.read_manifest = unreadable
         source = StepSource(cfg, spec["shards"], PROV, rank, world, torch.float32, planned_samples=spec["planned"],
                             recapture=spec.get("recapture", False))
         if spec.get("state") is not None:
@@ -320,6 +327,23 @@ def test_a_position_one_rank_cannot_load_stops_its_peers_at_the_same_slot(tmp_pa
     assert r0 is not None and r0["type"] == "PeerDataError", r0
     assert "(rank 1: ValueError: ShardStream state was saved by rank 0 of 2" in r0["error"], r0
     assert r0["at_step"] == r1["at_step"] == 0
+
+
+def test_a_manifest_one_rank_cannot_read_at_an_epoch_end_stops_every_rank(tmp_path):
+    """At an epoch's end each rank reads the finished manifest for the epoch's total, after the
+    counts' all-reduce: an error there (one node's I/O error) raised on that rank alone, and its
+    peers went on into the next epoch's first slot and waited in its all-reduce for as long as the
+    failed rank's process lived. Now the read rides in the epoch end's all-reduce: rank 1 raises its
+    own OSError, rank 0 a PeerDataError carrying its text, both at the same step."""
+    shards = tmp_path / "shards"
+    write_samples(shards, [1] * 4)
+    cfg = source_cfg(tmp_path / "out", epochs=2, grad_accum=1)
+    dumps = run_ranks(tmp_path, "a", 2, cfg, shards, planned=4, timeout_s=60, linger=True, manifest_fails_on=1)
+    r0, r1 = (d["error"] for d in dumps)
+    assert r1 is not None and r1["type"] == "OSError" and "Stale file handle" in r1["error"], dumps
+    assert r0 is not None and r0["type"] == "PeerDataError", r0
+    assert "(rank 1: OSError: [Errno 116] Stale file handle: " in r0["error"] and "manifest.jsonl" in r0["error"], r0
+    assert r0["at_step"] == r1["at_step"] == 2  # epoch 0's two steps, then its end
 
 
 if __name__ == "__main__":

@@ -18,9 +18,10 @@ writes the next shard): while a rank waits, all poll again after POLL_S.
   empty on every rank), so a step never spans two epochs and the epoch's last samples are
   trained; the epoch is closed when the next step is asked for;
 - a rank could not read what it needs (its stream's position, its reader thread's error, rank 0's
-  reading of a skipped.jsonl): every rank raises at the same slot, the failed rank its own error,
-  the others `PeerDataError` carrying its text (raised before the all-reduce, such an error left
-  the peers waiting in it for as long as the failed rank's process lived);
+  reading of a skipped.jsonl; at an epoch's end, the finished manifest): every rank raises at the
+  same slot, the failed rank its own error, the others `PeerDataError` carrying its text (raised
+  before the all-reduce, such an error left the peers waiting in it for as long as the failed
+  rank's process lived);
 - some ranks dry, others ready: the dry ranks fill the slot with an empty micro-batch (`Step.pads`)
   and the others train theirs, so a rank whose shards held more samples trains its remainder
   instead of dropping it. The trainer scales each real micro-batch's loss so the step's gradient
@@ -345,14 +346,20 @@ class StepSource:
             self.reader = self._feeder.end_state
 
     def _close_epoch(self, feeder: MicroBatchFeeder) -> EpochEnd:
-        """All ranks: the epoch's totals; the next epoch starts at its beginning."""
-        own = torch.tensor([self.trained, sum(feeder.skipped.values())], dtype=torch.int64)
+        """All ranks: the epoch's totals; the next epoch starts at its beginning. Each rank reads
+        the finished manifest before the counts' all-reduce, whose third entry says whether a rank
+        could not: read after it, an error there (one node's I/O) left the peers in the next slot's."""
+        counts = torch.tensor([self.trained, sum(feeder.skipped.values()), 0], dtype=torch.int64)
         self.close()
-        counts = own.clone()
+        error: Exception | None = None
+        try:
+            total = sum(r.n_samples for r in read_manifest(self.epoch_dir()))  # final: every stream saw DONE
+        except Exception as e:  # noqa: BLE001 - raised below on this rank, named on the others
+            error, counts[2] = e, 1
         dist.all_reduce(counts, group=self.group)
+        if counts[2]:
+            self._raise_unreadable(error)
         trained, lost = int(counts[0]) + self.carried, int(counts[1])
-        manifest = read_manifest(self.epoch_dir())  # final: every stream saw DONE
-        total = sum(r.n_samples for r in manifest)
         end = EpochEnd(self.epoch, trained, lost, total)
         if trained + lost != total:
             raise RuntimeError(f"epoch {self.epoch}: {trained} trained + {lost} lost != {total} samples in "

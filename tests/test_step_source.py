@@ -72,6 +72,25 @@ def rank_main(spec_path: str) -> None:
                 raise OSError(116, "Stale file handle", str(Path(shard_dir) / "manifest.jsonl"))
 
             step_source.read_manifest = unreadable
+        if spec.get("reader_ends_between_reads"):  # the reader thread finishes while a slot is being read
+            from dflash_dist.trainer.batching import MicroBatchFeeder
+
+            status = MicroBatchFeeder.status
+
+            def status_once_the_reader_ended(self):
+                self._thread.join()  # (its queue holds every batch of these shards)
+                return status(self)
+
+            MicroBatchFeeder.status = status_once_the_reader_ended
+            from data_pipeline.shard_reader import ShardStream
+
+            skip_rest = ShardStream._skip_rest
+
+            def slow_skip_rest(self, *args):  # the reader is still at its shard when the slot begins
+                time.sleep(0.5)
+                return skip_rest(self, *args)
+
+            ShardStream._skip_rest = slow_skip_rest
         source = StepSource(cfg, spec["shards"], PROV, rank, world, torch.float32, planned_samples=spec["planned"],
                             recapture=spec.get("recapture", False))
         if spec.get("state") is not None:
@@ -344,6 +363,28 @@ def test_a_manifest_one_rank_cannot_read_at_an_epoch_end_stops_every_rank(tmp_pa
     assert r0 is not None and r0["type"] == "PeerDataError", r0
     assert "(rank 1: OSError: [Errno 116] Stale file handle: " in r0["error"] and "manifest.jsonl" in r0["error"], r0
     assert r0["at_step"] == r1["at_step"] == 2  # epoch 0's two steps, then its end
+
+
+def test_unreadable_samples_found_as_a_rank_runs_dry_count_in_that_slot(tmp_path):
+    """A rank's reader thread may skip its last (corrupt, missing) shard and end while the slot is
+    read. A slot that read the unreadable count before the status took the stale count with DRY,
+    and the last epoch's last slot (every rank dry) is the budget's last check: the run ended
+    without DataLost though it lost more than data.max_lost_fraction allows. Here every shard is
+    truncated (4 of 4 samples lost, 0.5 allows 2) and the reader ends just before the status is
+    read: every rank raises DataLost at step 0."""
+    from data_pipeline.shard_reader import read_manifest
+
+    shards = tmp_path / "shards"
+    write_samples(shards, [2, 2])
+    for record in read_manifest(shards):
+        bad = shards / record.name
+        bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    cfg = source_cfg(tmp_path / "out", epochs=1, grad_accum=1)
+    cfg.data.max_lost_fraction = 0.5
+    dumps = run_ranks(tmp_path, "a", 2, cfg, shards, planned=4, reader_ends_between_reads=True)
+    for d in dumps:
+        assert d["data_lost"] is not None and d["halt"] is None, d
+        assert d["data_lost"]["at_step"] == 0 and "4 sample(s) could not be read" in d["data_lost"]["error"], d
 
 
 if __name__ == "__main__":

@@ -230,8 +230,10 @@ class StepSource:
             own: Exception | None = None
             try:  # a rank-local error goes through the all-reduce: raised here, it left the peers in it
                 feeder = self._open()
-                vec[5] = sum(feeder.skipped.values())
                 status = feeder.status()  # raises the reader thread's own error
+                # after the status: DRY means the reader ended, so the count is final (read before, it
+                # missed a last shard skipped in between, and the last slot is the budget's last check)
+                vec[5] = sum(feeder.skipped.values())
                 vec[status_index(status)] = 1
                 vec[6] = len(feeder.peek().keys) if status == READY else 0
                 vec[7] = self.capture_skipped() if self.rank == 0 else 0

@@ -327,7 +327,7 @@ def test_a_head_started_by_ray_start_refuses_clients_without_its_token(tmp_path)
 
 
 _LOCAL_SESSIONS = r"""
-import os, subprocess, sys
+import logging, os, shlex, subprocess, sys
 import ray
 from dflash_dist.config import load_config
 from dflash_dist.orchestration.pipeline import ray_session
@@ -343,10 +343,29 @@ def probe_without_token():
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     return r.returncode != 0 and "Authentication token is missing or incorrect" in r.stderr
 
+def probe_through_hint():  # another shell of the run's user, given only the session's logged line
+    hint = next((m for m in logged if "demands this run's token" in m), "")
+    if "export " not in hint:
+        return "no hint: " + repr(logged)
+    addr = ray.get_runtime_context().gcs_address
+    code = f"import ray; ray.init(address={addr!r}, _node_ip_address='127.0.0.1'); print('JOINED')"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env["RAY_gcs_server_port_wait_time_s"] = "1"
+    shell = "export " + hint.split("export ", 1)[1] + f"; exec {sys.executable} -c {shlex.quote(code)}"
+    r = subprocess.run(["bash", "-c", shell], env=env, capture_output=True, text=True, timeout=120)
+    return r.returncode == 0 and "JOINED" in r.stdout and (token not in hint)
+
+logged = []
+handler = logging.Handler()
+handler.emit = lambda record: logged.append(record.getMessage())
+logging.getLogger("dflash_dist.orchestration.pipeline").addHandler(handler)
+logging.getLogger("dflash_dist.orchestration.pipeline").setLevel(logging.INFO)
 with ray_session(cfg):
+    token = os.environ.get("RAY_AUTH_TOKEN")
     print("TASK", ray.get(ray.remote(lambda: 41 + 1).remote()))
     print("TOKEN_FILE", os.path.exists(os.path.join(home, ".ray", "auth_token")))
     print("REFUSED", probe_without_token())
+    print("HINT_JOINS", probe_through_hint())
 print("ENV_AFTER", sorted(k for k in os.environ if k.startswith("RAY_AUTH")))
 # Ray's own default cluster in the same process (it writes ~/.ray/auth_token), then ours again, then Ray's
 for name, session in (("plain", None), ("ours", ray_session), ("plain2", None)):
@@ -367,7 +386,9 @@ def test_a_local_run_cluster_demands_a_token_that_is_never_on_disk(tmp_path):
     ~/.ray/auth_token with mode 0644, where any local user could read it and run code as the run's
     user on its cluster. A client without the token is refused; no token file appears in HOME; the
     environment is as before afterwards; and a process that started Ray's own default cluster
-    before (or after) one of ours still connects to each (Ray caches the first token it read)."""
+    before (or after) one of ours still connects to each (Ray caches the first token it read).
+    The run's user can still reach its cluster from another shell (Ray's CLI, the dashboard's token
+    prompt): the session logs how (ray_token.reach_hint), without the token itself."""
     home = tmp_path / "home"
     home.mkdir()
     proc = subprocess.run([sys.executable, "-c", _LOCAL_SESSIONS, str(REPO / "configs" / "tiny.yaml"),
@@ -378,5 +399,6 @@ def test_a_local_run_cluster_demands_a_token_that_is_never_on_disk(tmp_path):
     assert "TASK 42" in out
     assert "TOKEN_FILE False" in out, out
     assert "REFUSED True" in out, out
+    assert "HINT_JOINS True" in out, out
     assert "ENV_AFTER []" in out, out
     assert "PLAIN 7" in out and "OURS 7" in out and "PLAIN2 7" in out, out

@@ -25,7 +25,7 @@ from dflash_dist.actors.heartbeat import Heartbeat, clear_heartbeats
 from dflash_dist.config import Config
 from dflash_dist.evaluator.policy import EvalResult
 from dflash_dist.orchestration import placement
-from dflash_dist.orchestration.ray_token import local_cluster_auth
+from dflash_dist.orchestration.ray_token import local_cluster_auth, reach_hint
 from dflash_dist.orchestration.run_lock import RunLock, RunLocked
 from dflash_dist.orchestration.run_plan import PLAN_NAME, PipelineError, RunPlan, make_plan, write_plan
 
@@ -75,8 +75,11 @@ def ray_session(cfg: Config):
         kwargs.update(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.dashboard,
                       dashboard_host=cfg.ray.dashboard_host, _node_ip_address="127.0.0.1")
         auth = local_cluster_auth()  # its token in this process's environment, not in ~/.ray/auth_token
-    with auth:
-        ray.init(**kwargs)
+    with auth as token:
+        ctx = ray.init(**kwargs)
+        if token is not None:  # Ray's CLI and dashboard need it too; it is in no file (ray_token.reach_hint)
+            dashboard = f" (dashboard http://{ctx.dashboard_url})" if cfg.ray.dashboard and ctx.dashboard_url else ""
+            log.info("%s", reach_hint(token, f"this run's Ray cluster at {ctx.address_info['gcs_address']}{dashboard}"))
         try:
             yield ray
         finally:

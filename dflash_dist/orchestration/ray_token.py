@@ -17,6 +17,7 @@ import os
 import secrets
 from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
+from pathlib import Path
 
 TOKEN_BYTES = 32  # 64 hex characters
 AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
@@ -64,13 +65,14 @@ def _reload_ray_auth() -> None:
 
 
 @contextmanager
-def local_cluster_auth() -> Iterator[None]:
+def local_cluster_auth() -> Iterator[str | None]:
     """Token auth for a Ray cluster this process starts on this node, with a token of this
-    process that is never written to disk; the environment as it was afterwards. A user who set
-    RAY_AUTH_MODE chose how their clusters authenticate: then nothing changes."""
+    process that is never written to disk (yielded, for `reach_hint`); the environment as it was
+    afterwards. A user who set RAY_AUTH_MODE chose how their clusters authenticate: then nothing
+    changes (yields None)."""
     global _PROCESS_TOKEN
     if "RAY_AUTH_MODE" in os.environ:
-        yield
+        yield None
         return
     if _PROCESS_TOKEN is None:
         _PROCESS_TOKEN = new_token()
@@ -78,7 +80,7 @@ def local_cluster_auth() -> Iterator[None]:
     set_auth(os.environ, token=_PROCESS_TOKEN)
     _reload_ray_auth()
     try:
-        yield
+        yield _PROCESS_TOKEN
     finally:
         for key, value in before.items():
             if value is None:
@@ -86,3 +88,26 @@ def local_cluster_auth() -> Iterator[None]:
             else:
                 os.environ[key] = value
         _reload_ray_auth()
+
+
+def reach_hint(token: str, where: str) -> str:
+    """How the run's user reaches the cluster of `local_cluster_auth` from another shell (`ray status`,
+    `ray job submit`, the dashboard's token prompt): its token is in no file, but in the environment
+    of the processes that Ray started from this one (its GCS, raylet), which /proc shows to their owner
+    only. This process's own /proc/PID/environ does not show it (set after it started)."""
+    holder = None
+    for entry in Path("/proc").iterdir():
+        try:
+            ppid = int(next(x for x in (entry / "status").read_text().splitlines() if x.startswith("PPid:")).split()[1])
+            if ppid == os.getpid() and f"RAY_AUTH_TOKEN={token}".encode() in (entry / "environ").read_bytes():
+                holder = entry.name
+                break
+        except (OSError, ValueError, StopIteration):  # not a process, gone, or not ours to read
+            continue
+    if holder is None:
+        return f"{where} demands this run's token, which is in no file and in no process that Ray started here"
+    return (
+        f"{where} demands this run's token, which is in no file: to reach it from another shell as this user, "
+        f"export RAY_AUTH_MODE=token RAY_AUTH_TOKEN=\"$(tr '\\0' '\\n' < /proc/{holder}/environ | "
+        "sed -n 's/^RAY_AUTH_TOKEN=//p')\""
+    )

@@ -6,7 +6,9 @@ Slice I takes the same records as target actor I of N would (capture_job.my_slic
 (data_pipeline/ledger.py). When a slice ends it leaves `DIR/capture_slices/I-of-N.json`; the
 slice that finds all N there checks no key was captured twice and marks the shards DONE (each
 writes its own file before looking, so the last one to finish always sees all of them). The
-first slice to start computes the run plan (ingested data, target weight hash) for all of them.
+first slice to start computes the run plan (ingested data, target weight hash) for all of them;
+every slice checks the weight files it loads against the plan's hash, hashing them unless it made
+the plan itself (a plan read from JSON carries no check of the files: run_plan.RunPlan.weights).
 """
 
 from __future__ import annotations
@@ -82,9 +84,12 @@ def _capture_slice(cfg: Config, index: int, count: int) -> dict:
 
             torch.set_num_threads(max(1, int(os.environ.get("SLURM_CPUS_PER_TASK", "1"))))
         with Heartbeat(cfg.out, "target", index) as beat:
-            job = CaptureJob.load(cfg, plan.target_dir, plan.identity, shards, index, count)
+            # plan.weights: the check of the slice that made the plan (this process); None in a slice
+            # that read it from JSON (a stamp from a file is never trusted): that slice hashes its files
+            job = CaptureJob.load(cfg, plan.target_dir, plan.identity, shards, index, count, verified=plan.weights)
             beat.info = job.progress
-            result = dataclasses.asdict(job.run(plan.data.train_jsonl, plan.data.capture))
+            result = dataclasses.asdict(dataclasses.replace(job.run(plan.data.train_jsonl, plan.data.capture),
+                                                            weights_hashed=job.weights_hashed))
         log.info("slice %d/%d: %d samples, %d tokens in %d shards (kernel path %s)", index, count, result["samples"],
                  result["tokens"], result["shards"], result["kernel_path"])
         marker.parent.mkdir(parents=True, exist_ok=True)

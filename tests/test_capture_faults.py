@@ -401,6 +401,7 @@ def test_shard_directory_stays_under_the_cap_while_the_trainer_consumes(saved, r
           f"{samples[0]} samples, capture waited {waited:.1f}s, {time.monotonic() - t0:.0f}s")
     assert produced > 2 * cap  # the cap was far below the data: it had to bind
     assert summary.capture[0].waited_s > 0  # the capture paused for the trainer
+    assert summary.capture[0].weights_hashed == 0  # the run plan's check of the weights, handed to the actor
     assert 0 < peak[0] <= cap + shard_bytes
     assert sorted(listed_keys(shards)) == sorted(saved["keys"][:n]) and (shards / DONE_NAME).exists()
     assert summary.train[0].samples_consumed == n and summary.samples_lost == 0

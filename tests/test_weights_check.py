@@ -6,14 +6,17 @@ the hash is computed once per process, not per worker."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 
 from data_pipeline import provenance
 from dflash_dist.evaluator import Evaluator
+from dflash_dist.target import weights_check
 from dflash_dist.target.loading import target_identity
 from dflash_dist.target.weights_check import (
     TargetWeightsMismatch,
@@ -195,3 +198,136 @@ def test_a_capture_actor_given_another_models_shapes_says_the_hashes_differ(capt
     mismatch_named(info.value, here, ident.target_hash)
     assert info.value.__context__ is not None  # the load's own error, kept
     assert not any(cfg.out.rglob("*"))
+
+
+def test_a_check_skips_hashing_only_for_files_that_still_carry_its_exact_stamp(tiny, tmp_path):
+    """The run plan's check handed to another process (here: to verify_weights) is reused for the
+    files it stamped; files rewritten in place with other bytes, their size and mtime set back as
+    they were, differ in ctime alone (no user call sets it back): hashed, and refused."""
+    target = tmp_path / "target"
+    shutil.copytree(tiny["target_dir"], target)
+    check = hashed_weights(target)
+    made = len(weights_check.hashes_made())
+    assert verify_weights(target, check.target_hash, "w", check) == check and len(weights_check.hashes_made()) == made
+    path = target / "model.safetensors"
+    before = os.stat(path)
+    other = tmp_path / "other"
+    other_target(target, other)
+    data = (other / "model.safetensors").read_bytes()
+    assert len(data) == before.st_size and data != path.read_bytes()
+    with open(path, "r+b") as f:  # the same inode, the same size
+        f.write(data)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # the same mtime
+    stamp = weights_check.weights_stamp(target)
+    assert [s[:3] + s[4:] for s in stamp] == [s[:3] + s[4:] for s in check.stamp] and stamp != check.stamp
+    with pytest.raises(TargetWeightsMismatch):
+        verify_weights(target, check.target_hash, "w", check)
+    assert len(weights_check.hashes_made()) == made + 1
+
+
+# ---------------------------------------------------------------------------- the plan's check, through Ray
+def _plan(capture_target, target: Path, out: Path):
+    """The run plan of an extract over `target`, made in this process (the driver)."""
+    from dflash_dist.orchestration.run_plan import make_plan
+
+    cfg = capture_config(out, target, capture_target["jsonl"], "eval.enabled=false", "eval.max_new_tokens=4",
+                         "eval.poll_s=0.1", cpus_per_actor=0.5, max_restarts=0)
+    return cfg, make_plan(cfg, ("extract",), "never")
+
+
+def _capture(ray, cfg, plan):
+    """The pipeline's capture of `plan` (_start_capture, one target actor) and its results."""
+    from dflash_dist.orchestration.pipeline import _finish_capture, _start_capture
+
+    shards = cfg.out / "shards"
+    shards.mkdir(parents=True, exist_ok=True)  # as the pipeline's _layout leaves it
+    _, refs = _start_capture(cfg, plan, {"shards": shards}, lambda role, i: {})
+    return _finish_capture(ray, refs, [shards])
+
+
+def test_capture_actors_given_the_plans_check_hash_only_files_without_its_stamp(capture_target, ray_cluster, tmp_path):
+    """The driver's run plan records its check of the weights (hash + stamp) in memory only, and
+    the pipeline hands it to its target actors (each a Ray process of its own): one loading the
+    files the plan hashed hashes nothing; one loading a copy elsewhere (the same bytes, another
+    path and inode: another node's files), with the check naming the original, hashes them in
+    full and captures; one whose copy holds other weights is refused before writing anything."""
+    from dflash_dist.orchestration.run_plan import PipelineError, RunPlan
+    from dflash_dist.target.weights_check import VerifiedWeights
+
+    here = tmp_path / "target"
+    shutil.copytree(capture_target["dir"], here)
+    cfg, plan = _plan(capture_target, here, tmp_path / "run")
+    assert isinstance(plan.weights, VerifiedWeights) and plan.weights.target_hash == plan.identity.target_hash
+    assert plan.weights.stamp == weights_check.weights_stamp(here)
+    # never written, never read back: a stamp from a file does not spare a hash
+    text = plan.to_json()
+    assert "weights" not in json.loads(text) and str(plan.weights.stamp[0][4]) not in text
+    assert RunPlan.from_json(text, "x").weights is None
+    forged = {**json.loads(text), "weights": dataclasses.asdict(plan.weights)}
+    assert RunPlan.from_json(json.dumps(forged), "x").weights is None
+
+    (result,) = _capture(ray_cluster, cfg, plan)
+    assert result.samples == 8 and result.weights_hashed == 0  # the driver's node: its stamp, no hash
+    from data_pipeline.shard_reader import read_manifest
+
+    assert {r.provenance.target_hash for r in read_manifest(cfg.out / "shards")} == {plan.identity.target_hash}
+
+    copy = tmp_path / "node2" / "target"
+    shutil.copytree(here, copy)  # the same bytes: another path, inode and ctime
+    cfg2 = capture_config(tmp_path / "run2", copy, capture_target["jsonl"], cpus_per_actor=0.5, max_restarts=0)
+    (result,) = _capture(ray_cluster, cfg2, dataclasses.replace(plan, target_dir=str(copy)))
+    assert result.samples == 8 and result.weights_hashed == 1  # hashed there, and accepted
+
+    other = other_target(here, tmp_path / "node3" / "target")
+    cfg3 = capture_config(tmp_path / "run3", other, capture_target["jsonl"], cpus_per_actor=0.5, max_restarts=0)
+    with pytest.raises(PipelineError) as info:
+        _capture(ray_cluster, cfg3, dataclasses.replace(plan, target_dir=str(other)))
+    cause = info.value.__cause__
+    assert isinstance(cause, TargetWeightsMismatch) and cause.recorded == plan.identity.target_hash
+    assert cause.found == provenance.hash_weight_files(other)
+    assert {p.name for p in (cfg3.out / "shards").iterdir()} <= {".manifest.lock"}  # the driver's: no shard, no ledger
+
+
+def test_the_evaluator_actor_given_the_plans_check_does_not_hash(capture_target, ray_cluster, tmp_path):
+    """The evaluator, a Ray process of its own started by the pipeline (_start_evaluator), loads the
+    files the plan hashed (and checks them against the plan's provenance) without hashing them."""
+    from dflash_dist.orchestration.pipeline import _start_evaluator
+
+    here = tmp_path / "target"
+    shutil.copytree(capture_target["dir"], here)
+    cfg, plan = _plan(capture_target, here, tmp_path / "run")
+    actor = _start_evaluator(cfg, plan, [[5, 6, 7, 8], [9, 10, 11]], cfg.out / "shards", {})
+    try:
+        deadline = time.monotonic() + 120
+        while not (status := ray_cluster.get(actor.status.remote()))["ready"]:
+            assert status["error"] is None and time.monotonic() < deadline, status
+            time.sleep(0.2)
+        assert status["error"] is None and status["weights_hashed"] == 0, status
+    finally:
+        ray_cluster.kill(actor)
+
+
+def test_a_capture_slice_hashes_unless_it_made_the_plan_itself(capture_target, tmp_path):
+    """`extract --slice`: the slice that makes the array's run plan hands its own check to its load
+    (nothing hashed again); another slice reads the plan from JSON, which carries no check (a stamp
+    from a file never spares a hash), and hashes the files it loads in its own process."""
+    import subprocess
+    import sys
+
+    from launcher.slurm_capture import capture_slice, slice_marker
+    from tests.conftest import REPO
+
+    here = tmp_path / "target"
+    shutil.copytree(capture_target["dir"], here)
+    cfg = capture_config(tmp_path / "run", here, capture_target["jsonl"], "eval.enabled=false")
+    assert capture_slice(cfg, 0, 2)["weights_hashed"] == 0  # made the plan here: its check
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg.to_dict()))
+    code = ("import json, sys; from dflash_dist.config import load_config_dict; "
+            "from launcher.slurm_capture import capture_slice; "
+            "capture_slice(load_config_dict(json.load(open(sys.argv[1]))), 1, 2)")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("SLURM_JOB_ID", None), env.pop("SLURM_ARRAY_JOB_ID", None)  # the same plan key as this process's
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "cfg.json")], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(slice_marker(cfg.out, 1, 2).read_text())["weights_hashed"] == 1

@@ -31,6 +31,7 @@ from dflash_dist.compile_cache import actor_runtime_env, use_private_cache_dirs
 from dflash_dist.config import Config
 from dflash_dist.evaluator.policy import EvalResult
 from dflash_dist.target.loading import TargetIdentity
+from dflash_dist.target.weights_check import VerifiedWeights, hashes_made
 
 log = logging.getLogger(__name__)
 MAX_CONCURRENCY = 4  # wait() blocks one slot; status()/trainer_finished() need others
@@ -54,6 +55,7 @@ class EvaluatorTask:
     identity: TargetIdentity | None = None  # the run plan's: the target's files must hash to it; None: hashed here
     expected: Provenance | None = None  # the training shards' provenance the target must reproduce; None: unchecked
     shard_dir: str | None = None  # shards re-checked before every evaluation; None: none
+    weights: VerifiedWeights | None = None  # the run plan's check: files carrying its stamp are not hashed here
 
 
 @ray.remote(max_concurrency=MAX_CONCURRENCY)
@@ -109,6 +111,7 @@ class EvaluatorActor:
             "trainer_finished": self._finished,
             "error": self._error_text,
             "restarted": self.restarted,
+            "weights_hashed": len(hashes_made()),  # by this process (0: the files carried the plan's stamp)
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
         }
@@ -143,7 +146,7 @@ class EvaluatorActor:
             with Heartbeat(self.cfg.out, "evaluator", 0, info=self._progress):
                 self._evaluator = Evaluator(self.cfg, self.cfg.out, task.target_dir,
                                             [list(p) for p in task.eval_prompts], task.expected,
-                                            shard_dir=task.shard_dir, identity=task.identity)
+                                            shard_dir=task.shard_dir, identity=task.identity, weights=task.weights)
                 self._evaluator.run_until(self._stop, e.poll_s, e.max_backlog, e.backlog_stride)
         except BaseException as e:  # kept for wait(); the thread itself has no caller to raise to
             self._error, self._error_text = e, "".join(traceback.format_exception_only(type(e), e)).strip()

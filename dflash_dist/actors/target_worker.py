@@ -6,6 +6,7 @@ A call carries one frozen CaptureTask and returns the frozen CaptureResult (no t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from dflash_dist.capture.capture_job import CaptureResult
 from dflash_dist.compile_cache import actor_runtime_env, use_private_cache_dirs
 from dflash_dist.config import Config
 from dflash_dist.target.loading import TargetIdentity
+from dflash_dist.target.weights_check import VerifiedWeights
 
 
 def target_actor_options(cfg: Config) -> dict:
@@ -41,6 +43,7 @@ class CaptureTask:
     actor_index: int
     num_actors: int
     later_epochs: str = "keep"  # the run plan's resolved capture.later_epochs: recapture captures every epoch
+    weights: VerifiedWeights | None = None  # the run plan's check: files carrying its stamp are not hashed here
 
 
 @ray.remote
@@ -61,9 +64,9 @@ class TargetWorker:
         with Heartbeat(cfg.out, "target", task.actor_index) as beat:
             recapture = task.later_epochs == "recapture"
             job = CaptureJob.load(cfg, task.target_dir, task.identity, task.shard_dir, task.actor_index,
-                                  task.num_actors, recapture)
+                                  task.num_actors, recapture, verified=task.weights)
             beat.info = job.progress
             run = capture_epochs if recapture else CaptureJob.run
-            result = run(job, task.train_jsonl, task.data)
+            result = dataclasses.replace(run(job, task.train_jsonl, task.data), weights_hashed=job.weights_hashed)
             beat.info = lambda: dict(result.__dict__)
         return result

@@ -33,6 +33,7 @@ from dflash_dist.logging_setup import progress
 from dflash_dist.model.capture import capture_features
 from dflash_dist.target.generation import generate_responses, pad_token_id, stop_token_ids
 from dflash_dist.target.loading import TargetIdentity, load_verified_target
+from dflash_dist.target.weights_check import VerifiedWeights, hashes_made
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class CaptureResult:
     skipped: int  # non-finite features: recorded in the ledger, not written
     resumed: int  # samples of this actor's slice already settled before this attempt
     waited_s: float  # paused for the disk buffer
+    weights_hashed: int = 0  # hashes of the target's weight files its load computed (0: their stamp was the plan's)
 
 
 def my_slice(num_records: int, actor_index: int, num_actors: int) -> list[int]:
@@ -90,19 +92,35 @@ class CaptureJob:
         self.gate = BufferGate(self.shard_dir, BufferPolicy.from_config(cfg, recapture))  # over the whole tree
         self.store = SequenceStore(sequences_dir(self.shard_dir)) if recapture else None  # the token store
         self.counts = {"epoch": 0, "todo": 0, "resumed": 0, "samples": 0, "skipped": 0, "tokens": 0}
+        self.weights_hashed = 0  # hashes of the target's weight files `load` computed
 
     @classmethod
     def load(cls, cfg: Config, target_dir: str | Path, ident: TargetIdentity, shard_dir: str | Path,
-             actor_index: int, num_actors: int, recapture: bool = False) -> CaptureJob:
+             actor_index: int, num_actors: int, recapture: bool = False,
+             verified: VerifiedWeights | None = None) -> CaptureJob:
         """The job of one target actor: its target loaded here, its weight files checked on this node
         to hash to the run plan's (the identity's target_hash, which every shard records: another
         model's weights are refused before anything is written; hashed while the target loads, and
-        not at all where the plan hashed them in this process), its kernel path checked, fused if
-        capture.kernels says so."""
+        not at all where they carry the stamp of the plan's check `verified` (the driver's node) or
+        the plan hashed them in this process), its kernel path checked, fused if capture.kernels
+        says so. `weights_hashed` counts the hashes the load computed."""
         where = f"target actor {actor_index} on {socket.gethostname()}"
-        model, tokenizer, _ = load_verified_target(cfg, Path(target_dir), ident.target_hash, where, purpose="capture")
+        before = len(hashes_made())
+        model, tokenizer, _ = load_verified_target(cfg, Path(target_dir), ident.target_hash, where, verified,
+                                                   purpose="capture")
+        hashed = hashes_made()[before:]
+        if hashed:
+            why = ("they do not carry the stamp of the run plan's check (another node's files, or others)"
+                   if verified is not None else "no check of the run plan was handed over")
+            log.info("actor %d: the target's weight files in %s hashed here in %.1f s (alongside the load): %s",
+                     actor_index, target_dir, sum(hashed), why)
+        else:
+            log.info("actor %d: the target's weight files in %s were checked by their stamp (hashed by the run "
+                     "plan): not hashed again", actor_index, target_dir)
         provenance, _ = features_provenance(cfg, ident, model, tokenizer)
-        return cls(cfg, model, provenance, Path(shard_dir), actor_index, num_actors, tokenizer, recapture)
+        job = cls(cfg, model, provenance, Path(shard_dir), actor_index, num_actors, tokenizer, recapture)
+        job.weights_hashed = len(hashed)
+        return job
 
     def progress(self) -> dict:
         """For the heartbeat: counts of this attempt and whether it waits for disk room."""

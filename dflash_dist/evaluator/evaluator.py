@@ -66,6 +66,7 @@ from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.export import load_drafter
 from dflash_dist.target.generation import generate_in_batches, generate_responses, pad_token_id, stop_token_ids
 from dflash_dist.target.loading import TargetIdentity, load_verified_target, target_identity
+from dflash_dist.target.weights_check import VerifiedWeights
 from dflash_dist.trainer.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -105,9 +106,11 @@ class Evaluator:
 
     def __init__(self, cfg: Config, out_dir: str | os.PathLike[str], target_dir: str | os.PathLike[str],
                  eval_prompts: list[list[int]], expected: Provenance | None,
-                 shard_dir: str | os.PathLike[str] | None = None, identity: TargetIdentity | None = None) -> None:
+                 shard_dir: str | os.PathLike[str] | None = None, identity: TargetIdentity | None = None,
+                 weights: VerifiedWeights | None = None) -> None:
         """identity: the run plan's (the weight files loaded here must hash to its target_hash: checked
-        once per process, weights_check.py); None: computed here."""
+        once per process, weights_check.py); None: computed here. weights: the run plan's check of
+        them (made in the driver), which spares the hash while the files carry its stamp."""
         prompts = [[int(t) for t in p] for p in eval_prompts[: cfg.eval.num_prompts]]
         if not prompts or not all(prompts):
             raise ValueError("Evaluator needs at least one non-empty eval prompt (data.eval_path, eval.num_prompts)")
@@ -126,7 +129,7 @@ class Evaluator:
         # the weights loaded here (and by every live worker: self.weights) are those the identity's
         # hash names, i.e. the features' target: checked once per process, refused otherwise
         self.model, self.tokenizer, self.weights = load_verified_target(
-            cfg, target_dir, self.identity.target_hash, f"the evaluator's target {target_dir}")
+            cfg, target_dir, self.identity.target_hash, f"the evaluator's target {target_dir}", weights)
         # its own target's features, computed here (never read from shards: as serving does), on the
         # kernels capture ran (capture.kernels); the encoding names how the training shards store
         # theirs, so the checks compare like for like

@@ -325,7 +325,8 @@ def _start_capture(cfg: Config, plan: RunPlan, paths: dict[str, Path], where) ->
     workers = [TargetWorker.options(**target_actor_options(cfg), **where("target", i)).remote() for i in range(n)]
     cfg_dict = cfg.to_dict()
     refs = [w.capture.remote(CaptureTask(cfg_dict, plan.target_dir, plan.identity, plan.data.train_jsonl,
-                                         plan.data.capture, str(paths["shards"]), i, n, plan.later_epochs))
+                                         plan.data.capture, str(paths["shards"]), i, n, plan.later_epochs,
+                                         plan.weights))  # the plan's check: not hashed again on this node
             for i, w in enumerate(workers)]
     log.info("%d target actor(s) capturing layers %s into %s%s", n, list(plan.identity.layer_ids), paths["shards"],
              f" (every epoch: {cfg.train.epochs})" if plan.later_epochs == "recapture" else "")
@@ -390,7 +391,7 @@ def _start_evaluator(cfg: Config, plan: RunPlan, prompts: list[list[int]], shard
     from dflash_dist.actors.evaluator_actor import EvaluatorActor, EvaluatorTask, evaluator_actor_options
 
     task = EvaluatorTask(cfg.to_dict(), plan.target_dir, tuple(tuple(p) for p in prompts), plan.identity,
-                         plan.expected, str(shard_dir))
+                         plan.expected, str(shard_dir), plan.weights)  # the plan's check: not hashed again here
     actor = EvaluatorActor.options(**evaluator_actor_options(cfg), **where).remote(task)
     actor.start.remote()
     return actor

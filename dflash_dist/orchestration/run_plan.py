@@ -4,13 +4,15 @@
 the target, ingests the data (with the content hash the capture ledger records), plans the LR
 schedule over the samples the run will train, makes the resume decision (trainer/resume.py: the
 one place it is made; ranks only verify it), and only then writes the ingested data, so a refused
-run leaves an earlier run's files as they were. It hashes the target's weights (1-2 min at 27B; the
-only other hash of a run is the evaluator's check of the files it loads, once per evaluator process:
-target/weights_check.py) and derives the provenance trainers demand and the drafter shape. The
-result is a frozen `RunPlan`: the Ray pipeline uses it directly; under Slurm one task computes it
-and writes it atomically as JSON
-(`<out>/plans/<key>.json`, `share_plan`), and the other tasks of the job read it instead of
-repeating the work (a rank or capture slice never re-hashes the target).
+run leaves an earlier run's files as they were. It hashes the target's weights (1-2 min at 27B) and
+derives the provenance trainers demand and the drafter shape. The result is a frozen `RunPlan`:
+the Ray pipeline uses it directly, and hands its check of the weights (`weights`: hash and file
+stamp) to the capture actors and the evaluator, which load files carrying that stamp without
+hashing them again (another node's are hashed there: target/weights_check.py). Under Slurm one
+task computes it and writes it atomically as JSON (`<out>/plans/<key>.json`, `share_plan`), and
+the other tasks of the job read it instead of repeating the work (a rank never hashes the
+target; a capture slice that read the plan hashes the files it loads, as a plan read from JSON
+carries no check: `RunPlan.weights`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ from dflash_dist.config import Config
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.orchestration.later_epochs import LaterEpochs
 from dflash_dist.target.loading import TargetIdentity
+from dflash_dist.target.weights_check import VerifiedWeights
 from dflash_dist.trainer.resume import ResumeDecision
 
 log = logging.getLogger(__name__)
@@ -68,9 +71,16 @@ class RunPlan:
     made_by: str  # who computed it (for a person reading the file)
     later_epochs: str = "keep"  # capture.later_epochs resolved: keep | recapture (later_epochs.py)
     epoch_costs: LaterEpochs | None = None  # the estimates behind it (when this run captures)
+    # The check behind identity.target_hash (hash + stamp of every weight file), in memory only: handed
+    # to the processes of this run that load the target (capture actors, the evaluator), which skip
+    # hashing files that still carry its stamp. Never written (to_json) nor read back (from_json):
+    # a plan file is only as trustworthy as whoever can write the run directory, and a stamp from it
+    # could pair the plan's hash with other weights' files; a plan read back has None (hashed there).
+    weights: VerifiedWeights | None = field(default=None, compare=False, repr=False)
 
     def to_json(self) -> str:
         d = asdict(self)
+        del d["weights"]  # in memory only (see the field)
         d["expected"] = self.expected.to_dict()
         return json.dumps({"schema": PLAN_SCHEMA, **d}, indent=1, sort_keys=True) + "\n"
 
@@ -83,6 +93,7 @@ class RunPlan:
             data = d.pop("data")
             decision = d.pop("resume_from")
             costs = d.pop("epoch_costs")
+            d.pop("weights", None)  # never trusted from a file (see the field): hashed where it is loaded
             return cls(
                 epoch_costs=None if costs is None else LaterEpochs(**costs),
                 resume_from=None if decision is None else ResumeDecision.from_dict(decision),
@@ -224,6 +235,7 @@ def make_plan(cfg: Config, stages: tuple[str, ...], resume: str, made_by: str = 
         target_identity,
         tokenizer_mask_id,
     )
+    from dflash_dist.target.weights_check import hashed_weights
 
     stages = plan_stages(cfg, stages, resume)
     target_dir = resolve_target_dir(cfg)
@@ -232,7 +244,8 @@ def make_plan(cfg: Config, stages: tuple[str, ...], resume: str, made_by: str = 
     num_samples = planned_samples(cfg, data, stages, resume)
     resume_from = decide_training(cfg, stages, resume, num_samples)
     t0 = time.monotonic()
-    ident = target_identity(cfg, target_dir)
+    weights = hashed_weights(target_dir)
+    ident = target_identity(cfg, target_dir, weights)
     log.info("target %s: weights hashed once for the run in %.1fs (%s...)", ident.target_id, time.monotonic() - t0,
              ident.target_hash[:12])
     expected = expected_provenance(cfg, target_dir, ident, tokenizer)
@@ -242,7 +255,7 @@ def make_plan(cfg: Config, stages: tuple[str, ...], resume: str, made_by: str = 
     drafter = drafter_config_for(cfg, target_dir, tokenizer_mask_id(tokenizer))
     mode, costs = plan_later_epochs(cfg, stages, data, num_samples, expected, target_dir)
     return RunPlan(tuple(stages), resume, resume_from, str(target_dir), ident, expected, drafter, data, num_samples,
-                   made_by or f"pid {os.getpid()} on {os.uname().nodename}", mode, costs)
+                   made_by or f"pid {os.getpid()} on {os.uname().nodename}", mode, costs, weights)
 
 
 def check_shard_tree(cfg: Config, stages: tuple[str, ...], expected: Provenance) -> None:

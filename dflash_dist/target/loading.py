@@ -73,8 +73,8 @@ def load_target(cfg: Config, target_dir: Path, device: torch.device | None = Non
 def load_verified_target(cfg: Config, target_dir: Path, recorded_hash: str, where: str,
                          verified: VerifiedWeights | None = None, purpose: str = "eval"):
     """(model, tokenizer, VerifiedWeights): load_target of weight files checked to hash to the
-    run's recorded target_hash (weights_check.py; `verified`: the evaluator's check, reused while
-    the files are unchanged; `purpose` "eval" or "capture": what a mismatch puts at stake), and
+    run's recorded target_hash (weights_check.py; `verified`: the run plan's or the evaluator's
+    check, reused while the files carry its stamp; `purpose` "eval" or "capture": what a mismatch puts at stake), and
     unchanged from before the load to after it. For every process that loads the plan's target.
 
     The hash (where this process has none for these files) runs in a thread while the target
@@ -224,10 +224,12 @@ class TargetIdentity:
     dtype: str
 
 
-def target_identity(cfg: Config, target_dir: Path) -> TargetIdentity:
-    """The target's identity; its weights hashed once per process and set of files (weights_check.py)."""
+def target_identity(cfg: Config, target_dir: Path, weights: VerifiedWeights | None = None) -> TargetIdentity:
+    """The target's identity; its weights hashed once per process and set of files (weights_check.py),
+    or `weights`: this process's hashed_weights of `target_dir`, whose hash it records."""
     t = target_config_dict(target_dir)
-    return TargetIdentity(str(target_dir), target_id(cfg, target_dir), hashed_weights(target_dir).target_hash,
+    weights = weights or hashed_weights(target_dir)
+    return TargetIdentity(str(target_dir), target_id(cfg, target_dir), weights.target_hash,
                           tuple(layer_ids_for(cfg, t["num_hidden_layers"])), t["hidden_size"], cfg.target.dtype)
 
 

@@ -9,18 +9,22 @@ the evaluator and each live worker, so tau is never measured against another mod
 `TargetWeightsMismatch` naming both hashes, the directory and what to do.
 
 Hashing reads every byte (1-2 min at 27B), so it is done once per process and set of files, and
-not at all where the evaluator already did it:
+not at all where the run plan (or the evaluator) already hashed the same files:
 - `WeightsStamp`: every weight file's resolved path, size, mtime, ctime, inode and device. The
   kernel sets ctime on every write or rename and no user call can set it back, so files with the
   stamp a hash was taken under still hold the bytes hashed. A process keeps its hashes by stamp
   (`hashed_weights`); a stamp that changed is hashed again.
-- The evaluator verifies once (its process hashes, unless the run plan did so in the same
-  process) and hands its live workers the `VerifiedWeights` (stamp + hash): a worker whose files
-  carry that stamp loads them without hashing (an `os.stat` per file); a different stamp (another
-  directory, a rewritten file) is hashed in full there. A token from elsewhere could only skip
-  hashing for files that already carry the stamp it names.
-- A capture actor checks on its own node (another node's `target.path` may hold other weights):
-  it hashes there unless the run plan did so in its process, and refuses before it writes anything.
+- The run plan's check travels with the run (`RunPlan.weights`, in memory only): the pipeline
+  hands it to every capture actor and to the evaluator, each its own Ray process; one whose files
+  carry its stamp (the driver's node, the same files) loads them without hashing (an `os.stat`
+  per file); another node's files (another inode, device or mtime) or a copy elsewhere are
+  hashed in full there. The evaluator hands the check it holds on to its live workers the same
+  way. A check comes only from our own processes, in memory: a plan read back from JSON carries
+  none (run_plan.py), as a stamp read from a file anyone with write access to the run directory
+  could have written would let it name the plan's hash for other weights' stamp. A check could
+  only skip hashing for files that still carry the exact stamp it names.
+- A capture actor checks on its own node (another node's `target.path` may hold other weights)
+  and refuses before it writes anything.
 - A hash that must be computed runs in a thread while the target loads (load_verified_target in
   loading.py): both read the same files, so it adds the hash's excess over the load, not the hash.
 - The stamp is taken before the load and again after it (`check_unchanged`): files replaced while
@@ -30,6 +34,7 @@ not at all where the evaluator already did it:
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 from data_pipeline import provenance
@@ -38,11 +43,13 @@ from data_pipeline import provenance
 WeightsStamp = tuple[tuple[str, int, int, int, int, int], ...]
 
 _HASHES: dict[WeightsStamp, str] = {}  # this process's hashes by stamp (hashed_weights)
+_HASH_SECONDS: list[float] = []  # the seconds of every hash this process computed (hashes_made)
 
 
 @dataclass(frozen=True)
 class VerifiedWeights:
-    """Weight files whose hash this process (or the evaluator that passed it on) computed."""
+    """Weight files whose hash this process, or the one of ours that passed it on in memory (the
+    run plan's driver, the evaluator), computed: plain strings and ints, never read from disk."""
 
     target_dir: str
     target_hash: str
@@ -89,7 +96,9 @@ def hashed_weights(target_dir: str | os.PathLike[str]) -> VerifiedWeights:
     stamp = weights_stamp(target_dir)
     found = _HASHES.get(stamp)
     if found is None:
+        t0 = time.monotonic()
         found = provenance.hash_weight_files(target_dir)
+        _HASH_SECONDS.append(time.monotonic() - t0)
         if weights_stamp(target_dir) != stamp:
             raise ValueError(
                 f"the target's weight files in {target_dir} changed while they were hashed: "
@@ -97,6 +106,12 @@ def hashed_weights(target_dir: str | os.PathLike[str]) -> VerifiedWeights:
             )
         _HASHES[stamp] = found
     return VerifiedWeights(str(target_dir), found, stamp)
+
+
+def hashes_made() -> tuple[float, ...]:
+    """The seconds of every hash of weight files this process computed, in order (a capture actor
+    reports those of its load: none where the files carried the run plan's stamp)."""
+    return tuple(_HASH_SECONDS)
 
 
 def verify_weights(

@@ -46,6 +46,7 @@ step install 180 bash -c 'python3 -m pip install -q --no-index --no-deps --no-co
     --target /tmp/site .whl/*.whl && tar -C /tmp/site -xJf .whl/ray-2.60.0-cp312-slim.tar.xz \
     && chmod +x /tmp/site/ray/core/src/ray/raylet/raylet /tmp/site/ray/core/src/ray/gcs/gcs_server'
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH DFLASH_CACHE=/tmp/dflash-cache PYTHONUNBUFFERED=1
+export DFLASH_TEST_FAILURES=$LOG/test_failures.log  # each failing test's report as it fails (tests/conftest.py)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$LOG/gpu.txt" 2>&1
 python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)" \

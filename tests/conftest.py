@@ -64,6 +64,16 @@ def pytest_collection_modifyitems(config, items):
             items[:] = [item for item in items if not item.get_closest_marker("gpu")]
 
 
+def pytest_runtest_logreport(report):
+    """With DFLASH_TEST_FAILURES=FILE, each failure's report is appended to FILE as it happens. The
+    device scripts stop a test group at its time limit, and pytest prints tracebacks only at the
+    session's end: a kill lost the H100 lease's one failure (2026-12-05) but for its name."""
+    path = os.environ.get("DFLASH_TEST_FAILURES")
+    if path and report.failed:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"==== {report.nodeid} ({report.when}) FAILED\n{report.longreprtext}\n")
+
+
 GOLDEN_SETS = ("golden", "golden_swa")  # tests/<name> copies ../shared/<name>
 
 

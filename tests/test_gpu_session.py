@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 import time
 from pathlib import Path
@@ -301,3 +302,26 @@ def test_lease_a_started_and_watched_in_one_call(tmp_path):
         names = set(tar.getnames())
     assert {"gpu/status", "gpu/quality/results.json", "gpu/train_step.json", "gpu/mid.log", "gpu/qbench.log",
             "gpu/gpu_summary.json"} <= names, names  # fmt: skip
+
+
+def test_a_failure_is_on_disk_before_its_group_is_killed(tmp_path):
+    """The device scripts stop a test group at its limit (timeout's TERM, then KILL), and pytest
+    prints tracebacks only at the session's end. With DFLASH_TEST_FAILURES (set by gpu_session.sh
+    and gpu_env.sh) the project's conftest appends each failure's report as it happens: a group
+    killed while a later test hangs still leaves the earlier failure's assertion on disk."""
+    tests = tmp_path / "test_group.py"
+    tests.write_text(
+        "import time\n\n"
+        "def test_fails():\n    assert 1 + 1 == 3, 'the failure we need to read'\n\n"
+        "def test_hangs():\n    time.sleep(600)\n"
+    )
+    failures = tmp_path / "test_failures.log"
+    env = dict(os.environ, DFLASH_TEST_FAILURES=str(failures))
+    cmd = ["timeout", "-k", "2", "20", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "-p", "tests.conftest", str(tests)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode in (124, 137), proc.stdout + proc.stderr  # killed while test_hangs ran
+    assert "the failure we need to read" not in proc.stdout  # pytest never got to print it
+    text = failures.read_text()
+    assert "test_group.py::test_fails (call) FAILED" in text and "the failure we need to read" in text
+    assert "test_hangs" not in text

@@ -8,12 +8,19 @@ on the same-size path, on the elastic path that converts the tag (ds_to_universa
 elastic path that loads an already converted universal copy. A truncated file is named too.
 The allow-list is checked against
 real ZeRO-1/2/3 checkpoints (types found by torch's own scan), which then resume weights-only.
+
+Nor does anything else the package reads run code: a scan of dflash_dist/, data_pipeline/ and
+launcher/ refuses torch.distributed's object collectives (they unpickle what peers send; the ranks
+exchange JSON, trainer/collectives.py, tests/test_collectives.py), `torch.load` without
+`weights_only=True`, the pickle family's loaders, and `allow_pickle=True`.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -26,6 +33,7 @@ from dflash_dist.trainer.safe_load import (
     deepspeed_safe_globals,
     weights_only_loads,
 )
+from tests.conftest import REPO
 from tests.helpers.tiny import make_cfg, write_shards
 
 NUM = 8  # 4 shards of 2 samples; 1 rank trains 2 samples a step
@@ -188,3 +196,109 @@ def test_allow_list_covers_what_deepspeed_saves_and_checkpoints_resume(tiny, sha
             torch.load(f, map_location="cpu")
     result = resume(out, tiny, shards, tag, stage)
     assert result.resumed_from == str(tag) and result.steps == TOTAL
+
+
+# ---------------------------------------------------------------- nothing else the package reads runs code
+SCANNED = ("dflash_dist", "data_pipeline", "launcher")
+# torch.distributed's object collectives pickle on the sender and unpickle what arrives from peers
+OBJECT_COLLECTIVE = re.compile(r"^i?(all_gather|gather|broadcast|scatter|send|recv)_object(_list)?$")
+PICKLERS = {"pickle", "_pickle", "cPickle", "cloudpickle", "dill", "marshal", "shelve", "joblib", "jsonpickle"}
+PICKLE_LOADERS = {"load", "loads", "Unpickler", "open"}  # open: shelve
+
+
+def _dotted(node: ast.AST) -> str:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+    return ".".join(reversed(parts))
+
+
+def _keyword_true(call: ast.Call, name: str) -> bool:
+    return any(k.arg == name and isinstance(k.value, ast.Constant) and k.value.value is True for k in call.keywords)
+
+
+def code_from_data(source: str, where: str) -> list[str]:
+    """Calls in `source` that can run code carried by bytes they read (`where:line: what`)."""
+    tree = ast.parse(source, where)
+    aliases: dict[str, str] = {}  # local name -> module, from `import x as y`
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases.update({(a.asname or a.name).split(".")[0]: a.name.split(".")[0] for a in node.names})
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            top = node.module.split(".")[0]
+            for a in node.names:
+                if (top in PICKLERS and a.name in PICKLE_LOADERS) or (node.module == "torch" and a.name == "load") or (
+                    OBJECT_COLLECTIVE.match(a.name)
+                ):  # fmt: skip
+                    found.append(f"{where}:{node.lineno}: from {node.module} import {a.name}")
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = _dotted(node.func)
+        first, last = name.split(".")[0], name.rpartition(".")[2]
+        head = aliases.get(first, first)
+        why = None
+        if OBJECT_COLLECTIVE.match(last):
+            why = "unpickles what peer ranks send: exchange JSON (dflash_dist/trainer/collectives.py)"
+        elif name in ("torch.load", "torch.serialization.load") and not _keyword_true(node, "weights_only"):
+            why = "unpickles the file: pass weights_only=True (or load through safe_load.weights_only_loads)"
+        elif head in PICKLERS and last in PICKLE_LOADERS and "." in name:
+            own = bool(node.args) and isinstance(node.args[0], ast.Call) and _dotted(node.args[0].func).endswith(
+                ".dumps")  # fmt: skip
+            why = None if own else "unpickles what it reads: read JSON, npy (no object dtype) or safetensors"
+        elif last == "read_pickle":
+            why = "unpickles the file"
+        if _keyword_true(node, "allow_pickle"):
+            why = "allow_pickle=True unpickles object arrays"
+        if why is not None:
+            found.append(f"{where}:{node.lineno}: {name}(...): {why}")
+    return found
+
+
+def test_the_package_neither_unpickles_nor_gathers_objects():
+    """No module of the package can be made to run code by what it reads: files, peers' messages."""
+    found = []
+    for top in SCANNED:
+        for path in sorted((REPO / top).rglob("*.py")):
+            found += code_from_data(path.read_text(), str(path.relative_to(REPO)))
+    assert not found, "calls that run code carried by data:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import torch.distributed as dist\ndist.all_gather_object(out, state, group=g)",
+        "from torch import distributed\ndistributed.broadcast_object_list(error, src=0)",
+        "from torch.distributed import all_gather_object",
+        "import torch.distributed as d\nd.scatter_object_list(a, b)\n",
+        "import torch\ntorch.load(path)",
+        "import torch\ntorch.load(path, map_location='cpu', weights_only=False)",
+        "import pickle as p\np.loads(blob)",
+        "import pickle\npickle.Unpickler(f).load()",
+        "from pickle import loads",
+        "import cloudpickle\ncloudpickle.load(f)",
+        "import numpy as np\nnp.load(f, allow_pickle=True)",
+        "import pandas as pd\npd.read_pickle(path)",
+    ],
+)
+def test_the_scan_finds_each_way_back_in(source):
+    assert code_from_data(source, "m.py"), source
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import torch\ntorch.load(path, map_location='cpu', weights_only=True)",
+        "import pickle\npickle.loads(pickle.dumps(error))",  # its own object, nothing read
+        "import pickle\nexcept_types = (pickle.UnpicklingError,)",
+        "import json\njson.loads(text)",
+        "import torch.distributed as dist\ndist.all_gather(parts, buf, group=g)",
+        "import numpy as np\nnp.load(f)",
+    ],
+)
+def test_the_scan_lets_data_only_reads_pass(source):
+    assert not code_from_data(source, "m.py"), source

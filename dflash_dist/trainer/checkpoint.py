@@ -284,13 +284,15 @@ def data_fingerprint_matches(saved: dict[str, Any], shard_dir: str | Path) -> bo
 
 # ---------------------------------------------------------------------------- RNG
 def rng_state(on_gpu: bool) -> dict[str, Any]:
-    """This process's RNG states (torch CPU and current CUDA device, Python, NumPy), as plain
-    data (tensors, tuples, lists, numbers): a checkpoint loads weights-only (safe_load.py)."""
+    """This process's RNG states (torch CPU and current CUDA device, Python, NumPy) as JSON data
+    (lists of ints, numbers, str, None): they travel between ranks as JSON (collectives.py) and a
+    checkpoint loads weights-only (safe_load.py). The torch states are their bytes."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
     return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if on_gpu else None,
-        "python": random.getstate(),
+        "torch": torch.get_rng_state().tolist(),
+        "cuda": torch.cuda.get_rng_state().tolist() if on_gpu else None,
+        "python": [version, list(internal), gauss_next],
         "numpy": [str(name), [int(k) for k in keys], int(pos), int(has_gauss), float(cached)],
     }
 
@@ -309,10 +311,13 @@ def seeded_rng_state(seed: int, on_gpu: bool) -> dict[str, Any]:
 
 
 def load_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
+    """Set the states `rng_state` returned (or, saved by earlier versions, the torch states as
+    uint8 tensors and Python's as tuples)."""
+    torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8))
     if state.get("cuda") is not None:
-        torch.cuda.set_rng_state(state["cuda"])
-    random.setstate(state["python"])
+        torch.cuda.set_rng_state(torch.as_tensor(state["cuda"], dtype=torch.uint8))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 

@@ -21,7 +21,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +32,7 @@ from dflash_dist.model.export import export_drafter
 from dflash_dist.model.loss import loss_weights
 from dflash_dist.trainer import checkpoint, engine, resume
 from dflash_dist.trainer.batching import MicroBatch, empty_batch
+from dflash_dist.trainer.collectives import all_gather_json
 from dflash_dist.trainer.metrics import Metrics
 from dflash_dist.trainer.resume import ResumeDecision
 from dflash_dist.trainer.state import STATE_VERSION, TrainState
@@ -327,8 +327,8 @@ class Trainer:
         # the logs reach this step before it can be resumed from
         self.state.samples_seen = self.logs.flush(self.state.samples_seen, durable=True)
         self.state.source = self.source.state_dict()
-        ranks: list[Any] = [None] * self.world  # client_state is written by rank 0 only
-        dist.all_gather_object(ranks, self.state.state_dict(self.on_gpu), group=self._ctrl)
+        # every rank's state (JSON-native: TrainState.state_dict), written by rank 0 into client_state
+        ranks = all_gather_json(self.state.state_dict(self.on_gpu), self._ctrl, what="trainer state")
         meta = {
             "step": step,
             "epoch": self.source.epoch,

@@ -29,7 +29,9 @@ class TrainState:
     source: dict[str, Any] = field(default_factory=dict)  # StepSource.state_dict()
 
     def state_dict(self, on_gpu: bool = False) -> dict[str, Any]:
-        """Every field, the version and this process's RNG states (checkpoint.rng_state)."""
+        """Every field, the version and this process's RNG states (checkpoint.rng_state): JSON
+        data, which the ranks gather to rank 0 (collectives.all_gather_json); tuples come back as
+        lists, which load_state_dict and the step source's reader take alike."""
         out: dict[str, Any] = {"version": STATE_VERSION}
         out.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         out["rng"] = checkpoint.rng_state(on_gpu)

@@ -22,6 +22,7 @@ from data_pipeline.durable_files import append_lines
 from dflash_dist.model.loss import LossOutput
 from dflash_dist.trainer import checkpoint
 from dflash_dist.trainer.batching import MicroBatch
+from dflash_dist.trainer.collectives import all_gather_json
 
 TRAIN_LOG = "train_log.jsonl"  # rank 0: {step, epoch, loss, lr, samples} per optimizer step
 SAMPLE_LOG = "sample_log"  # rank_<r>.jsonl: {step, epoch, keys} per micro-batch (train.log_sample_keys)
@@ -160,8 +161,8 @@ class Window:
         for j in range(1, b):
             scalars[f"train/acc_slot_{j}"] = float(correct[j] / count[j].clamp(min=1))
         rows = self.per_sample()
-        parts: list[Any] = [None] * world
-        dist.all_gather_object(parts, rows.numpy().tolist(), group=group)
+        # a sample's loss may be non-finite: it travels, and the loop's finite check names the window
+        parts = all_gather_json(rows.numpy().tolist(), group, what="per-sample rows", allow_nan=True)
         per_sample = torch.tensor([r for p in parts for r in p], dtype=torch.float64).reshape(-1, 4)
         scalars.update(length_bucket_accuracy(per_sample[:, 1], per_sample[:, 2], per_sample[:, 3]))
         return scalars, per_sample

@@ -72,6 +72,7 @@ from dflash_dist.trainer.batching import (
     make_micro_batch,
     with_positions,
 )
+from dflash_dist.trainer.collectives import all_gather_json
 
 log = logging.getLogger(__name__)
 
@@ -253,8 +254,8 @@ class StepSource:
     def _raise_unreadable(self, own: Exception | None) -> NoReturn:
         """Every rank, at the same slot, once some rank could not read: the failed ranks raise
         their own error (type and traceback kept), the others `PeerDataError` with its text."""
-        texts: list[Any] = [None] * self.world
-        dist.all_gather_object(texts, None if own is None else f"{type(own).__name__}: {own}", group=self.group)
+        own_text = None if own is None else f"{type(own).__name__}: {own}"
+        texts = all_gather_json(own_text, self.group, what="data error")
         if own is not None:
             raise own
         failed = "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts) if t is not None)

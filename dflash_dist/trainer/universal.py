@@ -41,6 +41,7 @@ import torch.distributed as dist
 from data_pipeline.checksums import file_checksums, mismatched_files
 from data_pipeline.durable_files import fsync_dir, write_text_atomic
 from dflash_dist.trainer.checkpoint import fsync_tree
+from dflash_dist.trainer.collectives import broadcast_json
 from dflash_dist.trainer.safe_load import weights_only_loads
 
 UNIVERSAL = "universal"  # the converted copy, inside the tag directory
@@ -118,13 +119,13 @@ def convert(tag_dir: Path) -> Path:
 def ensure_universal(tag_dir: Path, group: Any = None) -> Path:
     """Every rank calls it: rank 0 converts (or finds the cached copy) while the others wait;
     a failure on rank 0 is raised on every rank (no rank is left in a collective)."""
-    error: list[str | None] = [None]
+    error: str | None = None
     if dist.get_rank() == 0:
         try:
             convert(tag_dir)
         except Exception as e:  # re-raised below on every rank, with rank 0's message
-            error[0] = f"{type(e).__name__}: {e}"
-    dist.broadcast_object_list(error, src=0, group=group)
-    if error[0] is not None:
-        raise RuntimeError(f"converting {tag_dir} to a universal checkpoint failed on rank 0: {error[0]}")
+            error = f"{type(e).__name__}: {e}"
+    error = broadcast_json(error, src=0, group=group, what="conversion error")
+    if error is not None:
+        raise RuntimeError(f"converting {tag_dir} to a universal checkpoint failed on rank 0: {error}")
     return universal_dir(tag_dir)

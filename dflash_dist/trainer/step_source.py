@@ -50,9 +50,10 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -75,6 +76,7 @@ from dflash_dist.trainer.batching import (
 from dflash_dist.trainer.collectives import all_gather_json
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 POLL_S = 0.02  # how often waiting ranks re-check each other's data readiness
 STATE_VERSION = 1
@@ -82,7 +84,7 @@ STATE_VERSION = 1
 # capture-skipped so far (rank 0's reading of the skipped.jsonl files; 0 from the others),
 # ranks that could not read (1 from a rank whose status or reading raised)]
 _VEC_LEN = 9
-_FAILED = 8
+_FAILED = _VEC_LEN - 1  # the last entry: _all_reduce_or_stop sets it
 _NOTICES = ("SIGTERM", "SIGUSR1")
 
 
@@ -228,28 +230,42 @@ class StepSource:
             if signum:
                 name = _signal_name(signum)
                 vec[3 + _NOTICES.index(name)] = 1
-            own: Exception | None = None
-            try:  # a rank-local error goes through the all-reduce: raised here, it left the peers in it
-                feeder = self._open()
-                status = feeder.status()  # raises the reader thread's own error
-                # after the status: DRY means the reader ended, so the count is final (read before, it
-                # missed a last shard skipped in between, and the last slot is the budget's last check)
-                vec[5] = sum(feeder.skipped.values())
-                vec[status_index(status)] = 1
-                vec[6] = len(feeder.peek().keys) if status == READY else 0
-                vec[7] = self.capture_skipped() if self.rank == 0 else 0
-            except Exception as e:  # noqa: BLE001 - raised below on this rank, named on the others
-                own, vec[_FAILED] = e, 1
-            dist.all_reduce(vec, group=self.group)
-            if vec[_FAILED]:
-                self._raise_unreadable(own)
+            status = self._all_reduce_or_stop(vec, self._read_slot)
             ready, waiting, dry, term, usr1, lost, samples, capture_lost = (int(x) for x in vec[:_FAILED])
             notice = _NOTICES[0] if term else _NOTICES[1] if usr1 else None
             self.lost_epoch, self.capture_lost = lost, capture_lost
-            self._check_lost(feeder)
+            self._check_lost(self._open())
             if notice is not None or waiting == 0:
                 return _Slot(ready, waiting, dry, notice, lost, samples, capture_lost, status)
             time.sleep(POLL_S)
+
+    def _read_slot(self, vec: torch.Tensor) -> int:
+        """This rank's part of a slot's vector; its status (READY, WAITING, DRY)."""
+        feeder = self._open()
+        status = feeder.status()  # raises the reader thread's own error
+        # after the status: DRY means the reader ended, so the count is final (read before, it
+        # missed a last shard skipped in between, and the last slot is the budget's last check)
+        vec[5] = sum(feeder.skipped.values())
+        vec[status_index(status)] = 1
+        vec[6] = len(feeder.peek().keys) if status == READY else 0
+        vec[7] = self.capture_skipped() if self.rank == 0 else 0
+        return status
+
+    def _all_reduce_or_stop(self, vec: torch.Tensor, read: Callable[[torch.Tensor], T]) -> T:
+        """`read(vec)`: this rank's reading into `vec` (its value returned), then `vec` all-reduced
+        (SUM) in place. A rank whose reading raised sets the last entry instead of raising before
+        the collective (which left its peers waiting in it for as long as its process lived); then
+        every rank stops here (_raise_unreadable)."""
+        own: Exception | None = None
+        value = None
+        try:
+            value = read(vec)
+        except Exception as e:  # noqa: BLE001 - raised below on this rank, named on the others
+            own, vec[-1] = e, 1
+        dist.all_reduce(vec, group=self.group)
+        if vec[-1]:
+            self._raise_unreadable(own)
+        return value
 
     def _raise_unreadable(self, own: Exception | None) -> NoReturn:
         """Every rank, at the same slot, once some rank could not read: the failed ranks raise
@@ -317,16 +333,13 @@ class StepSource:
         rank's unreadable samples of the open epoch from its resumed position, and rank 0's reading
         of skipped.jsonl. Without it such a run reported the unreadable samples of finished epochs
         alone. All ranks call it together; a reading error stops every rank, as in a slot."""
-        vec = torch.zeros(3, dtype=torch.int64)
-        own: Exception | None = None
-        try:
+        vec = torch.zeros(3, dtype=torch.int64)  # [open epoch's unreadable, capture-skipped, failed ranks]
+
+        def read(vec: torch.Tensor) -> None:
             vec[0] = self._resumed_skipped()
             vec[1] = self.capture_skipped() if self.rank == 0 else 0
-        except Exception as e:  # noqa: BLE001 - raised below on this rank, named on the others
-            own, vec[2] = e, 1
-        dist.all_reduce(vec, group=self.group)
-        if vec[2]:
-            self._raise_unreadable(own)
+
+        self._all_reduce_or_stop(vec, read)
         self.lost_epoch, self.capture_lost = int(vec[0]), int(vec[1])
 
     def _resumed_skipped(self) -> int:
@@ -354,14 +367,9 @@ class StepSource:
         could not: read after it, an error there (one node's I/O) left the peers in the next slot's."""
         counts = torch.tensor([self.trained, sum(feeder.skipped.values()), 0], dtype=torch.int64)
         self.close()
-        error: Exception | None = None
-        try:
-            total = sum(r.n_samples for r in read_manifest(self.epoch_dir()))  # final: every stream saw DONE
-        except Exception as e:  # noqa: BLE001 - raised below on this rank, named on the others
-            error, counts[2] = e, 1
-        dist.all_reduce(counts, group=self.group)
-        if counts[2]:
-            self._raise_unreadable(error)
+        total = self._all_reduce_or_stop(  # final: every stream saw DONE
+            counts, lambda _: sum(r.n_samples for r in read_manifest(self.epoch_dir()))
+        )
         trained, lost = int(counts[0]) + self.carried, int(counts[1])
         end = EpochEnd(self.epoch, trained, lost, total)
         if trained + lost != total:

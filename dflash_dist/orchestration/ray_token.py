@@ -20,7 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 TOKEN_BYTES = 32  # 64 hex characters
-AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+TOKEN_VARS = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")  # the two ways of giving a token (with_auth keeps one)
+AUTH_VARS = ("RAY_AUTH_MODE", *TOKEN_VARS)
 
 _PROCESS_TOKEN: str | None = None  # local_cluster_auth's token, one per process
 
@@ -42,16 +43,15 @@ def auth_env(*, token: str | None = None, token_path: str | os.PathLike[str] | N
 def with_auth(env: dict[str, str], **kwargs: str | os.PathLike[str] | None) -> dict[str, str]:
     """`env` with auth_env(**kwargs), and without the other way of giving a token (Ray would
     prefer RAY_AUTH_TOKEN over a file, and a user's variable over ours)."""
-    out = {k: v for k, v in env.items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    out = {k: v for k, v in env.items() if k not in TOKEN_VARS}
     return out | auth_env(**kwargs)
 
 
 def set_auth(environ: MutableMapping[str, str], **kwargs: str | os.PathLike[str] | None) -> None:
     """`with_auth` applied to `environ` in place (os.environ: this process and the ones it starts)."""
-    new = with_auth(dict(environ), **kwargs)
-    for key in AUTH_VARS:
+    for key in TOKEN_VARS:
         environ.pop(key, None)
-    environ.update({k: new[k] for k in AUTH_VARS if k in new})
+    environ.update(auth_env(**kwargs))
 
 
 def _reload_ray_auth() -> None:

@@ -35,11 +35,6 @@ def _fmt(xs: list[float]) -> str:
     return f"{m:.3f}" if sd is None else f"{m:.3f} ± {sd:.3f}"
 
 
-def _loop_free(done: list[dict]) -> list[dict]:
-    """The final point's loop-free record (quality_train._tau, measure.loop_free) of each run that has one."""
-    return [r["points"][-1]["loop_free"] for r in done if r["points"][-1].get("loop_free")]
-
-
 def _measured(lf: dict) -> bool:
     """A loop-free record with a tau: some prompt's continuation does not loop (a record of 0 prompts
     holds None; results.json files from before held NaN)."""
@@ -63,21 +58,49 @@ def separation(variant: list[float], default: list[float]) -> str:
     return "within spread"
 
 
-def summarize(results: dict) -> list[dict]:
-    """One row per variant (in the order the variants were given), from results.json's runs."""
+def _mark_points(run: dict, done_samples: set[int]) -> list[dict]:
+    """The run's points taken at a mark (or its end), without the point a run stopped by the budget
+    measures where it stopped: points say so ("mark"); in records from before that field, a stopped
+    run's last point is a mark only if finished runs have a point at the same sample count."""
+    pts = run.get("points") or []
+    if pts and "mark" in pts[-1]:
+        return [p for p in pts if p["mark"]]
+    if run.get("status") == FINAL or not pts or pts[-1]["samples"] in done_samples:
+        return pts
+    return pts[:-1]
+
+
+def mark_points(results: dict) -> dict[int, list[tuple[dict, dict]]]:
+    """{id(run): [(run, point), ...]} of every training run's mark points (see _mark_points)."""
+    runs = [r for r in results["runs"] if r.get("kind", "train") == "train" and "variant" in r]
+    done = {p["samples"] for r in runs if r.get("status") == FINAL for p in r.get("points") or []}
+    return {id(r): [(r, p) for p in _mark_points(r, done)] for r in runs}
+
+
+def summarize(results: dict, at: int | None = None) -> list[dict]:
+    """One row per variant (in the order the variants were given), from results.json's runs: the
+    final point of each run that reached its full budget, or with `at` the mark point at that sample
+    count of each run that reached it (a run the budget stopped later counts too)."""
     budget = str(results["budgets"][0])
     rows = []
     finals: dict[str, dict[str, list[float]]] = {}
+    marked = mark_points(results) if at is not None else {}
     for v in results["variants"]:
         runs = [r for r in results["runs"] if r.get("variant") == v["name"]]
-        done = [r for r in runs if r.get("status") == FINAL and r.get("points")]
+        if at is None:
+            done = [r for r in runs if r.get("status") == FINAL and r.get("points")]
+            final = {id(r): r["points"][-1] for r in done}
+        else:
+            final = {id(r): p for r in runs for _, p in marked.get(id(r), []) if p["samples"] == at}
+            done = [r for r in runs if id(r) in final]
         f = {
-            "chain": [r["points"][-1]["tau_chain"] for r in done],
-            "tree": [r["points"][-1]["tau_ddtree"][budget] for r in done],
-            "loss": [r["points"][-1]["loss"] for r in done],
-            "gpu_s": [r["gpu_s"] for r in done],
-            "over_8": [r["points"][-1]["rounds_over_8"] for r in done if "rounds_over_8" in r["points"][-1]],
-            "loop_free": [lf["tau_chain"] for lf in _loop_free(done) if _measured(lf)],
+            "chain": [final[id(r)]["tau_chain"] for r in done],
+            "tree": [final[id(r)]["tau_ddtree"][budget] for r in done],
+            "loss": [final[id(r)]["loss"] for r in done],
+            "gpu_s": [final[id(r)]["gpu_s"] if at is not None else r["gpu_s"] for r in done],
+            "over_8": [final[id(r)]["rounds_over_8"] for r in done if "rounds_over_8" in final[id(r)]],
+            "loop_free": [final[id(r)]["loop_free"]["tau_chain"] for r in done
+                          if final[id(r)].get("loop_free") and _measured(final[id(r)]["loop_free"])],  # fmt: skip
         }
         finals[v["name"]] = f
         rows.append(
@@ -87,9 +110,11 @@ def summarize(results: dict) -> list[dict]:
                 "doc": v["doc"],
                 "seeds": [r["seed"] for r in done],
                 "not_final": {r["seed"]: r.get("status") for r in runs if r not in done},
-                "samples": done[0]["samples"] if done else None,
+                "runs": len(runs),
+                "samples": final[id(done[0])]["samples"] if done else None,
                 # seeds whose held-out continuations all loop: no loop-free tau to average (never NaN)
-                "loop_free_none": sum(not _measured(lf) for lf in _loop_free(done)),
+                "loop_free_none": sum(not _measured(final[id(r)]["loop_free"]) for r in done
+                                      if final[id(r)].get("loop_free")),  # fmt: skip
                 **{k: vals for k, vals in f.items()},
             }
         )
@@ -104,11 +129,8 @@ def summarize(results: dict) -> list[dict]:
     return rows
 
 
-def table(results: dict) -> str:
-    """The markdown table (mean ± std over seeds of the final checkpoint) and one line per variant
-    saying whether it separates from the default."""
-    budget = results["budgets"][0]
-    rows = summarize(results)
+def _rows_md(rows: list[dict], budget) -> list[str]:
+    """The markdown table of summarize's rows."""
     lines = [
         f"| variant | seeds | tau chain | tau DDTree-{budget} | chain vs default | DDTree-{budget} vs default | "
         "train loss | chain rounds over 8 tokens | tau chain, loop-free prompts | GPU-s / run |",
@@ -130,15 +152,46 @@ def table(results: dict) -> str:
             f"| {name} | {','.join(map(str, r['seeds'])) or '-'} | {_fmt(r['chain'])} | {_fmt(r['tree'])} | "
             f"{gaps[0]} | {gaps[1]} | {_fmt(r['loss'])} | {_pct(r['over_8'])} | {free} | {gpu} |"
         )
+    return lines
+
+
+def _verdicts(rows: list[dict], budget) -> list[str]:
+    return [f"- {r['variant']}: chain {_VERDICT[r['chain_vs_default']]}; DDTree-{budget} "
+            f"{_VERDICT[r['tree_vs_default']]}." for r in rows if r["variant"] != "default"]  # fmt: skip
+
+
+def common_marks(results: dict) -> list[tuple[int, list[dict]]]:
+    """Where some runs did not reach their final point (the time budget stopped them): the tables at
+    earlier marks that every run of more variants reached, largest first: [(samples, rows)], each
+    row a variant all of whose runs have a point at that mark. Empty when every run finished."""
+    final = summarize(results)
+    if not any(r["not_final"] for r in final):
+        return []
+    complete = {r["variant"] for r in final if not r["not_final"] and r["seeds"]}
+    counts = sorted({p["samples"] for pts in mark_points(results).values() for _, p in pts}, reverse=True)
+    out = []
+    for at in counts:
+        rows = [r for r in summarize(results, at) if r["seeds"] and len(r["seeds"]) == r["runs"]]
+        names = {r["variant"] for r in rows}
+        if "default" in names and len(names) > 1 and not names <= complete:
+            out.append((at, rows))
+            complete |= names
+    return out
+
+
+def table(results: dict) -> str:
+    """The markdown table (mean ± std over seeds of the final checkpoint) and one line per variant
+    saying whether it separates from the default; where the time budget stopped runs before their
+    final point, also the tables at the earlier marks that every run of more variants reached."""
+    budget = results["budgets"][0]
+    rows = summarize(results)
+    lines = _rows_md(rows, budget)
     notes = []
-    for r in rows:
-        if r["variant"] != "default":
-            notes.append(
-                f"- {r['variant']}: chain {_VERDICT[r['chain_vs_default']]}; DDTree-{budget} "
-                f"{_VERDICT[r['tree_vs_default']]}."
-            )
-        if r["not_final"]:
-            notes.append(f"- {r['variant']}: seeds without a final point: {r['not_final']}")
+    notes += _verdicts(rows, budget)
+    notes += [f"- {r['variant']}: seeds without a final point: {r['not_final']}" for r in rows if r["not_final"]]
+    for at, at_rows in common_marks(results):
+        notes += ["", f"At {at} samples, a mark every seed of these variants reached (the same columns; GPU-s "
+                  "by then):", "", *_rows_md(at_rows, budget), "", *_verdicts(at_rows, budget)]  # fmt: skip
     samples = next((r["samples"] for r in rows if r["samples"]), None)
     seen = f"{samples} samples seen per run" if samples else "no run reached its full sample budget"
     head = (

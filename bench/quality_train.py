@@ -395,7 +395,8 @@ def train_run(sh: Shared, spec: RunSpec, worker: int) -> dict:
                 _sync(dev)
             clock.add(time.monotonic() - t0)
             stop = sh.stop.is_set()
-            if (marks and seen >= marks[0]) or seen >= spec.samples or (stop and not spec.calibrate_steps):
+            at_mark = bool(marks and seen >= marks[0]) or seen >= spec.samples
+            if at_mark or (stop and not spec.calibrate_steps):
                 while marks and seen >= marks[0]:
                     marks.pop(0)
                 clock.training(False)
@@ -415,6 +416,7 @@ def train_run(sh: Shared, spec: RunSpec, worker: int) -> dict:
                         "train_s": clock.train_s(),
                         "gpu_s": clock.gpu_s(),
                         "eval_s": dt,
+                        "mark": at_mark,  # False: where the time budget stopped the run, between marks
                         **tau,
                     }
                 )

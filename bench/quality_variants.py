@@ -83,6 +83,8 @@ register("decay", "exp(-(s-1)/gamma) slot weights instead of D-PACE (the default
 register("step_slots", "loss normalised over the optimizer step's slots", {"train.loss_norm": "step_slots"})
 register("mask_next", "anchors need loss_mask at a and a+1", {"train.anchor_rule": "mask_next"})
 register("sliding", "drafter layers sliding except the last, window --window", _sliding)
+register("full", "every drafter layer full attention (no sliding window)",
+         {"drafter.layer_types": None, "drafter.sliding_window": None})
 register("block8", "block size 8 (gamma 4)", {"drafter.block_size": 8})
 register("block16", "block size 16 (gamma 7)", {"drafter.block_size": 16})
 register("anchors_half", "half the anchors the default draws per sample", _anchors_half)
@@ -137,6 +139,8 @@ class Resolved:
 
 
 def _yaml(value: object) -> str:
+    if value is None:
+        return "null"
     if isinstance(value, list):
         return "[" + ", ".join(_yaml(v) for v in value) + "]"
     return str(value)

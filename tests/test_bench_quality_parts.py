@@ -174,6 +174,14 @@ def test_variants_are_one_config_change_each(tmp_path, monkeypatch):
     assert got["block8"].drafter.block_size == 8 and got["block8"].drafter.loss_decay_gamma == 4.0
     assert got["sliding"].drafter.layer_types == ("sliding_attention", "sliding_attention", "full_attention")
     assert got["sliding"].drafter.sliding_window == 32
+    assert "full" not in got and "full" in d.aliases  # every layer full already
+    # a sliding run (configs/mid_gpu.yaml since the seventh lease): sliding at its window is the
+    # default's run, and full attention the alternative measured
+    slid = quality_variants.resolve(["default", "sliding", "full"], config, target, 63, facts,
+                                    ("drafter.layer_types=[sliding_attention, sliding_attention, full_attention]",
+                                     "drafter.sliding_window=32"))  # fmt: skip
+    assert [(r.name, r.aliases) for r in slid] == [("default", ("sliding",)), ("full", ())]
+    assert slid[1].drafter.layer_types == ("full_attention",) * 3 and slid[1].drafter.sliding_window is None
     assert got["anchors_half"].cfg["train"]["num_anchors"] == 20  # half of the 40 the default draws
     # D-PACE is the default (since 2026-12-04), so dpace and Model-Optimizer's recipe (D-PACE at block 16)
     # are the default itself; decay is the alternative measured
@@ -290,9 +298,10 @@ def test_the_budget_fits_every_run_in_the_time_left():
             {"step_s": 0.4, "samples_per_step": 8.0, "warmup_s": 5.0, "eval_s": 6.0}]  # fmt: skip
     n, info = quality_budget.fit_samples(cals, 1000.0, runs=9, slots=4, checkpoints=4, products=2, max_samples=10**6,
                                          whole_steps=True)  # fmt: skip
-    # the slowest worker counts: eval 0.6 x 10 s, 10 s kept back, 2 product measurements on 4 slots,
-    # 3 rounds of runs per slot, 4 measurements and a compile each
-    per_run = (1000 - 10 - 2 * 6 / 4) / 3 - 4 * 6 - 20
+    # the slowest worker counts: eval 10 s (a trained drafter's measurement costs what calibration's
+    # does), 15 s kept back, 2 product measurements on 4 slots, 3 rounds of runs per slot, 4
+    # measurements and a compile each
+    per_run = (1000 - 15 - 2 * 10 / 4) / 3 - 4 * 10 - 20
     assert info["per_run_s"] == pytest.approx(per_run) and info["step_s"] == 0.5
     assert n == int(0.9 * per_run / 0.5 * 8) // 8 * 8 and n % 8 == 0
     assert quality_budget.fit_samples(cals, 1000.0, 9, 4, 4, 2, 100, True)[0] == 96  # capped, whole steps
@@ -463,7 +472,49 @@ def test_the_lease_commands_parse():
         head = ["--run", "/tmp/mid_gpu", "--out", "/tmp/gpu/quality", "--time-budget-s", "300"]
         args = bench_quality_run._args([*head, *shlex.split(line)])
         assert args.workers == 7 and args.schedule == "product" and len(args.variants.split(",")) == 10
+        assert args.checkpoints == 2  # 4 marks a run cost the seventh lease the third seed of 3 variants
         assert bench_quality_run._args([*head, *shlex.split(line), "--workers", "0"]).workers == 0
     for line in settings:
         for setting in line.split(","):
             parse_setting(setting)
+
+
+def test_runs_the_budget_stopped_still_give_3_seed_tables_at_the_marks_they_reached():
+    """The H100 lease of 2026-12-05 (seventh): the time budget stopped the third seed of three
+    variants, so the final table had 2 seeds for them; every seed had passed the marks at 4025
+    samples (all but block8) and 2685 (all). The report adds those tables, without the point a
+    stopped run measures where it stopped (between marks): neither the "mark": false point of new
+    records, nor, in records from before that field, a stopped run's last point at a sample count
+    no finished run has."""
+    import quality_report
+
+    def run(variant, seed, counts, status="done", legacy=False):
+        pts = []
+        for n in counts:
+            chain = 1.0 + n / 1000 + (0.5 if variant == "wide" else 0.0) + seed / 100
+            p = {"samples": n, "tau_chain": chain, "tau_ddtree": {"8": chain + 0.3}, "loss": 1.0, "gpu_s": n / 100}
+            if not legacy:
+                p["mark"] = n in (1000, 2000, 3000)
+            pts.append(p)
+        return {"variant": variant, "seed": seed, "status": status, "points": pts, "gpu_s": 1.0,
+                "samples": counts[-1]}  # fmt: skip
+
+    runs = [run("default", s, (1000, 2000, 3000)) for s in (0, 1, 2)]
+    runs += [run("wide", 0, (1000, 2000, 3000)), run("wide", 1, (1000, 2000, 3000)),
+             run("wide", 2, (1000, 2000, 2500), "stopped")]  # fmt: skip
+    runs += [run("short", 0, (1000, 2000, 3000)), run("short", 1, (1000, 2000, 3000)),
+             run("short", 2, (1000, 1500), "stopped", legacy=True)]  # fmt: skip
+    results = {"budgets": [8], "variants": [{"name": n, "doc": n} for n in ("default", "wide", "short")],
+               "runs": runs}  # fmt: skip
+    marks = quality_report.common_marks(results)
+    assert [(at, [r["variant"] for r in rows]) for at, rows in marks] == [
+        (2000, ["default", "wide"]), (1000, ["default", "wide", "short"])]
+    wide = marks[0][1][1]
+    assert wide["seeds"] == [0, 1, 2] and wide["chain_vs_default"] == "above"
+    assert wide["chain"] == pytest.approx([3.5, 3.51, 3.52]) and wide["gpu_s"] == [20.0, 20.0, 20.0]
+    md = quality_report.table(results)
+    assert "At 2000 samples, a mark every seed of these variants reached" in md
+    assert "| wide | 0,1,2 | 3.510 ± 0.010 |" in md and "| wide | 0,1 | 4.505 ± 0.007 |" in md
+    # every run finished: the final table alone
+    done = {**results, "runs": [r for r in runs if r["status"] == "done"]}
+    assert quality_report.common_marks(done) == [] and "a mark every seed" not in quality_report.table(done)

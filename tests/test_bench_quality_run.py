@@ -92,7 +92,7 @@ def test_variants_seeds_points_and_table(bench):
             assert [p["samples"] for p in run["points"]] == [16, 32]
             for p in run["points"]:
                 assert 1.0 <= p["tau_chain"] <= run["block_size"] and 1.0 <= p["tau_ddtree"]["8"] <= 9.0
-                assert p["gpu_s"] > 0 and p["loss"] > 0
+                assert p["gpu_s"] > 0 and p["loss"] > 0 and p["mark"] is True
     a, b = _run(r, "default", 0)["points"], _run(r, "default", 1)["points"]
     assert [p["loss"] for p in a] != [p["loss"] for p in b]  # another seed: another drafter
     table = (out / "table.md").read_text()
@@ -186,6 +186,7 @@ def test_a_stop_ends_the_run_at_a_step_boundary_with_a_last_measurement(here):
         sh.stop.clear()
     assert res["status"] == "stopped" and res["steps"] == 1
     assert [p["samples"] for p in res["points"]] == [res["samples"]] and res["samples"] < 32
+    assert res["points"][-1]["mark"] is False  # measured where it stopped, not at a mark: the report's tables skip it
 
 
 def test_the_gpu_precision_trains_on_the_cpu_too(here):

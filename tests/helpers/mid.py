@@ -14,8 +14,10 @@ CPU_SIZE = [
     "capture.layer_ids=[1,2]", "capture.max_new_tokens=16", "capture.batch_size=8", "capture.sort_window=64",
     "capture.token_budget=4096", "capture.shard_bytes=2000000", "capture.writers=0", "capture.cpus_per_actor=0.5",
     "capture.gpus_per_actor=0",
-    "drafter.num_layers=1", "drafter.num_heads=2", "drafter.num_kv_heads=1", "drafter.head_dim=16",
+    "drafter.num_layers=2", "drafter.num_heads=2", "drafter.num_kv_heads=1", "drafter.head_dim=16",
     "drafter.block_size=4",
+    # the config's layout at this depth: sliding layers but the last, a window that cuts these ~60-token rows
+    "drafter.layer_types=[sliding_attention, full_attention]", "drafter.sliding_window=8",
     "train.gpus_per_rank=0", "train.cpus_per_rank=0.5", "train.micro_batch_size=4", "train.micro_batch_tokens=null",
     "train.max_steps=8", "train.checkpoint_every=2", "train.num_anchors=8", "train.log_every=2",
     "eval.num_prompts=3", "eval.max_new_tokens=12", "eval.num_gpus=0", "eval.num_cpus=0.5",

@@ -213,6 +213,17 @@ def restore_switches():
     fused.set_rms_norm_in_place(True)
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's state as in a fresh process, before and after: the compiled tests below compare two
+    compiles bitwise, and what earlier tests of the process compiled decides a function's next graph
+    (each input's sizes seen so far: a static or a dynamic graph, which differ in the last bits; its
+    compiles so far, counted toward the recompile limit) and would reach later tests."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def _is_heads(g: torch.Tensor | None) -> bool:
     return g is not None and g.dim() == 4
 
@@ -239,7 +250,7 @@ def _same(a, b) -> bool:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_set_rope_layouts_are_bitwise_equal(dtype, restore_switches):
+def test_compiled_set_rope_layouts_are_bitwise_equal(dtype, restore_switches, fresh_dynamo):
     """The compile set's q/k RoPE on [b, T, heads, d] (default) gives bitwise the loss and every
     gradient of RoPE after the transpose (its form before issue 24), with either k/v projection,
     each graph compiled alike: from a reset, called until q's and k's shapes made it dynamic (the
@@ -249,7 +260,6 @@ def test_compiled_set_rope_layouts_are_bitwise_equal(dtype, restore_switches):
     assert fused._switch["rope_layout"] == "bthd"
     with pytest.raises(ValueError, match="rope layout"):
         fused.set_rope_layout("bshd")
-    torch._dynamo.reset()
     d = small_drafter(block=4).train().to(dtype)
     d.set_kernels("compile")
     ids, feats, lm, anchors = _batch(d)
@@ -268,7 +278,7 @@ def test_compiled_set_rope_layouts_are_bitwise_equal(dtype, restore_switches):
         assert _same(runs["bhtd"], runs["bthd"])
 
 
-def test_new_rope_layout_hands_the_norm_a_contiguous_gradient(restore_switches):
+def test_new_rope_layout_hands_the_norm_a_contiguous_gradient(restore_switches, fresh_dynamo):
     """RoPE before the transpose: the gradient into the q/k norm is contiguous (liger's backward
     copies a strided one); after it (the former order) it is the transposed, strided one. The
     compile set's own function through set_rope_layout: each layout runs its own compiled graph
@@ -289,7 +299,6 @@ def test_new_rope_layout_hands_the_norm_a_contiguous_gradient(restore_switches):
     assert torch.equal(g_new, g_old)
     assert g_new.is_contiguous() and not g_old.is_contiguous()
 
-    torch._dynamo.reset()
     x = torch.randn(2, 12, 4, 8, requires_grad=True)  # q's heads, the projection's view
     weight = torch.rand(8) + 0.5
     norm_rope = fused.norm_rope_fn("compile")
@@ -308,10 +317,13 @@ def test_new_rope_layout_hands_the_norm_a_contiguous_gradient(restore_switches):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernels", ["liger", "compile"])
-def test_gpu_rope_layout_and_in_place_norm_are_bitwise(kernels, restore_switches):
+def test_gpu_rope_layout_and_in_place_norm_are_bitwise(kernels, restore_switches, fresh_dynamo):
     """bf16 on CUDA, flex_attention, the real kernels: RoPE on [b, T, heads, d] and liger's in-place
     RMSNorm backward give bitwise the loss and gradients of the former forms; for liger the
-    defaults drop the norm backward's zeros_like (4 per layer + 2) and its dY copies."""
+    defaults drop the norm backward's zeros_like (4 per layer + 2) and its dY copies. From a fresh
+    dynamo state (fresh_dynamo): each layout's function compiles alike, static for q's shape, then
+    dynamic for k's, whatever the process compiled before (the default layout's function in the
+    earlier compile tests, the other's not)."""
     d = _gpu_drafter(torch.bfloat16)
     d.set_kernels(kernels)
     batch = _gpu_batch()

@@ -3,6 +3,8 @@ per-slot counts and every trainable gradient; no lm_head gradient; one chunk of 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -163,7 +165,10 @@ def test_row_weights_from_the_ce_equal_the_same_weights_given(dtype, kernels):
 
     for chunk in (1, 5, 23):
         calls = len(seen)
-        with _HeadCalls(vocab) as heads:
+        # the head's calls are counted on the torch path; under a dispatch mode torch.compile compiles
+        # nothing, and the compiled set refuses to run eagerly (fused._compiled: fullgraph)
+        heads = _HeadCalls(vocab)
+        with heads if kernels == "torch" else contextlib.nullcontext():
             loss, ce, argmax = lm_head_cross_entropy(hidden, weight, labels, from_ce, chunk, kernels)
         (grad,) = torch.autograd.grad(loss * 0.5, hidden)
         assert len(seen) == calls + 1, "the weights function is called once a pass"

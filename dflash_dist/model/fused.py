@@ -5,7 +5,8 @@ Kernel sets (`DFlashDrafter(cfg, kernels=...)`):
 - "torch": the plain torch code in drafter.py / vocab_loss.py, the reference and the CPU path
   (the pinned loss curve runs it);
 - "compile": the same functions through torch.compile (inductor fuses each into one or two
-  kernels; runs on CPU too);
+  kernels; runs on CPU too), never eagerly: past its own recompile limit a function raises
+  (`_compiled`);
 - "liger": liger-kernel's Triton RMSNorm (llama casting: normalise in fp32, cast, then scale by
   the gain, as drafter.RMSNorm) and SiLU-mul, and its fused cross-entropy kernel (loss, argmax and
   softmax - onehot written in place of the chunk's logits in one launch). Liger's RoPE needs q and
@@ -129,10 +130,75 @@ def ce_chunk_ref(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool):
 
 # ---- torch.compile ----
 
+# Each function compiles with dynamic=None: static at its first call, a dim made dynamic at the first
+# recompile it changes at. Every other guard is one more compile: each requires_grad state (the context
+# features' norm gets an input that needs no grad, the layers' norms one that does), dtype, size 1 (a
+# micro-batch of one row, a one-row last CE chunk), storage offset. Measured on CPU, the drafter's RMSNorm
+# took 7 compiles over bf16 micro-batches of 1-4 rows and varying lengths, 11 with fp32 ones as well
+# (tests/test_fused_compile.py), 12 with a no-grad pass; norm + RoPE, SwiGLU and the chunk CE at most 7;
+# packed rows (one length, varying anchors) 3 in bf16. Dynamo's default limit is 8 per function, past
+# which plain torch.compile runs the call eagerly with one logged warning: no fused kernel, and other
+# numerics than the compiled calls. Here each function has its own limit, room for a process that runs
+# both dtypes, both RoPE layouts, split and joined k/v and no-grad passes (a bench, the GPU tests), and
+# raises past it (`_guarded`).
+KERNEL_RECOMPILE_LIMIT = 64
+
 
 @functools.cache
 def _compiled(fn: Callable) -> Callable:
-    return torch.compile(fn, dynamic=None)
+    """`fn` through torch.compile, never eagerly: fullgraph=True makes dynamo raise at the recompile limit
+    (or a graph break, or under a TorchDispatchMode, where dynamo compiles nothing) instead of running the
+    call in eager; the limit's error is turned into one naming the function and what to do (`_guarded`).
+    The limit is this compile's own where torch.compile takes one (2.13 does, 2.11 not), so it holds in
+    every thread; else dynamo's config (global in 2.11, per thread since 2.12): raised here, and again in a
+    calling thread still below it before the error (as attention._compiled_flex)."""
+    import torch._dynamo.config as dynamo_config
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    per_region = _compile_takes_recompile_limit()
+    kwargs = {"recompile_limit": KERNEL_RECOMPILE_LIMIT} if per_region else {}
+    if not per_region:
+        _raise_thread_limit()
+    compiled = torch.compile(fn, dynamic=None, fullgraph=True, **kwargs)
+    if compiled is fn or dynamo_config.disable:
+        raise ValueError(
+            f"the compiled kernels ({fn.__name__}, dflash_dist/model/fused.py): torch.compile is disabled in this "
+            "process (TORCHDYNAMO_DISABLE=1 or TORCH_COMPILE_DISABLE=1), so train.kernels=compile (and liger's "
+            "RoPE) would run the torch reference eagerly under the compiled set's name; unset it, or set "
+            "train.kernels=torch"
+        )
+    return functools.partial(_guarded, compiled, fn.__name__, per_region, FailOnRecompileLimitHit)
+
+
+def _compile_takes_recompile_limit() -> bool:
+    import inspect
+
+    return "recompile_limit" in inspect.signature(torch.compile).parameters  # torch 2.13 has it, 2.11 not
+
+
+def _raise_thread_limit() -> bool:
+    """Dynamo's recompile limit up to KERNEL_RECOMPILE_LIMIT in this thread's config; whether it was below."""
+    import torch._dynamo.config as dynamo_config
+
+    below = dynamo_config.recompile_limit < KERNEL_RECOMPILE_LIMIT
+    if below:
+        dynamo_config.recompile_limit = KERNEL_RECOMPILE_LIMIT
+    return below
+
+
+def _guarded(compiled, name: str, per_region: bool, limit_hit: type[Exception], *args, **kwargs):
+    try:
+        return compiled(*args, **kwargs)
+    except limit_hit as err:
+        if not per_region and _raise_thread_limit():  # a thread that met dynamo's default: once more at ours
+            return _guarded(compiled, name, per_region, limit_hit, *args, **kwargs)
+        raise RuntimeError(
+            f"compiled {name} (dflash_dist/model/fused.py, train.kernels=compile or liger's RoPE) met more "
+            f"input shapes/dtypes/grad states than its {KERNEL_RECOMPILE_LIMIT} compiles: torch.compile would "
+            "run it eagerly from here on (no fused kernel, other numerics than its compiled calls); stopped "
+            "instead. TORCH_LOGS=recompiles shows what changed; raise "
+            "dflash_dist.model.fused.KERNEL_RECOMPILE_LIMIT, or train with train.kernels=torch"
+        ) from err
 
 
 def _compiled_norm_rope(x, weight, eps, cos, sin):

@@ -92,7 +92,8 @@ def test_drafter_norm_stays_compiled_past_dynamos_default_limit(fresh_compile):
         torch.testing.assert_close(out, fused.rms_norm_ref(x, weight, eps))
     compiles = len(cache_entries(fused.rms_norm_ref.__code__))
     assert not eager, f"{len(eager)} of {len(calls)} calls ran eagerly after {compiles} compiles: {eager[:3]}"
-    assert torch._dynamo.config.recompile_limit < compiles <= fused.KERNEL_RECOMPILE_LIMIT, compiles
+    # past dynamo's default limit (8; on torch 2.11 the config now holds the kernels' own, raised by _compiled)
+    assert 8 < compiles <= fused.KERNEL_RECOMPILE_LIMIT, compiles
 
 
 def _distinct_inputs(n: int):

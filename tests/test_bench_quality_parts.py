@@ -512,6 +512,11 @@ def test_runs_the_budget_stopped_still_give_3_seed_tables_at_the_marks_they_reac
     wide = marks[0][1][1]
     assert wide["seeds"] == [0, 1, 2] and wide["chain_vs_default"] == "above"
     assert wide["chain"] == pytest.approx([3.5, 3.51, 3.52]) and wide["gpu_s"] == [20.0, 20.0, 20.0]
+    # the figure's curves too: point i of a run is its i-th mark, never where the budget stopped it
+    # (wide's seed 2 at 2500 was averaged with the other seeds' 3000, short's seed 2 at 1500 with 2000)
+    xs, ms, _ = quality_report._curves(results, "wide", "samples", "tau_chain", "8")
+    assert xs == [1000, 2000, 3000] and ms[2] == pytest.approx(4.505)
+    assert quality_report._curves(results, "short", "samples", "tau_chain", "8")[0] == [1000, 2000, 3000]
     md = quality_report.table(results)
     assert "At 2000 samples, a mark every seed of these variants reached" in md
     assert "| wide | 0,1,2 | 3.510 ± 0.010 |" in md and "| wide | 0,1 | 4.505 ± 0.007 |" in md

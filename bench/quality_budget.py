@@ -108,12 +108,21 @@ def run_marks(
     """(samples, marks, where the marks come from) of every run: `checkpoints` evenly spaced marks,
     plus the product checkpoints that fit (`aligned`, product_marks). With an auto length the run
     ends at the largest product checkpoint that fits, so its last point has a product export
-    trained on as many samples; a fixed length is kept."""
+    trained on as many samples; a fixed length is kept. An evenly spaced mark within a quarter of
+    the spacing of a product checkpoint is that checkpoint: the product's checkpoints are evenly
+    spaced in steps, so they fall near the evenly spaced marks, and a second measurement a few
+    samples away would cost a tau measurement (~13 s on an H100, the length of a short run's
+    training) that fit_samples did not count (10986 samples in 2 marks: 5365 and 5493 besides 10986)."""
     if aligned is None:
         return samples, marks(samples, checkpoints), "evenly spaced"
     if auto:
         samples = aligned[0]
-    both = tuple(sorted(set(marks(samples, checkpoints)) | set(aligned[1])))
+    near = samples / checkpoints / 4
+    even = []
+    for m in marks(samples, checkpoints):
+        closest = min(aligned[1], key=lambda n: abs(n - m))
+        even.append(closest if m != samples and abs(closest - m) <= near else m)
+    both = tuple(sorted(set(even) | set(aligned[1])))
     return samples, both, "product checkpoints and evenly spaced" if auto else "evenly spaced and product checkpoints"
 
 

@@ -13,7 +13,7 @@ from dflash_dist.trainer.ds_config import schedule_span
 H200_BF16_TFLOPS = 790.0  # dense bf16 matmul rate measured on the H200 (../shared/SPEC.md section 6)
 ASSUMED_MFU = 0.25  # a small drafter's share of it (the estimate only; --samples auto measures)
 # a tau measurement of a trained drafter against the untrained one calibration times: batched replay
-# costs about the same (H100, 2026-12-05: 10.6-15.6 s a mark at tau 1.1-1.8 against 12.9-13.0 s in
+# costs about the same (H100, 2026-12-05: 10.3-15.6 s a mark at tau 1.1-1.8 against 12.9-13.0 s in
 # calibration; the 0.6 assumed before ran every wave ~21 s over and the budget stopped 3 runs)
 EVAL_SHRINK = 1.0
 MARGIN = 0.9  # of the fitting samples, for what the model leaves out (new shapes compiling, Python)

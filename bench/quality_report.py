@@ -86,7 +86,9 @@ def summarize(results: dict, at: int | None = None) -> list[dict]:
     finals: dict[str, dict[str, list[float]]] = {}
     marked = mark_points(results) if at is not None else {}
     for v in results["variants"]:
-        runs = [r for r in results["runs"] if r.get("variant") == v["name"]]
+        # training runs only: a calibration the bench's end killed is recorded among the runs too
+        # (kind "calibrate", the first variant and seed), and is no seed of that variant
+        runs = [r for r in results["runs"] if r.get("kind", "train") == "train" and r.get("variant") == v["name"]]
         if at is None:
             done = [r for r in runs if r.get("status") == FINAL and r.get("points")]
             final = {id(r): r["points"][-1] for r in done}

@@ -13,7 +13,7 @@ from dflash_dist.trainer.ds_config import schedule_span
 H200_BF16_TFLOPS = 790.0  # dense bf16 matmul rate measured on the H200 (../shared/SPEC.md section 6)
 ASSUMED_MFU = 0.25  # a small drafter's share of it (the estimate only; --samples auto measures)
 # a tau measurement of a trained drafter against the untrained one calibration times: batched replay
-# costs about the same (H100, 2026-12-05: 10.6-15.6 s a mark at tau 1.1-1.8 against 12.9-13.0 s in
+# costs about the same (H100, 2026-12-05: 10.3-15.6 s a mark at tau 1.1-1.8 against 12.9-13.0 s in
 # calibration; the 0.6 assumed before ran every wave ~21 s over and the budget stopped 3 runs)
 EVAL_SHRINK = 1.0
 MARGIN = 0.9  # of the fitting samples, for what the model leaves out (new shapes compiling, Python)
@@ -108,12 +108,21 @@ def run_marks(
     """(samples, marks, where the marks come from) of every run: `checkpoints` evenly spaced marks,
     plus the product checkpoints that fit (`aligned`, product_marks). With an auto length the run
     ends at the largest product checkpoint that fits, so its last point has a product export
-    trained on as many samples; a fixed length is kept."""
+    trained on as many samples; a fixed length is kept. An evenly spaced mark within a quarter of
+    the spacing of a product checkpoint is that checkpoint: the product's checkpoints are evenly
+    spaced in steps, so they fall near the evenly spaced marks, and a second measurement a few
+    samples away would cost a tau measurement (~13 s on an H100, the length of a short run's
+    training) that fit_samples did not count (10986 samples in 2 marks: 5365 and 5493 besides 10986)."""
     if aligned is None:
         return samples, marks(samples, checkpoints), "evenly spaced"
     if auto:
         samples = aligned[0]
-    both = tuple(sorted(set(marks(samples, checkpoints)) | set(aligned[1])))
+    near = samples / checkpoints / 4
+    even = []
+    for m in marks(samples, checkpoints):
+        closest = min(aligned[1], key=lambda n: abs(n - m))
+        even.append(closest if m != samples and abs(closest - m) <= near else m)
+    both = tuple(sorted(set(even) | set(aligned[1])))
     return samples, both, "product checkpoints and evenly spaced" if auto else "evenly spaced and product checkpoints"
 
 

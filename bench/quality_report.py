@@ -86,7 +86,9 @@ def summarize(results: dict, at: int | None = None) -> list[dict]:
     finals: dict[str, dict[str, list[float]]] = {}
     marked = mark_points(results) if at is not None else {}
     for v in results["variants"]:
-        runs = [r for r in results["runs"] if r.get("variant") == v["name"]]
+        # training runs only: a calibration the bench's end killed is recorded among the runs too
+        # (kind "calibrate", the first variant and seed), and is no seed of that variant
+        runs = [r for r in results["runs"] if r.get("kind", "train") == "train" and r.get("variant") == v["name"]]
         if at is None:
             done = [r for r in runs if r.get("status") == FINAL and r.get("points")]
             final = {id(r): r["points"][-1] for r in done}
@@ -257,13 +259,16 @@ def product_vs_bench(results: dict) -> list[dict]:
 
 
 def _curves(results: dict, name: str, x_key: str, y_key: str, budget: str):
-    """Mean and std over the variant's seeds per checkpoint index (runs stopped early included
-    up to where they got)."""
-    runs = [r for r in results["runs"] if r.get("variant") == name and r.get("points")]
-    n = max((len(r["points"]) for r in runs), default=0)
+    """Mean and std over the variant's seeds per mark (the i-th mark point of each run: runs the
+    budget stopped count up to their last mark; the point a stopped run measures where it stopped
+    sits between marks and is left out, as in the tables, or it would be averaged with the other
+    seeds' next mark)."""
+    marked = mark_points(results)
+    runs = [[p for _, p in marked[id(r)]] for r in results["runs"] if r.get("variant") == name and marked.get(id(r))]
+    n = max((len(pts) for pts in runs), default=0)
     xs, ms, sds = [], [], []
     for i in range(n):
-        pts = [r["points"][i] for r in runs if len(r["points"]) > i]
+        pts = [run[i] for run in runs if len(run) > i]
         ys = [p[y_key] if y_key == "tau_chain" else p["tau_ddtree"][budget] for p in pts]
         xs.append(statistics.mean(p[x_key] for p in pts))
         ms.append(statistics.mean(ys))

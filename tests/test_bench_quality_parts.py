@@ -333,14 +333,24 @@ def test_marks_at_the_product_checkpoints_compare_product_and_bench_at_equal_sam
     assert quality_budget.product_marks(9000, [4010, 8032, None, 12050]) == (8032, (4010, 8032))
     assert quality_budget.product_marks(4000, [4010, 8032]) is None  # none fits: evenly spaced marks instead
     assert quality_budget.product_marks(9000, []) is None
-    # auto: the run ends at 8032, and its curve still has the evenly spaced points (the figure's)
+    # auto: the run ends at 8032, and its curve still has the evenly spaced points (the figure's); the
+    # one at 4016 is the product's 4010 (not a second tau measurement 6 samples later)
     aligned = quality_budget.product_marks(9000, [4010, 8032, None, 12050])
     assert quality_budget.run_marks(9000, 4, aligned, auto=True) == (
-        8032, (2008, 4010, 4016, 6024, 8032), "product checkpoints and evenly spaced")
-    # a fixed length is kept, the product checkpoints within it added
+        8032, (2008, 4010, 6024, 8032), "product checkpoints and evenly spaced")
+    # a fixed length is kept, the product checkpoints within it added (4500 within a quarter of the
+    # spacing of 4010: measured there), the run's end measured where it is
     assert quality_budget.run_marks(9000, 2, aligned, auto=False) == (
-        9000, (4010, 4500, 8032, 9000), "evenly spaced and product checkpoints")
+        9000, (4010, 8032, 9000), "evenly spaced and product checkpoints")
     assert quality_budget.run_marks(4000, 2, None, auto=True) == (4000, (2000, 4000), "evenly spaced")
+    # the product's checkpoints of the seventh lease (steps 300/600/900/1200): 2 marks a run are 2 tau
+    # measurements, as fit_samples counts them, where the fit reaches step 300 (the seventh lease's
+    # figures on 4 workers) or step 600 (the same figures on 7)
+    product = [5365, 10986, 16260, 21713]
+    for fitting, want in ((6342, (2682, 5365)), (11622, (5365, 10986))):
+        n, marks, _ = quality_budget.run_marks(fitting, 2, quality_budget.product_marks(fitting, product), auto=True)
+        assert marks == want, (fitting, n, marks)
+    assert quality_budget.run_marks(5365, 4, (5365, (5365,)), auto=True)[1] == (1341, 2682, 4024, 5365)
 
     def run(variant, seed, taus):
         pts = [{"samples": n, "tau_ddtree": {"8": t}} for n, t in zip((4010, 8032), taus)]
@@ -512,9 +522,18 @@ def test_runs_the_budget_stopped_still_give_3_seed_tables_at_the_marks_they_reac
     wide = marks[0][1][1]
     assert wide["seeds"] == [0, 1, 2] and wide["chain_vs_default"] == "above"
     assert wide["chain"] == pytest.approx([3.5, 3.51, 3.52]) and wide["gpu_s"] == [20.0, 20.0, 20.0]
+    # the figure's curves too: point i of a run is its i-th mark, never where the budget stopped it
+    # (wide's seed 2 at 2500 was averaged with the other seeds' 3000, short's seed 2 at 1500 with 2000)
+    xs, ms, _ = quality_report._curves(results, "wide", "samples", "tau_chain", "8")
+    assert xs == [1000, 2000, 3000] and ms[2] == pytest.approx(4.505)
+    assert quality_report._curves(results, "short", "samples", "tau_chain", "8")[0] == [1000, 2000, 3000]
     md = quality_report.table(results)
     assert "At 2000 samples, a mark every seed of these variants reached" in md
     assert "| wide | 0,1,2 | 3.510 ± 0.010 |" in md and "| wide | 0,1 | 4.505 ± 0.007 |" in md
+    # a calibration the bench's end killed (bench_quality_run: pool.close() records every busy task
+    # among the runs) is no seed of the default: the same tables, no 'seeds without a final point'
+    killed = {**results, "runs": [*runs, {"kind": "calibrate", "status": "killed", "variant": "default", "seed": 0}]}
+    assert quality_report.table(killed) == md
     # every run finished: the final table alone
     done = {**results, "runs": [r for r in runs if r["status"] == "done"]}
     assert quality_report.common_marks(done) == [] and "a mark every seed" not in quality_report.table(done)

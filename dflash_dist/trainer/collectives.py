@@ -19,21 +19,37 @@ the collective.
 
 The tensors live where the group's backend moves them: on the CPU for gloo (the trainer's control
 group, `Trainer._ctrl`), on the rank's current CUDA device for NCCL.
+
+Work that may fail on some ranks before a collective every rank enters (rank 0 publishing a
+checkpoint, one rank reading its data) runs under `run_or_stop` / `all_reduce_or_stop`: a failure
+rides in the agreement's all-reduce instead of leaving the peers in the next collective (until the
+group's timeout, or for as long as the failed rank's process lives), and every rank raises there,
+the failed ranks their own error, the others a `PeerError` carrying its text.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
 
+T = TypeVar("T")
 UNSENDABLE = -1  # the length a rank sends when its own value cannot be encoded
 
 
 class CollectiveJsonError(RuntimeError):
     """A value could not be sent as JSON, or what a rank sent is not a JSON document."""
+
+
+class PeerError(RuntimeError):
+    """Another rank failed at a point every rank passes together (its own error names the file and
+    the fix, and this one carries its text); this rank stops with it instead of waiting for that
+    rank in the next collective."""
+
+    names_nothing = True  # the trainer group reports the failed rank's own error (trainer_group._classify)
 
 
 def all_gather_json(value: Any, group: Any = None, *, what: str = "value", allow_nan: bool = False) -> list[Any]:
@@ -66,6 +82,43 @@ def broadcast_json(value: Any, src: int, group: Any = None, *, what: str = "valu
     buf = _padded(data if dist.get_rank() == src else None, size, device)
     dist.broadcast(buf, src=src, group=group)
     return _decode(_bytes(buf, size), src, what, allow_nan)
+
+
+def all_reduce_or_stop(
+    vec: torch.Tensor, read: Callable[[torch.Tensor], T], group: Any, stop: Callable[[str], PeerError]
+) -> T:
+    """`read(vec)`: this rank's part written into `vec` (its value returned), then `vec` all-reduced
+    (SUM) in place; the last entry is the failure flag. A rank whose `read` raised sets it instead
+    of raising before the collective; then every rank stops here: the failed ranks raise their own
+    error (type and traceback kept), the others `stop(failed)`, where `failed` reads "rank R:
+    Type: message" for each failed rank."""
+    own: Exception | None = None
+    value = None
+    try:
+        value = read(vec)
+    except Exception as e:  # noqa: BLE001 - raised below on this rank, named on the others
+        own, vec[-1] = e, 1
+    dist.all_reduce(vec, group=group)
+    if vec[-1]:
+        _raise_together(own, group, stop)
+    return value
+
+
+def run_or_stop(fn: Callable[[], T], group: Any, stop: Callable[[str], PeerError]) -> T:
+    """`fn()` on this rank (a rank with nothing to do passes one that does nothing), then one
+    all-reduce of a failure flag: every rank returns, or every rank raises (all_reduce_or_stop).
+    It also orders: no rank returns before every rank's `fn` ended."""
+    flag = torch.zeros(1, dtype=torch.int64, device=group_device(group))
+    return all_reduce_or_stop(flag, lambda _: fn(), group, stop)
+
+
+def _raise_together(own: Exception | None, group: Any, stop: Callable[[str], PeerError]) -> NoReturn:
+    own_text = None if own is None else f"{type(own).__name__}: {own}"
+    texts = all_gather_json(own_text, group, what="error")
+    if own is not None:
+        raise own
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    raise stop("; ".join(f"rank {r}: {t}" for r, t in zip(ranks, texts) if t is not None))
 
 
 def group_device(group: Any = None) -> torch.device:

@@ -8,7 +8,12 @@ boundary: the source halts every rank at the same slot without handing out the o
 the last complete step is saved.
 
 What survives a restart is `TrainState` (state.py); DeepSpeed specifics: engine.py; step logs
-and log windows: step_log.py; checkpoints are published by checkpoint.py."""
+and log windows: step_log.py; checkpoints are published by checkpoint.py.
+
+File work of one rank (rank 0 publishing a checkpoint or an export, opening the logs; each rank
+flushing its files) that the ranks' next collective follows runs under `_together`: a failure
+there stops every rank at that point (the failed rank with its own error, the others with a
+`PeerError` carrying its text) instead of leaving the peers in the next collective."""
 
 from __future__ import annotations
 
@@ -19,8 +24,10 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,7 +39,7 @@ from dflash_dist.model.export import export_drafter
 from dflash_dist.model.loss import loss_weights
 from dflash_dist.trainer import checkpoint, engine, resume
 from dflash_dist.trainer.batching import MicroBatch, empty_batch
-from dflash_dist.trainer.collectives import all_gather_json
+from dflash_dist.trainer.collectives import PeerError, all_gather_json, all_reduce_or_stop, run_or_stop
 from dflash_dist.trainer.metrics import Metrics
 from dflash_dist.trainer.resume import ResumeDecision
 from dflash_dist.trainer.state import STATE_VERSION, TrainState
@@ -42,6 +49,7 @@ from dflash_dist.trainer.step_source import EpochEnd, Halt, StepSource
 __all__ = ["SAMPLE_LOG", "TRAIN_LOG", "TrainJob", "TrainResult", "Trainer"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 # a scheduler's notice (Slurm: SIGTERM on preemption/scancel, `--signal=USR1@secs` before the
 # time limit): every rank saves a checkpoint at the next step boundary and returns
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -123,12 +131,19 @@ class Trainer:
         self._grad_norms: torch.Tensor | None = None  # per-parameter, at the last histogram step
         self._last_lr = float("nan")
         self._pad: MicroBatch | None = None  # the zero-weight batch of empty slots (_pad_batch)
-        self.metrics = Metrics(cfg.out / "tb" / "train", enabled=self.rank == 0)
         if job.resume is not None:
             self._resume(job.resume)
         self._last_saved = self._last_logged = self.state.step
         self.window = Window(self.block_size, self.device)
-        self.logs = StepLogs(cfg.out, self.rank, cfg.train.log_sample_keys, self.state.step, self._ctrl, self.world)
+        self._together("opening the logs", self._open_logs)
+
+    def _open_logs(self) -> None:
+        """TensorBoard (rank 0; on a resume the killed attempt's points after this step are purged)
+        and the step logs (cut to this step)."""
+        purge = self.state.step + 1 if self.resumed_from is not None else None
+        self.metrics = Metrics(self.cfg.out / "tb" / "train", enabled=self.rank == 0, purge_step=purge)
+        self.logs = StepLogs(self.cfg.out, self.rank, self.cfg.train.log_sample_keys, self.state.step, self._ctrl,
+                             self.world)  # fmt: skip
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> TrainResult:
@@ -263,12 +278,14 @@ class Trainer:
         return self.source.finished or (max_steps is not None and self.state.step >= max_steps)
 
     def _log_epoch(self, end: EpochEnd) -> None:
-        self.metrics.log(self.state.step, {**self.source.lost_scalars(), "data/epoch": end.epoch + 1})
-        if self.rank == 0:
+        def write() -> None:
+            self.metrics.log(self.state.step, {**self.source.lost_scalars(), "data/epoch": end.epoch + 1})
             log.info(
                 "epoch %d done at step %d: %d of %d samples trained, %d could not be read", end.epoch,
                 self.state.step, end.trained, end.total, end.lost,
             )  # fmt: skip
+
+        self._on_rank_0(f"logging epoch {end.epoch}", write)
 
     # ------------------------------------------------------------------ preemption
     @contextlib.contextmanager
@@ -294,7 +311,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ metrics
     def _log(self) -> None:
-        self.state.samples_seen = self.logs.flush(self.state.samples_seen)
+        rows, self.state.samples_seen = self.logs.reduce(self.state.samples_seen)
+        self._together("writing the step logs", lambda: self.logs.write(rows))
         grad_norm = self.engine.get_global_grad_norm()
         scalars, per_sample = self.window.reduce(self.world, self._ctrl)
         scalars.update(self.source.lost_scalars())  # what data.max_lost_fraction holds, as of the last slot
@@ -304,17 +322,20 @@ class Trainer:
         scalars["train/lr"] = self._last_lr
         if grad_norm is not None:
             scalars["train/grad_norm"] = float(grad_norm)
-        self.metrics.log(self.state.step, scalars)
         hists = {"train/loss_per_sample": per_sample[:, 0].tolist()}
         if self._grad_norms is not None:
             hists["train/grad_norm_per_param"] = self._grad_norms.tolist()
             self._grad_norms = None
-        self.metrics.histograms(self.state.step, hists)
-        if self.rank == 0:
+
+        def write() -> None:  # rank 0: TensorBoard's writer raises a failed write here
+            self.metrics.log(self.state.step, scalars)
+            self.metrics.histograms(self.state.step, hists)
             log.info(
                 "step %d epoch %d loss %.4f acc1 %.3f lr %.2e wait %.2f", self.state.step, self.source.epoch,
                 self.final_loss, scalars["train/acc_slot_1"], self._last_lr, scalars["data/wait_frac"],
             )  # fmt: skip
+
+        self._on_rank_0(f"logging step {self.state.step}", write)
         self.window = Window(self.block_size, self.device)
         self._last_logged = self.state.step
 
@@ -324,8 +345,7 @@ class Trainer:
         only after every rank's files are on disk (checkpoint.py says why), then the export."""
         step = self.state.step
         tag = checkpoint.tag_name(step)
-        # the logs reach this step before it can be resumed from
-        self.state.samples_seen = self.logs.flush(self.state.samples_seen, durable=True)
+        rows, self.state.samples_seen = self.logs.reduce(self.state.samples_seen)
         self.state.source = self.source.state_dict()
         # every rank's state (JSON-native: TrainState.state_dict), written by rank 0 into client_state
         ranks = all_gather_json(self.state.state_dict(self.on_gpu), self._ctrl, what="trainer state")
@@ -336,29 +356,37 @@ class Trainer:
             "config": self.cfg.to_dict(),
             "config_hash": checkpoint.config_hash(self.cfg.to_dict()),
             "train_config_hash": resume.training_config_hash(self.cfg.to_dict()),
-            "data": checkpoint.data_fingerprint(self.job.shard_dir) if self.rank == 0 else None,
+            "data": None,  # rank 0's below
             "schedule": list(engine.schedule_length(self.engine)),  # checked by resume.decide
             "state_version": STATE_VERSION,
         }
-        if self.rank == 0:
-            shutil.rmtree(self.ckpt_dir / tag, ignore_errors=True)  # left by a save that crashed
-        dist.barrier(group=self._ctrl)
+
+        def prepare() -> None:
+            self.logs.write(rows, durable=True)  # the logs reach this step before it can be resumed from
+            if self.rank == 0:
+                shutil.rmtree(self.ckpt_dir / tag, ignore_errors=True)  # left by a save that crashed
+                meta["data"] = checkpoint.data_fingerprint(self.job.shard_dir)
+
+        self._together(f"saving {tag}", prepare)  # no rank writes into the tag before it is cleared
         engine.save_checkpoint(self.engine, self.ckpt_dir, tag, {"dflash": {"trainer": ranks, **meta}})
-        checkpoint.fsync_tree(self.ckpt_dir / tag)
-        dist.barrier(group=self._ctrl)  # every rank's files are durable
-        if self.rank == 0:
+        self._together(f"saving {tag}", lambda: checkpoint.fsync_tree(self.ckpt_dir / tag))  # every rank's durable
+
+        def publish() -> None:
+            self.metrics.flush()
             checkpoint.commit(self.ckpt_dir, tag, meta, self.cfg.train.keep_checkpoints)
             self.source.release([s["source"]["reader"] for s in ranks])
+
+        self._on_rank_0(f"publishing {tag}", publish)  # no rank runs ahead of the commit
         self.checkpoints.append(tag)
         self._last_saved = step
-        self._export(tag)  # ends in a barrier: no rank runs ahead of the commit
-        self.metrics.flush()
+        self._export(tag)
 
     def _export(self, tag: str) -> None:
         """The drafter in the release format under <out>/export/<tag> (rank 0 writes)."""
         with engine.gathered_drafter(self.engine) as drafter:  # a collective under ZeRO-3
-            if self.rank == 0:
-                self.exports.append(str(export_drafter(drafter, self.export_dir / tag)))
+            path = self._on_rank_0(f"exporting {tag}", lambda: export_drafter(drafter, self.export_dir / tag))
+        if path is not None:
+            self.exports.append(str(path))
         dist.barrier()
 
     def _resume(self, decision: ResumeDecision) -> None:
@@ -381,14 +409,33 @@ class Trainer:
         self.state.load_state_dict(own)
         self.source.load_state_dict(self.state.source)
         self.resumed_from = str(path)
-        self.metrics.close()  # reopen so the killed attempt's points after this step are purged
-        self.metrics = Metrics(self.cfg.out / "tb" / "train", enabled=self.rank == 0, purge_step=self.state.step + 1)
-        if self.rank == 0:
+
+        def rewind(vec: torch.Tensor) -> None:
             checkpoint.rewind(self.ckpt_dir, path)
             how = f" (saved by {meta['world_size']} ranks, loaded as a universal checkpoint)" if elastic else ""
             log.info("resumed from %s%s: step %d, epoch %d", path, how, self.state.step, self.source.epoch)
-        # `latest` moves before the export is written: a crash in between leaves it missing
-        missing = torch.tensor([int(self.rank == 0 and not (self.export_dir / path.name).is_dir())])
-        dist.broadcast(missing, src=0, group=self._ctrl)
-        if int(missing.item()):
+            # `latest` moves before the export is written: a crash in between leaves it missing
+            vec[0] = int(not (self.export_dir / path.name).is_dir())
+
+        missing = torch.zeros(2, dtype=torch.int64)  # [rank 0: the tag's export is missing, failed ranks]
+        stop = self._peer_failed(f"resuming from {path}")
+        all_reduce_or_stop(missing, rewind if self.rank == 0 else lambda _: None, self._ctrl, stop)
+        if missing[0]:
             self._export(path.name)
+
+    # ------------------------------------------------------------------ file work before a collective
+    def _together(self, what: str, fn: Callable[[], T]) -> T:
+        """`fn()` on every rank, then every rank goes on or every rank raises (collectives.run_or_stop):
+        a rank whose `fn` failed no longer leaves its peers waiting in the next collective."""
+        return run_or_stop(fn, self._ctrl, self._peer_failed(what))
+
+    def _on_rank_0(self, what: str, fn: Callable[[], T]) -> T | None:
+        """`fn()` on rank 0 alone (None on the others), under `_together`."""
+        return self._together(what, fn if self.rank == 0 else lambda: None)
+
+    def _peer_failed(self, what: str) -> Callable[[str], PeerError]:
+        def stop(failed: str) -> PeerError:
+            return PeerError(f"rank {self.rank} stops {what} because another rank failed there ({failed}); fix what "
+                             "that error names, then continue with --resume auto")  # fmt: skip
+
+        return stop

@@ -84,11 +84,18 @@ class StepLogs:
         self._pending.append(record)
 
     def flush(self, samples_seen: int, durable: bool = False) -> int:
-        """All ranks: reduce the queued steps' losses and sample counts; rank 0 appends them to
-        train_log.jsonl, every rank its sample keys. A step's loss is the mean of its
-        micro-batch losses over all ranks (float64 sums, the same reduction every run: a resumed
-        run's lines are bit-identical). `durable`: fsynced, before a checkpoint at this step is
-        published. Returns samples_seen advanced by the flushed steps' samples (all ranks)."""
+        """All ranks: `reduce` then `write`. Returns samples_seen advanced by the flushed steps'
+        samples (all ranks)."""
+        rows, samples_seen = self.reduce(samples_seen)
+        self.write(rows, durable)
+        return samples_seen
+
+    def reduce(self, samples_seen: int) -> tuple[LogRows, int]:
+        """All ranks: reduce the queued steps' losses and sample counts into the lines to write
+        (rank 0's train_log.jsonl lines, this rank's sample-key lines). A step's loss is the mean of
+        its micro-batch losses over all ranks (float64 sums, the same reduction every run: a
+        resumed run's lines are bit-identical). Returns them and samples_seen advanced by the
+        flushed steps' samples (all ranks)."""
         lines, key_lines = [], []
         if self._pending:  # equal on all ranks: steps are in lock-step
             n = len(self._pending)
@@ -104,10 +111,23 @@ class StepLogs:
                 )
                 key_lines += [{"step": p.step, "epoch": e, "keys": list(keys)} for e, keys in p.keys]
             self._pending = []
-        for path, rows in ((self._train_log, lines), (self._sample_log, key_lines)):
-            if path is not None and (rows or durable):
-                append_lines(path, "".join(json.dumps(r) + "\n" for r in rows).encode(), durable=durable)
-        return samples_seen
+        return LogRows(tuple(lines), tuple(key_lines)), samples_seen
+
+    def write(self, rows: LogRows, durable: bool = False) -> None:
+        """This rank's files only (no collective): rank 0 appends the train_log.jsonl lines, every
+        rank its sample keys. `durable`: fsynced, before a checkpoint at this step is published."""
+        for path, lines in ((self._train_log, rows.train), (self._sample_log, rows.keys)):
+            if path is not None and (lines or durable):
+                append_lines(path, "".join(json.dumps(r) + "\n" for r in lines).encode(), durable=durable)
+
+
+@dataclass(frozen=True)
+class LogRows:
+    """The lines one `StepLogs.reduce` made: train_log.jsonl's (written by rank 0) and this rank's
+    sample-key lines."""
+
+    train: tuple[dict[str, Any], ...]
+    keys: tuple[dict[str, Any], ...]
 
 
 @dataclass

@@ -53,10 +53,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from data_pipeline.disk_budget import BufferPolicy, release_consumed
 from data_pipeline.epoch_dirs import epoch_dir
@@ -73,7 +72,7 @@ from dflash_dist.trainer.batching import (
     make_micro_batch,
     with_positions,
 )
-from dflash_dist.trainer.collectives import all_gather_json
+from dflash_dist.trainer.collectives import PeerError, all_reduce_or_stop
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -84,7 +83,7 @@ STATE_VERSION = 1
 # capture-skipped so far (rank 0's reading of the skipped.jsonl files; 0 from the others),
 # ranks that could not read (1 from a rank whose status or reading raised)]
 _VEC_LEN = 9
-_FAILED = _VEC_LEN - 1  # the last entry: _all_reduce_or_stop sets it
+_FAILED = _VEC_LEN - 1  # the last entry: all_reduce_or_stop sets it
 _NOTICES = ("SIGTERM", "SIGUSR1")
 
 
@@ -92,11 +91,9 @@ class DataLost(RuntimeError):
     """More samples were lost (unreadable, or skipped by the capture) than data.max_lost_fraction allows."""
 
 
-class PeerDataError(RuntimeError):
+class PeerDataError(PeerError):
     """Another rank could not read its data at this slot (its own error names the file and the fix);
     this rank stops with it instead of waiting for that rank in the next collective."""
-
-    names_nothing = True  # the trainer group reports the failed rank's own error (trainer_group._classify)
 
 
 @dataclass(frozen=True)
@@ -252,30 +249,12 @@ class StepSource:
         return status
 
     def _all_reduce_or_stop(self, vec: torch.Tensor, read: Callable[[torch.Tensor], T]) -> T:
-        """`read(vec)`: this rank's reading into `vec` (its value returned), then `vec` all-reduced
-        (SUM) in place. A rank whose reading raised sets the last entry instead of raising before
-        the collective (which left its peers waiting in it for as long as its process lived); then
-        every rank stops here (_raise_unreadable)."""
-        own: Exception | None = None
-        value = None
-        try:
-            value = read(vec)
-        except Exception as e:  # noqa: BLE001 - raised below on this rank, named on the others
-            own, vec[-1] = e, 1
-        dist.all_reduce(vec, group=self.group)
-        if vec[-1]:
-            self._raise_unreadable(own)
-        return value
+        """`read(vec)` then `vec` all-reduced; a rank whose reading raised stops every rank at this
+        slot (collectives.all_reduce_or_stop): the others raise `PeerDataError` with its text."""
+        return all_reduce_or_stop(vec, read, self.group, self._peer_failed)
 
-    def _raise_unreadable(self, own: Exception | None) -> NoReturn:
-        """Every rank, at the same slot, once some rank could not read: the failed ranks raise
-        their own error (type and traceback kept), the others `PeerDataError` with its text."""
-        own_text = None if own is None else f"{type(own).__name__}: {own}"
-        texts = all_gather_json(own_text, self.group, what="data error")
-        if own is not None:
-            raise own
-        failed = "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts) if t is not None)
-        raise PeerDataError(
+    def _peer_failed(self, failed: str) -> PeerDataError:
+        return PeerDataError(
             f"rank {self.rank} stops at epoch {self.epoch} because another rank could not read its "
             f"data ({failed}); fix what that error names, then continue with --resume auto"
         )

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from data_pipeline.checksums import file_checksums, mismatched_files
 from data_pipeline.durable_files import fsync_dir, write_text_atomic
 from dflash_dist.trainer.checkpoint import fsync_tree
-from dflash_dist.trainer.collectives import broadcast_json
+from dflash_dist.trainer.collectives import PeerError, run_or_stop
 from dflash_dist.trainer.safe_load import weights_only_loads
 
 UNIVERSAL = "universal"  # the converted copy, inside the tag directory
@@ -118,14 +118,20 @@ def convert(tag_dir: Path) -> Path:
 
 def ensure_universal(tag_dir: Path, group: Any = None) -> Path:
     """Every rank calls it: rank 0 converts (or finds the cached copy) while the others wait;
-    a failure on rank 0 is raised on every rank (no rank is left in a collective)."""
-    error: str | None = None
-    if dist.get_rank() == 0:
+    a failure on rank 0 is raised on every rank (collectives.run_or_stop: no rank is left in a
+    collective), on the others as a PeerError carrying rank 0's message."""
+    rank = dist.get_rank()
+
+    def on_rank_0() -> None:
         try:
             convert(tag_dir)
-        except Exception as e:  # re-raised below on every rank, with rank 0's message
-            error = f"{type(e).__name__}: {e}"
-    error = broadcast_json(error, src=0, group=group, what="conversion error")
-    if error is not None:
-        raise RuntimeError(f"converting {tag_dir} to a universal checkpoint failed on rank 0: {error}")
+        except Exception as e:
+            raise RuntimeError(
+                f"converting {tag_dir} to a universal checkpoint failed on rank 0: {type(e).__name__}: {e}"
+            ) from e
+
+    def stop(failed: str) -> PeerError:
+        return PeerError(f"rank {rank} stops resuming from {tag_dir} because another rank failed there ({failed})")
+
+    run_or_stop(on_rank_0 if rank == 0 else lambda: None, group, stop)
     return universal_dir(tag_dir)

@@ -48,7 +48,8 @@ case "$*" in
     *test_cuda_bf16_lean_step_matches_deepspeeds_step*) act preflight ;;
     "-m pytest -m gpu -v"*)
         for t in ${STANDIN_TEST_FAILS:-}; do  # as tests/conftest.py's hook records a failing test
-            printf '==== tests/test_fused.py::%s[compile] (call) FAILED\nAssertionError\n' "$t" >>"$DFLASH_TEST_FAILURES"
+            printf '==== tests/test_fused.py::%s[compile] (call) FAILED\nAssertionError\n' "$t" \
+                >>"$DFLASH_TEST_FAILURES"
         done
         act gpu_tests ;;
     "-m launcher.cli build-target"*) act build ;;

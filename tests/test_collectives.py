@@ -19,7 +19,14 @@ import torch.distributed as dist
 
 from dflash_dist.actors.local_ranks import run_ranks
 from dflash_dist.actors.trainer_group import default_extensions_dir
-from dflash_dist.trainer.collectives import CollectiveJsonError, all_gather_json, broadcast_json, group_device
+from dflash_dist.trainer.collectives import (
+    CollectiveJsonError,
+    PeerError,
+    all_gather_json,
+    broadcast_json,
+    group_device,
+    run_or_stop,
+)
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())  # DeepSpeed's shm op compiles once
 
@@ -75,6 +82,7 @@ def _unsendable(rank: int, world: int) -> dict:
         "tensor": torch.ones(2),
         "nan": [1.0, float("nan")],
         "set": {"a": {1, 2}},
+        "surrogate": {"shard": os.fsdecode(b"caf\xe9.tar")},  # a file name's undecodable byte: no UTF-8
     }
     out = {}
     for name, bad in cases.items():
@@ -99,11 +107,54 @@ def test_a_value_json_cannot_carry_raises_on_every_rank_and_no_rank_hangs():
     assert "rank 1: its tensor cannot be sent as JSON: TypeError: Object of type Tensor" in sender["tensor"]
     assert "rank 1: its nan cannot be sent as JSON: ValueError: Out of range float values" in sender["nan"]
     assert "rank 1: its set cannot be sent as JSON: TypeError: Object of type set" in sender["set"]
+    assert "rank 1: its surrogate cannot be sent as JSON: UnicodeEncodeError: " in sender["surrogate"]
     assert "rank 1: its broadcast tensor cannot be sent as JSON" in sender["broadcast"]
-    for name in ("int_key", "tensor", "nan", "set", "broadcast tensor"):
+    for name in ("int_key", "tensor", "nan", "set", "surrogate", "broadcast tensor"):
         key = "broadcast" if name.startswith("broadcast") else name
         assert peer[key] == f"rank 1 could not send its {name} as JSON (its own error says why)"
     assert sender["after"] == peer["after"] == [0, 1]
+
+
+BAD_NAME = os.fsdecode(b"/data/caf\xe9.tar")  # a file name with a byte that is not UTF-8
+
+
+def _stop_together(rank: int, world: int) -> dict:
+    """run_or_stop with the work failing on rank 1, on rank 0, on both, on none; every rank catches
+    what it raised, and a last exchange shows the group still in step."""
+    failing = {"rank_1": {1}, "rank_0": {0}, "both": {0, 1}, "none": set()}
+    out = {}
+    for name, ranks in failing.items():
+
+        def work(name=name, ranks=ranks) -> str:
+            if rank in ranks:
+                raise ValueError(f"{BAD_NAME}: truncated ({name}, rank {rank})")
+            return f"done {name}"
+
+        def stop(failed: str) -> PeerError:
+            return PeerError(f"rank {rank} stops: {failed}")
+
+        try:
+            out[name] = {"value": run_or_stop(work, None, stop)}
+        except Exception as e:  # noqa: BLE001 - the outcome under test
+            out[name] = {"type": type(e).__name__, "text": str(e)}
+    out["after"] = all_gather_json(rank, None)
+    return out
+
+
+def test_run_or_stop_raises_on_every_rank_with_the_failed_ranks_text():
+    """The failed rank raises its own error, its peer a PeerError naming it with its text, even when
+    that text names a file whose name is not UTF-8 (it used to raise UnicodeEncodeError before the
+    error exchange on the failed rank, leaving its peer in it)."""
+    r0, r1 = run_ranks(_stop_together, 2, timeout_s=60)
+    shown = BAD_NAME.encode("utf-8", "backslashreplace").decode()  # /data/caf\udce9.tar
+    assert r1["rank_1"] == {"type": "ValueError", "text": f"{BAD_NAME}: truncated (rank_1, rank 1)"}
+    assert r0["rank_1"] == {"type": "PeerError", "text": f"rank 0 stops: rank 1: ValueError: {shown}: truncated "
+                                                         "(rank_1, rank 1)"}  # fmt: skip
+    assert r0["rank_0"]["type"] == "ValueError" and r1["rank_0"]["type"] == "PeerError"
+    assert r1["rank_0"]["text"] == f"rank 1 stops: rank 0: ValueError: {shown}: truncated (rank_0, rank 0)"
+    assert [r["both"]["type"] for r in (r0, r1)] == ["ValueError", "ValueError"]
+    assert r0["none"] == {"value": "done none"} and r1["none"] == {"value": "done none"}
+    assert r0["after"] == r1["after"] == [0, 1]
 
 
 class Payload:

@@ -113,7 +113,8 @@ def run_or_stop(fn: Callable[[], T], group: Any, stop: Callable[[str], PeerError
 
 
 def _raise_together(own: Exception | None, group: Any, stop: Callable[[str], PeerError]) -> NoReturn:
-    own_text = None if own is None else f"{type(own).__name__}: {own}"
+    # sendable whatever it names: a file name's undecodable bytes (lone surrogates) as \udcXX
+    own_text = None if own is None else f"{type(own).__name__}: {own}".encode("utf-8", "backslashreplace").decode()
     texts = all_gather_json(own_text, group, what="error")
     if own is not None:
         raise own
@@ -135,10 +136,11 @@ def _encode(value: Any, allow_nan: bool) -> tuple[bytes | None, str | None]:
     if bad_key is not None:
         return None, bad_key
     try:
-        text = json.dumps(value, allow_nan=allow_nan, ensure_ascii=False, separators=(",", ":"))
+        # a str with a lone surrogate (a file name's undecodable bytes, os.fsdecode) has no UTF-8:
+        # UnicodeEncodeError, a ValueError, refused here like any other value JSON cannot carry
+        return json.dumps(value, allow_nan=allow_nan, ensure_ascii=False, separators=(",", ":")).encode("utf-8"), None
     except (TypeError, ValueError, RecursionError) as e:
         return None, f"{type(e).__name__}: {e}"
-    return text.encode("utf-8"), None
 
 
 def _non_str_key(value: Any) -> str | None:

@@ -26,17 +26,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from data_pipeline.provenance import Provenance
 from dflash_dist.config import Config, load_config_dict
-from dflash_dist.model.config import DrafterConfig
 from dflash_dist.trainer import checkpoint, universal
 from dflash_dist.trainer.checkpoint import ResumeError
 from dflash_dist.trainer.ds_config import WarmupCosine
 from dflash_dist.trainer.loop import SAMPLE_LOG, TRAIN_LOG, TrainJob
-from dflash_dist.trainer.resume import ResumeDecision, check_resumable, decide
+from dflash_dist.trainer.resume import check_resumable, decide
 from dflash_dist.trainer.state import STATE_VERSION
 from dflash_dist.trainer.step_source import StepSource
 from tests.conftest import REPO, reset_deepspeed_groups
+from tests.helpers.jobs import job_from_json
 from tests.helpers.procs import free_port
 from tests.helpers.runs import read_jsonl
 from tests.helpers.tiny import make_cfg, write_shards
@@ -243,10 +242,7 @@ def main(spec_path: str) -> None:
 
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
-    j = spec["job"]
-    drafter = DrafterConfig(**(j["drafter"] | {"target_layer_ids": tuple(j["drafter"]["target_layer_ids"])}))
-    resume = None if j["resume"] is None else ResumeDecision.from_dict(j["resume"])
-    job = TrainJob(**(j | {"provenance": Provenance.from_dict(j["provenance"]), "drafter": drafter, "resume": resume}))
+    job = job_from_json(spec["job"])
     dump = Path(spec["dump"])
     join_group(dict(os.environ), on_gpu=False)  # the product's rendezvous: the store on MASTER_ADDR only
     try:

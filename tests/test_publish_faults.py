@@ -28,15 +28,14 @@ from pathlib import Path
 
 import pytest
 
-from data_pipeline.provenance import Provenance
 from data_pipeline.records import RELEASED_NAME
 from dflash_dist.config import Config, load_config_dict
-from dflash_dist.model.config import DrafterConfig
 from dflash_dist.trainer import checkpoint
 from dflash_dist.trainer.loop import TRAIN_LOG, TrainJob
-from dflash_dist.trainer.resume import ResumeDecision, decide
+from dflash_dist.trainer.resume import decide
 from dflash_dist.trainer.state import STATE_VERSION
 from tests.conftest import REPO
+from tests.helpers.jobs import job_from_json
 from tests.helpers.procs import free_port
 from tests.helpers.tiny import make_cfg, write_shards
 
@@ -110,10 +109,7 @@ def main(spec_path: str) -> None:
 
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
-    j = spec["job"]
-    drafter = DrafterConfig(**(j["drafter"] | {"target_layer_ids": tuple(j["drafter"]["target_layer_ids"])}))
-    resume = None if j["resume"] is None else ResumeDecision.from_dict(j["resume"])
-    job = TrainJob(**(j | {"provenance": Provenance.from_dict(j["provenance"]), "drafter": drafter, "resume": resume}))
+    job = job_from_json(spec["job"])
     join_group(dict(os.environ), on_gpu=False)  # the product's rendezvous: the store on MASTER_ADDR only
     rank = dist.get_rank()
     try:

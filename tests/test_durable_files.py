@@ -62,7 +62,9 @@ def test_every_former_appender_site_uses_it(tmp_path: Path) -> None:
     for name in ("train_log.jsonl", "sample_log/rank_0.jsonl"):
         with open(tmp_path / "out" / name, "ab") as f:
             f.write(b'{"step": 1, "lo')
-    assert logs.flush(samples_seen=0, durable=True) == 0  # nothing queued: only the cut and the fsync
+    rows, seen = logs.reduce(samples_seen=0)
+    logs.write(rows, durable=True)
+    assert seen == 0 and rows.train == rows.keys == ()  # nothing queued: only the cut and the fsync
     for name in ("train_log.jsonl", "sample_log/rank_0.jsonl"):
         assert (tmp_path / "out" / name).read_bytes() == b""
 

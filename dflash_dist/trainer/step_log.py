@@ -83,13 +83,6 @@ class StepLogs:
     def add(self, record: StepRecord) -> None:
         self._pending.append(record)
 
-    def flush(self, samples_seen: int, durable: bool = False) -> int:
-        """All ranks: `reduce` then `write`. Returns samples_seen advanced by the flushed steps'
-        samples (all ranks)."""
-        rows, samples_seen = self.reduce(samples_seen)
-        self.write(rows, durable)
-        return samples_seen
-
     def reduce(self, samples_seen: int) -> tuple[LogRows, int]:
         """All ranks: reduce the queued steps' losses and sample counts into the lines to write
         (rank 0's train_log.jsonl lines, this rank's sample-key lines). A step's loss is the mean of

@@ -88,8 +88,7 @@ def _capture_slice(cfg: Config, index: int, count: int) -> dict:
             # that read it from JSON (a stamp from a file is never trusted): that slice hashes its files
             job = CaptureJob.load(cfg, plan.target_dir, plan.identity, shards, index, count, verified=plan.weights)
             beat.info = job.progress
-            result = dataclasses.asdict(dataclasses.replace(job.run(plan.data.train_jsonl, plan.data.capture),
-                                                            weights_hashed=job.weights_hashed))
+            result = dataclasses.asdict(job.run(plan.data.train_jsonl, plan.data.capture))
         log.info("slice %d/%d: %d samples, %d tokens in %d shards (kernel path %s)", index, count, result["samples"],
                  result["tokens"], result["shards"], result["kernel_path"])
         marker.parent.mkdir(parents=True, exist_ok=True)

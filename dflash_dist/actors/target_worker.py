@@ -6,7 +6,6 @@ A call carries one frozen CaptureTask and returns the frozen CaptureResult (no t
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -67,6 +66,6 @@ class TargetWorker:
                                   task.num_actors, recapture, verified=task.weights)
             beat.info = job.progress
             run = capture_epochs if recapture else CaptureJob.run
-            result = dataclasses.replace(run(job, task.train_jsonl, task.data), weights_hashed=job.weights_hashed)
+            result = run(job, task.train_jsonl, task.data)
             beat.info = lambda: dict(result.__dict__)
         return result

@@ -50,7 +50,7 @@ class CaptureResult:
     skipped: int  # non-finite features: recorded in the ledger, not written
     resumed: int  # samples of this actor's slice already settled before this attempt
     waited_s: float  # paused for the disk buffer
-    weights_hashed: int = 0  # hashes of the target's weight files its load computed (0: their stamp was the plan's)
+    weights_hashed: int = 0  # hashes of the weight files the job's load computed (0: their stamp was the plan's)
 
 
 def my_slice(num_records: int, actor_index: int, num_actors: int) -> list[int]:
@@ -165,7 +165,7 @@ class CaptureJob:
         log.info("actor %d: %d samples in %d shards written by %s (busy %.1f s; capture waited %.1f s for a buffer)",
                  self.actor_index, done.samples, done.shards, where, done.busy_s, done.gpu_waited_s)
         return CaptureResult(self.actor_index, counts["samples"], counts["tokens"], done.shards, self.kernel_path,
-                             counts["skipped"], counts["resumed"], done.waited_disk_s)
+                             counts["skipped"], counts["resumed"], done.waited_disk_s, self.weights_hashed)
 
     def _passes(self, records: list[ChatRecord], todo: list[int]):
         """The capture passes over `todo`: [(record index, (ids, loss mask), record)] each."""

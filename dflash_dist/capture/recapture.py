@@ -82,7 +82,8 @@ def capture_epochs(job: CaptureJob, train_jsonl: str | Path, data: CaptureData) 
             log.info("epoch %d captured: %s marked DONE", epoch, where)
         total = result if total is None else _sum(total, result)
     if total is None:  # every epoch was finished by an earlier attempt
-        total = CaptureResult(i, 0, 0, 0, job.kernel_path, 0, len(my_slice(data.records, i, n)), 0.0)
+        total = CaptureResult(i, 0, 0, 0, job.kernel_path, 0, len(my_slice(data.records, i, n)), 0.0,
+                              job.weights_hashed)
     return total
 
 
@@ -143,6 +144,7 @@ def capture_later_epoch(job: CaptureJob, epoch: int, train_jsonl: str | Path, da
         c["skipped"],
         resumed,
         done.waited_disk_s,
+        job.weights_hashed,
     )
 
 

@@ -70,9 +70,16 @@ def _mark_points(run: dict, done_samples: set[int]) -> list[dict]:
     return pts[:-1]
 
 
+def _train_runs(results: dict, variant: str | None = None) -> list[dict]:
+    """results.json's training runs (of `variant`): a calibration the bench's end killed is recorded
+    among the runs too (kind "calibrate", the first variant and seed), and is no seed of a variant."""
+    return [r for r in results["runs"] if r.get("kind", "train") == "train" and "variant" in r
+            and (variant is None or r["variant"] == variant)]  # fmt: skip
+
+
 def mark_points(results: dict) -> dict[int, list[tuple[dict, dict]]]:
     """{id(run): [(run, point), ...]} of every training run's mark points (see _mark_points)."""
-    runs = [r for r in results["runs"] if r.get("kind", "train") == "train" and "variant" in r]
+    runs = _train_runs(results)
     done = {p["samples"] for r in runs if r.get("status") == FINAL for p in r.get("points") or []}
     return {id(r): [(r, p) for p in _mark_points(r, done)] for r in runs}
 
@@ -86,9 +93,7 @@ def summarize(results: dict, at: int | None = None) -> list[dict]:
     finals: dict[str, dict[str, list[float]]] = {}
     marked = mark_points(results) if at is not None else {}
     for v in results["variants"]:
-        # training runs only: a calibration the bench's end killed is recorded among the runs too
-        # (kind "calibrate", the first variant and seed), and is no seed of that variant
-        runs = [r for r in results["runs"] if r.get("kind", "train") == "train" and r.get("variant") == v["name"]]
+        runs = _train_runs(results, v["name"])
         if at is None:
             done = [r for r in runs if r.get("status") == FINAL and r.get("points")]
             final = {id(r): r["points"][-1] for r in done}

@@ -76,13 +76,18 @@ def test_values_arrive_exactly_on_every_rank():
 
 def _unsendable(rank: int, world: int) -> dict:
     """Rank 1 sends what JSON cannot carry, one case after the other; every rank catches what it
-    raised, and a last exchange shows the group still in step."""
+    raised, and a last exchange shows the group still in step. The message limit is lowered to 4 KiB
+    in both ranks for the over-long case."""
+    from dflash_dist.trainer import collectives
+
+    collectives.MAX_MESSAGE_BYTES = 4096
     cases = {
         "int_key": {"counts": {1: "one"}},
         "tensor": torch.ones(2),
         "nan": [1.0, float("nan")],
         "set": {"a": {1, 2}},
         "surrogate": {"shard": os.fsdecode(b"caf\xe9.tar")},  # a file name's undecodable byte: no UTF-8
+        "too_long": {"rows": "x" * 5000},
     }
     out = {}
     for name, bad in cases.items():
@@ -109,7 +114,11 @@ def test_a_value_json_cannot_carry_raises_on_every_rank_and_no_rank_hangs():
     assert "rank 1: its set cannot be sent as JSON: TypeError: Object of type set" in sender["set"]
     assert "rank 1: its surrogate cannot be sent as JSON: UnicodeEncodeError: " in sender["surrogate"]
     assert "rank 1: its broadcast tensor cannot be sent as JSON" in sender["broadcast"]
-    for name in ("int_key", "tensor", "nan", "set", "surrogate", "broadcast tensor"):
+    assert (
+        "rank 1: its too_long cannot be sent as JSON: its JSON is 5011 bytes, over MAX_MESSAGE_BYTES (4096"
+        in (sender["too_long"])
+    )
+    for name in ("int_key", "tensor", "nan", "set", "surrogate", "too_long", "broadcast tensor"):
         key = "broadcast" if name.startswith("broadcast") else name
         assert peer[key] == f"rank 1 could not send its {name} as JSON (its own error says why)"
     assert sender["after"] == peer["after"] == [0, 1]
@@ -190,9 +199,16 @@ def _hostile_peer(rank: int, world: int, old_flag: str, new_flag: str) -> dict:
     dist.barrier()
     # the same payload as bytes on collectives.py's wire format
     payload = pickle.dumps(Payload(new_flag))
-    for kind in ("gather", "broadcast"):
+    for kind in ("gather", "broadcast", "huge"):
         try:
-            if rank == 1 and kind == "gather":
+            if rank == 1 and kind == "huge":  # a length of 1 TiB announced, no bytes sent
+                dist.all_gather(
+                    [torch.zeros(1, dtype=torch.int64) for _ in range(world)], torch.tensor([2**40], dtype=torch.int64)
+                )
+                out[kind] = "sent"
+            elif kind == "huge":
+                out[kind] = f"got {all_gather_json('state', None, what='trainer state')}"
+            elif rank == 1 and kind == "gather":
                 _raw_gather(payload)
                 out[kind] = "sent"
             elif rank == 1:
@@ -217,6 +233,10 @@ def test_a_peers_pickle_is_refused_as_not_json_and_never_runs(tmp_path):
     assert victim["gather"].startswith(f"rank 1 sent a trainer state of {n} bytes that is not a JSON document"), victim
     assert victim["broadcast"].startswith(f"rank 1 sent a conversion error of {n} bytes that is not a JSON document")
     assert "refused, nothing of it was run" in victim["gather"]
+    assert victim["huge"].startswith(
+        f"rank 1 announced a trainer state of {2**40} bytes (the limit is 67108864): "
+        "not a message of this code, refused before anything was allocated"
+    ), victim
     assert not new_flag.exists(), "the payload ran"
     assert victim["after"] == got[1]["after"] == [0, 1]
 

@@ -38,6 +38,11 @@ import torch.distributed as dist
 
 T = TypeVar("T")
 UNSENDABLE = -1  # the length a rank sends when its own value cannot be encoded
+# The largest message a rank sends or accepts. A length is announced before the bytes, and every rank
+# allocates the longest announced one: a peer (or anything else on the group's connections) announcing
+# 2**62 bytes would otherwise make every rank try to allocate it. The trainer's messages are a trainer
+# state (RNG states and the data position: tens of KB) and a step's per-sample rows.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 class CollectiveJsonError(RuntimeError):
@@ -138,9 +143,15 @@ def _encode(value: Any, allow_nan: bool) -> tuple[bytes | None, str | None]:
     try:
         # a str with a lone surrogate (a file name's undecodable bytes, os.fsdecode) has no UTF-8:
         # UnicodeEncodeError, a ValueError, refused here like any other value JSON cannot carry
-        return json.dumps(value, allow_nan=allow_nan, ensure_ascii=False, separators=(",", ":")).encode("utf-8"), None
+        data = json.dumps(value, allow_nan=allow_nan, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     except (TypeError, ValueError, RecursionError) as e:
         return None, f"{type(e).__name__}: {e}"
+    if len(data) > MAX_MESSAGE_BYTES:
+        return None, (
+            f"its JSON is {len(data)} bytes, over MAX_MESSAGE_BYTES ({MAX_MESSAGE_BYTES}, "
+            "dflash_dist/trainer/collectives.py); send less (these messages carry states and step rows)"
+        )
+    return data, None
 
 
 def _non_str_key(value: Any) -> str | None:
@@ -164,10 +175,11 @@ def _check_size(size: int, rank: int, what: str, own_problem: str | None) -> Non
         if own_problem is not None:
             raise CollectiveJsonError(f"rank {rank}: its {what} cannot be sent as JSON: {own_problem}")
         raise CollectiveJsonError(f"rank {rank} could not send its {what} as JSON (its own error says why)")
-    if size < 0:
+    if size < 0 or size > MAX_MESSAGE_BYTES:
         raise CollectiveJsonError(
-            f"rank {rank} announced a {what} of {size} bytes: not a message of this code; every rank of a run "
-            "must run the same dflash-dist version, and nothing else may reach the group's connections"
+            f"rank {rank} announced a {what} of {size} bytes (the limit is {MAX_MESSAGE_BYTES}): not a message of "
+            "this code, refused before anything was allocated; every rank of a run must run the same dflash-dist "
+            "version, and nothing else may reach the group's connections"
         )
 
 

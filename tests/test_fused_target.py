@@ -13,6 +13,7 @@ import inspect
 import pytest
 import torch
 
+from dflash_dist import strict_compile
 from dflash_dist.capture import fused_layers, fused_target
 
 
@@ -54,7 +55,7 @@ def test_every_capture_kernel_goes_through_the_guard_and_compiles_whole_on_cpu(f
     from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
     def guarded(k):
-        return isinstance(k, functools.partial) and k.func is fused_target._guarded
+        return isinstance(k, functools.partial) and k.func is strict_compile._guarded
 
     rms, gated, silu_mul = fused_target._compiled()
     k = fused_layers.gpu_kernels()

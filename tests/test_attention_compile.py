@@ -6,7 +6,6 @@ helper thread. Tested on CPU (compiled flex runs there too) in a thread other th
 
 from __future__ import annotations
 
-import inspect
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +14,7 @@ import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch.nn.attention.flex_attention import flex_attention
 
+from dflash_dist import strict_compile
 from dflash_dist.model import attention
 
 
@@ -45,8 +45,8 @@ def test_compiled_flex_in_another_thread_stays_compiled_to_its_limit_then_raises
     torch.compile without recompile_limit=... (2.11, maybe 2.12), where the limit lives in dynamo's config."""
     monkeypatch.setattr(attention, "FLEX_RECOMPILE_LIMIT", 3)
     if not per_region:
-        monkeypatch.setattr(attention, "_compile_takes_recompile_limit", lambda: False, raising=False)
-    elif "recompile_limit" not in inspect.signature(torch.compile).parameters:
+        monkeypatch.setattr(strict_compile, "compile_takes_recompile_limit", lambda: False)
+    elif not strict_compile.compile_takes_recompile_limit():
         pytest.skip("this torch's torch.compile takes no recompile_limit (before 2.13)")
     flex = attention._compiled_flex()
     calls = [_inputs(s) for s in (12, 16, 20, 24)]

@@ -7,7 +7,6 @@ error past it. Tested on CPU (inductor compiles there too)."""
 
 from __future__ import annotations
 
-import inspect
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list as cache_entries
 
+from dflash_dist import strict_compile
 from dflash_dist.model import fused
 from dflash_dist.model.drafter import DrafterAttention, RMSNorm
 from dflash_dist.model.loss import Anchors, dflash_loss
@@ -112,8 +112,8 @@ def test_compiled_kernel_past_its_limit_raises_instead_of_running_eagerly(fresh_
     config."""
     monkeypatch.setattr(fused, "KERNEL_RECOMPILE_LIMIT", 2)
     if not per_region:
-        monkeypatch.setattr(fused, "_compile_takes_recompile_limit", lambda: False)
-    elif "recompile_limit" not in inspect.signature(torch.compile).parameters:
+        monkeypatch.setattr(strict_compile, "compile_takes_recompile_limit", lambda: False)
+    elif not strict_compile.compile_takes_recompile_limit():
         pytest.skip("this torch's torch.compile takes no recompile_limit (before 2.13)")
     norm = fused.rms_norm_fn("compile")
     w = torch.rand(16) + 0.5
@@ -156,7 +156,7 @@ def test_every_compiled_kernel_is_guarded_and_traces_whole(fresh_compile):
     ]
     for fn, args in cases:
         compiled = fused._compiled(fn)
-        assert compiled.func is fused._guarded, fn.__name__
+        assert compiled.func is strict_compile._guarded, fn.__name__
         torch.testing.assert_close(compiled(*args), fn(*args))
         assert len(cache_entries(fn.__code__)) == 1, fn.__name__
 

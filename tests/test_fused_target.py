@@ -9,10 +9,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list as cache_entries
 
+from dflash_dist import strict_compile
 from dflash_dist.capture import fused_layers, fused_target
 
 
@@ -47,6 +51,40 @@ def test_capture_kernel_past_its_recompile_limit_raises_instead_of_running_eager
         torch.testing.assert_close(rms(xs[0], weight=w, eps=1e-6), fused_target._rms_norm(xs[0], w, 1e-6))
 
 
+@pytest.mark.parametrize("per_region", [True, False], ids=["compile_limit", "thread_config"])
+def test_capture_kernel_in_another_thread_compiles_to_its_limit_then_raises(fresh_kernels, monkeypatch, per_region):
+    """Built in the main thread (as capture builds it), called in a thread whose dynamo limit is below the
+    kernels' one (dynamo's default 8 in a fresh thread, where a live worker or a helper calls it; 1 here):
+    each input up to RECOMPILE_LIMIT compiles, the next raises the named error. per_region False: the path
+    of a torch.compile without recompile_limit=... (2.11, the GPU image's; per thread since 2.12), where
+    the limit lives in dynamo's config: a thread below it is raised to it and tries again (the capture
+    kernels stopped at the thread's limit before, as the drafter's did not)."""
+    monkeypatch.setattr(fused_target, "RECOMPILE_LIMIT", 2)
+    if not per_region:
+        monkeypatch.setattr(strict_compile, "compile_takes_recompile_limit", lambda: False)
+    elif not strict_compile.compile_takes_recompile_limit():
+        pytest.skip("this torch's torch.compile takes no recompile_limit (before 2.13)")
+    rms = fused_target._compiled()[0]
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(16, generator=gen)
+    xs = [torch.randn(*lead, 16, generator=gen) for lead in ((3,), (2, 3), (2, 2, 3))]  # ranks 2, 3, 4
+
+    def other_thread():
+        assert threading.current_thread() is not threading.main_thread()
+        with torch._dynamo.config.patch(recompile_limit=1):
+            for n, x in enumerate(xs[:2], 1):  # dynamic shapes: one graph per rank
+                torch.testing.assert_close(rms(x, weight=w, eps=1e-6), fused_target._rms_norm(x, w, 1e-6))
+                assert len(cache_entries(fused_target._rms_norm.__code__)) == n  # compiled, not eager
+            past = r"capture kernel _rms_norm .* than its 2 compiles: .*RECOMPILE_LIMIT"
+            with pytest.raises(RuntimeError, match=past):
+                rms(xs[2], weight=w, eps=1e-6)
+            torch.testing.assert_close(rms(xs[0], weight=w, eps=1e-6), fused_target._rms_norm(xs[0], w, 1e-6))
+            assert len(cache_entries(fused_target._rms_norm.__code__)) == 2
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(other_thread).result()
+
+
 def test_every_capture_kernel_goes_through_the_guard_and_compiles_whole_on_cpu(fresh_kernels):
     """fullgraph=True turns a graph break into an error too: each compiled kernel of both fused paths
     traces as one graph (on CPU here; the trace does not depend on the device) and equals its eager
@@ -54,7 +92,7 @@ def test_every_capture_kernel_goes_through_the_guard_and_compiles_whole_on_cpu(f
     from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
     def guarded(k):
-        return isinstance(k, functools.partial) and k.func is fused_target._guarded
+        return isinstance(k, functools.partial) and k.func is strict_compile._guarded
 
     rms, gated, silu_mul = fused_target._compiled()
     k = fused_layers.gpu_kernels()

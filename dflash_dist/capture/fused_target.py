@@ -19,6 +19,7 @@ from torch import nn
 from data_pipeline.chat_data import template_hash
 from data_pipeline.provenance import Provenance
 from dflash_dist.model.capture import check_kernel_path
+from dflash_dist.strict_compile import strict_compile
 from dflash_dist.target.loading import TargetIdentity, provenance_for
 
 FUSED_KERNEL_PATH = "fla_fused"
@@ -66,44 +67,26 @@ def compile_kernel(f):
     and inductor rounding where eager rounds (bf16 intermediates, `emulate_precision_casts`) in these
     compiles only, not in every later compile of the process (the drafter's, a bench's).
 
-    A kernel never runs eagerly in the kernel path's name: past its recompile limit (or at a graph
-    break) plain torch.compile would run that call in eager, the shards still saying "fla_fused";
-    fullgraph=True makes dynamo raise instead, turned here into an error naming the kernel and what to
-    do. An error, not a recorded "eager" path: the run's features would then mix two paths, which the
-    trainer and evaluator refuse anyway, only later."""
-    import inspect
-
-    import torch._dynamo.config as dynamo_config
-    from torch._dynamo.exc import FailOnRecompileLimitHit
-
-    kwargs = {}
-    if "recompile_limit" in inspect.signature(torch.compile).parameters:  # torch >= 2.13: this region only
-        kwargs["recompile_limit"] = RECOMPILE_LIMIT
-    else:  # older torch: dynamo's global limit (per thread in torch 2.12: in another thread the kernel stops
-        # at dynamo's 8, loudly all the same)
-        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
-    compiled = torch.compile(f, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True}, **kwargs)
+    A kernel never runs eagerly in the kernel path's name (strict_compile): past its recompile limit (in
+    any thread) or at a graph break plain torch.compile would run that call in eager, the shards still
+    saying "fla_fused"; this raises instead, an error naming the kernel and what to do. An error, not a
+    recorded "eager" path: the run's features would then mix two paths, which the trainer and evaluator
+    refuse anyway, only later."""
     name = getattr(f, "__name__", None) or getattr(getattr(f, "func", None), "__name__", repr(f))
-    if compiled is f or dynamo_config.disable:
-        raise ValueError(
-            f"capture kernel {name}: torch.compile is disabled in this process (TORCHDYNAMO_DISABLE=1 "
-            "or TORCH_COMPILE_DISABLE=1), so capture.kernels=fused/fused2 would run eagerly under a "
-            "fused kernel path; unset it, or set capture.kernels=eager"
-        )
-    return functools.partial(_guarded, compiled, name, FailOnRecompileLimitHit)
-
-
-def _guarded(compiled, name: str, limit_hit: type[Exception], *args, **kwargs):
-    try:
-        return compiled(*args, **kwargs)
-    except limit_hit as err:
-        raise RuntimeError(
-            f"capture kernel {name} (dflash_dist/capture/) met more input shapes/dtypes than its "
-            f"{RECOMPILE_LIMIT} compiles: torch.compile would run it eagerly, and the features would no longer "
-            "come from the kernel path their shards record; stopped instead. TORCH_LOGS=recompiles shows the "
-            "shapes; raise dflash_dist.capture.fused_target.RECOMPILE_LIMIT, or capture with "
-            "capture.kernels=eager (kernel path 'fla': a new run, its evaluator on the same setting)"
-        ) from err
+    return strict_compile(
+        f,
+        dynamic=True,
+        options={"emulate_precision_casts": True},
+        limit=RECOMPILE_LIMIT,
+        disabled=f"capture kernel {name}: torch.compile is disabled in this process (TORCHDYNAMO_DISABLE=1 "
+        "or TORCH_COMPILE_DISABLE=1), so capture.kernels=fused/fused2 would run eagerly under a "
+        "fused kernel path; unset it, or set capture.kernels=eager",
+        past_limit=f"capture kernel {name} (dflash_dist/capture/) met more input shapes/dtypes than its "
+        f"{RECOMPILE_LIMIT} compiles: torch.compile would run it eagerly, and the features would no longer "
+        "come from the kernel path their shards record; stopped instead. TORCH_LOGS=recompiles shows the "
+        "shapes; raise dflash_dist.capture.fused_target.RECOMPILE_LIMIT, or capture with "
+        "capture.kernels=eager (kernel path 'fla': a new run, its evaluator on the same setting)",
+    )
 
 
 @functools.cache

@@ -16,6 +16,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from dflash_dist.strict_compile import strict_compile
+
 try:  # flex_attention exists in every torch we support, but keep CPU-only builds importable.
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 except ImportError:  # pragma: no cover
@@ -175,65 +177,25 @@ FLEX_RECOMPILE_LIMIT = 64
 
 @functools.cache
 def _compiled_flex(autotune: bool = False):
-    """flex_attention through torch.compile, never eagerly: fullgraph=True makes dynamo raise at its
-    recompile limit (or a graph break) instead of running the call in eager, turned into an error naming
-    the limit and what to do (`_guarded_flex`). The limit is this compile's own where torch.compile takes
-    one (2.13 does, 2.11 not), so it holds in every thread; else dynamo's config (global in 2.11, per thread
-    since 2.12): set here, and raised again in a calling thread still at dynamo's default (the evaluator's,
-    a trainer helper's) before the error."""
-    import torch._dynamo.config as dynamo_config
-    from torch._dynamo.exc import FailOnRecompileLimitHit
-
-    per_region = _compile_takes_recompile_limit()
-    kwargs = {"recompile_limit": FLEX_RECOMPILE_LIMIT} if per_region else {}
-    if not per_region:
-        _raise_thread_limit()
+    """flex_attention through torch.compile, never eagerly (strict_compile: fullgraph, at most
+    FLEX_RECOMPILE_LIMIT shapes in any thread, then an error naming the limit and what to do)."""
     # autotune: inductor times its candidate tile configs of the forward and backward kernels at each
     # new shape and keeps the fastest (printing the table to stderr); a minute or more per shape
     mode = "max-autotune-no-cudagraphs" if autotune else None
-    compiled = torch.compile(flex_attention, dynamic=False, fullgraph=True, mode=mode, **kwargs)
-    if compiled is flex_attention or dynamo_config.disable:
-        raise ValueError(
-            "compiled flex_attention (dflash_dist/model/attention.py): torch.compile is disabled in this process "
-            "(TORCHDYNAMO_DISABLE=1 or TORCH_COMPILE_DISABLE=1), so the drafter's attention would run eager "
-            "flex_attention, which materialises the full [Q, K] scores; unset it, or train with train.attention=dense"
-        )
-    return functools.partial(_guarded_flex, compiled, per_region, FailOnRecompileLimitHit)
-
-
-def _compile_takes_recompile_limit() -> bool:
-    import inspect
-
-    return "recompile_limit" in inspect.signature(torch.compile).parameters  # torch 2.13 has it, 2.11 not
-
-
-def _raise_thread_limit() -> bool:
-    """Dynamo's recompile limits up to the flex ones in this thread's config (per thread since torch 2.12,
-    global before); whether they were below."""
-    import torch._dynamo.config as dynamo_config
-
-    limits = {"recompile_limit": FLEX_RECOMPILE_LIMIT, "accumulated_recompile_limit": 4 * FLEX_RECOMPILE_LIMIT}
-    below = False
-    for name, ours in limits.items():
-        if getattr(dynamo_config, name) < ours:
-            setattr(dynamo_config, name, ours)
-            below = True
-    return below
-
-
-def _guarded_flex(compiled, per_region: bool, limit_hit: type[Exception], *args, **kwargs):
-    try:
-        return compiled(*args, **kwargs)
-    except limit_hit as err:
-        if not per_region and _raise_thread_limit():  # a thread that met dynamo's default: once more at ours
-            return _guarded_flex(compiled, per_region, limit_hit, *args, **kwargs)
-        raise RuntimeError(
-            f"compiled flex_attention (dflash_dist/model/attention.py) met more shapes than its "
-            f"{FLEX_RECOMPILE_LIMIT} compiles: torch.compile would run it eagerly, materialising the full [Q, K] "
-            "scores (an OOM or a silent slowdown at the 27B shape); stopped instead. TORCH_LOGS=recompiles shows "
-            "the shapes; raise dflash_dist.model.attention.FLEX_RECOMPILE_LIMIT, pack rows (train.packing=true: "
-            "~20 anchor-slot shapes), or train with train.attention=dense"
-        ) from err
+    return strict_compile(
+        flex_attention,
+        dynamic=False,
+        mode=mode,
+        limit=FLEX_RECOMPILE_LIMIT,
+        disabled="compiled flex_attention (dflash_dist/model/attention.py): torch.compile is disabled in this "
+        "process (TORCHDYNAMO_DISABLE=1 or TORCH_COMPILE_DISABLE=1), so the drafter's attention would run eager "
+        "flex_attention, which materialises the full [Q, K] scores; unset it, or train with train.attention=dense",
+        past_limit=f"compiled flex_attention (dflash_dist/model/attention.py) met more shapes than its "
+        f"{FLEX_RECOMPILE_LIMIT} compiles: torch.compile would run it eagerly, materialising the full [Q, K] "
+        "scores (an OOM or a silent slowdown at the 27B shape); stopped instead. TORCH_LOGS=recompiles shows "
+        "the shapes; raise dflash_dist.model.attention.FLEX_RECOMPILE_LIMIT, pack rows (train.packing=true: "
+        "~20 anchor-slot shapes), or train with train.attention=dense",
+    )
 
 
 # The compiled flex kernels' tuning (set_flex_tuning): torch's FlexKernelOptions (tile sizes, warps,

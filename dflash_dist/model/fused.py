@@ -35,6 +35,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from dflash_dist.strict_compile import strict_compile
+
 KERNELS = ("torch", "liger", "compile")
 
 
@@ -140,65 +142,29 @@ def ce_chunk_ref(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool):
 # which plain torch.compile runs the call eagerly with one logged warning: no fused kernel, and other
 # numerics than the compiled calls. Here each function has its own limit, room for a process that runs
 # both dtypes, both RoPE layouts, split and joined k/v and no-grad passes (a bench, the GPU tests), and
-# raises past it (`_guarded`).
+# raises past it (dflash_dist/strict_compile.py).
 KERNEL_RECOMPILE_LIMIT = 64
 
 
 @functools.cache
 def _compiled(fn: Callable) -> Callable:
-    """`fn` through torch.compile, never eagerly: fullgraph=True makes dynamo raise at the recompile limit
-    (or a graph break, or under a TorchDispatchMode, where dynamo compiles nothing) instead of running the
-    call in eager; the limit's error is turned into one naming the function and what to do (`_guarded`).
-    The limit is this compile's own where torch.compile takes one (2.13 does, 2.11 not), so it holds in
-    every thread; else dynamo's config (global in 2.11, per thread since 2.12): raised here, and again in a
-    calling thread still below it before the error (as attention._compiled_flex)."""
-    import torch._dynamo.config as dynamo_config
-    from torch._dynamo.exc import FailOnRecompileLimitHit
-
-    per_region = _compile_takes_recompile_limit()
-    kwargs = {"recompile_limit": KERNEL_RECOMPILE_LIMIT} if per_region else {}
-    if not per_region:
-        _raise_thread_limit()
-    compiled = torch.compile(fn, dynamic=None, fullgraph=True, **kwargs)
-    if compiled is fn or dynamo_config.disable:
-        raise ValueError(
-            f"the compiled kernels ({fn.__name__}, dflash_dist/model/fused.py): torch.compile is disabled in this "
-            "process (TORCHDYNAMO_DISABLE=1 or TORCH_COMPILE_DISABLE=1), so train.kernels=compile (and liger's "
-            "RoPE) would run the torch reference eagerly under the compiled set's name; unset it, or set "
-            "train.kernels=torch"
-        )
-    return functools.partial(_guarded, compiled, fn.__name__, per_region, FailOnRecompileLimitHit)
-
-
-def _compile_takes_recompile_limit() -> bool:
-    import inspect
-
-    return "recompile_limit" in inspect.signature(torch.compile).parameters  # torch 2.13 has it, 2.11 not
-
-
-def _raise_thread_limit() -> bool:
-    """Dynamo's recompile limit up to KERNEL_RECOMPILE_LIMIT in this thread's config; whether it was below."""
-    import torch._dynamo.config as dynamo_config
-
-    below = dynamo_config.recompile_limit < KERNEL_RECOMPILE_LIMIT
-    if below:
-        dynamo_config.recompile_limit = KERNEL_RECOMPILE_LIMIT
-    return below
-
-
-def _guarded(compiled, name: str, per_region: bool, limit_hit: type[Exception], *args, **kwargs):
-    try:
-        return compiled(*args, **kwargs)
-    except limit_hit as err:
-        if not per_region and _raise_thread_limit():  # a thread that met dynamo's default: once more at ours
-            return _guarded(compiled, name, per_region, limit_hit, *args, **kwargs)
-        raise RuntimeError(
-            f"compiled {name} (dflash_dist/model/fused.py, train.kernels=compile or liger's RoPE) met more "
-            f"input shapes/dtypes/grad states than its {KERNEL_RECOMPILE_LIMIT} compiles: torch.compile would "
-            "run it eagerly from here on (no fused kernel, other numerics than its compiled calls); stopped "
-            "instead. TORCH_LOGS=recompiles shows what changed; raise "
-            "dflash_dist.model.fused.KERNEL_RECOMPILE_LIMIT, or train with train.kernels=torch"
-        ) from err
+    """`fn` through torch.compile, never eagerly (strict_compile: fullgraph, so a graph break or a
+    TorchDispatchMode, under which dynamo compiles nothing, raises too; at most KERNEL_RECOMPILE_LIMIT
+    compiles in any thread, then an error naming the function and what to do)."""
+    return strict_compile(
+        fn,
+        dynamic=None,
+        limit=KERNEL_RECOMPILE_LIMIT,
+        disabled=f"the compiled kernels ({fn.__name__}, dflash_dist/model/fused.py): torch.compile is disabled "
+        "in this process (TORCHDYNAMO_DISABLE=1 or TORCH_COMPILE_DISABLE=1), so train.kernels=compile (and "
+        "liger's RoPE) would run the torch reference eagerly under the compiled set's name; unset it, or set "
+        "train.kernels=torch",
+        past_limit=f"compiled {fn.__name__} (dflash_dist/model/fused.py, train.kernels=compile or liger's RoPE) "
+        f"met more input shapes/dtypes/grad states than its {KERNEL_RECOMPILE_LIMIT} compiles: torch.compile "
+        "would run it eagerly from here on (no fused kernel, other numerics than its compiled calls); stopped "
+        "instead. TORCH_LOGS=recompiles shows what changed; raise dflash_dist.model.fused.KERNEL_RECOMPILE_LIMIT, "
+        "or train with train.kernels=torch",
+    )
 
 
 def _compiled_norm_rope(x, weight, eps, cos, sin):

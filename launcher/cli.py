@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"dflash-dist {cmd}: error: {problem}", file=sys.stderr)
         return 1
-    from dflash_dist.orchestration.pipeline import PipelineError, run_pipeline
+    from dflash_dist.orchestration.pipeline import PipelineError, failure_text, run_pipeline
 
     if getattr(args, "launcher", "ray") == "slurm" or getattr(args, "slice", None):
         return _slurm(cmd, args, cfg)
@@ -142,15 +142,6 @@ def compile_cache_problem() -> str | None:
     except CacheDirError as e:
         return str(e)
     return None
-
-
-def failure_text(error: BaseException) -> str:
-    """`Type: message` of the error a role raised; a Ray task error is unwrapped to its cause
-    (its own text is the remote traceback)."""
-    cause = getattr(error, "cause", None)
-    if isinstance(cause, BaseException):
-        error = cause
-    return f"{type(error).__name__}: {str(error).strip() or '(no message)'}"
 
 
 def out_dir_problem(out: Path) -> str | None:

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from launcher.cli import failure_text, main
+from dflash_dist.orchestration.pipeline import failure_text
+from launcher.cli import main
 
 
 def test_an_unexpected_error_is_one_line_and_exit_1(tmp_path, capsys):

@@ -230,8 +230,8 @@ def _build_target(rest: list[str]) -> int:
     from dflash_dist.logging_setup import setup_logging
 
     setup_logging("build-target")
-    try:
-        cfg = load_config(args.config, args.overrides)
+    try:  # builds from the project's own corpus: the config's data files need not exist here
+        cfg = load_config(args.config, args.overrides, check_files=False)
     except ConfigError as e:
         print(f"dflash-dist build-target: config error: {e}", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +42,13 @@ def test_a_ray_task_error_is_shown_as_its_cause():
         raise err
     assert failure_text(err) == "ServerError: http://127.0.0.1:9/generate: HTTP 503: b'down'"
     assert failure_text(ValueError("plain")) == "ValueError: plain"
+
+
+def test_build_target_on_an_hf_config_says_it_builds_only_the_projects_own_targets(tmp_path, monkeypatch, capsys):
+    """A real-target config's data files need not exist for build-target (it reads no data): the
+    refusal names target.kind, not a missing data.train_path."""
+    config = Path(__file__).resolve().parents[1] / "configs" / "qwen3-8b.yaml"
+    monkeypatch.chdir(tmp_path)  # the config's relative data/train.jsonl is not here
+    assert main(["build-target", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "target.kind is hf" in err and "data.train_path" not in err

@@ -120,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:  # saved and stopped at a notice: a requeue continues it (slurm/*.sbatch)
         print(f"dflash-dist {cmd}: {e}", file=sys.stderr)
         return Preempted.exit_code
+    except KeyboardInterrupt:  # Ctrl-C: the run's Ray processes were stopped on the way out (ray_session)
+        again = "rerun the same command" if cmd == "eval" else "rerun with --resume auto"
+        print(f"\ndflash-dist {cmd}: interrupted; {cfg.out} keeps its complete shards, checkpoints and results: "
+              f"{again} to continue", file=sys.stderr)
+        return 130
     except (PipelineError, ConfigError) as e:
         print(f"dflash-dist {cmd}: error: {e}", file=sys.stderr)
         return 1

@@ -4,6 +4,7 @@
   dflash-dist extract|train|eval CONFIG --out DIR [overrides]  one stage (train/eval consume DIR)
       run/train --resume auto|never|PATH   auto: continue DIR/checkpoints/latest if there (reusing
       complete shards); never (default): refuse a DIR holding a run; PATH: from that checkpoint tag
+      extract --resume auto|never   auto: continue an unfinished capture in DIR
       run/train --launcher slurm   inside a Slurm job (slurm/*.sbatch); extract --slice I/N   one slice, no Ray
   dflash-dist regenerate CONFIG [--out DIR] [--limit N] [overrides]
       the target's own responses to the input's prompts (regen.*), a new JSONL; a rerun resumes
@@ -37,10 +38,10 @@ def _pipeline_parser(cmd: str) -> argparse.ArgumentParser:
         ap.add_argument(
             "--resume",
             default=None,  # never, except for extract --slice, which always continues from the ledger
-            metavar="auto|never|PATH",
+            metavar="auto|never" if cmd == "extract" else "auto|never|PATH",
             help="auto: continue from DIR/checkpoints/latest if present (complete shards are reused), else start "
-            "fresh; never (default): refuse a DIR that already holds a run; PATH: start from that checkpoint tag "
-            "directory",
+            "fresh; never (default): refuse a DIR that already holds a run"
+            + ("" if cmd == "extract" else "; PATH: start from that checkpoint tag directory"),
         )
     if cmd in ("run", "train"):
         ap.add_argument("--launcher", choices=("ray", "slurm"), default="ray",
@@ -92,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "slice", None) and args.resume not in (None, "auto"):
         print(f"dflash-dist extract: error: --slice always continues from the ledger (an array's tasks share --out "
               f"and a requeued task resumes): --resume {args.resume} does not apply; drop it", file=sys.stderr)
+        return 2
+    if cmd == "extract" and args.resume not in (None, "auto", "never"):
+        print(f"dflash-dist extract: error: --resume takes auto or never here (auto continues an unfinished "
+              f"capture); a checkpoint PATH ({args.resume}) is for run and train: extract trains nothing",
+              file=sys.stderr)
         return 2
     if cmd in ("run", "train", "extract"):
         args.resume = args.resume or "never"

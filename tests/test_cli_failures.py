@@ -52,3 +52,11 @@ def test_build_target_on_an_hf_config_says_it_builds_only_the_projects_own_targe
     assert main(["build-target", str(config)]) == 2
     err = capsys.readouterr().err
     assert "target.kind is hf" in err and "data.train_path" not in err
+
+
+def test_extract_refuses_a_checkpoint_path_as_resume(tmp_path, capsys):
+    """extract trains nothing: `--resume PATH` (a checkpoint tag, for run and train) is refused, not taken as auto."""
+    rc = main(["extract", "configs/tiny.yaml", "--out", str(tmp_path / "out"), "--resume", str(tmp_path / "step_50")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--resume takes auto or never" in err
+    assert not (tmp_path / "out").exists()

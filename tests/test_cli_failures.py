@@ -60,3 +60,14 @@ def test_extract_refuses_a_checkpoint_path_as_resume(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "--resume takes auto or never" in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("cmd", ["run", "train"])
+def test_launcher_slurm_outside_a_job_says_which_script_to_submit(cmd, tmp_path, monkeypatch, capsys):
+    """`run --launcher slurm` belongs in pipeline.sbatch (the batch script itself, not an srun step),
+    `train --launcher slurm` in train.sbatch's srun: outside a job the error names the scripts."""
+    for key in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"):
+        monkeypatch.delenv(key, raising=False)
+    assert main([cmd, "--launcher", "slurm", "configs/tiny.yaml", "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "not inside a Slurm job" in err and "slurm/pipeline.sbatch" in err and "slurm/train.sbatch" in err

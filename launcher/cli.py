@@ -4,6 +4,7 @@
   dflash-dist extract|train|eval CONFIG --out DIR [overrides]  one stage (train/eval consume DIR)
       run/train --resume auto|never|PATH   auto: continue DIR/checkpoints/latest if there (reusing
       complete shards); never (default): refuse a DIR holding a run; PATH: from that checkpoint tag
+      extract --resume auto|never   auto: continue an unfinished capture in DIR
       run/train --launcher slurm   inside a Slurm job (slurm/*.sbatch); extract --slice I/N   one slice, no Ray
   dflash-dist regenerate CONFIG [--out DIR] [--limit N] [overrides]
       the target's own responses to the input's prompts (regen.*), a new JSONL; a rerun resumes
@@ -37,10 +38,10 @@ def _pipeline_parser(cmd: str) -> argparse.ArgumentParser:
         ap.add_argument(
             "--resume",
             default=None,  # never, except for extract --slice, which always continues from the ledger
-            metavar="auto|never|PATH",
+            metavar="auto|never" if cmd == "extract" else "auto|never|PATH",
             help="auto: continue from DIR/checkpoints/latest if present (complete shards are reused), else start "
-            "fresh; never (default): refuse a DIR that already holds a run; PATH: start from that checkpoint tag "
-            "directory",
+            "fresh; never (default): refuse a DIR that already holds a run"
+            + ("" if cmd == "extract" else "; PATH: start from that checkpoint tag directory"),
         )
     if cmd in ("run", "train"):
         ap.add_argument("--launcher", choices=("ray", "slurm"), default="ray",
@@ -93,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dflash-dist extract: error: --slice always continues from the ledger (an array's tasks share --out "
               f"and a requeued task resumes): --resume {args.resume} does not apply; drop it", file=sys.stderr)
         return 2
+    if cmd == "extract" and args.resume not in (None, "auto", "never"):
+        print(f"dflash-dist extract: error: --resume takes auto or never here (auto continues an unfinished "
+              f"capture); a checkpoint PATH ({args.resume}) is for run and train: extract trains nothing",
+              file=sys.stderr)
+        return 2
     if cmd in ("run", "train", "extract"):
         args.resume = args.resume or "never"
     from dflash_dist.config import ConfigError, load_config
@@ -109,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"dflash-dist {cmd}: error: {problem}", file=sys.stderr)
         return 1
-    from dflash_dist.orchestration.pipeline import PipelineError, run_pipeline
+    from dflash_dist.orchestration.pipeline import PipelineError, failure_text, run_pipeline
 
     if getattr(args, "launcher", "ray") == "slurm" or getattr(args, "slice", None):
         return _slurm(cmd, args, cfg)
@@ -120,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:  # saved and stopped at a notice: a requeue continues it (slurm/*.sbatch)
         print(f"dflash-dist {cmd}: {e}", file=sys.stderr)
         return Preempted.exit_code
+    except KeyboardInterrupt:  # Ctrl-C: the run's Ray processes were stopped on the way out (ray_session)
+        again = "rerun the same command" if cmd == "eval" else "rerun with --resume auto"
+        print(f"\ndflash-dist {cmd}: interrupted; {cfg.out} keeps its complete shards, checkpoints and results: "
+              f"{again} to continue", file=sys.stderr)
+        return 130
     except (PipelineError, ConfigError) as e:
         print(f"dflash-dist {cmd}: error: {e}", file=sys.stderr)
         return 1
@@ -142,15 +153,6 @@ def compile_cache_problem() -> str | None:
     except CacheDirError as e:
         return str(e)
     return None
-
-
-def failure_text(error: BaseException) -> str:
-    """`Type: message` of the error a role raised; a Ray task error is unwrapped to its cause
-    (its own text is the remote traceback)."""
-    cause = getattr(error, "cause", None)
-    if isinstance(cause, BaseException):
-        error = cause
-    return f"{type(error).__name__}: {str(error).strip() or '(no message)'}"
 
 
 def out_dir_problem(out: Path) -> str | None:
@@ -239,8 +241,8 @@ def _build_target(rest: list[str]) -> int:
     from dflash_dist.logging_setup import setup_logging
 
     setup_logging("build-target")
-    try:
-        cfg = load_config(args.config, args.overrides)
+    try:  # builds from the project's own corpus: the config's data files need not exist here
+        cfg = load_config(args.config, args.overrides, check_files=False)
     except ConfigError as e:
         print(f"dflash-dist build-target: config error: {e}", file=sys.stderr)
         return 2

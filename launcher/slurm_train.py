@@ -28,7 +28,8 @@ def step_hostnames(env: Mapping[str, str]) -> list[str]:
     """The hosts of this job step, in Slurm's order (the first one hosts rank 0)."""
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
     if not nodelist:
-        raise ConfigError("--launcher slurm: no SLURM_STEP_NODELIST/SLURM_JOB_NODELIST; run it under srun")
+        raise ConfigError("--launcher slurm: not inside a Slurm job (no SLURM_STEP_NODELIST/SLURM_JOB_NODELIST): "
+                          "submit slurm/pipeline.sbatch (run) or slurm/train.sbatch (train: one srun task per rank)")
     out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
     return out.stdout.split()
 

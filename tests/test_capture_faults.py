@@ -354,6 +354,9 @@ def test_a_target_actor_with_other_weights_fails_the_capture_naming_both_hashes(
     assert isinstance(cause, TargetWeightsMismatch) and cause.recorded == ident.target_hash
     text = str(info.value)
     assert ident.target_hash in text and cause.found in text and str(other) in text and "target actor 0 on " in text
+    # the actor's own error, as the CLI's one line shows it: not Ray's wrapper with the remote traceback
+    assert text.startswith("target capture failed: TargetWeightsMismatch: ")
+    assert "Traceback" not in text and "ray::" not in text
     assert not shards.exists()
     beat = json.loads((cfg.out / "heartbeat" / "target-0.json").read_text())
     assert beat["state"] == "failed" and "TargetWeightsMismatch" in beat["error"] and ident.target_hash in beat["error"]

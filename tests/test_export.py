@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -105,3 +107,18 @@ def test_an_export_carries_its_checksums_and_a_damaged_one_is_named(tmp_path):
     (out / EXPORT_RECORD).write_text('{"version": 1, "checksums": {"algorithm": "xxh3_128", "files": {}}}')
     with pytest.raises(ValueError, match="not a version-1 record"):
         load_drafter(out, d.embed_tokens.weight, d.lm_head.weight)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077], ids=["umask022", "umask077"])
+def test_export_files_take_the_umask_like_the_runs_other_outputs(tmp_path, umask):
+    """The export is what a serving engine loads, often as another user (a vLLM/SGLang container,
+    a serving account on the shared storage): its directory and files get the umask's modes, as the
+    checkpoints beside them do, not tempfile.mkdtemp's 0700 and safetensors' 0600."""
+    before = os.umask(umask)
+    try:
+        out = export_drafter(small_drafter(k=3, block=4), tmp_path / "e")
+    finally:
+        os.umask(before)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
+    for name in ("config.json", "model.safetensors", EXPORT_RECORD):
+        assert stat.S_IMODE((out / name).stat().st_mode) == 0o666 & ~umask, name

@@ -86,3 +86,10 @@ def test_parity_judges_each_set_by_its_own_tolerances(golden_dir, tmp_path):
     (bad / "tolerances.json").write_text(json.dumps(tol))
     proc = _run(bad)
     assert proc.returncode == 2 and "tolerances.json: no tolerance for ['loss']" in proc.stderr
+
+
+def test_a_missing_fixture_directory_is_named_as_missing(tmp_path):
+    """A mistyped DIR says it does not exist and which directories to pass, not that a file is missing in it."""
+    proc = _run(tmp_path / "missing")
+    assert proc.returncode == 2
+    assert f"{tmp_path / 'missing'} does not exist" in proc.stderr and "tests/golden" in proc.stderr

@@ -339,6 +339,30 @@ def test_cli_never_refuses_a_directory_holding_a_run(tmp_path):
     assert (out / "config.yaml").read_text() == "kept"  # refused before anything was written
 
 
+def test_ctrl_c_ends_a_run_with_one_line_saying_how_to_continue(tmp_path):
+    """Ctrl-C (SIGINT) in `dflash-dist extract`, mid-capture on a real local Ray cluster: exit 130 with one
+    line naming the directory and `--resume auto`, not the driver's KeyboardInterrupt traceback."""
+    out, log = tmp_path / "run", tmp_path / "cli.log"
+    with log.open("w") as f:
+        cmd = [sys.executable, "-m", "launcher.cli", "extract", "configs/tiny.yaml", "--out", str(out)]
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600  # a fresh machine builds the tiny target first (~3 minutes)
+        while "target actor(s) capturing" not in log.read_text() and proc.poll() is None:
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert rc == 130, text[-2000:]
+    assert "KeyboardInterrupt" not in text, text[-2000:]  # (Ray may log its stopped actors' own exits)
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("dflash-dist extract: interrupted;") and str(out) in last and "--resume auto" in last
+
+
 # ---------------------------------------------------------------------------- exact resume after SIGKILL
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
-import tempfile
+import stat
 from pathlib import Path
 
 import torch
@@ -34,10 +35,13 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dty
     state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in drafter.drafter_state_dict().items()}
     cfg["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
     cfg.update(extra_config or {})
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
+    tmp = _new_dir(out_dir.parent, f".tmp-{out_dir.name}-")
     try:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        # safetensors writes 0600: give the weights config.json's mode (the umask's), so that a serving
+        # engine running as another user reads the export as it reads the run's other outputs
+        os.chmod(tmp / "model.safetensors", stat.S_IMODE((tmp / "config.json").stat().st_mode))
         record = {"version": _RECORD_VERSION, "checksums": file_checksums(tmp, EXPORTED)}
         (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
         if out_dir.exists():
@@ -51,6 +55,18 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dty
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _new_dir(parent: Path, prefix: str) -> Path:
+    """A new directory `parent/prefix<random>` with the umask's mode (tempfile.mkdtemp's is 0700,
+    which would keep the export from a serving engine that runs as another user)."""
+    while True:
+        path = parent / f"{prefix}{secrets.token_hex(4)}"
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
 
 
 def verify_export(export_dir: str | Path, required: bool = False) -> bool:

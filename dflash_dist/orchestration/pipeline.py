@@ -41,6 +41,15 @@ class Preempted(PipelineError):
     exit_code = EXIT_PREEMPTED
 
 
+def failure_text(error: BaseException) -> str:
+    """`Type: message` of the error a role raised; a Ray task error is unwrapped to its cause
+    (its own text is the remote traceback)."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, BaseException):
+        error = cause
+    return f"{type(error).__name__}: {str(error).strip() or '(no message)'}"
+
+
 @dataclass(frozen=True)
 class PipelineResult:
     """What a run did (run_pipeline's result)."""
@@ -344,7 +353,7 @@ def _finish_capture(ray, refs, shard_dirs: list[Path], max_lost_fraction: float 
     try:
         results = ray.get(refs)
     except Exception as e:  # the actor's own error names the file/line/field
-        raise PipelineError(f"target capture failed: {e}") from e
+        raise PipelineError(f"target capture failed: {failure_text(e)}") from e
     for shard_dir in shard_dirs:
         twice = duplicate_keys(shard_dir)
         if twice:

@@ -232,13 +232,17 @@ def run(root: Path, device: str = "cpu", attention: str = "auto", skip_target: b
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash_dist.parity", description=__doc__.split("\n\n")[0])
-    ap.add_argument("dir", type=Path, help="fixture directory (e.g. ../shared/golden)")
+    ap.add_argument("dir", type=Path, help="fixture directory (e.g. tests/golden)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--attention", default="auto", choices=("auto", "dense", "flex"))
     ap.add_argument("--skip-target", action="store_true", help="skip the target-feature checks")
     ap.add_argument("--strict-target", action="store_true",
                     help="judge target features against the torch-reference tolerance even through fla")
     args = ap.parse_args(argv)
+    if not args.dir.is_dir():
+        print(f"error: {args.dir} does not exist: pass a golden fixture directory (tests/golden, tests/golden_swa)",
+              file=sys.stderr)
+        return 2
     if not (args.dir / "README.md").exists() and not (args.dir / "drafter_config.json").exists():
         print(f"error: {args.dir} is not a golden fixture directory (no drafter_config.json)", file=sys.stderr)
         return 2

@@ -1,0 +1,112 @@
+"""What someone who can write a run directory (shared storage) or a model directory can plant
+there, and what it must not achieve: no code of theirs runs, nothing outside the directory is
+written, no file of a few MB takes gigabytes of memory. Each case is a real hostile file on disk
+read by the real code path (webdataset, tarfile, transformers: none mocked).
+
+- compressed tars (plain_tar.py): a shard or token-store tar gzip'd decompresses in memory before
+  any checksum is compared; the readers accept plain tars only.
+- remote code (target/loading.py NO_REMOTE_CODE): a target directory whose config names Python
+  files beside it (`auto_map`); transformers asks on the terminal and imports them on "y".
+- planted links (durable_files.open_own_file): a name we write in place (the run lock, a line
+  log, a write's temporary name) made a symlink to a file elsewhere; we would truncate or append
+  to that file.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import tarfile
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from data_pipeline.plain_tar import NotPlainTar
+from data_pipeline.records import MANIFEST_NAME
+from data_pipeline.shard_reader import CORRUPT_SHARD, ShardStream, iter_shard_samples, read_manifest
+from data_pipeline.shard_writer import ShardWriter, mark_done
+from tests.helpers.shards import make_prov, make_sample
+
+BOMB_BYTES = 256 << 20  # one member's declared size: a quarter GiB of zeros, ~1 MB of gzip
+
+
+class _Zeros(io.RawIOBase):
+    def __init__(self, n: int) -> None:
+        self.left = n
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = min(len(b), self.left)
+        b[:n] = bytes(n)
+        self.left -= n
+        return n
+
+
+def _rewrite_line(manifest: Path, **fields) -> None:
+    """The manifest's one line with `fields` changed: whoever can write a shard can write this too."""
+    line = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**line, **fields}) + "\n")
+
+
+def _one_shard(tmp_path: Path):
+    prov = make_prov()
+    with ShardWriter(tmp_path, prov, prefix="cap") as w:
+        w.write(make_sample("a", prov, finite=True))
+    mark_done(tmp_path)
+    (record,) = read_manifest(tmp_path)
+    return prov, tmp_path / record.name
+
+
+# ---------------------------------------------------------------- compressed tars
+def test_a_gzip_bomb_shard_is_refused_before_it_is_decompressed(tmp_path):
+    """A shard replaced by a gzip'd tar whose first member declares 256 MiB: the old reader
+    (webdataset's "r|*") decompressed it into memory before the member's checksum could fail."""
+    prov, path = _one_shard(tmp_path)
+    with tarfile.open(path, "w:gz", compresslevel=1) as tar:
+        info = tarfile.TarInfo("00000000.features.npy")
+        info.size = BOMB_BYTES
+        tar.addfile(info, io.BufferedReader(_Zeros(BOMB_BYTES), 1 << 20))
+    assert path.stat().st_size < BOMB_BYTES // 100
+    _rewrite_line(tmp_path / MANIFEST_NAME, n_bytes=path.stat().st_size)
+    stream = ShardStream(tmp_path, prov)
+    tracemalloc.start()
+    try:
+        handed = [s.key for s in stream]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, f"reading a {path.stat().st_size}-byte shard peaked at {peak / 2**20:.0f} MiB"
+    assert handed == [] and stream.skipped == {CORRUPT_SHARD: 1}
+    assert "gzip-compressed file, not a plain tar" in stream.problems[0], stream.problems
+    with pytest.raises(NotPlainTar, match=rf"{path}: a gzip-compressed file"):
+        list(iter_shard_samples(path))
+
+
+def test_a_compressed_copy_of_a_real_shard_is_refused(tmp_path):
+    """The writer's own shard gzip'd: every member and so every checksum is unchanged, and the
+    old reader handed the sample out. Only a plain tar is one our writer made."""
+    prov, path = _one_shard(tmp_path)
+    path.write_bytes(gzip.compress(path.read_bytes()))
+    _rewrite_line(tmp_path / MANIFEST_NAME, n_bytes=path.stat().st_size)
+    stream = ShardStream(tmp_path, prov)
+    assert [s.key for s in stream] == [] and stream.skipped == {CORRUPT_SHARD: 1}
+
+
+def test_a_compressed_token_store_tar_is_refused(tmp_path):
+    """The token store verifies a whole file's checksum first, but its manifest line is as
+    writable as the file: a gzip'd tar listed with its own size and checksum was read."""
+    from data_pipeline.checksums import FILE_ALGORITHM, digest_bytes
+    from data_pipeline.token_store import read_sequences, read_store, write_sequences
+
+    record = write_sequences(tmp_path, "cap", [("k", [1, 2, 3], [0, 1, 1])])
+    path = tmp_path / record.name
+    data = gzip.compress(path.read_bytes())
+    path.write_bytes(data)
+    _rewrite_line(tmp_path / MANIFEST_NAME, n_bytes=len(data), checksum=digest_bytes(data, FILE_ALGORITHM))
+    (listed,) = read_store(tmp_path)
+    with pytest.raises(NotPlainTar, match=rf"{path}: a gzip-compressed file"):
+        read_sequences(tmp_path, listed)

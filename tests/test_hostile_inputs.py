@@ -17,6 +17,9 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
+import subprocess
+import sys
 import tarfile
 import tracemalloc
 from pathlib import Path
@@ -27,6 +30,7 @@ from data_pipeline.plain_tar import NotPlainTar
 from data_pipeline.records import MANIFEST_NAME
 from data_pipeline.shard_reader import CORRUPT_SHARD, ShardStream, iter_shard_samples, read_manifest
 from data_pipeline.shard_writer import ShardWriter, mark_done
+from tests.conftest import REPO
 from tests.helpers.shards import make_prov, make_sample
 
 BOMB_BYTES = 256 << 20  # one member's declared size: a quarter GiB of zeros, ~1 MB of gzip
@@ -110,3 +114,46 @@ def test_a_compressed_token_store_tar_is_refused(tmp_path):
     (listed,) = read_store(tmp_path)
     with pytest.raises(NotPlainTar, match=rf"{path}: a gzip-compressed file"):
         read_sequences(tmp_path, listed)
+
+
+# ---------------------------------------------------------------- code in a model directory
+EVIL_MODULE = """
+import os, pathlib
+pathlib.Path(os.environ["DFLASH_TEST_FLAG"]).touch()  # the planted code's effect
+from transformers import PretrainedConfig, PreTrainedModel
+class EvilConfig(PretrainedConfig):
+    model_type = "evil_lm"
+class EvilModel(PreTrainedModel):
+    config_class = EvilConfig
+class EvilTokenizer:
+    pass
+"""
+LOADS = {  # each way the package reads a target directory with transformers
+    "config": "from dflash_dist.target.loading import target_matmul_params as f; f(D)",
+    "tokenizer": "from dflash_dist.target.loading import load_tokenizer as f; f(D)",
+    "model": "from dflash_dist.target.loading import load_target as f; from tests.helpers.config import config_from; "
+    "f(config_from({'target': {'path': D}, 'data': {'train_path': 'x.jsonl'}}), D, 'cpu')",
+}
+
+
+@pytest.mark.parametrize("load", sorted(LOADS))
+def test_code_in_a_target_directory_never_runs(tmp_path, load):
+    """A target directory whose config.json and tokenizer_config.json map the Auto classes to a
+    Python file beside them, for a model type transformers lacks. Asked nothing, transformers
+    prompted "Do you wish to run the custom code? [y/N]" and imported the file on "y" (here a
+    piped answer, as a terminal user's): the flag appeared."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "evil.py").write_text(EVIL_MODULE)
+    auto = {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}
+    (target / "config.json").write_text(json.dumps({"model_type": "evil_lm", "auto_map": auto}))
+    (target / "tokenizer_config.json").write_text(
+        json.dumps({"auto_map": {"AutoTokenizer": ["evil.EvilTokenizer", None]}})
+    )
+    flag = tmp_path / "flag"
+    env = dict(os.environ, PYTHONPATH=str(REPO), DFLASH_TEST_FLAG=str(flag), HF_MODULES_CACHE=str(tmp_path / "hf"))
+    proc = subprocess.run([sys.executable, "-c", f"D = {str(target)!r}\n{LOADS[load]}"], input="y\ny\ny\n",
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=300)  # fmt: skip
+    assert not flag.exists(), f"the target directory's code ran ({load}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+    assert proc.returncode != 0 and "dflash-dist never runs code from a model directory" in proc.stderr, proc.stderr
+    assert f"ValueError: {target}: its config.json or tokenizer_config.json maps" in proc.stderr, proc.stderr

@@ -115,9 +115,8 @@ def run_pipeline(cfg: Config, stages: tuple[str, ...], resume: str = "never") ->
 
 
 def _run(cfg: Config, stages: tuple[str, ...], resume: str) -> PipelineResult:
-    from transformers import AutoTokenizer
-
     from dflash_dist.capture.data_prep import eval_prompt_ids
+    from dflash_dist.target.loading import load_tokenizer
 
     t0 = time.time()
     plan = make_plan(cfg, stages, resume)
@@ -146,7 +145,7 @@ def _run(cfg: Config, stages: tuple[str, ...], resume: str) -> PipelineResult:
             training = _InThread(supervise_training, cfg, group, restart, plan.resume)
         evaluator = None
         if "eval" in stages and cfg.eval.enabled:
-            tokenizer = AutoTokenizer.from_pretrained(plan.target_dir)
+            tokenizer = load_tokenizer(plan.target_dir)
             prompts = eval_prompt_ids(Path(plan.data.eval_jsonl), tokenizer, cfg.eval.num_prompts,
                                       cfg.data.enable_thinking)
             evaluator = _start_evaluator(cfg, plan, prompts, paths["shards"], where("evaluator", 0))

@@ -225,12 +225,11 @@ def _checkpoint_base(cfg: Config, resume: str, given: int, written: int) -> int:
 
 def make_plan(cfg: Config, stages: tuple[str, ...], resume: str, made_by: str = "") -> RunPlan:
     """Everything the run's roles share, computed here once (see the module docstring)."""
-    from transformers import AutoTokenizer
-
     from dflash_dist.capture.data_prep import write_data
     from dflash_dist.target.loading import (
         drafter_config_for,
         expected_provenance,
+        load_tokenizer,
         resolve_target_dir,
         target_identity,
         tokenizer_mask_id,
@@ -239,7 +238,7 @@ def make_plan(cfg: Config, stages: tuple[str, ...], resume: str, made_by: str = 
 
     stages = plan_stages(cfg, stages, resume)
     target_dir = resolve_target_dir(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    tokenizer = load_tokenizer(target_dir)
     splits, data = _plan_data(cfg, tokenizer) if ("extract" in stages or "eval" in stages) else (None, None)
     num_samples = planned_samples(cfg, data, stages, resume)
     resume_from = decide_training(cfg, stages, resume, num_samples)

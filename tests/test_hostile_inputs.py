@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import threading
 import tracemalloc
 from pathlib import Path
 
@@ -157,3 +158,62 @@ def test_code_in_a_target_directory_never_runs(tmp_path, load):
     assert not flag.exists(), f"the target directory's code ran ({load}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
     assert proc.returncode != 0 and "dflash-dist never runs code from a model directory" in proc.stderr, proc.stderr
     assert f"ValueError: {target}: its config.json or tokenizer_config.json maps" in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------- planted links where we write
+def _victim(tmp_path: Path) -> tuple[Path, bytes]:
+    """A file of the user's outside the run directory (their ~/.bashrc), with no newline at its end."""
+    victim = tmp_path / "home" / ".bashrc"
+    victim.parent.mkdir()
+    victim.write_bytes(b"export PATH=$HOME/bin:$PATH\nalias ll='ls -l'")
+    return victim, victim.read_bytes()
+
+
+def test_a_planted_run_lock_link_is_refused_not_truncated(tmp_path):
+    """`<out>/.dflash.lock` made a link: the run truncated the linked file and wrote its holder record there."""
+    from data_pipeline.durable_files import UnsafeFileError
+    from dflash_dist.orchestration.run_lock import LOCK_NAME, RunLock
+
+    out = tmp_path / "out"
+    out.mkdir()
+    victim, before = _victim(tmp_path)
+    (out / LOCK_NAME).symlink_to(victim)
+    with pytest.raises(UnsafeFileError, match=rf"{out / LOCK_NAME} is a symbolic link or not a regular file"):
+        RunLock(out, "run").acquire()
+    assert victim.read_bytes() == before
+
+
+@pytest.mark.parametrize("log", ["skipped", "manifest"])
+def test_a_planted_line_log_link_is_refused_not_appended_to(tmp_path, log):
+    """A line log made a link: append_lines cut the linked file back to its last newline (a "torn
+    line") and appended our records to it. The skipped-sample ledger and the shard manifest."""
+    from data_pipeline.durable_files import UnsafeFileError
+    from data_pipeline.ledger import record_skipped
+    from data_pipeline.records import SKIPPED_NAME
+
+    victim, before = _victim(tmp_path)
+    if log == "manifest":  # an empty file (a manifest is read before it is appended to: it must parse)
+        victim.write_bytes(before := b"")
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    name = SKIPPED_NAME if log == "skipped" else MANIFEST_NAME
+    (shards / name).symlink_to(victim)
+    with pytest.raises(UnsafeFileError, match=rf"{shards / name} is a symbolic link"):
+        if log == "skipped":
+            record_skipped(shards, "k1", "nonfinite_features", 0)
+        else:
+            _one_shard(shards)
+    assert victim.read_bytes() == before
+
+
+def test_a_planted_link_at_a_temporary_name_is_replaced_not_followed(tmp_path):
+    """write_text_atomic's temporary name (`.NAME.tmp-PID-TID`) can be guessed; made a link, the
+    write truncated and filled the linked file, then renamed the link into place."""
+    from data_pipeline.durable_files import write_text_atomic
+
+    victim, before = _victim(tmp_path)
+    path = tmp_path / "latest"
+    path.with_name(f".latest.tmp-{os.getpid()}-{threading.get_ident()}").symlink_to(victim)
+    write_text_atomic(path, "step_4")
+    assert victim.read_bytes() == before
+    assert path.read_text() == "step_4" and not path.is_symlink()

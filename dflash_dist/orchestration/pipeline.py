@@ -25,6 +25,7 @@ from dflash_dist.actors.heartbeat import Heartbeat, clear_heartbeats
 from dflash_dist.config import Config
 from dflash_dist.evaluator.policy import EvalResult
 from dflash_dist.orchestration import placement
+from dflash_dist.orchestration.ray_temp import private_ray_temp
 from dflash_dist.orchestration.ray_token import local_cluster_auth, reach_hint
 from dflash_dist.orchestration.run_lock import RunLock, RunLocked
 from dflash_dist.orchestration.run_plan import PLAN_NAME, PipelineError, RunPlan, make_plan, write_plan
@@ -68,6 +69,7 @@ def ray_session(cfg: Config):
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     kwargs: dict = {"log_to_driver": True}
     auth = contextlib.nullcontext()  # joining: the cluster's own token settings (launcher/ray_auth.py)
+    temp = contextlib.nullcontext()
     if address:
         kwargs["address"] = address
     else:  # "local": a new cluster, never one that happens to run on this host (ray.init's default joins
@@ -75,7 +77,10 @@ def ray_session(cfg: Config):
         kwargs.update(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.dashboard,
                       dashboard_host=cfg.ray.dashboard_host, _node_ip_address="127.0.0.1")
         auth = local_cluster_auth()  # its token in this process's environment, not in ~/.ray/auth_token
-    with auth as token:
+        temp = private_ray_temp()  # its sockets and logs where no other user reaches (ray_temp.py)
+    with auth as token, temp as temp_dir:
+        if temp_dir is not None:
+            kwargs["_temp_dir"] = temp_dir
         ctx = ray.init(**kwargs)
         if token is not None:  # Ray's CLI and dashboard need it too; it is in no file (ray_token.reach_hint)
             dashboard = f" (dashboard http://{ctx.dashboard_url})" if cfg.ray.dashboard and ctx.dashboard_url else ""

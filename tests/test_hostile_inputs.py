@@ -217,3 +217,46 @@ def test_a_planted_link_at_a_temporary_name_is_replaced_not_followed(tmp_path):
     write_text_atomic(path, "step_4")
     assert victim.read_bytes() == before
     assert path.read_text() == "step_4" and not path.is_symlink()
+
+
+def test_a_planted_export_link_is_replaced_not_followed(tmp_path):
+    """`export/step_N` made a link to another directory: the export renamed the link aside and then
+    failed in rmtree (which refuses a link), failing the trainer. Now the link goes, the directory
+    it named is untouched, and the export is in place."""
+    from dflash_dist.model.export import export_drafter, load_drafter
+    from tests.helpers.drafter import small_drafter
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "notes.txt").write_text("mine")
+    out = tmp_path / "export" / "step_2"
+    out.parent.mkdir()
+    out.symlink_to(elsewhere, target_is_directory=True)
+    export_drafter(small_drafter(), out)
+    assert out.is_dir() and not out.is_symlink() and [p.name for p in elsewhere.iterdir()] == ["notes.txt"]
+    load_drafter(out, require_record=True)
+    assert not list(out.parent.glob(".old-*"))
+
+
+@pytest.mark.slow
+def test_a_planted_checkpoint_tag_link_is_replaced_not_followed(tiny, tmp_path, single_rank_gloo):
+    """`checkpoints/step_2` made a link before the trainer saved step 2: the tag was cleared with
+    rmtree (which silently refuses a link under ignore_errors), then DeepSpeed wrote the tag's
+    files, and rank 0 the completion marker, into the directory the link named."""
+    from dflash_dist.trainer import checkpoint
+    from dflash_dist.trainer.loop import Trainer, TrainJob
+    from tests.helpers.tiny import make_cfg, write_shards
+
+    shards = tmp_path / "shards"
+    write_shards(shards, tiny["prov"], tiny["samples"][:4], done=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "step_2").symlink_to(elsewhere, target_is_directory=True)
+    cfg = make_cfg(out, tiny["target_dir"], world_size=1, max_steps=2, checkpoint_every=2)
+    job = TrainJob(str(tiny["target_dir"]), str(shards), tiny["prov"], tiny["drafter"], total_steps=2)
+    Trainer(cfg, job).run()
+    assert list(elsewhere.iterdir()) == [], f"the checkpoint was written through the link: {list(elsewhere.iterdir())}"
+    tag = out / "checkpoints" / "step_2"
+    assert not tag.is_symlink() and checkpoint.read_marker(tag) is not None

@@ -40,11 +40,14 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dty
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         record = {"version": _RECORD_VERSION, "checksums": file_checksums(tmp, EXPORTED)}
         (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-        if out_dir.exists():
+        if out_dir.exists() or out_dir.is_symlink():
             old = out_dir.with_name(f".old-{out_dir.name}-{os.getpid()}")
             os.rename(out_dir, old)
             os.rename(tmp, out_dir)
-            shutil.rmtree(old)
+            if old.is_symlink():  # planted in the run directory: removed, never followed (rmtree refuses it)
+                old.unlink()
+            else:
+                shutil.rmtree(old)
         else:
             os.rename(tmp, out_dir)
     except BaseException:

@@ -171,6 +171,17 @@ def write_marker(tag_dir: Path, meta: dict[str, Any]) -> None:
     write_text_atomic(tag_dir / MARKER, json.dumps(record, sort_keys=True, indent=1) + "\n")
 
 
+def clear_tag(ckpt_dir: Path, tag: str) -> None:
+    """Before `tag` is saved: whatever holds its name goes, a crashed save's directory or a symbolic
+    link, which is removed, never followed (DeepSpeed would write the tag's files into the directory
+    it points to, outside ckpt_dir, and rmtree refuses a link without a word under ignore_errors)."""
+    path = ckpt_dir / tag
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def publish_latest(ckpt_dir: Path, tag: str) -> None:
     """Point `latest` at `tag` by rename: a reader sees the old or the new name, never half."""
     write_text_atomic(ckpt_dir / LATEST, tag)

@@ -260,3 +260,60 @@ def test_a_planted_checkpoint_tag_link_is_replaced_not_followed(tiny, tmp_path, 
     assert list(elsewhere.iterdir()) == [], f"the checkpoint was written through the link: {list(elsewhere.iterdir())}"
     tag = out / "checkpoints" / "step_2"
     assert not tag.is_symlink() and checkpoint.read_marker(tag) is not None
+
+
+def _tag_with_files(tmp_path: Path) -> Path:
+    """A checkpoint tag of two files under a completion marker, as rank 0 writes it."""
+    from dflash_dist.trainer import checkpoint
+
+    tag = tmp_path / "checkpoints" / "step_2"
+    (tag / "zero").mkdir(parents=True)
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"model bytes")
+    (tag / "zero" / "fp32.pt").write_bytes(b"")
+    checkpoint.write_marker(tag, {"step": 2})
+    return tag
+
+
+@pytest.mark.parametrize("how", ["link_out", "dir_link_out", "dev_zero"])
+def test_a_checkpoint_file_replaced_by_a_link_or_device_is_refused(tmp_path, how):
+    """A tag's file made a link to a file elsewhere with the same bytes (marker and checksums stay
+    true: the resume would hand DeepSpeed a file outside the tag), a directory of the tag made a
+    link, or a file made a link to /dev/zero (size 0, as the marker may record): the hash before
+    the resume never ended. Each is now a named problem of the tag, and a checksum mismatch."""
+    from dflash_dist.trainer import checkpoint
+
+    tag = _tag_with_files(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    if how == "link_out":
+        (outside / "model.pt").write_bytes(b"model bytes")
+        (tag / "mp_rank_00_model_states.pt").unlink()
+        (tag / "mp_rank_00_model_states.pt").symlink_to(outside / "model.pt")
+        named = tag / "mp_rank_00_model_states.pt"
+    elif how == "dir_link_out":
+        (outside / "fp32.pt").write_bytes(b"")
+        (tag / "zero" / "fp32.pt").unlink()
+        (tag / "zero").rmdir()
+        (tag / "zero").symlink_to(outside, target_is_directory=True)
+        named = tag / "zero"
+    else:
+        (tag / "zero" / "fp32.pt").unlink()
+        (tag / "zero" / "fp32.pt").symlink_to("/dev/zero")
+        named = tag / "zero" / "fp32.pt"
+    result: dict = {}
+
+    def check() -> None:
+        result["problem"] = checkpoint.marker_problem(tag)
+        meta = json.loads((tag / checkpoint.MARKER).read_text())
+        try:
+            checkpoint.verify_checksums(tag, meta)
+        except checkpoint.ResumeError as e:
+            result["verify"] = str(e)
+
+    thread = threading.Thread(target=check, daemon=True)  # /dev/zero: main's hash never returned
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), f"{named}: verifying the tag's checksums did not end"
+    assert result["problem"] is not None and str(named) in result["problem"], result
+    assert "symbolic link" in result["problem"], result
+    assert "verify" in result, f"{named}: the checksums passed"

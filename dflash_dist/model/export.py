@@ -75,7 +75,7 @@ def verify_export(export_dir: str | Path, required: bool = False) -> bool:
     files = checksums.get("files") if isinstance(checksums, dict) else None
     if record.get("version") != _RECORD_VERSION or not isinstance(files, dict) or set(files) != set(EXPORTED):
         raise ValueError(f"{path}: not a version-{_RECORD_VERSION} record of {list(EXPORTED)}; export it again")
-    bad = mismatched_files(export_dir, checksums, EXPORTED)
+    bad = mismatched_files(export_dir, checksums, EXPORTED, links_ok=not required)  # a run's own: no links
     if bad:
         raise ChecksumMismatch(f"{export_dir}: {', '.join(bad)} differ(s) from the {checksums['algorithm']} checksum "
                                f"{EXPORT_RECORD} recorded when it was exported: the export was damaged since; export "

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from data_pipeline.checksums import file_checksums, inside, mismatched_files
+from data_pipeline.checksums import file_checksums, mismatched_files, regular_file
 from data_pipeline.durable_files import fsync_dir, write_text_atomic
 from data_pipeline.shard_reader import read_manifest
 
@@ -87,7 +87,7 @@ def _check_marker(tag_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
         return None, f"{tag_dir / MARKER}: `files` is not a mapping of file names to sizes"
     for name, size in files.items():
         try:
-            actual = inside(tag_dir, name, str(tag_dir / MARKER)).stat().st_size
+            actual = regular_file(tag_dir, name, str(tag_dir / MARKER)).st_size
         except ValueError as e:
             return None, str(e)
         except OSError as e:

@@ -317,3 +317,61 @@ def test_a_checkpoint_file_replaced_by_a_link_or_device_is_refused(tmp_path, how
     assert result["problem"] is not None and str(named) in result["problem"], result
     assert "symbolic link" in result["problem"], result
     assert "verify" in result, f"{named}: the checksums passed"
+
+
+# ---------------------------------------------------------------- paths named in a run plan
+def _plan_for(cfg, **changes):
+    from data_pipeline.ledger import CaptureData
+    from dflash_dist.capture.data_prep import ingested_paths
+    from dflash_dist.orchestration.run_plan import DataPlan, RunPlan
+    from dflash_dist.target.loading import TargetIdentity
+    from dflash_dist.trainer.resume import ResumeDecision
+    from tests.helpers.drafter import small_drafter
+
+    prov = make_prov()
+    data = DataPlan(str(ingested_paths(cfg, "train")[0]), None, CaptureData(None, None, 4, "0" * 64))
+    tag = ResumeDecision(str(cfg.out / "checkpoints" / "step_2"), 2, 1, 1, "0" * 64)
+    fields = dict(
+        stages=("train",),
+        resume="auto",
+        resume_from=tag,
+        target_dir=str(cfg.target.path),
+        identity=TargetIdentity(
+            str(cfg.target.path), "t", prov.target_hash, prov.layer_ids, prov.hidden_size, prov.dtype
+        ),
+        expected=prov,
+        drafter=small_drafter().config,
+        data=data,
+        num_samples=4,
+        made_by="leader",
+    )
+    return RunPlan(**{**fields, **changes})
+
+
+@pytest.mark.parametrize("field", ["own", "train_jsonl", "target_dir", "resume_from"])
+def test_a_plan_naming_paths_outside_the_run_is_refused(tmp_path, field):
+    """A Slurm task reads the plan another task wrote to <out>/plans/<key>.json (the key is the job
+    id: predictable). One naming conversations, a model or a checkpoint elsewhere was obeyed."""
+    from dataclasses import replace
+
+    from dflash_dist.orchestration.run_plan import PipelineError, plan_path, share_plan, write_plan
+    from dflash_dist.trainer.resume import ResumeDecision
+    from tests.helpers.config import config_from
+
+    cfg = config_from({"run": {"out_dir": str(tmp_path / "out")}, "target": {"kind": "hf", "path": str(tmp_path / "t")},
+                       "data": {"train_path": "x.jsonl"}})  # fmt: skip
+    plan = _plan_for(cfg)
+    elsewhere = tmp_path / "elsewhere"
+    if field == "train_jsonl":
+        plan = replace(plan, data=replace(plan.data, train_jsonl=str(elsewhere / "private.jsonl")))
+    elif field == "target_dir":
+        plan = replace(plan, target_dir=str(elsewhere / "model"))
+    elif field == "resume_from":
+        plan = replace(plan, resume_from=ResumeDecision(str(elsewhere / "step_9"), 9, 1, 1, "0" * 64))
+    key = "train-7-step-0-restart-0"
+    write_plan(plan_path(cfg.out, key), plan)
+    if field == "own":
+        assert share_plan(cfg, ("train",), "auto", key=key, leader=False, wait_s=5) == plan
+        return
+    with pytest.raises(PipelineError, match=rf"{plan_path(cfg.out, key)}: names .*{elsewhere}"):
+        share_plan(cfg, ("train",), "auto", key=key, leader=False, wait_s=5)

@@ -69,6 +69,19 @@ def resolve_target_dir(cfg: Config) -> Path:
     return Path(cfg.target.path)
 
 
+def expected_target_dir(cfg: Config) -> Path:
+    """Where resolve_target_dir finds (or builds) the target, without building anything."""
+    if cfg.target.path is not None or cfg.target.kind == "hf":
+        return Path(cfg.target.path)
+    if cfg.target.kind == "tiny_stdlib":
+        from dflash_dist.target.tiny_target import default_cache_dir
+
+        return default_cache_dir()
+    from dflash_dist.target.code_target import default_cache_dir
+
+    return default_cache_dir(cfg.target.preset)
+
+
 def target_id(cfg: Config, target_dir: Path) -> str:
     """How shards, plans and regenerated data name the target: its path, or `<kind>:<directory name>`."""
     return str(cfg.target.path) if cfg.target.kind == "hf" else f"{cfg.target.kind}:{Path(target_dir).name}"

@@ -18,6 +18,7 @@ import gzip
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 import tarfile
@@ -375,3 +376,28 @@ def test_a_plan_naming_paths_outside_the_run_is_refused(tmp_path, field):
         return
     with pytest.raises(PipelineError, match=rf"{plan_path(cfg.out, key)}: names .*{elsewhere}"):
         share_plan(cfg, ("train",), "auto", key=key, leader=False, wait_s=5)
+
+
+def test_tensorboard_event_files_cannot_be_planted_ahead_as_links(tmp_path):
+    """TensorBoard names an event file `events.out.tfevents.<seconds>.<host>.<pid>.<n>` and opens it
+    "wb" through a link. Links planted under every name the next minute could give (the pid and n
+    guessed here exactly, as a neighbour on the node could nearly) had the writer truncate the
+    linked file and write its events there."""
+    import time
+
+    from tensorboard.summary.writer import event_file_writer
+
+    from dflash_dist.trainer.metrics import Metrics
+
+    victim, before = _victim(tmp_path)
+    tb = tmp_path / "tb" / "train"
+    tb.mkdir(parents=True)
+    n, now = event_file_writer._global_uid._value, int(time.time())
+    for t in range(now - 5, now + 60):
+        (tb / f"events.out.tfevents.{t:010d}.{socket.gethostname()}.{os.getpid()}.{n}").symlink_to(victim)
+    metrics = Metrics(tb, purge_step=3)
+    metrics.log(3, {"train/loss": 1.0})
+    metrics.close()
+    assert victim.read_bytes() == before, "the event file was written through a planted link"
+    written = [p for p in tb.iterdir() if not p.is_symlink()]
+    assert len(written) == 1 and written[0].stat().st_size > 0, written

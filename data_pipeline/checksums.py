@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -77,22 +78,44 @@ def inside(root: Path, name: Any, where: str) -> Path:
     return root / name
 
 
+def regular_file(root: Path, name: Any, where: str) -> os.stat_result:
+    """The lstat of `inside(root, name, where)`, a regular file reached through no symbolic link:
+    else a ValueError naming it (a link would have the reader hash, stat or load a file outside
+    `root`; a FIFO or a device such as /dev/zero, whose size is 0, would block or never end the
+    read). OSError when it is missing."""
+    path = inside(root, name, where)
+    for part in [*reversed(path.relative_to(root).parents)][1:]:
+        if (root / part).is_symlink():
+            raise ValueError(f"{where}: {root / part} is a symbolic link: the files of {root} are its own, never links")
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+        raise ValueError(f"{where}: {path} is {kind}: the files of {root} are its own regular files, never links or "
+                         "devices; this record was not written by dflash-dist")
+    return st
+
+
 def file_checksums(root: Path, names: Iterable[str], algorithm: str = FILE_ALGORITHM) -> dict[str, Any]:
     """{"algorithm", "files": {relative name: hex digest}} of the files `names` under `root`."""
     return {"algorithm": algorithm, "files": {name: digest_file(root / name, algorithm) for name in sorted(names)}}
 
 
-def mismatched_files(root: Path, checksums: dict[str, Any], names: Iterable[str] | None = None) -> list[str]:
+def mismatched_files(root: Path, checksums: dict[str, Any], names: Iterable[str] | None = None,
+                     links_ok: bool = False) -> list[str]:  # fmt: skip
     """The files (of `names`, default all listed) whose bytes no longer match `checksums`
-    (as file_checksums wrote it); a file that cannot be read counts as mismatched."""
+    (as file_checksums wrote it); a file that cannot be read counts as mismatched, and so does a
+    link or a device (`regular_file`) unless `links_ok` (a directory the user chose, such as a
+    downloaded export whose files link into the Hugging Face cache)."""
     algorithm = check_algorithm(checksums.get("algorithm"), str(root))
     listed = checksums["files"]
     bad = []
     for name in sorted(listed if names is None else names):
         path = inside(root, name, str(root))
         try:
+            if not links_ok:
+                regular_file(root, name, str(root))
             if digest_file(path, algorithm) != listed[name]:
                 bad.append(name)
-        except OSError:
+        except (OSError, ValueError):  # missing, unreadable, a link or a device
             bad.append(name)
     return bad

@@ -1,13 +1,23 @@
 """Durable small-file writes shared by shards, manifests and checkpoints: a reader sees the old
 file or the new one, never half of it, and a crash after the call keeps the new one; and the one
-appender of line logs, with the one rule for a torn last line (`append_lines`)."""
+appender of line logs, with the one rule for a torn last line (`append_lines`).
+
+Whoever can write a run directory could put a symbolic link where we write: a link named like a
+line log or lock file (`shards/skipped.jsonl -> ~/.bashrc`) would have us append to, cut or
+truncate the file it points to, outside the directory. So a file written in place is opened with
+`open_own_file` (never through a link, only a regular file), and a temporary name is made afresh
+(a planted link there is removed, not followed). A rename replaces a link itself, never its target.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import fcntl
 import logging
 import os
+import stat
 import sys
 import threading
 from collections.abc import Iterator
@@ -60,14 +70,47 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class UnsafeFileError(ValueError):
+    """A name we write in place is a symbolic link or not a regular file: not ours to write through."""
+
+
+def open_own_file(path: Path, flags: int, mode: int = 0o644) -> int:
+    """`os.open(path, flags, mode)` of a file we write in place (a line log, a lock file), refusing
+    a symbolic link (never followed) and anything but a regular file (a FIFO, a device), before a
+    byte is written: UnsafeFileError naming it and what to do."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)  # NONBLOCK: a FIFO
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        fd = None
+    if fd is not None and stat.S_ISREG(os.fstat(fd).st_mode):
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        return fd
+    if fd is not None:
+        os.close(fd)
+    raise UnsafeFileError(
+        f"{path} is a symbolic link or not a regular file: dflash-dist writes its own files here and never through a "
+        f"link; someone with write access to {path.parent} put it there (a link could point at any file of yours). "
+        "Remove it, check who can write that directory, and start again"
+    )
+
+
+def _fresh(tmp: Path) -> Path:
+    """`tmp` made free for an exclusive create: whatever has the name (a crashed write's leftover, or
+    a link someone planted) is removed, never followed."""
+    tmp.unlink(missing_ok=True)
+    return tmp
+
+
 @contextlib.contextmanager
 def atomic_writer(path: Path, private: bool = False) -> Iterator[TextIO]:
     """A text file to stream into at a temporary name beside `path` (unique per writer thread);
     on a clean exit it is fsynced, renamed over `path` and the directory synced; on an error it
     is removed and `path` is untouched. `private`: created new with mode 0600, so no other user can
     read it, not even while it is written (secrets)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if private else os.O_TRUNC)
+    tmp = _fresh(path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}"))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
     try:
         with os.fdopen(os.open(tmp, flags, 0o600 if private else 0o666), "w", encoding="utf-8") as f:
             yield f
@@ -86,7 +129,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
     (safetensors' save_file, torch.save): on a clean exit the file is fsynced, renamed over `path`
     and the directory synced; on an error it is removed and `path` is untouched. A crash in the
     middle leaves `path` as it was, the partial bytes only under the temporary name."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    tmp = _fresh(path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}"))
     try:
         yield tmp
         fd = os.open(tmp, os.O_RDONLY)
@@ -118,7 +161,7 @@ def append_lines(path: Path, data: bytes, durable: bool = True) -> None:
     writers that share a file hold a lock around the call (the shard manifest's manifest_lock)."""
     assert not data or data.endswith(b"\n"), "append whole lines only"
     created = not path.exists()
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = open_own_file(path, os.O_RDWR | os.O_CREAT | os.O_APPEND)
     try:
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":

@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 from webdataset.autodecode import Decoder
-from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from data_pipeline.feature_codec import FP8, decode_fp8
 from data_pipeline.npy_bytes import npy_from_bytes
+from data_pipeline.plain_tar import tar_samples
 from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance, check_compatible
 from data_pipeline.records import (
     DONE_NAME,
@@ -149,8 +149,8 @@ def _to_sample(d: dict[str, Any], where: str) -> Sample:
 
 
 def _raw_samples(stream, path: str) -> Iterator[dict[str, Any]]:
-    """One shard's samples as raw tar members (webdataset's expander and grouping), in storage order."""
-    return group_by_keys(tar_file_expander([{"url": path, "stream": stream}]))
+    """One shard's samples as raw tar members (webdataset's grouping; plain tars only), in storage order."""
+    return tar_samples(stream, path)
 
 
 def iter_shard_samples(

@@ -37,7 +37,7 @@ import torch
 from webdataset.writer import TarWriter, default_handlers, encode_based_on_extension
 
 from data_pipeline.checksums import member_digests
-from data_pipeline.durable_files import append_lines, can_start_write_back, fsync_dir, start_write_back
+from data_pipeline.durable_files import append_lines, can_start_write_back, fsync_dir, open_own_file, start_write_back
 from data_pipeline.feature_codec import ENCODING_OF, FP8, RAW, encode_fp8
 from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance, check_compatible
 from data_pipeline.records import (
@@ -69,11 +69,11 @@ def manifest_lock(shard_dir: str | os.PathLike[str]) -> Iterator[None]:
     flock excludes other processes; the thread lock excludes writers of this process (flock on
     NFS is emulated with POSIX locks, which do not exclude threads of one process).
     """
-    path = os.path.realpath(Path(shard_dir) / MANIFEST_LOCK_NAME)
+    path = Path(os.path.realpath(shard_dir)) / MANIFEST_LOCK_NAME  # the directory resolved, never the lock's name
     with _thread_locks_guard:
-        thread_lock = _thread_locks.setdefault(path, threading.Lock())
+        thread_lock = _thread_locks.setdefault(str(path), threading.Lock())
     with thread_lock:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_own_file(path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield

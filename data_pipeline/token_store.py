@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from webdataset.tariterators import group_by_keys, tar_file_expander
 from webdataset.writer import TarWriter
 
 from data_pipeline.checksums import FILE_ALGORITHM, digest_bytes, digest_file, is_digest
 from data_pipeline.durable_files import append_lines, fsync_dir
 from data_pipeline.ledger import remove_unlisted_tars
 from data_pipeline.npy_bytes import npy_from_bytes
+from data_pipeline.plain_tar import tar_samples
 from data_pipeline.records import MANIFEST_NAME, TMP_PREFIX
 from data_pipeline.shard_writer import manifest_lock
 
@@ -169,7 +169,7 @@ def read_sequences(store_dir: str | os.PathLike[str], record: SequenceRecord) ->
     if digest_bytes(data, FILE_ALGORITHM) != record.checksum:
         raise ValueError(f"{path}: its bytes differ from the checksum listed when it was written (damaged)")
     out: dict[str, tuple[list[int], list[int]]] = {}
-    for i, sample in enumerate(group_by_keys(tar_file_expander([{"url": str(path), "stream": io.BytesIO(data)}]))):
+    for i, sample in enumerate(tar_samples(io.BytesIO(data), str(path))):
         if sorted(k for k in sample if not k.startswith("_")) != sorted(_MEMBERS) or i >= len(record.keys):
             raise ValueError(f"{path}: sample {i} is not (ids.npy, key.txt, mask.npy) or is not listed")
         key = sample["key.txt"].decode("utf-8")

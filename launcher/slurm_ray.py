@@ -23,13 +23,13 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 from dflash_dist.actors.ports import free_ports
 from dflash_dist.config import Config, ConfigError
+from dflash_dist.orchestration.ray_temp import make_private_ray_temp
 from launcher.ray_auth import new_token, with_auth
 from launcher.slurm_train import step_hostnames
 
@@ -56,7 +56,8 @@ class SlurmRayCluster:
     def __init__(self, hostnames: list[str]) -> None:
         self.hosts = hostnames
         self.address_ip = "127.0.0.1" if len(hostnames) == 1 else socket.gethostbyname(hostnames[0])
-        self.temp_dir = tempfile.mkdtemp(prefix=f"dfray-{os.environ.get('SLURM_JOB_ID', 'x')}-", dir="/tmp")
+        # the head's sessions inside a directory of ours no other user can enter (ray_temp.py)
+        self.temp_dir = make_private_ray_temp(f"{os.environ.get('SLURM_JOB_ID', 'x')}-")
         self.ports = free_ports(len(_HEAD_PORT_FLAGS))
         self.address = f"{self.address_ip}:{self.ports[0]}"
         # the nodes listen on the cluster network: every Ray process demands this job's own token
@@ -84,8 +85,8 @@ class SlurmRayCluster:
         if len(self.hosts) > 1:  # one raylet per other node, as one job step
             others = len(self.hosts) - 1
             workers = ["srun", "--overlap", f"--nodes={others}", f"--ntasks={others}", "--ntasks-per-node=1",
-                       f"--exclude={self.hosts[0]}", _ray_bin(), "start", "--block", "--address", self.address,
-                       "--disable-usage-stats"]
+                       f"--exclude={self.hosts[0]}", sys.executable, "-m", "launcher.slurm_ray", "worker",
+                       "--block", "--address", self.address, "--disable-usage-stats"]  # fmt: skip
             self.procs.append(subprocess.Popen(workers, env=self.env, start_new_session=True))
         log.info("Ray head at %s on %s; %d worker node(s)", self.address, self.hosts[0], len(self.hosts) - 1)
 
@@ -99,7 +100,22 @@ class SlurmRayCluster:
             deadline = time.monotonic() + wait_s
             while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
                 time.sleep(0.2)
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        shutil.rmtree(os.path.dirname(self.temp_dir), ignore_errors=True)
+
+
+def run_worker(ray_args: list[str]) -> int:
+    """`python -m launcher.slurm_ray worker RAY_START_ARGS...`, one srun task on each other node:
+    `ray start RAY_START_ARGS --temp-dir DIR` with DIR private to this user on this node
+    (ray_temp.py; without it the node would make the head's temp path here, open to all), removed
+    when Ray stops. SIGTERM and SIGINT are passed on to `ray start --block`, which stops its node."""
+    temp_dir = make_private_ray_temp(f"{os.environ.get('SLURM_JOB_ID', 'x')}-w-")
+    try:
+        proc = subprocess.Popen([_ray_bin(), "start", *ray_args, "--temp-dir", temp_dir])
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, _frame: proc.send_signal(signum))
+        return proc.wait()
+    finally:
+        shutil.rmtree(os.path.dirname(temp_dir), ignore_errors=True)
 
 
 def _relay(proc: subprocess.Popen, up: threading.Event) -> None:
@@ -175,11 +191,14 @@ def forward_notice(out: Path, signum: int, quiet: bool = False) -> list[str]:
 
 def main(argv: list[str]) -> int:
     """`python -m launcher.slurm_ray notify HEARTBEAT_FILE`: forward_notice's step on another
-    node: SIGUSR1 to the trainer that heartbeat names, if signal_refusal allows it there."""
+    node: SIGUSR1 to the trainer that heartbeat names, if signal_refusal allows it there.
+    `python -m launcher.slurm_ray worker RAY_START_ARGS...`: run_worker."""
     from dflash_dist.actors.heartbeat import check_record
 
+    if argv[:1] == ["worker"]:
+        return run_worker(argv[1:])
     if len(argv) != 2 or argv[0] != "notify":
-        print("usage: python -m launcher.slurm_ray notify HEARTBEAT_FILE", file=sys.stderr)
+        print("usage: python -m launcher.slurm_ray notify HEARTBEAT_FILE | worker RAY_START_ARGS...", file=sys.stderr)
         return 2
     path = Path(argv[1])
     try:

@@ -9,7 +9,7 @@ elastic path that loads an already converted universal copy. A truncated file is
 The allow-list is checked against
 real ZeRO-1/2/3 checkpoints (types found by torch's own scan), which then resume weights-only.
 
-Nor does anything else the package reads run code: a scan of dflash_dist/, data_pipeline/ and
+Nor does anything else the package reads run code: a scan of dflash_dist/, data_pipeline/, bench/ and
 launcher/ refuses torch.distributed's object collectives (they unpickle what peers send; the ranks
 exchange JSON, trainer/collectives.py, tests/test_collectives.py), `torch.load` without
 `weights_only=True`, the pickle family's loaders, and `allow_pickle=True`.
@@ -199,7 +199,7 @@ def test_allow_list_covers_what_deepspeed_saves_and_checkpoints_resume(tiny, sha
 
 
 # ---------------------------------------------------------------- nothing else the package reads runs code
-SCANNED = ("dflash_dist", "data_pipeline", "launcher")
+SCANNED = ("dflash_dist", "data_pipeline", "launcher", "bench")  # bench: scripts users run on their runs
 # torch.distributed's object collectives pickle on the sender and unpickle what arrives from peers
 OBJECT_COLLECTIVE = re.compile(r"^i?(all_gather|gather|broadcast|scatter|send|recv)_object(_list)?$")
 PICKLERS = {"pickle", "_pickle", "cPickle", "cloudpickle", "dill", "marshal", "shelve", "joblib", "jsonpickle"}
@@ -216,6 +216,10 @@ def _dotted(node: ast.AST) -> str:
     return ".".join(reversed(parts))
 
 
+def _keyword_false(call: ast.Call, name: str) -> bool:
+    return any(k.arg == name and isinstance(k.value, ast.Constant) and k.value.value is False for k in call.keywords)
+
+
 def _keyword_true(call: ast.Call, name: str) -> bool:
     return any(k.arg == name and isinstance(k.value, ast.Constant) and k.value.value is True for k in call.keywords)
 
@@ -224,12 +228,14 @@ def code_from_data(source: str, where: str) -> list[str]:
     """Calls in `source` that can run code carried by bytes they read (`where:line: what`)."""
     tree = ast.parse(source, where)
     aliases: dict[str, str] = {}  # local name -> module, from `import x as y`
+    imported: dict[str, str] = {}  # local name -> name, from `from m import x as y`
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             aliases.update({(a.asname or a.name).split(".")[0]: a.name.split(".")[0] for a in node.names})
         elif isinstance(node, ast.ImportFrom) and node.module:
             top = node.module.split(".")[0]
+            imported.update({a.asname or a.name: a.name for a in node.names})
             for a in node.names:
                 if (top in PICKLERS and a.name in PICKLE_LOADERS) or (node.module == "torch" and a.name == "load") or (
                     OBJECT_COLLECTIVE.match(a.name)
@@ -252,6 +258,10 @@ def code_from_data(source: str, where: str) -> list[str]:
             why = None if own else "unpickles what it reads: read JSON, npy (no object dtype) or safetensors"
         elif last == "read_pickle":
             why = "unpickles the file"
+        elif last in ("from_pretrained", "from_config") and imported.get(first, first).startswith("Auto") and not (
+            _keyword_false(node, "trust_remote_code") or any(k.arg is None for k in node.keywords)
+        ):  # fmt: skip
+            why = "may run the model directory's Python files (auto_map): pass trust_remote_code=False (NO_REMOTE_CODE)"
         if _keyword_true(node, "allow_pickle"):
             why = "allow_pickle=True unpickles object arrays"
         if why is not None:
@@ -283,6 +293,9 @@ def test_the_package_neither_unpickles_nor_gathers_objects():
         "import cloudpickle\ncloudpickle.load(f)",
         "import numpy as np\nnp.load(f, allow_pickle=True)",
         "import pandas as pd\npd.read_pickle(path)",
+        "from transformers import AutoTokenizer\nAutoTokenizer.from_pretrained(d)",
+        "from transformers import AutoModelForCausalLM as M\nM.from_pretrained(d, dtype=t)",
+        "from transformers import AutoConfig\nAutoConfig.from_pretrained(d, trust_remote_code=True)",
     ],
 )
 def test_the_scan_finds_each_way_back_in(source):
@@ -298,6 +311,9 @@ def test_the_scan_finds_each_way_back_in(source):
         "import json\njson.loads(text)",
         "import torch.distributed as dist\ndist.all_gather(parts, buf, group=g)",
         "import numpy as np\nnp.load(f)",
+        "from transformers import AutoTokenizer\nAutoTokenizer.from_pretrained(d, trust_remote_code=False)",
+        "AutoModelForCausalLM.from_config(c, **NO_REMOTE_CODE)",
+        "PreTrainedTokenizerFast.from_pretrained(d)",  # a concrete class: no auto_map is consulted
     ],
 )
 def test_the_scan_lets_data_only_reads_pass(source):

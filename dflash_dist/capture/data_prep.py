@@ -129,11 +129,9 @@ def _generated_sources(cfg: Config, train: Path | None, heldout: Path | None) ->
 
 
 def _load_tokenizer(cfg: Config):
-    from transformers import AutoTokenizer
+    from dflash_dist.target.loading import load_tokenizer, resolve_target_dir
 
-    from dflash_dist.target.loading import resolve_target_dir
-
-    return AutoTokenizer.from_pretrained(resolve_target_dir(cfg))
+    return load_tokenizer(resolve_target_dir(cfg))
 
 
 def _measure(cfg: Config, encoder):

@@ -44,11 +44,14 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dty
         os.chmod(tmp / "model.safetensors", stat.S_IMODE((tmp / "config.json").stat().st_mode))
         record = {"version": _RECORD_VERSION, "checksums": file_checksums(tmp, EXPORTED)}
         (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-        if out_dir.exists():
+        if out_dir.exists() or out_dir.is_symlink():
             old = out_dir.with_name(f".old-{out_dir.name}-{os.getpid()}")
             os.rename(out_dir, old)
             os.rename(tmp, out_dir)
-            shutil.rmtree(old)
+            if old.is_symlink():  # planted in the run directory: removed, never followed (rmtree refuses it)
+                old.unlink()
+            else:
+                shutil.rmtree(old)
         else:
             os.rename(tmp, out_dir)
     except BaseException:
@@ -88,7 +91,7 @@ def verify_export(export_dir: str | Path, required: bool = False) -> bool:
     files = checksums.get("files") if isinstance(checksums, dict) else None
     if record.get("version") != _RECORD_VERSION or not isinstance(files, dict) or set(files) != set(EXPORTED):
         raise ValueError(f"{path}: not a version-{_RECORD_VERSION} record of {list(EXPORTED)}; export it again")
-    bad = mismatched_files(export_dir, checksums, EXPORTED)
+    bad = mismatched_files(export_dir, checksums, EXPORTED, links_ok=not required)  # a run's own: no links
     if bad:
         raise ChecksumMismatch(f"{export_dir}: {', '.join(bad)} differ(s) from the {checksums['algorithm']} checksum "
                                f"{EXPORT_RECORD} recorded when it was exported: the export was damaged since; export "

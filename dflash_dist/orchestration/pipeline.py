@@ -25,6 +25,7 @@ from dflash_dist.actors.heartbeat import Heartbeat, clear_heartbeats
 from dflash_dist.config import Config
 from dflash_dist.evaluator.policy import EvalResult
 from dflash_dist.orchestration import placement
+from dflash_dist.orchestration.ray_temp import private_ray_temp
 from dflash_dist.orchestration.ray_token import local_cluster_auth, reach_hint
 from dflash_dist.orchestration.run_lock import RunLock, RunLocked
 from dflash_dist.orchestration.run_plan import PLAN_NAME, PipelineError, RunPlan, make_plan, write_plan
@@ -77,6 +78,7 @@ def ray_session(cfg: Config):
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     kwargs: dict = {"log_to_driver": True}
     auth = contextlib.nullcontext()  # joining: the cluster's own token settings (launcher/ray_auth.py)
+    temp = contextlib.nullcontext()
     if address:
         kwargs["address"] = address
     else:  # "local": a new cluster, never one that happens to run on this host (ray.init's default joins
@@ -84,7 +86,10 @@ def ray_session(cfg: Config):
         kwargs.update(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.dashboard,
                       dashboard_host=cfg.ray.dashboard_host, _node_ip_address="127.0.0.1")
         auth = local_cluster_auth()  # its token in this process's environment, not in ~/.ray/auth_token
-    with auth as token:
+        temp = private_ray_temp()  # its sockets and logs where no other user reaches (ray_temp.py)
+    with auth as token, temp as temp_dir:
+        if temp_dir is not None:
+            kwargs["_temp_dir"] = temp_dir
         ctx = ray.init(**kwargs)
         if token is not None:  # Ray's CLI and dashboard need it too; it is in no file (ray_token.reach_hint)
             dashboard = f" (dashboard http://{ctx.dashboard_url})" if cfg.ray.dashboard and ctx.dashboard_url else ""
@@ -124,9 +129,8 @@ def run_pipeline(cfg: Config, stages: tuple[str, ...], resume: str = "never") ->
 
 
 def _run(cfg: Config, stages: tuple[str, ...], resume: str) -> PipelineResult:
-    from transformers import AutoTokenizer
-
     from dflash_dist.capture.data_prep import eval_prompt_ids
+    from dflash_dist.target.loading import load_tokenizer
 
     t0 = time.time()
     plan = make_plan(cfg, stages, resume)
@@ -155,7 +159,7 @@ def _run(cfg: Config, stages: tuple[str, ...], resume: str) -> PipelineResult:
             training = _InThread(supervise_training, cfg, group, restart, plan.resume)
         evaluator = None
         if "eval" in stages and cfg.eval.enabled:
-            tokenizer = AutoTokenizer.from_pretrained(plan.target_dir)
+            tokenizer = load_tokenizer(plan.target_dir)
             prompts = eval_prompt_ids(Path(plan.data.eval_jsonl), tokenizer, cfg.eval.num_prompts,
                                       cfg.data.enable_thinking)
             evaluator = _start_evaluator(cfg, plan, prompts, paths["shards"], where("evaluator", 0))

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from data_pipeline.durable_files import open_own_file
+
 LOCK_NAME = ".dflash.lock"
 EXCLUSIVE, SHARED = "exclusive", "shared"
 
@@ -48,7 +50,7 @@ class RunLock:
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_own_file(self.path, os.O_RDWR | os.O_CREAT)  # truncated below: never through a planted link
         op = fcntl.LOCK_EX if self.mode == EXCLUSIVE else fcntl.LOCK_SH
         try:
             fcntl.flock(fd, op | fcntl.LOCK_NB)

@@ -225,12 +225,11 @@ def _checkpoint_base(cfg: Config, resume: str, given: int, written: int) -> int:
 
 def make_plan(cfg: Config, stages: tuple[str, ...], resume: str, made_by: str = "") -> RunPlan:
     """Everything the run's roles share, computed here once (see the module docstring)."""
-    from transformers import AutoTokenizer
-
     from dflash_dist.capture.data_prep import write_data
     from dflash_dist.target.loading import (
         drafter_config_for,
         expected_provenance,
+        load_tokenizer,
         resolve_target_dir,
         target_identity,
         tokenizer_mask_id,
@@ -239,7 +238,7 @@ def make_plan(cfg: Config, stages: tuple[str, ...], resume: str, made_by: str = 
 
     stages = plan_stages(cfg, stages, resume)
     target_dir = resolve_target_dir(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    tokenizer = load_tokenizer(target_dir)
     splits, data = _plan_data(cfg, tokenizer) if ("extract" in stages or "eval" in stages) else (None, None)
     num_samples = planned_samples(cfg, data, stages, resume)
     resume_from = decide_training(cfg, stages, resume, num_samples)
@@ -365,6 +364,35 @@ def read_plan(path: Path) -> RunPlan:
     return RunPlan.from_json(path.read_text(), str(path))
 
 
+def check_plan_paths(plan: RunPlan, cfg: Config, resume: str, where: str) -> RunPlan:
+    """`plan`, read from `where` by another task of the job, if the paths it names are the ones this
+    task's own config and command give: the target's directory, the ingested files under
+    <out>/data/, a checkpoint under <out>/checkpoints/ (or the --resume PATH given). A plan file is
+    as writable as the run directory (and a job's key is predictable, so one can be put there
+    before the job starts): another path would have this task read a model, conversations or a
+    checkpoint from outside the run. Else a PipelineError naming the field."""
+    from dflash_dist.capture.data_prep import ingested_paths
+    from dflash_dist.target.loading import expected_target_dir
+
+    wrong = []
+    if Path(plan.target_dir) != expected_target_dir(cfg):
+        wrong.append(f"target_dir {plan.target_dir!r} (this task's target: {str(expected_target_dir(cfg))!r})")
+    if plan.data is not None:
+        for split, got, optional in (("train", plan.data.train_jsonl, False), ("eval", plan.data.eval_jsonl, True)):
+            own = str(ingested_paths(cfg, split)[0])
+            if got != own and not (optional and got is None):
+                wrong.append(f"data.{split}_jsonl {got!r} (this run's: {own!r})")
+    if plan.resume_from is not None:
+        tag = Path(plan.resume_from.tag)
+        if tag.parent != cfg.out / "checkpoints" and tag != Path(resume):
+            wrong.append(f"resume_from.tag {plan.resume_from.tag!r} (not under {cfg.out / 'checkpoints'}, nor "
+                         f"--resume {resume})")  # fmt: skip
+    if wrong:
+        raise PipelineError(f"{where}: names {'; '.join(wrong)}: this plan was not made for this run's config (or "
+                            "not by dflash-dist); delete it and resubmit the job")  # fmt: skip
+    return plan
+
+
 def fail_plan(out: Path, key: str, message: str) -> None:
     """The leader of job `key` could not make the plan: the waiting tasks stop with `message`
     instead of waiting PLAN_WAIT_S for a plan that will not come."""
@@ -415,4 +443,4 @@ def share_plan(cfg: Config, stages: tuple[str, ...], resume: str, key: str, lead
         time.sleep(0.5)
     if waited:
         log.info("run plan %s read (computed by another task of the job)", path)
-    return read_plan(path)
+    return check_plan_paths(read_plan(path), cfg, resume, str(path))

@@ -24,6 +24,7 @@ import transformers
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 from data_pipeline.chat_data import template_hash
+from data_pipeline.durable_files import open_own_file
 from dflash_dist.target.tiny_tokenizer import ENDOFTEXT, IM_END
 
 CACHE_ENV = "DFLASH_CACHE"
@@ -78,7 +79,8 @@ def build_cached(
     if is_cached(target_dir, schema, digest, what):
         return target_dir
     target_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(target_dir.parent / f".{target_dir.name}.lock", "w") as lock:
+    lock_path = target_dir.parent / f".{target_dir.name}.lock"
+    with os.fdopen(open_own_file(lock_path, os.O_RDWR | os.O_CREAT), "r+b") as lock:  # never through a link
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if is_cached(target_dir, schema, digest, what):  # another process built it while we waited
             return target_dir

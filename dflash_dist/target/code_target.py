@@ -161,7 +161,8 @@ def load_code_target(target_dir: str | os.PathLike, device: str = "cpu", dtype: 
     """(model in eval mode, tokenizer) of a built target (the pipeline loads it as any HF model)."""
     read_stamp(target_dir)
     route_cpu_to_torch()
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, attn_implementation="sdpa",
+                                                 trust_remote_code=False)  # never code from the cache (loading.py)
     return model.to(device).eval(), PreTrainedTokenizerFast.from_pretrained(target_dir)
 
 

@@ -4,10 +4,12 @@ it, and the provenance every shard and evaluator compares."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,27 @@ from dflash_dist.target.weights_check import (
 )
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# Never code from a model directory. A config.json or tokenizer_config.json may name Python files
+# beside it (`auto_map`) for a model type transformers lacks; left unset, transformers asks on the
+# terminal and imports them on "y" (and a piped "y" answers it). False: it loads its own classes
+# or refuses (no_remote_code says so in our words).
+NO_REMOTE_CODE = {"trust_remote_code": False}
+
+
+@contextlib.contextmanager
+def no_remote_code(model_dir: str | os.PathLike[str]) -> Iterator[None]:
+    """Around a transformers load with NO_REMOTE_CODE: its refusal, which tells the user to pass
+    trust_remote_code=True, becomes a ValueError naming the directory and what to do instead."""
+    try:
+        yield
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise ValueError(
+            f"{model_dir}: its config.json or tokenizer_config.json maps the model to Python files in the directory "
+            "(auto_map), for a model type this transformers does not implement; dflash-dist never runs code from a "
+            "model directory: use a transformers version that implements the model type"
+        ) from None
 
 
 def resolve_target_dir(cfg: Config) -> Path:
@@ -46,6 +69,19 @@ def resolve_target_dir(cfg: Config) -> Path:
     return Path(cfg.target.path)
 
 
+def expected_target_dir(cfg: Config) -> Path:
+    """Where resolve_target_dir finds (or builds) the target, without building anything."""
+    if cfg.target.path is not None or cfg.target.kind == "hf":
+        return Path(cfg.target.path)
+    if cfg.target.kind == "tiny_stdlib":
+        from dflash_dist.target.tiny_target import default_cache_dir
+
+        return default_cache_dir()
+    from dflash_dist.target.code_target import default_cache_dir
+
+    return default_cache_dir(cfg.target.preset)
+
+
 def target_id(cfg: Config, target_dir: Path) -> str:
     """How shards, plans and regenerated data name the target: its path, or `<kind>:<directory name>`."""
     return str(cfg.target.path) if cfg.target.kind == "hf" else f"{cfg.target.kind}:{Path(target_dir).name}"
@@ -59,15 +95,25 @@ def target_device(cfg: Config) -> torch.device:
 
 def load_target(cfg: Config, target_dir: Path, device: torch.device | None = None):
     """(model in eval mode, tokenizer). Kernel paths are the caller's to check (capture does)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     device = device or target_device(cfg)
-    model = AutoModelForCausalLM.from_pretrained(
-        target_dir, dtype=DTYPES[cfg.target.dtype], attn_implementation=cfg.target.attn_implementation
-    )
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    with no_remote_code(target_dir):
+        model = AutoModelForCausalLM.from_pretrained(
+            target_dir, dtype=DTYPES[cfg.target.dtype], attn_implementation=cfg.target.attn_implementation,
+            **NO_REMOTE_CODE,
+        )
+    tokenizer = load_tokenizer(target_dir)
     route_cpu_to_torch()  # CPU tensors to torch GDN: fla (picked where Triton imports) cannot run them
     return model.to(device).eval(), tokenizer
+
+
+def load_tokenizer(target_dir: str | Path):
+    """The target's tokenizer (AutoTokenizer), never code from its directory (NO_REMOTE_CODE)."""
+    from transformers import AutoTokenizer
+
+    with no_remote_code(target_dir):
+        return AutoTokenizer.from_pretrained(target_dir, **NO_REMOTE_CODE)
 
 
 def load_verified_target(cfg: Config, target_dir: Path, recorded_hash: str, where: str,
@@ -122,8 +168,9 @@ def target_matmul_params(target_dir: Path) -> int:
     lm_head still counts), from the target's config.json alone, built on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(target_dir))
+    with torch.device("meta"), no_remote_code(target_dir):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(target_dir, **NO_REMOTE_CODE),
+                                                 **NO_REMOTE_CODE)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is embed.weight
     return sum(p.numel() for p in model.parameters()) - (0 if tied else embed.weight.numel())

@@ -88,7 +88,7 @@ def build_target(root: Path, device: str, weights: dict[str, torch.Tensor]):
         cfg_dict.pop(k, None)
     config = AutoConfig.for_model(model_type, **cfg_dict)
     config._attn_implementation = "sdpa"
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
     state = {k: v for k, v in weights.items() if k.startswith(("model.", "lm_head."))}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from data_pipeline.checksums import file_checksums, inside, mismatched_files
+from data_pipeline.checksums import file_checksums, mismatched_files, regular_file
 from data_pipeline.durable_files import fsync_dir, write_text_atomic
 from data_pipeline.shard_reader import read_manifest
 
@@ -87,7 +87,7 @@ def _check_marker(tag_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
         return None, f"{tag_dir / MARKER}: `files` is not a mapping of file names to sizes"
     for name, size in files.items():
         try:
-            actual = inside(tag_dir, name, str(tag_dir / MARKER)).stat().st_size
+            actual = regular_file(tag_dir, name, str(tag_dir / MARKER)).st_size
         except ValueError as e:
             return None, str(e)
         except OSError as e:
@@ -169,6 +169,17 @@ def write_marker(tag_dir: Path, meta: dict[str, Any]) -> None:
     record = {"version": MARKER_VERSION, "tag": tag_dir.name, **meta, "files": files,
               "checksums": file_checksums(tag_dir, files), "unix_time": time.time()}  # fmt: skip
     write_text_atomic(tag_dir / MARKER, json.dumps(record, sort_keys=True, indent=1) + "\n")
+
+
+def clear_tag(ckpt_dir: Path, tag: str) -> None:
+    """Before `tag` is saved: whatever holds its name goes, a crashed save's directory or a symbolic
+    link, which is removed, never followed (DeepSpeed would write the tag's files into the directory
+    it points to, outside ckpt_dir, and rmtree refuses a link without a word under ignore_errors)."""
+    path = ckpt_dir / tag
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def publish_latest(ckpt_dir: Path, tag: str) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import shutil
 import signal
 import threading
 import time
@@ -364,7 +363,7 @@ class Trainer:
         def prepare() -> None:
             self.logs.write(rows, durable=True)  # the logs reach this step before it can be resumed from
             if self.rank == 0:
-                shutil.rmtree(self.ckpt_dir / tag, ignore_errors=True)  # left by a save that crashed
+                checkpoint.clear_tag(self.ckpt_dir, tag)  # left by a save that crashed (or a planted link)
                 meta["data"] = checkpoint.data_fingerprint(self.job.shard_dir)
 
         self._together(f"saving {tag}", prepare)  # no rank writes into the tag before it is cleared

@@ -7,6 +7,7 @@ the known namespaces is refused, so dashboards never split over misspelled prefi
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -33,7 +34,11 @@ class Metrics:
             from torch.utils.tensorboard import SummaryWriter
 
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=60, purge_step=purge_step)
+            # TensorBoard names its file events.out.tfevents.<seconds>.<host>.<pid>.<n> and opens it "wb"
+            # through any symlink there: names that can be guessed could be planted, ahead of time, as links
+            # to files elsewhere, which the writer would truncate and fill. A random suffix: nobody can.
+            self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=60, purge_step=purge_step,
+                                         filename_suffix=f".{secrets.token_hex(8)}")  # fmt: skip
 
     @property
     def enabled(self) -> bool:

@@ -1,0 +1,105 @@
+"""The Ray clusters the product starts keep their session directories (unix sockets, logs,
+runtime_resources) where no other local user can reach them (dflash_dist/orchestration/ray_temp.py).
+
+Ray 2.60 makes its temp directory and every session directory in it mode 0777: /tmp/ray for the
+local cluster of `dflash-dist run`, and the Slurm head's `mkdtemp` --temp-dir (0700 when made)
+alike; a worker node without --temp-dir made the head's path there. Here each of the three is
+started for real (a local cluster through pipeline.ray_session, the Slurm head through
+SlurmRayCluster, and a worker node through `python -m launcher.slurm_ray worker`, joined to that
+head on this host) and its session directory checked: some directory above it is ours with no
+search permission for group or others, and it is removed when the cluster stops.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.conftest import REPO
+from tests.helpers.config import config_from
+
+
+def others_can_reach(path: Path) -> bool:
+    """Whether every directory down to `path` lets group or others through (none is ours and 0700-like)."""
+    me = os.getuid()
+    for d in [*reversed(path.parents), path]:
+        st = os.stat(d)
+        if st.st_uid == me and not st.st_mode & 0o011:
+            return False
+    return True
+
+
+def _wait_for(predicate, timeout_s: float = 180.0, what: str = ""):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_the_local_cluster_of_a_run_is_private(tmp_path):
+    import ray
+
+    from dflash_dist.orchestration.pipeline import ray_session
+
+    cfg = config_from({"target": {"kind": "tiny_stdlib"}, "ray": {"num_cpus": 1}, "run": {"out_dir": str(tmp_path)}})
+    with ray_session(cfg):
+        session = Path(ray._private.worker.global_worker.node.get_session_dir_path())
+        assert (session / "sockets").is_dir()
+        assert not others_can_reach(session / "sockets"), f"{session}: other users can reach this run's Ray sockets"
+    assert not session.exists(), f"{session} outlived the cluster"
+
+
+def test_the_slurm_head_is_private(tmp_path):
+    from launcher.slurm_ray import SlurmRayCluster
+
+    cluster = SlurmRayCluster([socket.gethostname()])
+    try:
+        cluster.start()
+        head = Path(cluster.temp_dir)
+        session = _wait_for(lambda: next(head.glob("session_2*"), None), what="the head's session directory")
+        assert not others_can_reach(session / "sockets"), f"{session}: other users can reach the head's sockets"
+    finally:
+        cluster.stop()
+    assert not head.parent.exists(), f"{head.parent} outlived the cluster"
+
+
+def test_a_slurm_worker_node_is_private(tmp_path):
+    """`python -m launcher.slurm_ray worker ARGS` (srun runs it on every other node) starts `ray
+    start ARGS` with a private --temp-dir of its own. Here ARGS start a node of its own (`--head`:
+    this host cannot join a second raylet to a head on 127.0.0.1 with multi-node clusters off),
+    which is what decides where the node keeps its files."""
+    from dflash_dist.actors.ports import free_ports
+    from launcher.slurm_ray import _HEAD_PORT_FLAGS
+
+    ports = free_ports(len(_HEAD_PORT_FLAGS), "127.0.0.1")
+    before = set(Path("/tmp").glob("dfray-*"))
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "launcher.slurm_ray", "worker", "--head", "--block", "--node-ip-address", "127.0.0.1",
+         "--include-dashboard", "false", "--disable-usage-stats", "--num-cpus", "1",
+         *(a for flag, port in zip(_HEAD_PORT_FLAGS, ports) for a in (flag, str(port)))],
+        env=dict(os.environ, PYTHONPATH=str(REPO), RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0"), cwd=REPO,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+
+        def session():
+            new = set(Path("/tmp").glob("dfray-*")) - before
+            return next((s for d in new for s in (d / "ray").glob("session_2*") if (s / "sockets").is_dir()), None)
+
+        found = _wait_for(session, what="the worker node's session directory")
+        assert not others_can_reach(found / "sockets"), f"{found}: other users can reach the node's sockets"
+        os.killpg(worker.pid, signal.SIGTERM)
+        worker.wait(timeout=120)
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
+    assert not found.parent.parent.exists(), f"{found.parent.parent} outlived the node"

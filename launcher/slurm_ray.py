@@ -62,7 +62,13 @@ class SlurmRayCluster:
         self.address = f"{self.address_ip}:{self.ports[0]}"
         # the nodes listen on the cluster network: every Ray process demands this job's own token
         # (srun passes the environment on; it is never written to a file or printed)
-        self.env = with_auth(dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"), token=new_token())
+        # Ray's multi-node switch, set either way (the job's environment, which srun passes on, may carry
+        # a value): off on one host, where every Ray process is on 127.0.0.1 (with it on, Ray resolves
+        # 127.0.0.1 to the machine's external address: PLATFORM.md); on with several, Ray's own Linux
+        # default, without which `ray start --address` on the other nodes aborts ("Multi-node Ray clusters
+        # are not supported on Windows and OSX") and the job never gets their GPUs
+        multi_node = "1" if len(hostnames) > 1 else "0"
+        self.env = with_auth(dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=multi_node), token=new_token())
         self.env.setdefault(RAYLET_WAIT, "120")  # a loaded node registers its raylet slowly
         self.env.pop("RAY_ADDRESS", None)
         self.procs: list[subprocess.Popen] = []

@@ -13,6 +13,7 @@ search permission for group or others, and it is removed when the cluster stops.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -103,3 +104,49 @@ def test_a_slurm_worker_node_is_private(tmp_path):
             os.killpg(worker.pid, signal.SIGKILL)
             worker.wait()
     assert not found.parent.parent.exists(), f"{found.parent.parent} outlived the node"
+
+
+def test_a_worker_node_of_a_multi_node_job_goes_on_to_join_its_head():
+    """With more than one host, the environment SlurmRayCluster gives every Ray process (srun passes it
+    to `python -m launcher.slurm_ray worker` on the other nodes) lets `ray start --address` join: with
+    Ray's multi-node switch off (as for one host) it aborted at once ("Multi-node Ray clusters are not
+    supported on Windows and OSX"), so no other node ever joined. No head listens at the address here:
+    the worker getting as far as choosing its node IP and dialling is what is checked."""
+    from dflash_dist.actors.ports import free_ports
+    from launcher.slurm_ray import SlurmRayCluster
+
+    host = socket.gethostname()
+    one, two = SlurmRayCluster([host]), SlurmRayCluster([host, host])
+    try:
+        assert one.env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+        assert two.env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "1"
+        (port,) = free_ports(1, "127.0.0.1")
+        before = set(Path("/tmp").glob("dfray-*"))
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "launcher.slurm_ray", "worker", "--block", "--address", f"127.0.0.1:{port}",
+             "--disable-usage-stats", "--num-cpus", "1"],
+            env=dict(two.env, PYTHONPATH=str(REPO)), cwd=REPO, start_new_session=True, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        lines: list[str] = []
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                line = worker.stdout.readline()
+                if not line:
+                    break
+                lines.append(line)
+                if "Local node IP" in line or "Multi-node Ray clusters are not supported" in line:
+                    break
+        finally:
+            if worker.poll() is None:  # still dialling a head that is not there (Ray waits for it ~30 s)
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait()
+            for d in set(Path("/tmp").glob("dfray-*")) - before:  # its private temp dir, left by the kill
+                shutil.rmtree(d, ignore_errors=True)
+        text = "".join(lines)
+        assert "Multi-node Ray clusters are not supported" not in text, text
+        assert "Local node IP" in text, text
+    finally:
+        one.stop()
+        two.stop()

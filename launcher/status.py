@@ -3,7 +3,8 @@ connection, so it works from any host that mounts DIR, during the run or after i
 
   shards      produced (manifest.jsonl, DONE) and consumed (the trainer ranks' heartbeats), over every
               epoch's directory (capture.later_epochs: recapture captures each epoch into its own)
-  epochs      the epoch being captured (the first whose directory is not DONE) and the one being trained
+  epochs      the epoch being captured (the first whose directory is not DONE) and the one being trained,
+              counted from 1 as "N of M" (the --json output keeps the files' 0-based indices)
   disk        bytes of shard files under DIR/shards (every epoch directory and the token store) vs the
               configured max_buffer_bytes
   trainer     step, epoch, loss (train_log.jsonl), tokens/s (TensorBoard, as of its last flush)
@@ -217,19 +218,32 @@ def _f(x, fmt: str = ".2f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _nth(epoch: int | None) -> str:
+    """A 0-based epoch index as the user counts it (from 1)."""
+    return "-" if epoch is None else str(epoch + 1)
+
+
 def render(s: dict) -> tuple[list[tuple[str, str]], list[list[str]]]:
     """The summary as (label, value) rows and the role table's rows."""
     sh, disk, tr, ev = s["shards"], s["disk"], s["trainer"], s["eval"]
-    consumed = "-" if sh["consumed_this_epoch"] is None else f"{sh['consumed_this_epoch']} (epoch {sh['epoch']})"
+    # epochs shown counted from 1, "N of M" (the JSON keeps the files' 0-based indices); the shard stream's
+    # epoch equals M once every epoch was read
+    n_epochs = sh["epochs"]
+    if sh["consumed_this_epoch"] is None:
+        consumed = "-"
+    elif sh["epoch"] is not None and sh["epoch"] >= n_epochs:
+        consumed = f"{sh['consumed_this_epoch']} (all {n_epochs} epochs read)"
+    else:
+        consumed = f"{sh['consumed_this_epoch']} (epoch {_nth(sh['epoch'])} of {n_epochs})"
     tps = tr["tokens_per_s"]
     cap = f"of {_bytes(disk['cap_bytes'])} ({disk['used_frac']:.0%})" if disk["cap_bytes"] else "(no cap)"
     taus = "  ".join(f"DDTree-{b} {v:.2f}" for b, v in sorted(ev["tau_ddtree"].items(), key=lambda x: int(x[0])))
     if sh["later_epochs"] == "recapture":
-        capturing = f"capturing {sh['capture_epoch']}" if sh["capture_epoch"] is not None else "all captured"
+        capturing = f"capturing {_nth(sh['capture_epoch'])}" if sh["capture_epoch"] is not None else "all captured"
     else:
-        capturing = "capturing 0" if sh["capture_epoch"] is not None else "captured once"
+        capturing = "capturing 1" if sh["capture_epoch"] is not None else "captured once"
     later = sh["later_epochs"] or "-"
-    epochs = f"{capturing}, training {_f(tr['epoch'], 'd')} (of {sh['epochs']}; later epochs: {later})"
+    epochs = f"{capturing}, training {_nth(tr['epoch'])} (of {n_epochs}; later epochs: {later})"
     summary = [
         ("epochs", epochs),
         (
@@ -241,7 +255,7 @@ def render(s: dict) -> tuple[list[tuple[str, str]], list[list[str]]]:
         ("disk buffer", f"{_bytes(disk['used_bytes'])} {cap}; unconsumed {_bytes(disk.get('unconsumed_bytes'))}"),
         (
             "trainer",
-            f"step {_f(tr['step'], 'd')} epoch {_f(tr['epoch'], 'd')} loss {_f(tr['loss'], '.4f')}; "
+            f"step {_f(tr['step'], 'd')} epoch {_nth(tr['epoch'])} of {n_epochs} loss {_f(tr['loss'], '.4f')}; "
             f"checkpoint {tr['latest_checkpoint'] or '-'}",
         ),
         ("samples lost", _f(tr["samples_lost"], "d")),  # unreadable + capture-skipped, as data.max_lost_fraction holds

@@ -155,6 +155,7 @@ def test_status_command_prints_a_table_and_json(run_dir, capsys):
     ):
         assert needle in text, (needle, text)
     assert re.search(r"samples lost\W+4\b", text), text
+    assert "3 (epoch 1 of 1)" in text and "epoch 1 of 1 loss" in text, text  # counted from 1
     assert cli.main(["status", str(run_dir), "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["trainer"]["step"] == 7 and s["eval"]["tau_ddtree"]["8"] == 3.25
@@ -242,9 +243,28 @@ def test_status_shows_the_epoch_captured_and_the_epoch_trained_under_recapture(r
     assert (sh["produced"], sh["samples"]) == (4, 4)  # over both epochs' directories
     assert s["disk"]["in_flight_bytes"] == 1500
     summary = dict(render(s)[0])
-    assert summary["epochs"] == "capturing 1, training 0 (of 3; later epochs: recapture)"
+    assert summary["epochs"] == "capturing 2, training 1 (of 3; later epochs: recapture)"  # counted from 1
     for e in (1, 2):
         epoch_dir(shards, e, True).mkdir(exist_ok=True)
         mark_done(epoch_dir(shards, e, True))
     assert collect(run_dir)["shards"]["capture_epoch"] is None
-    assert dict(render(collect(run_dir))[0])["epochs"].startswith("all captured, training 0")
+    assert dict(render(collect(run_dir))[0])["epochs"].startswith("all captured, training 1")
+
+
+def test_a_finished_run_shows_its_last_epoch_and_every_epoch_read(run_dir):
+    """After the last epoch the trainer's log says epoch 3 (0-based) of 4 and the shard stream's
+    heartbeat epoch 4 with nothing consumed: shown as "training 4 (of 4" and "all 4 epochs read", not
+    the "training 3 (of 4)" and "0 (epoch 4)" they were shown as (two counts, neither the user's)."""
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    cfg["train"]["epochs"] = 4
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (run_dir / "train_log.jsonl").write_text(
+        json.dumps({"step": 40, "epoch": 3, "loss": 1.5, "lr": 1e-4, "samples": 320}) + "\n")
+    for i in (0, 1):
+        _beat(run_dir, "trainer", i, "finished", 1.0, {"step": 40, "epoch": 4, "shards_consumed": 0})
+    from launcher.status import render
+
+    summary = dict(render(collect(run_dir))[0])
+    assert summary["epochs"].startswith("captured once, training 4 (of 4;"), summary
+    assert summary["shards consumed"].startswith("0 (all 4 epochs read)"), summary
+    assert summary["trainer"].startswith("step 40 epoch 4 of 4 loss 1.5000"), summary

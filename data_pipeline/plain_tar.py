@@ -45,10 +45,13 @@ def _open_plain(stream: IO[bytes], url: str) -> tarfile.TarFile:
 
 def _members(stream: IO[bytes], url: str) -> Iterator[dict[str, Any]]:
     with _open_plain(stream, url) as tar:
-        for info in tar:
-            if info.isreg() and not _META.match(info.name):
-                yield {"fname": info.name, "data": tar.extractfile(info).read(), "__url__": url}
-            tar.members = []  # a stream holds no list of what it has read
+        try:
+            for info in tar:
+                if info.isreg() and not _META.match(info.name):
+                    yield {"fname": info.name, "data": tar.extractfile(info).read(), "__url__": url}
+                tar.members = []  # a stream holds no list of what it has read
+        except tarfile.ReadError as e:  # a member cut short: tarfile's message names no file
+            raise tarfile.ReadError(f"{url}: cut short or damaged inside a member ({e})") from None
     yield {}  # the end of this tar for group_by_keys: its last sample is complete
 
 
@@ -56,5 +59,6 @@ def tar_samples(stream: IO[bytes], url: str) -> Iterator[dict[str, Any]]:
     """The samples of one uncompressed tar (a seekable binary `stream`), each a dict of its raw
     members by suffix plus `__key__`/`__url__`, in storage order: what webdataset's
     `group_by_keys(tar_file_expander(...))` yields for a plain tar. A compressed file or one that
-    is no tar raises NotPlainTar naming `url`; a tar cut short raises tarfile.ReadError."""
+    is no tar raises NotPlainTar naming `url`; a tar cut short inside a member raises tarfile.ReadError
+    naming `url` (webdataset's expander named it too); one cut at a member boundary just ends there."""
     return group_by_keys(_members(stream, url))

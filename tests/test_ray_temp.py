@@ -18,9 +18,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+from dflash_dist.orchestration.ray_temp import ray_temp_base
 from tests.conftest import REPO
 from tests.helpers.config import config_from
 
@@ -81,7 +83,7 @@ def test_a_slurm_worker_node_is_private(tmp_path):
     from launcher.slurm_ray import _HEAD_PORT_FLAGS
 
     ports = free_ports(len(_HEAD_PORT_FLAGS), "127.0.0.1")
-    before = set(Path("/tmp").glob("dfray-*"))
+    before = set(Path(ray_temp_base("x-w-")).glob("dfray-*"))
     worker = subprocess.Popen(
         [sys.executable, "-m", "launcher.slurm_ray", "worker", "--head", "--block", "--node-ip-address", "127.0.0.1",
          "--include-dashboard", "false", "--disable-usage-stats", "--num-cpus", "1",
@@ -92,7 +94,7 @@ def test_a_slurm_worker_node_is_private(tmp_path):
     try:
 
         def session():
-            new = set(Path("/tmp").glob("dfray-*")) - before
+            new = set(Path(ray_temp_base("x-w-")).glob("dfray-*")) - before
             return next((s for d in new for s in (d / "ray").glob("session_2*") if (s / "sockets").is_dir()), None)
 
         found = _wait_for(session, what="the worker node's session directory")
@@ -121,7 +123,7 @@ def test_a_worker_node_of_a_multi_node_job_goes_on_to_join_its_head():
         assert one.env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
         assert two.env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "1"
         (port,) = free_ports(1, "127.0.0.1")
-        before = set(Path("/tmp").glob("dfray-*"))
+        before = set(Path(ray_temp_base("x-w-")).glob("dfray-*"))
         worker = subprocess.Popen(
             [sys.executable, "-m", "launcher.slurm_ray", "worker", "--block", "--address", f"127.0.0.1:{port}",
              "--disable-usage-stats", "--num-cpus", "1"],
@@ -142,7 +144,7 @@ def test_a_worker_node_of_a_multi_node_job_goes_on_to_join_its_head():
             if worker.poll() is None:  # still dialling a head that is not there (Ray waits for it ~30 s)
                 os.killpg(worker.pid, signal.SIGKILL)
                 worker.wait()
-            for d in set(Path("/tmp").glob("dfray-*")) - before:  # its private temp dir, left by the kill
+            for d in set(Path(ray_temp_base("x-w-")).glob("dfray-*")) - before:  # its temp dir, left by the kill
                 shutil.rmtree(d, ignore_errors=True)
         text = "".join(lines)
         assert "Multi-node Ray clusters are not supported" not in text, text
@@ -150,3 +152,79 @@ def test_a_worker_node_of_a_multi_node_job_goes_on_to_join_its_head():
     finally:
         one.stop()
         two.stop()
+
+
+def _short_dir(length: int) -> Path:
+    """A new directory of ours whose path is `length` bytes long, under /tmp."""
+    top = Path(tempfile.mkdtemp(prefix="h", dir="/tmp"))
+    pad = length - len(str(top)) - 1
+    assert pad >= 1, length
+    (top / ("p" * pad)).mkdir()
+    return top / ("p" * pad)
+
+
+def test_the_private_temp_dir_goes_where_ray_would_put_its_own(monkeypatch):
+    """Ray keeps its directory under $RAY_TMPDIR, else $TMPDIR (Linux), else /tmp; a user who moved it
+    off a small /tmp (its logs, spilled objects) had it moved back by a fixed /tmp."""
+    from dflash_dist.orchestration.ray_temp import make_private_ray_temp
+
+    ray_tmp, tmp = _short_dir(16), _short_dir(17)
+    try:
+        monkeypatch.setenv("TMPDIR", str(tmp))
+        monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))
+        made = Path(make_private_ray_temp("7-"))
+        assert made.parent.parent == ray_tmp and made.parent.name.startswith("dfray-7-")
+        assert made.parent.stat().st_mode & 0o777 == 0o700
+        monkeypatch.delenv("RAY_TMPDIR")
+        assert Path(make_private_ray_temp()).parent.parent == tmp
+    finally:
+        shutil.rmtree(ray_tmp.parent)
+        shutil.rmtree(tmp.parent)
+
+
+def test_a_temp_base_too_long_for_rays_sockets_falls_back_to_tmp(monkeypatch):
+    from dflash_dist.orchestration.ray_temp import SOCKET_PATH_MAX, make_private_ray_temp
+
+    long = _short_dir(60)
+    try:
+        monkeypatch.setenv("RAY_TMPDIR", str(long))
+        made = Path(make_private_ray_temp("12345678-w-"))
+        assert made.parent.parent == Path("/tmp")
+        worst = f"{made}/session_2026-12-05_20-55-02_123456_4194304/sockets/plasma_store.99"
+        assert len(worst) <= SOCKET_PATH_MAX
+        shutil.rmtree(made.parent)
+        monkeypatch.setenv("RAY_TMPDIR", str(long / "missing"))
+        made = Path(make_private_ray_temp())
+        assert made.parent.parent == Path("/tmp")
+        shutil.rmtree(made.parent)
+    finally:
+        shutil.rmtree(long.parent)
+
+
+def test_a_local_cluster_starts_under_the_longest_ray_tmpdir_kept(tmp_path, monkeypatch):
+    """RAY_TMPDIR of the longest length ray_temp_base keeps (one byte more goes to /tmp): Ray's real
+    socket paths there fit, the cluster starts, and its session lies under it."""
+    import ray
+
+    from dflash_dist.orchestration.pipeline import ray_session
+    from dflash_dist.orchestration.ray_temp import _SOCKET_TAIL, RAY_DIR, SOCKET_PATH_MAX, ray_temp_base
+
+    length = SOCKET_PATH_MAX - _SOCKET_TAIL - len(f"/dfray-XXXXXXXX/{RAY_DIR}")
+    base = _short_dir(length)
+    try:
+        monkeypatch.setenv("RAY_TMPDIR", str(base))
+        assert ray_temp_base() == str(base)
+        monkeypatch.setenv("RAY_TMPDIR", str(base) + "q")
+        assert ray_temp_base() == "/tmp"
+        monkeypatch.setenv("RAY_TMPDIR", str(base))
+        cfg = config_from({"target": {"kind": "tiny_stdlib"}, "ray": {"num_cpus": 1},
+                           "run": {"out_dir": str(tmp_path)}})  # fmt: skip
+        with ray_session(cfg):
+            node = ray._private.worker.global_worker.node
+            session = Path(node.get_session_dir_path())
+            assert session.parent.parent.parent == base
+            sockets = [p for p in (session / "sockets").iterdir() if p.is_socket()]
+            assert sockets and all(len(str(p)) <= SOCKET_PATH_MAX for p in sockets), sockets
+        assert not session.parent.parent.exists()
+    finally:
+        shutil.rmtree(base.parent)

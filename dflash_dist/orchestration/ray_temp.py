@@ -8,25 +8,51 @@ connect to, the log files they write, and `runtime_resources/`, where a working_
 already present under its content hash is used as found. Any local user of the node could
 replace a socket, plant a link where a log is written, or a package our processes import. So
 the temp directory is `ray/` inside a fresh `mkdtemp` directory: Ray opens its own directory
-wide, but its parent (0700, ours) lets nobody else reach it. The parent is short, under /tmp
-(Ray's socket paths must fit 107 bytes), and removed when the cluster stops.
+wide, but its parent (0700, ours) lets nobody else reach it. The parent is made where Ray
+itself would put its directory ($RAY_TMPDIR, else $TMPDIR, else /tmp: a user who moved Ray off a
+small /tmp keeps its logs and spilled objects off it), unless Ray's socket paths under it could
+pass the 107 bytes a unix socket path may have: then under /tmp, said in the log. It is removed
+when the cluster stops.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 
 RAY_DIR = "ray"  # the directory Ray is given, inside the private one
+SOCKET_PATH_MAX = 107  # bytes of a unix socket path (sun_path, 108 with its NUL; Ray checks it)
+# what Ray puts below its temp directory, at the longest: a session (its start time and a pid of up to
+# 7 digits) and the plasma store's socket, ".N"-numbered if one is there already
+_SOCKET_TAIL = len("/session_2026-12-05_20-55-02_123456_4194304/sockets/plasma_store.99")
+_RANDOM = 8  # the characters mkdtemp adds
+
+log = logging.getLogger(__name__)
+
+
+def ray_temp_base(tag: str = "") -> str:
+    """Where Ray would keep its directory (Ray's own rule: $RAY_TMPDIR, else $TMPDIR, else /tmp) if
+    its longest socket path below `<base>/dfray-<tag>XXXXXXXX/ray` fits SOCKET_PATH_MAX, else /tmp."""
+    base = os.path.abspath(os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp")
+    longest = len(os.fsencode(os.path.join(base, f"dfray-{tag}{'X' * _RANDOM}", RAY_DIR))) + _SOCKET_TAIL
+    if base == "/tmp":
+        return base
+    too_long = f"Ray's socket paths there could pass the {SOCKET_PATH_MAX} bytes a unix socket path may have"
+    if longest > SOCKET_PATH_MAX or not os.path.isdir(base):
+        why = too_long if longest > SOCKET_PATH_MAX else "no such directory"
+        log.info("Ray's temp directory goes under /tmp, not %s: %s", base, why)
+        return "/tmp"
+    return base
 
 
 def make_private_ray_temp(tag: str = "") -> str:
     """A new temp directory for one Ray node (`<mkdtemp 0700>/ray`; Ray creates `ray/` itself):
     remove its parent, `os.path.dirname` of it, when the node has stopped."""
-    return os.path.join(tempfile.mkdtemp(prefix=f"dfray-{tag}", dir="/tmp"), RAY_DIR)
+    return os.path.join(tempfile.mkdtemp(prefix=f"dfray-{tag}", dir=ray_temp_base(tag)), RAY_DIR)
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from dflash_dist.actors.ports import free_ports
 from dflash_dist.config import Config, ConfigError
-from dflash_dist.orchestration.ray_temp import make_private_ray_temp
+from dflash_dist.orchestration.ray_temp import make_private_ray_temp, release_ray_temp
 from launcher.ray_auth import new_token, with_auth
 from launcher.slurm_train import step_hostnames
 
@@ -96,8 +96,9 @@ class SlurmRayCluster:
             self.procs.append(subprocess.Popen(workers, env=self.env, start_new_session=True))
         log.info("Ray head at %s on %s; %d worker node(s)", self.address, self.hosts[0], len(self.hosts) - 1)
 
-    def stop(self) -> None:
-        """SIGTERM (then SIGKILL) each started process group; `ray start --block` stops its own."""
+    def stop(self, keep_logs: bool = False) -> None:
+        """SIGTERM (then SIGKILL) each started process group; `ray start --block` stops its own. The
+        head's private temp directory is removed, or kept with its Ray logs (`keep_logs`: the job failed)."""
         for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 5.0)):
             for p in self.procs:
                 if p.poll() is None:
@@ -106,7 +107,7 @@ class SlurmRayCluster:
             deadline = time.monotonic() + wait_s
             while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
                 time.sleep(0.2)
-        shutil.rmtree(os.path.dirname(self.temp_dir), ignore_errors=True)
+        release_ray_temp(self.temp_dir, keep=keep_logs)
 
 
 def run_worker(ray_args: list[str]) -> int:
@@ -229,6 +230,7 @@ def run_on_slurm_ray(cfg: Config, pipeline_argv: list[str]) -> int:
         told.extend(forward_notice(cfg.out, signum))
 
     previous = {s: signal.signal(s, notice) for s in NOTICES}
+    rc = None
     try:
         cluster.start()
         env = dict(cluster.env, RAY_ADDRESS=cluster.address)
@@ -247,7 +249,7 @@ def run_on_slurm_ray(cfg: Config, pipeline_argv: list[str]) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        cluster.stop()
+        cluster.stop(keep_logs=rc != 0)  # a failed job (or this process's own error) keeps the head's Ray logs
     if notices:
         log.info("stopped on %s: requeue to continue (--resume auto)", signal.Signals(notices[0]).name)
     return rc

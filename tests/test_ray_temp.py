@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
 from dflash_dist.orchestration.ray_temp import ray_temp_base
 from tests.conftest import REPO
 from tests.helpers.config import config_from
@@ -228,3 +230,38 @@ def test_a_local_cluster_starts_under_the_longest_ray_tmpdir_kept(tmp_path, monk
         assert not session.parent.parent.exists()
     finally:
         shutil.rmtree(base.parent)
+
+
+def test_a_failed_runs_ray_logs_are_kept_and_a_finished_runs_removed(caplog):
+    """private_ray_temp (the local cluster of `dflash-dist run`) and SlurmRayCluster.stop: the private
+    directory goes when the run ends normally; when it fails, Ray's logs in it (what a failure is read
+    from: the raylet's, every worker's output) stay, and the log says where. They were removed on every
+    exit (Ray's /tmp/ray kept them before the directories were private)."""
+    from dflash_dist.orchestration.ray_temp import private_ray_temp
+    from launcher.slurm_ray import SlurmRayCluster
+
+    def session_log(temp_dir: str) -> Path:
+        logs = Path(temp_dir) / "session_2026-12-05_21-00-00_000000_1" / "logs"
+        logs.mkdir(parents=True)
+        (logs / "raylet.err").write_text("the raylet's last words\n")
+        return logs / "raylet.err"
+
+    with private_ray_temp() as ok:
+        session_log(ok)
+    assert not Path(ok).parent.exists()
+    with pytest.raises(RuntimeError, match="the run failed"), private_ray_temp() as failed:
+        kept = session_log(failed)
+        raise RuntimeError("the run failed")
+    try:
+        assert kept.read_text() == "the raylet's last words\n"
+        assert f"Ray's logs of this run are kept in {failed}/session_*/logs" in caplog.text
+        assert not others_can_reach(kept.parent)  # still private
+    finally:
+        shutil.rmtree(Path(failed).parent)
+    for keep in (False, True):
+        cluster = SlurmRayCluster([socket.gethostname()])  # never started: stop() has only the directory to do
+        Path(cluster.temp_dir).mkdir()
+        kept = session_log(cluster.temp_dir)
+        cluster.stop(keep_logs=keep)
+        assert kept.exists() == keep
+        shutil.rmtree(Path(cluster.temp_dir).parent, ignore_errors=True)

@@ -12,7 +12,7 @@ wide, but its parent (0700, ours) lets nobody else reach it. The parent is made 
 itself would put its directory ($RAY_TMPDIR, else $TMPDIR, else /tmp: a user who moved Ray off a
 small /tmp keeps its logs and spilled objects off it), unless Ray's socket paths under it could
 pass the 107 bytes a unix socket path may have: then under /tmp, said in the log. It is removed
-when the cluster stops.
+when the cluster stops, unless the run failed: then its Ray logs stay there, and the log says where.
 """
 
 from __future__ import annotations
@@ -57,9 +57,23 @@ def make_private_ray_temp(tag: str = "") -> str:
 
 @contextlib.contextmanager
 def private_ray_temp(tag: str = "") -> Iterator[str]:
-    """make_private_ray_temp for the life of the block, its parent removed after it."""
+    """make_private_ray_temp for the life of the block; its parent is removed after a block that ended
+    normally, and kept after one that raised (release_ray_temp)."""
     temp_dir = make_private_ray_temp(tag)
+    failed = True
     try:
         yield temp_dir
+        failed = False
     finally:
-        shutil.rmtree(os.path.dirname(temp_dir), ignore_errors=True)
+        release_ray_temp(temp_dir, keep=failed)
+
+
+def release_ray_temp(temp_dir: str, keep: bool) -> None:
+    """Remove a make_private_ray_temp directory's parent, or, for a run that failed (`keep`), leave it
+    and say where its Ray logs are: the raylet's, the GCS's and every worker's output, which Ray kept
+    in /tmp/ray before the directories were private, and which a failure is read from."""
+    if keep and os.path.isdir(temp_dir):
+        log.warning("Ray's logs of this run are kept in %s/session_*/logs (the run failed; remove the "
+                    "directory %s when done)", temp_dir, os.path.dirname(temp_dir))  # fmt: skip
+        return
+    shutil.rmtree(os.path.dirname(temp_dir), ignore_errors=True)

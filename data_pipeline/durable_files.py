@@ -74,10 +74,11 @@ class UnsafeFileError(ValueError):
     """A name we write in place is a symbolic link or not a regular file: not ours to write through."""
 
 
-def open_own_file(path: Path, flags: int, mode: int = 0o644) -> int:
+def open_own_file(path: Path, flags: int, mode: int = 0o666) -> int:
     """`os.open(path, flags, mode)` of a file we write in place (a line log, a lock file), refusing
     a symbolic link (never followed) and anything but a regular file (a FIFO, a device), before a
-    byte is written: UnsafeFileError naming it and what to do."""
+    byte is written: UnsafeFileError naming it and what to do. A new file's mode is `mode` less the
+    umask, as open() makes it (a group-shared build cache under umask 002 stays group-writable)."""
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)  # NONBLOCK: a FIFO
     except OSError as e:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import ast
 import json
 import logging
+import os
 import re
+import stat
 from pathlib import Path
 
 import pytest
@@ -104,3 +106,17 @@ def test_atomic_path_replaces_the_file_only_on_a_clean_exit(tmp_path: Path) -> N
         assert tmp.parent == path.parent and tmp.name.startswith(".data.bin.tmp-")
         tmp.write_bytes(b"new")
     assert path.read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == ["data.bin"]
+
+
+def test_a_file_written_in_place_takes_the_umasks_mode(tmp_path):
+    """open_own_file creates as open() does, the umask deciding: under umask 002 (a group sharing
+    DFLASH_CACHE) the build cache's lock file is group-writable, so another member of the group can
+    build a target there; it was 0644 whatever the umask (helper-49 saw it)."""
+    from data_pipeline.durable_files import open_own_file
+
+    old = os.umask(0o002)
+    try:
+        os.close(open_own_file(tmp_path / ".lock", os.O_RDWR | os.O_CREAT))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / ".lock").stat().st_mode) == 0o664

@@ -4,6 +4,8 @@ exits 75 (EX_TEMPFAIL), on which slurm/*.sbatch requeue the job."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -54,3 +56,37 @@ def test_resume_defaults_to_never_and_a_slice_refuses_what_it_cannot_do(monkeypa
                          "--resume", resume])
         assert code == 2 and f"--resume {resume} does not apply" in capsys.readouterr().err
         assert not out.exists()  # refused before anything was written
+
+
+def test_the_summary_names_records_skipped_at_ingest_and_exports_never_evaluated(tmp_path, capsys):
+    """What a run dropped before any shard and the checkpoints it never measured: configs/tiny.yaml
+    with 4 bad lines in 104 under data.on_bad_record=skip printed '0 sample(s) lost' and 'done',
+    the skips only in one log line among the roles' thousands; exports the evaluator passed over
+    (behind the trainer) had no word at all. Both are now in the final summary, with their files."""
+    from dflash_dist.config import load_config
+    from dflash_dist.evaluator.policy import EvalResult
+    from dflash_dist.orchestration.pipeline import _layout, _print_summary
+
+    cfg = load_config(REPO / "configs" / "tiny.yaml", ["data.on_bad_record=skip"], out_dir=str(tmp_path / "run"))
+    paths = _layout(cfg)
+    counts = {"source": "/data/train.jsonl", "kind": "jsonl", "read": 104, "kept": 100, "truncated": 0, "tokens": 0,
+              "skipped": {"malformed": 1, "unparsable": 3}, "first_skip": {"unparsable": "/data/train.jsonl:12: bad"}}
+    (cfg.out / "data").mkdir()
+    (cfg.out / "data" / "train.ingest.json").write_text(json.dumps(counts))
+    (cfg.out / "data" / "eval.ingest.json").write_text(json.dumps({**counts, "skipped": {}, "read": 12}))
+    for step in (50, 100, 150, 200):
+        (paths["export"] / f"step_{step}").mkdir()
+    for step in (50, 200):
+        done = EvalResult(step=step, tau_chain=2.0, tau_ddtree={4: 2.5}, accept_hist=(1,), slot_acceptance=(0.5,),
+                          prompts=2, rounds=3, kernel_path="torch", seconds=0.5)  # fmt: skip
+        (paths["eval"] / f"step_{step}.json").write_text(json.dumps(done.to_json()))
+    run = PipelineResult(str(cfg.out), ("extract", "train", "eval"), (), result(None).train, (), 0, None, 1.0)
+    _print_summary(cfg, paths, run)
+    out = capsys.readouterr().out
+    assert (f"[data] train: 4 of 104 record(s) of /data/train.jsonl skipped (malformed 1, unparsable 3; first: "
+            f"/data/train.jsonl:12: bad), 0 truncated, under data.on_bad_record=skip, data.on_overlong=truncate: see "
+            f"{cfg.out / 'data' / 'train.ingest.json'}") in out, out  # fmt: skip
+    assert "[data] eval" not in out  # nothing skipped there
+    assert "[eval] 2 export(s) not evaluated: steps [100, 150]" in out, out
+    _print_summary(cfg, paths, dataclasses.replace(run, stages=("extract", "train")))  # no evaluation asked
+    assert "not evaluated" not in capsys.readouterr().out

@@ -408,6 +408,13 @@ def _print_summary(cfg: Config, paths: dict[str, Path], result: PipelineResult) 
     if rows:
         print("[eval] tau per checkpoint (held-out prompts; greedy replay, then live/server where measured):")
         print("\n".join(rows))
+    unevaluated = _unevaluated(cfg, paths, result)
+    if unevaluated:
+        print(f"[eval] {len(unevaluated)} export(s) not evaluated: steps {unevaluated} (passed over while the "
+              f"evaluator was behind the trainer: eval.max_backlog={cfg.eval.max_backlog}, eval.backlog_stride="
+              f"{cfg.eval.backlog_stride}; or removed before it got to them)")  # fmt: skip
+    for line in _ingest_lines(cfg):
+        print(line)
     if result.train:
         t = result.train[0]
         print(f"[train] {t.steps} steps, {t.epochs_completed} epoch(s) completed, {result.samples_lost} sample(s) "
@@ -416,3 +423,36 @@ def _print_summary(cfg: Config, paths: dict[str, Path], result: PipelineResult) 
     state = f"stopped by {result.preempted} (not finished: --resume auto continues)" if result.preempted else "done"
     print(f"{state} in {result.seconds:.0f}s; outputs under {cfg.out}")
     print(f"TensorBoard: tensorboard --logdir {paths['tb']} --host 127.0.0.1")
+
+
+def _unevaluated(cfg: Config, paths: dict[str, Path], result: PipelineResult) -> list[int]:
+    """Export steps of a run that evaluated, with no result under eval/ (policy.pending_steps thins
+    a backlog; the tau curve has no point there, which nothing else says)."""
+    if "eval" not in result.stages or not cfg.eval.enabled or "export" not in paths:
+        return []
+    done = {int(f.stem.split("_")[1]) for f in paths["eval"].glob("step_*.json") if f.stem.split("_")[1].isdigit()}
+    return [s for s in _export_steps(paths["export"]) if s not in done]
+
+
+def _ingest_lines(cfg: Config) -> list[str]:
+    """The ingested splits' records that were skipped (data.on_bad_record=skip, data.on_overlong=skip)
+    or truncated: counted in <out>/data/<split>.ingest.json and logged once at the start, where a
+    long run's log buries them; never in the lost-sample count (they never reached a shard)."""
+    from dflash_dist.capture.data_prep import ingested_paths
+
+    lines = []
+    for split in ("train", "eval"):
+        path = ingested_paths(cfg, split)[1]
+        try:
+            counts = json.loads(path.read_text())
+            skipped, truncated = sum(int(n) for n in counts["skipped"].values()), int(counts["truncated"])
+        except (FileNotFoundError, KeyError, TypeError, ValueError, AttributeError):
+            continue  # no ingest in this directory (or not this format): nothing to report
+        if skipped or truncated:
+            reasons = ", ".join(f"{k} {v}" for k, v in sorted(counts["skipped"].items()))
+            first = "; ".join(str(v) for v in counts.get("first_skip", {}).values())
+            lines.append(f"[data] {split}: {skipped} of {counts.get('read')} record(s) of {counts.get('source')} "
+                         f"skipped{f' ({reasons}; first: {first})' if reasons else ''}, {truncated} truncated, under "
+                         f"data.on_bad_record={cfg.data.on_bad_record}, data.on_overlong={cfg.data.on_overlong}: "
+                         f"see {path}")  # fmt: skip
+    return lines

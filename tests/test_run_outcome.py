@@ -62,7 +62,8 @@ def test_the_summary_names_records_skipped_at_ingest_and_exports_never_evaluated
     """What a run dropped before any shard and the checkpoints it never measured: configs/tiny.yaml
     with 4 bad lines in 104 under data.on_bad_record=skip printed '0 sample(s) lost' and 'done',
     the skips only in one log line among the roles' thousands; exports the evaluator passed over
-    (behind the trainer) had no word at all. Both are now in the final summary, with their files."""
+    (behind the trainer) had no word at all, nor held-out prompts the evaluator could not use (tau
+    over 2 of 12 read as tau over 12). All are now in the final summary, with files and settings."""
     from dflash_dist.config import load_config
     from dflash_dist.evaluator.policy import EvalResult
     from dflash_dist.orchestration.pipeline import _layout, _print_summary
@@ -87,6 +88,8 @@ def test_the_summary_names_records_skipped_at_ingest_and_exports_never_evaluated
             f"/data/train.jsonl:12: bad), 0 truncated, under data.on_bad_record=skip, data.on_overlong=truncate: see "
             f"{cfg.out / 'data' / 'train.ingest.json'}") in out, out  # fmt: skip
     assert "[data] eval" not in out  # nothing skipped there
+    assert ("[eval] tau per checkpoint (2 held-out prompts of the eval.num_prompts=12 asked: the others are not in "
+            "data.eval_path or have no greedy continuation of 2+ tokens;") in out, out  # fmt: skip
     assert "[eval] 2 export(s) not evaluated: steps [100, 150]" in out, out
     _print_summary(cfg, paths, dataclasses.replace(run, stages=("extract", "train")))  # no evaluation asked
     assert "not evaluated" not in capsys.readouterr().out

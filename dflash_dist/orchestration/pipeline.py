@@ -402,12 +402,15 @@ def _export_steps(export_dir: Path) -> list[int]:
 
 
 def _print_summary(cfg: Config, paths: dict[str, Path], result: PipelineResult) -> None:
-    rows = []
-    for f in sorted(paths["eval"].glob("step_*.json"), key=lambda p: int(p.stem.split("_")[1])):
-        rows.append("  " + EvalResult.from_json(json.loads(f.read_text()), str(f)).table_row())
-    if rows:
-        print("[eval] tau per checkpoint (held-out prompts; greedy replay, then live/server where measured):")
-        print("\n".join(rows))
+    results = [EvalResult.from_json(json.loads(f.read_text()), str(f))
+               for f in sorted(paths["eval"].glob("step_*.json"), key=lambda p: int(p.stem.split("_")[1]))]
+    if results:
+        fewest, asked = min(r.prompts for r in results), cfg.eval.num_prompts
+        short = (f" of the eval.num_prompts={asked} asked: the others are not in data.eval_path or have no greedy "
+                 "continuation of 2+ tokens" if fewest < asked else "")  # fmt: skip
+        print(f"[eval] tau per checkpoint ({fewest} held-out prompts{short}; greedy replay, then live/server where "
+              "measured):")
+        print("\n".join("  " + r.table_row() for r in results))
     unevaluated = _unevaluated(cfg, paths, result)
     if unevaluated:
         print(f"[eval] {len(unevaluated)} export(s) not evaluated: steps {unevaluated} (passed over while the "
@@ -417,12 +420,18 @@ def _print_summary(cfg: Config, paths: dict[str, Path], result: PipelineResult) 
         print(line)
     if result.train:
         t = result.train[0]
-        print(f"[train] {t.steps} steps, {t.epochs_completed} epoch(s) completed, {result.samples_lost} sample(s) "
-              f"lost ({result.samples_lost - t.capture_skipped} unreadable, {t.capture_skipped} skipped by the "
-              f"capture, counted per epoch read; data.max_lost_fraction={cfg.data.max_lost_fraction})")  # fmt: skip
+        print(f"[train] {t.steps} steps, {t.epochs_completed} epoch(s) completed, {lost_text(cfg, t)}")
     state = f"stopped by {result.preempted} (not finished: --resume auto continues)" if result.preempted else "done"
     print(f"{state} in {result.seconds:.0f}s; outputs under {cfg.out}")
     print(f"TensorBoard: tensorboard --logdir {paths['tb']} --host 127.0.0.1")
+
+
+def lost_text(cfg: Config, train) -> str:
+    """The trainers' lost samples (a TrainResult's) as data.max_lost_fraction held them, with their
+    parts: the run's summary and a Slurm trainer's last line."""
+    lost = train.samples_lost
+    return (f"{lost} sample(s) lost ({lost - train.capture_skipped} unreadable, {train.capture_skipped} skipped by the "
+            f"capture, counted per epoch read; data.max_lost_fraction={cfg.data.max_lost_fraction})")  # fmt: skip
 
 
 def _unevaluated(cfg: Config, paths: dict[str, Path], result: PipelineResult) -> list[int]:

@@ -143,7 +143,7 @@ def capture_loss_problem(shard_dir: str | os.PathLike[str], max_lost_fraction: f
 def unlisted_problem(shard_dir: str | os.PathLike[str]) -> str | None:
     """Why a finished capture's ledger does not account for every conversation it was given
     (capture_data.json's `records`): samples in no manifest line and not in skipped.jsonl, i.e. a
-    manifest line torn (no newline: readers stop before it) or deleted after the capture. Such
+    line of either torn (no newline: readers stop before it) or deleted after the capture. Such
     samples are neither trained nor counted lost, so a run over them ended 'done' with exit 0;
     this is an error, whatever data.max_lost_fraction says (the ledger itself is damaged). None when
     complete, or when no capture_data.json says how many there were."""
@@ -157,20 +157,25 @@ def unlisted_problem(shard_dir: str | os.PathLike[str]) -> str | None:
     if settled >= given:
         return None
     manifest = shard_dir / MANIFEST_NAME
-    data = manifest.read_bytes() if manifest.exists() else b""
-    tail = len(data) - (data.rfind(b"\n") + 1)
-    why = (
-        f"its last line is torn ({tail} bytes without a newline)"
-        if tail
-        else "a line was deleted, or a shard's line never written"
-    )
+    torn = [f"{name}'s last line is torn ({tail} bytes without a newline)"
+            for name in (MANIFEST_NAME, SKIPPED_NAME) if (tail := _torn_tail(shard_dir / name))]  # fmt: skip
+    why = "; ".join(torn) or "a line was deleted, or a shard's line never written"
     return (
         f"{manifest}: the finished capture was given {given} conversations ({shard_dir / DATA_NAME}) but lists "
-        f"{listed} samples, plus {settled - listed} in {SKIPPED_NAME}: {given - settled} sample(s) are in no "
-        f"manifest line ({why}), so no run would train them or count them lost. Remove {shard_dir / DONE_NAME} "
-        "and continue the capture with --resume auto (dflash-dist run or extract): a torn last line is cut, an "
-        "unlisted shard removed, and exactly the missing samples captured again"
+        f"{listed} samples, plus {settled - listed} in {SKIPPED_NAME}: {given - settled} sample(s) are in neither "
+        f"file ({why}), so no run would train them or count them lost. Remove {shard_dir / DONE_NAME} and continue "
+        "the capture with --resume auto (dflash-dist run or extract): a torn last line is cut, an unlisted shard "
+        "removed, and exactly the missing samples captured again"
     )
+
+
+def _torn_tail(path: Path) -> int:
+    """Bytes after the last newline of a line log (0: none, or no file)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return 0
+    return len(data) - (data.rfind(b"\n") + 1)
 
 
 def duplicate_keys(shard_dir: str | os.PathLike[str]) -> list[str]:

@@ -201,14 +201,14 @@ def test_samples_in_no_manifest_line_refuse_training_and_a_resumed_capture_resto
     if damage == "torn_last_line":
         gone = json.loads(lines[-1])["n_samples"]
         manifest.write_bytes(b"".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])
-        why = r"its last line is torn \(\d+ bytes without a newline\)"
+        why = r"manifest.jsonl's last line is torn \(\d+ bytes without a newline\)"
     else:
         gone = json.loads(lines[1])["n_samples"]
         manifest.write_bytes(b"".join(lines[:1] + lines[2:]))
         why = "a line was deleted, or a shard's line never written"
     assert sum(r.n_samples for r in read_manifest(shards)) == 12 - gone  # what every reader sees
     with pytest.raises(PipelineError, match=rf"(?s)manifest.jsonl: the finished capture was given 12 conversations.*"
-                       rf"lists {12 - gone} samples.*{gone} sample\(s\) are in no manifest line \({why}\).*"
+                       rf"lists {12 - gone} samples.*{gone} sample\(s\) are in neither file \({why}\).*"
                        rf"Remove .*DONE and continue the capture with --resume auto"):  # fmt: skip
         make_plan(cfg, ("train",), "auto")
     (shards / DONE_NAME).unlink()  # what the message says to do

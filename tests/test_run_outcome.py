@@ -1,6 +1,8 @@
 """A run whose trainers stopped at a preemption notice (SIGTERM/SIGUSR1) saved but did not finish:
 it must not end as a finished run does (exit 0, "done"). run_pipeline raises Preempted, the CLI
-exits 75 (EX_TEMPFAIL), on which slurm/*.sbatch requeue the job."""
+exits 75 (EX_TEMPFAIL), on which slurm/*.sbatch requeue the job. And what the end of a run says:
+records skipped at ingest, exports not evaluated, prompts the tau is over, and a failed evaluator
+(its summary first, then its error and exit 1)."""
 
 from __future__ import annotations
 
@@ -93,3 +95,39 @@ def test_the_summary_names_records_skipped_at_ingest_and_exports_never_evaluated
     assert "[eval] 2 export(s) not evaluated: steps [100, 150]" in out, out
     _print_summary(cfg, paths, dataclasses.replace(run, stages=("extract", "train")))  # no evaluation asked
     assert "not evaluated" not in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_failed_evaluator_ends_the_run_with_its_summary_then_its_error(tmp_path, capsys):
+    """The evaluator stops at a damaged export (its checksum record differs): the run exits 1 naming
+    the export and the fix, as before, but it used to print nothing else: not the tau it had
+    measured, nor which exports it never reached, nor (in `run`) the training's lost samples. Real
+    `dflash-dist eval` on configs/tiny.yaml's target, Ray and the evaluator actor; two exports of a
+    random drafter, the second damaged."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from dflash_dist.config import load_config
+    from dflash_dist.model.drafter import DFlashDrafter
+    from dflash_dist.model.export import export_drafter
+    from dflash_dist.target.loading import drafter_config_for, resolve_target_dir, tokenizer_mask_id
+    from launcher import cli
+
+    out, config = tmp_path / "run", str(REPO / "configs" / "tiny.yaml")
+    overrides = ["eval.num_prompts=2", "eval.max_new_tokens=8", "eval.poll_s=0.1"]
+    cfg = load_config(config, overrides, out_dir=str(out))
+    target_dir = resolve_target_dir(cfg)
+    drafter_cfg = drafter_config_for(cfg, target_dir, tokenizer_mask_id(AutoTokenizer.from_pretrained(target_dir)))
+    torch.manual_seed(0)
+    for step in (10, 20):
+        export_drafter(DFlashDrafter(drafter_cfg), out / "export" / f"step_{step}")
+    weights = out / "export" / "step_20" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x01
+    weights.write_bytes(bytes(data))
+    assert cli.main(["eval", config, "--out", str(out), *overrides]) == 1
+    captured = capsys.readouterr()
+    assert "[eval] tau per checkpoint (2 held-out prompts;" in captured.out and "step     10: tau chain" in captured.out
+    assert "[eval] 1 export(s) not evaluated: steps [20] (the evaluator failed before them)" in captured.out
+    assert "the evaluator FAILED (its error follows" in captured.out, captured.out
+    assert f"error: ChecksumMismatch: {out / 'export' / 'step_20'}: model.safetensors differ" in captured.err

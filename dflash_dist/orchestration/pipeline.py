@@ -127,7 +127,7 @@ def _run(cfg: Config, stages: tuple[str, ...], resume: str) -> PipelineResult:
     _save_config(cfg)
     write_plan(cfg.out / PLAN_NAME, plan)
     clear_heartbeats(cfg.out)
-    capture, results, evals = (), (), ()
+    capture, results, evals, eval_error = (), (), (), None
     with (
         Heartbeat(cfg.out, "driver", info=lambda: {"stages": list(stages)}),
         ray_session(cfg) as ray,
@@ -167,11 +167,16 @@ def _run(cfg: Config, stages: tuple[str, ...], resume: str) -> PipelineResult:
         if evaluator is not None:
             if final_step is None:  # eval alone: everything exported so far (None: nothing to wait for)
                 final_step = max(_export_steps(paths["export"]), default=None)
-            evals = tuple(wait_evaluator(ray, evaluator, final_step, cfg.eval.max_restarts))
+            try:
+                evals = tuple(wait_evaluator(ray, evaluator, final_step, cfg.eval.max_restarts))
+            except Exception as e:  # raised below, after the summary of what the run did
+                eval_error = e
     lost = samples_lost(results, _capture_dirs(cfg, plan, paths["shards"]))
     result = PipelineResult(str(cfg.out), tuple(stages), capture, results, evals, lost,
                             results[0].preempted if results else None, time.time() - t0)  # fmt: skip
-    _print_summary(cfg, paths, result)
+    _print_summary(cfg, paths, result, failed=eval_error is not None)
+    if eval_error is not None:  # the training's summary (its lost samples, checkpoints) is printed first
+        raise eval_error
     check_finished(result)
     return result
 
@@ -401,7 +406,9 @@ def _export_steps(export_dir: Path) -> list[int]:
     return sorted(int(p.name.split("_")[1]) for p in export_dir.glob("step_*") if p.name.split("_")[1].isdigit())
 
 
-def _print_summary(cfg: Config, paths: dict[str, Path], result: PipelineResult) -> None:
+def _print_summary(cfg: Config, paths: dict[str, Path], result: PipelineResult, failed: bool = False) -> None:
+    """The run's end: tau per checkpoint, what was not evaluated or ingested, the lost samples, and
+    how it ended (`failed`: the evaluator failed; its error follows)."""
     results = [EvalResult.from_json(json.loads(f.read_text()), str(f))
                for f in sorted(paths["eval"].glob("step_*.json"), key=lambda p: int(p.stem.split("_")[1]))]
     if results:
@@ -413,15 +420,17 @@ def _print_summary(cfg: Config, paths: dict[str, Path], result: PipelineResult) 
         print("\n".join("  " + r.table_row() for r in results))
     unevaluated = _unevaluated(cfg, paths, result)
     if unevaluated:
-        print(f"[eval] {len(unevaluated)} export(s) not evaluated: steps {unevaluated} (passed over while the "
-              f"evaluator was behind the trainer: eval.max_backlog={cfg.eval.max_backlog}, eval.backlog_stride="
-              f"{cfg.eval.backlog_stride}; or removed before it got to them)")  # fmt: skip
+        why = ("the evaluator failed before them" if failed else f"passed over while the evaluator was behind the "
+               f"trainer: eval.max_backlog={cfg.eval.max_backlog}, eval.backlog_stride={cfg.eval.backlog_stride}; or "
+               "removed before it got to them")  # fmt: skip
+        print(f"[eval] {len(unevaluated)} export(s) not evaluated: steps {unevaluated} ({why})")
     for line in _ingest_lines(cfg):
         print(line)
     if result.train:
         t = result.train[0]
         print(f"[train] {t.steps} steps, {t.epochs_completed} epoch(s) completed, {lost_text(cfg, t)}")
     state = f"stopped by {result.preempted} (not finished: --resume auto continues)" if result.preempted else "done"
+    state = "the evaluator FAILED (its error follows; the training's outputs are kept)" if failed else state
     print(f"{state} in {result.seconds:.0f}s; outputs under {cfg.out}")
     print(f"TensorBoard: tensorboard --logdir {paths['tb']} --host 127.0.0.1")
 

@@ -65,7 +65,9 @@ def test_the_summary_names_records_skipped_at_ingest_and_exports_never_evaluated
     with 4 bad lines in 104 under data.on_bad_record=skip printed '0 sample(s) lost' and 'done',
     the skips only in one log line among the roles' thousands; exports the evaluator passed over
     (behind the trainer) had no word at all, nor held-out prompts the evaluator could not use (tau
-    over 2 of 12 read as tau over 12). All are now in the final summary, with files and settings."""
+    over 2 of 12 read as tau over 12), nor, without training, the samples the capture skipped. All are
+    now in the final summary, with files and settings."""
+    from data_pipeline.ledger import record_skipped
     from dflash_dist.config import load_config
     from dflash_dist.evaluator.policy import EvalResult
     from dflash_dist.orchestration.pipeline import _layout, _print_summary
@@ -84,8 +86,12 @@ def test_the_summary_names_records_skipped_at_ingest_and_exports_never_evaluated
                           prompts=2, rounds=3, kernel_path="torch", seconds=0.5)  # fmt: skip
         (paths["eval"] / f"step_{step}.json").write_text(json.dumps(done.to_json()))
     run = PipelineResult(str(cfg.out), ("extract", "train", "eval"), (), result(None).train, (), 0, None, 1.0)
-    _print_summary(cfg, paths, run)
+    record_skipped(paths["shards"], "k-nonfinite", "nonfinite_features", 0)
+    record_skipped(paths["shards"], "k-nonfinite-2", "nonfinite_features", 0)
+    _print_summary(cfg, paths, run, captured=[paths["shards"]])
     out = capsys.readouterr().out
+    assert (f"[capture] {paths['shards']}: 0 samples in 0 shards, 2 skipped as non-finite (see "
+            f"{paths['shards'] / 'skipped.jsonl'}; data.max_lost_fraction=0.0)") in out, out  # fmt: skip
     assert (f"[data] train: 4 of 104 record(s) of /data/train.jsonl skipped (malformed 1, unparsable 3; first: "
             f"/data/train.jsonl:12: bad), 0 truncated, under data.on_bad_record=skip, data.on_overlong=truncate: see "
             f"{cfg.out / 'data' / 'train.ingest.json'}") in out, out  # fmt: skip

@@ -174,7 +174,8 @@ def _run(cfg: Config, stages: tuple[str, ...], resume: str) -> PipelineResult:
     lost = samples_lost(results, _capture_dirs(cfg, plan, paths["shards"]))
     result = PipelineResult(str(cfg.out), tuple(stages), capture, results, evals, lost,
                             results[0].preempted if results else None, time.time() - t0)  # fmt: skip
-    _print_summary(cfg, paths, result, failed=eval_error is not None)
+    captured = _capture_dirs(cfg, plan, paths["shards"]) if "extract" in stages else []
+    _print_summary(cfg, paths, result, failed=eval_error is not None, captured=captured)
     if eval_error is not None:  # the training's summary (its lost samples, checkpoints) is printed first
         raise eval_error
     check_finished(result)
@@ -406,9 +407,11 @@ def _export_steps(export_dir: Path) -> list[int]:
     return sorted(int(p.name.split("_")[1]) for p in export_dir.glob("step_*") if p.name.split("_")[1].isdigit())
 
 
-def _print_summary(cfg: Config, paths: dict[str, Path], result: PipelineResult, failed: bool = False) -> None:
-    """The run's end: tau per checkpoint, what was not evaluated or ingested, the lost samples, and
-    how it ended (`failed`: the evaluator failed; its error follows)."""
+def _print_summary(cfg: Config, paths: dict[str, Path], result: PipelineResult, failed: bool = False,
+                   captured: list[Path] = ()) -> None:  # fmt: skip
+    """The run's end: tau per checkpoint, what was not evaluated or ingested, what the capture of
+    the directories `captured` wrote and skipped, the lost samples, and how it ended (`failed`:
+    the evaluator failed; its error follows)."""
     results = [EvalResult.from_json(json.loads(f.read_text()), str(f))
                for f in sorted(paths["eval"].glob("step_*.json"), key=lambda p: int(p.stem.split("_")[1]))]
     if results:
@@ -425,6 +428,8 @@ def _print_summary(cfg: Config, paths: dict[str, Path], result: PipelineResult, 
                "removed before it got to them")  # fmt: skip
         print(f"[eval] {len(unevaluated)} export(s) not evaluated: steps {unevaluated} ({why})")
     for line in _ingest_lines(cfg):
+        print(line)
+    for line in _capture_lines(cfg, captured):
         print(line)
     if result.train:
         t = result.train[0]
@@ -473,4 +478,21 @@ def _ingest_lines(cfg: Config) -> list[str]:
                          f"skipped{f' ({reasons}; first: {first})' if reasons else ''}, {truncated} truncated, under "
                          f"data.on_bad_record={cfg.data.on_bad_record}, data.on_overlong={cfg.data.on_overlong}: "
                          f"see {path}")  # fmt: skip
+    return lines
+
+
+def _capture_lines(cfg: Config, shard_dirs: list[Path]) -> list[str]:
+    """Per captured directory: samples written (its manifest, every attempt's) and those skipped as
+    non-finite (its skipped.jsonl), which a capture without training printed nowhere at its end."""
+    from data_pipeline.ledger import read_skipped
+    from data_pipeline.records import SKIPPED_NAME
+    from data_pipeline.shard_reader import read_manifest
+
+    lines = []
+    for d in shard_dirs:
+        if d.is_dir():
+            records, skipped = read_manifest(d), len(read_skipped(d))
+            lines.append(f"[capture] {d}: {sum(r.n_samples for r in records)} samples in {len(records)} shards, "
+                         f"{skipped} skipped as non-finite" + (f" (see {d / SKIPPED_NAME}; data.max_lost_fraction="
+                         f"{cfg.data.max_lost_fraction})" if skipped else ""))  # fmt: skip
     return lines

@@ -442,10 +442,14 @@ def _print_summary(cfg: Config, paths: dict[str, Path], result: PipelineResult, 
 
 def lost_text(cfg: Config, train) -> str:
     """The trainers' lost samples (a TrainResult's) as data.max_lost_fraction held them, with their
-    parts: the run's summary and a Slurm trainer's last line."""
+    parts, and the optimizer steps skipped: the run's summary and a Slurm trainer's last line."""
     lost = train.samples_lost
-    return (f"{lost} sample(s) lost ({lost - train.capture_skipped} unreadable, {train.capture_skipped} skipped by the "
+    text = (f"{lost} sample(s) lost ({lost - train.capture_skipped} unreadable, {train.capture_skipped} skipped by the "
             f"capture, counted per epoch read; data.max_lost_fraction={cfg.data.max_lost_fraction})")  # fmt: skip
+    if train.skipped_steps:
+        text += (f"; {train.skipped_steps} optimizer step(s) skipped for a non-finite gradient (their samples read, "
+                 "not learned from; train.grad_overflow_check)")  # fmt: skip
+    return text
 
 
 def _unevaluated(cfg: Config, paths: dict[str, Path], result: PipelineResult) -> list[int]:

@@ -87,6 +87,7 @@ class TrainResult:
     resumed_from: str | None = None
     preempted: str | None = None  # the signal's name when a preemption notice ended the run
     capture_skipped: int = 0  # the part of samples_lost the capture skipped (non-finite features)
+    skipped_steps: int = 0  # optimizer steps skipped for a non-finite gradient (engine.skipped_steps)
 
 
 class Trainer:
@@ -181,6 +182,7 @@ class Trainer:
             resumed_from=self.resumed_from,
             preempted=self.preempted,
             capture_skipped=self.source.capture_lost,
+            skipped_steps=engine.skipped_steps(self.engine),
         )
 
     def train_step(self) -> bool:

@@ -100,7 +100,8 @@ def test_optimizer_steps_skipped_for_a_non_finite_gradient_are_counted_and_print
     2, a real hook; the loss stays finite) is skipped by the optimizer, as train.grad_overflow_check
     asks: its samples were read and counted trained, and nothing learned from them. Nobody read
     DeepSpeed's count (nor the lean step's device counter): the run ended 'done' saying nothing.
-    The TrainResult, the run's summary and the Slurm trainer's last line (lost_text) now say it."""
+    TensorBoard (train/skipped_steps), the TrainResult, the run's summary and the Slurm trainer's
+    last line (lost_text) now say it."""
     import math
 
     from dflash_dist.actors.trainer_group import train_job
@@ -124,6 +125,8 @@ def test_optimizer_steps_skipped_for_a_non_finite_gradient_are_counted_and_print
     result = trainer.run()
     assert cfg.train.grad_accum == 1 and len(backwards) == result.steps > 2
     assert result.skipped_steps == 1 and math.isfinite(result.final_loss)
+    skipped = scalars(out / "tb" / "train")["train/skipped_steps"]
+    assert skipped[0] == (1, 0) and all(n == 1 for _, n in skipped[1:]), skipped  # from step 2 on
     paths = {"eval": tmp_path / "eval", "tb": out / "tb"}
     _print_summary(cfg, paths, PipelineResult(str(out), ("train",), (), (result,), (), 0, None, 1.0))
     assert ("1 optimizer step(s) skipped for a non-finite gradient (their samples read, not learned from; "

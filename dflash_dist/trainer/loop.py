@@ -324,6 +324,7 @@ class Trainer:
         scalars["train/lr"] = self._last_lr
         if grad_norm is not None:
             scalars["train/grad_norm"] = float(grad_norm)
+        scalars["train/skipped_steps"] = engine.skipped_steps(self.engine)  # non-finite gradients, so far
         hists = {"train/loss_per_sample": per_sample[:, 0].tolist()}
         if self._grad_norms is not None:
             hists["train/grad_norm_per_param"] = self._grad_norms.tolist()

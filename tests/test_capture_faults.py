@@ -178,7 +178,7 @@ def test_a_capture_that_lost_too_many_samples_fails_every_way_it_can_finish(tmp_
     assert make_plan(cfg, ("train",), "auto").num_samples == 12
 
 
-@pytest.mark.parametrize("damage", ["torn_last_line", "deleted_line"])
+@pytest.mark.parametrize("damage", ["torn_last_line", "deleted_line", "garbled_line"])
 def test_samples_in_no_manifest_line_refuse_training_and_a_resumed_capture_restores_them(saved, tmp_path, damage):
     """A finished capture whose manifest lost a line between capture and training (its last line
     torn: readers stop at the last newline; or a line deleted): that shard's samples were neither
@@ -206,6 +206,13 @@ def test_samples_in_no_manifest_line_refuse_training_and_a_resumed_capture_resto
         gone = json.loads(lines[1])["n_samples"]
         manifest.write_bytes(b"".join(lines[:1] + lines[2:]))
         why = "a line was deleted, or a shard's line never written"
+    if damage == "garbled_line":  # its error names the line and the same fix, which the user follows
+        manifest.write_bytes(b"".join(lines[:1] + [b'{"name": "t000-0000' + b"\n"] + lines[2:]))
+        with pytest.raises(PipelineError, match=r"(?s)manifest.jsonl:2: not a valid manifest line.*restore the file "
+                           r"from a copy, or delete that line and the directory's DONE and continue the capture "
+                           r"with --resume auto"):  # fmt: skip
+            make_plan(cfg, ("train",), "auto")
+        manifest.write_bytes(b"".join(lines[:1] + lines[2:]))  # the line deleted, as the message says
     assert sum(r.n_samples for r in read_manifest(shards)) == 12 - gone  # what every reader sees
     with pytest.raises(PipelineError, match=rf"(?s)manifest.jsonl: the finished capture was given 12 conversations.*"
                        rf"lists {12 - gone} samples.*{gone} sample\(s\) are in neither file \({why}\).*"

@@ -226,8 +226,10 @@ def _regenerate(rest: list[str]) -> int:
     except (RegenError, DataError) as e:
         print(f"dflash-dist regenerate: error: {e}", file=sys.stderr)
         return 1
-    print(f"[regenerate] {report.output}: {report.written} written, {report.rejected} rejected (empty responses), "
-          f"{report.remaining} remaining of {report.total}; data.max_lost_fraction={cfg.data.max_lost_fraction}")
+    print(
+        f"[regenerate] {report.output}: {report.written} written, {report.rejected} rejected (empty responses), "
+        f"{report.remaining} remaining of {report.total}; data.max_lost_fraction={cfg.data.max_lost_fraction}"
+    )
     problem = regen_loss_problem(report, cfg.data.max_lost_fraction)
     if problem is not None:
         print(f"dflash-dist regenerate: error: {problem}", file=sys.stderr)

@@ -74,8 +74,16 @@ def test_the_summary_names_records_skipped_at_ingest_and_exports_never_evaluated
 
     cfg = load_config(REPO / "configs" / "tiny.yaml", ["data.on_bad_record=skip"], out_dir=str(tmp_path / "run"))
     paths = _layout(cfg)
-    counts = {"source": "/data/train.jsonl", "kind": "jsonl", "read": 104, "kept": 100, "truncated": 0, "tokens": 0,
-              "skipped": {"malformed": 1, "unparsable": 3}, "first_skip": {"unparsable": "/data/train.jsonl:12: bad"}}
+    counts = {
+        "source": "/data/train.jsonl",
+        "kind": "jsonl",
+        "read": 104,
+        "kept": 100,
+        "truncated": 0,
+        "tokens": 0,
+        "skipped": {"malformed": 1, "unparsable": 3},
+        "first_skip": {"unparsable": "/data/train.jsonl:12: bad"},
+    }
     (cfg.out / "data").mkdir()
     (cfg.out / "data" / "train.ingest.json").write_text(json.dumps(counts))
     (cfg.out / "data" / "eval.ingest.json").write_text(json.dumps({**counts, "skipped": {}, "read": 12}))

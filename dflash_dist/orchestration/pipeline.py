@@ -413,13 +413,13 @@ def _print_summary(cfg: Config, paths: dict[str, Path], result: PipelineResult, 
     the directories `captured` wrote and skipped, the lost samples, and how it ended (`failed`:
     the evaluator failed; its error follows)."""
     results = [EvalResult.from_json(json.loads(f.read_text()), str(f))
-               for f in sorted(paths["eval"].glob("step_*.json"), key=lambda p: int(p.stem.split("_")[1]))]
+               for f in sorted(paths["eval"].glob("step_*.json"), key=lambda p: int(p.stem.split("_")[1]))]  # fmt: skip
     if results:
         fewest, asked = min(r.prompts for r in results), cfg.eval.num_prompts
         short = (f" of the eval.num_prompts={asked} asked: the others are not in data.eval_path or have no greedy "
                  "continuation of 2+ tokens" if fewest < asked else "")  # fmt: skip
         print(f"[eval] tau per checkpoint ({fewest} held-out prompts{short}; greedy replay, then live/server where "
-              "measured):")
+              "measured):")  # fmt: skip
         print("\n".join("  " + r.table_row() for r in results))
     unevaluated = _unevaluated(cfg, paths, result)
     if unevaluated:

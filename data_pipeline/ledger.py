@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from data_pipeline.durable_files import append_lines, fsync_dir, write_text_atomic
-from data_pipeline.records import SHARD_NAME_RE, SKIPPED_NAME, TMP_PREFIX
+from data_pipeline.records import DONE_NAME, MANIFEST_NAME, SHARD_NAME_RE, SKIPPED_NAME, TMP_PREFIX
 from data_pipeline.shard_reader import read_manifest
 from data_pipeline.shard_writer import manifest_lock
 
@@ -121,7 +121,11 @@ def capture_loss_problem(shard_dir: str | os.PathLike[str], max_lost_fraction: f
     skipped.jsonl records as not written, against every settled sample), naming the file and the
     setting; None when within it. Every path that finishes a capture (the pipeline's, each Slurm
     array slice that marks DONE) and the run plan of every training over a finished capture ask
-    it: a run that lost data beyond the setting must not end with exit 0."""
+    it: a run that lost data beyond the setting must not end with exit 0. A ledger that does not
+    account for every conversation the capture was given (`unlisted_problem`) is refused first."""
+    unlisted = unlisted_problem(shard_dir)
+    if unlisted is not None:
+        return unlisted
     skipped = read_skipped(shard_dir)
     if not skipped:
         return None
@@ -134,6 +138,44 @@ def capture_loss_problem(shard_dir: str | os.PathLike[str], max_lost_fraction: f
             f"written (first: {keys}; see {Path(shard_dir) / SKIPPED_NAME}), more than data.max_lost_fraction="
             f"{max_lost_fraction} allows ({allowed}): check the target's dtype and kernels, or raise "
             "data.max_lost_fraction")
+
+
+def unlisted_problem(shard_dir: str | os.PathLike[str]) -> str | None:
+    """Why a finished capture's ledger does not account for every conversation it was given
+    (capture_data.json's `records`): samples in no manifest line and not in skipped.jsonl, i.e. a
+    line of either torn (no newline: readers stop before it) or deleted after the capture. Such
+    samples are neither trained nor counted lost, so a run over them ended 'done' with exit 0;
+    this is an error, whatever data.max_lost_fraction says (the ledger itself is damaged). None when
+    complete, or when no capture_data.json says how many there were."""
+    shard_dir = Path(shard_dir)
+    try:
+        given = int(json.loads((shard_dir / DATA_NAME).read_text())["records"])
+    except (FileNotFoundError, KeyError, TypeError, ValueError):
+        return None  # an older capture (check_capture_data refuses a resume over it), or no capture yet
+    listed = sum(r.n_samples for r in read_manifest(shard_dir))
+    settled = listed + len(read_skipped(shard_dir))
+    if settled >= given:
+        return None
+    manifest = shard_dir / MANIFEST_NAME
+    torn = [f"{name}'s last line is torn ({tail} bytes without a newline)"
+            for name in (MANIFEST_NAME, SKIPPED_NAME) if (tail := _torn_tail(shard_dir / name))]  # fmt: skip
+    why = "; ".join(torn) or "a line was deleted, or a shard's line never written"
+    return (
+        f"{manifest}: the finished capture was given {given} conversations ({shard_dir / DATA_NAME}) but lists "
+        f"{listed} samples, plus {settled - listed} in {SKIPPED_NAME}: {given - settled} sample(s) are in neither "
+        f"file ({why}), so no run would train them or count them lost. Remove {shard_dir / DONE_NAME} and continue "
+        "the capture with --resume auto (dflash-dist run or extract): a torn last line is cut, an unlisted shard "
+        "removed, and exactly the missing samples captured again"
+    )
+
+
+def _torn_tail(path: Path) -> int:
+    """Bytes after the last newline of a line log (0: none, or no file)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return 0
+    return len(data) - (data.rfind(b"\n") + 1)
 
 
 def duplicate_keys(shard_dir: str | os.PathLike[str]) -> list[str]:

@@ -51,6 +51,14 @@ TORCH_FEATURE_DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES = {v: k for k, v in TORCH_FEATURE_DTYPES.items()}
 
 
+# what a damaged manifest line's error says to do (the capture appends whole lines only)
+DAMAGED_LINE_FIX = (
+    "the capture writes whole lines only, so this one was damaged or edited: restore the file from a copy, or "
+    "delete that line and the directory's DONE and continue the capture with --resume auto (the shard it listed "
+    "is removed and its samples captured again)"
+)
+
+
 @dataclass(frozen=True, eq=False)
 class Sample:
     """One captured sequence. `meta` holds caller-defined JSON-serialisable extras."""
@@ -192,7 +200,7 @@ class ShardRecord:
         try:
             d = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not a valid manifest line ({e})") from e
+            raise ValueError(f"{where}: not a valid manifest line ({e}); {DAMAGED_LINE_FIX}") from e
         fields = {"name", "n_samples", "n_tokens", "n_bytes", "keys", "provenance", "checksums"}
         if isinstance(d, dict) and set(d) == fields - {"checksums"}:
             raise ValueError(
@@ -201,7 +209,9 @@ class ShardRecord:
             )
         if not isinstance(d, dict) or set(d) != fields:
             got = sorted(d) if isinstance(d, dict) else type(d).__name__
-            raise ValueError(f"{where}: manifest line must have exactly {sorted(fields)}, got {got}")
+            raise ValueError(
+                f"{where}: manifest line must have exactly {sorted(fields)}, got {got}; {DAMAGED_LINE_FIX}"
+            )
         prov = Provenance.from_dict(d["provenance"], where)
         return cls(
             name=check_shard_name(d["name"], where),

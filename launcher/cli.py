@@ -213,19 +213,28 @@ def _regenerate(rest: list[str]) -> int:
     ap.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. regen.temperature=0.7")
     args = ap.parse_intermixed_args(rest)
     from data_pipeline.ingest import DataError
-    from dflash_dist.capture.regenerate import RegenError, run_regenerate
+    from dflash_dist.capture.regenerate import RegenError, regen_loss_problem, run_regenerate
     from dflash_dist.config import ConfigError, load_config
     from dflash_dist.logging_setup import setup_logging
 
     setup_logging("regenerate")
 
     try:
-        run_regenerate(load_config(args.config, args.overrides, out_dir=args.out), limit=args.limit)
+        cfg = load_config(args.config, args.overrides, out_dir=args.out)
+        report = run_regenerate(cfg, limit=args.limit)
     except ConfigError as e:
         print(f"dflash-dist regenerate: config error: {e}", file=sys.stderr)
         return 2
     except (RegenError, DataError) as e:
         print(f"dflash-dist regenerate: error: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"[regenerate] {report.output}: {report.written} written, {report.rejected} rejected (empty responses), "
+        f"{report.remaining} remaining of {report.total}; data.max_lost_fraction={cfg.data.max_lost_fraction}"
+    )
+    problem = regen_loss_problem(report, cfg.data.max_lost_fraction)
+    if problem is not None:
+        print(f"dflash-dist regenerate: error: {problem}", file=sys.stderr)
         return 1
     return 0
 

@@ -109,7 +109,7 @@ def run_slurm_trainer(cfg: Config, resume: str) -> int:
 def _train(cfg: Config, resume: str, env: dict[str, str], rank: int, world: int, key: str, job_id: str,
            restart: str) -> int:  # fmt: skip
     from dflash_dist.actors.trainer_group import default_extensions_dir, run_rank, train_job
-    from dflash_dist.orchestration.pipeline import EXIT_PREEMPTED
+    from dflash_dist.orchestration.pipeline import EXIT_PREEMPTED, lost_text
     from dflash_dist.orchestration.run_plan import share_plan
 
     plan = share_plan(cfg, ("train",), resume, key=key, leader=rank == 0)
@@ -133,7 +133,7 @@ def _train(cfg: Config, resume: str, env: dict[str, str], rank: int, world: int,
     result = run_rank(cfg.to_dict(), job, env, default_extensions_dir(), rank=rank)
     if rank == 0:
         how = f"stopped by {result.preempted} after saving" if result.preempted else "finished"
-        log.info("training %s at step %d", how, result.steps)
+        log.info("training %s at step %d; %s", how, result.steps, lost_text(cfg, result))
     # 75 (not finished, a requeue continues it) from rank 0 only: srun --kill-on-bad-exit=1 ends the
     # other tasks when one exits nonzero, and a task it ends makes srun's status 143, not 75; a rank
     # exiting 0 never ends rank 0 while it completes the checkpoint's marker.

@@ -178,6 +178,54 @@ def test_a_capture_that_lost_too_many_samples_fails_every_way_it_can_finish(tmp_
     assert make_plan(cfg, ("train",), "auto").num_samples == 12
 
 
+@pytest.mark.parametrize("damage", ["torn_last_line", "deleted_line", "garbled_line"])
+def test_samples_in_no_manifest_line_refuse_training_and_a_resumed_capture_restores_them(saved, tmp_path, damage):
+    """A finished capture whose manifest lost a line between capture and training (its last line
+    torn: readers stop at the last newline; or a line deleted): that shard's samples were neither
+    trained nor counted lost, and `dflash-dist train` ended 'done, 0 sample(s) lost' with exit 0
+    (seen on configs/tiny.yaml: '398 of 398 samples trained'). Now the run plan refuses it naming
+    the manifest, the count and the fix; the fix it names (remove DONE, resume the capture)
+    captures exactly the missing samples again."""
+    from dflash_dist.orchestration.run_plan import PipelineError, make_plan
+
+    cfg = capture_config(tmp_path / "run", saved["dir"], saved["jsonl"], "eval.enabled=false",
+                         "capture.shard_bytes=20000")  # fmt: skip
+    cfg.data.max_train_samples = 12
+    cfg.data.max_lost_fraction = 0.5  # a damaged ledger is refused whatever loss the setting allows
+    run_capture(cfg)
+    shards = cfg.out / "shards"
+    mark_done(shards)
+    manifest = shards / "manifest.jsonl"
+    lines = manifest.read_bytes().splitlines(keepends=True)
+    assert len(lines) >= 3
+    if damage == "torn_last_line":
+        gone = json.loads(lines[-1])["n_samples"]
+        manifest.write_bytes(b"".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])
+        why = r"manifest.jsonl's last line is torn \(\d+ bytes without a newline\)"
+    else:
+        gone = json.loads(lines[1])["n_samples"]
+        manifest.write_bytes(b"".join(lines[:1] + lines[2:]))
+        why = "a line was deleted, or a shard's line never written"
+    if damage == "garbled_line":  # its error names the line and the same fix, which the user follows
+        manifest.write_bytes(b"".join(lines[:1] + [b'{"name": "t000-0000' + b"\n"] + lines[2:]))
+        with pytest.raises(PipelineError, match=r"(?s)manifest.jsonl:2: not a valid manifest line.*restore the file "
+                           r"from a copy, or delete that line and the directory's DONE and continue the capture "
+                           r"with --resume auto"):  # fmt: skip
+            make_plan(cfg, ("train",), "auto")
+        manifest.write_bytes(b"".join(lines[:1] + lines[2:]))  # the line deleted, as the message says
+    assert sum(r.n_samples for r in read_manifest(shards)) == 12 - gone  # what every reader sees
+    with pytest.raises(PipelineError, match=rf"(?s)manifest.jsonl: the finished capture was given 12 conversations.*"
+                       rf"lists {12 - gone} samples.*{gone} sample\(s\) are in neither file \({why}\).*"
+                       rf"Remove .*DONE and continue the capture with --resume auto"):  # fmt: skip
+        make_plan(cfg, ("train",), "auto")
+    (shards / DONE_NAME).unlink()  # what the message says to do
+    result = run_capture(cfg)
+    assert (result.resumed, result.samples) == (12 - gone, gone)
+    mark_done(shards)
+    assert_each_sample_once_and_complete(shards, saved["keys"][:12])
+    assert make_plan(cfg, ("train",), "auto").num_samples == 12
+
+
 def test_the_run_plan_refuses_a_shard_tree_of_another_target_in_any_epoch_directory(saved, tmp_path):
     """Under later_epochs: recapture, epoch e >= 1 is captured from epoch 0's token store into its own
     directory, which holds no shard when the epoch starts, while epoch 0's shards may already be

@@ -92,3 +92,42 @@ def test_a_resume_that_trains_nothing_still_reports_what_the_budget_holds(tiny, 
     again = Trainer(cfg, dataclasses.replace(job, resume=decision)).run()
     assert again.resumed_from is not None and again.steps == first.steps
     assert (again.samples_lost, again.capture_skipped) == held
+
+
+def test_optimizer_steps_skipped_for_a_non_finite_gradient_are_counted_and_printed(tiny, tmp_path, single_rank_gloo,
+                                                                                    capsys):  # fmt: skip
+    """A step whose gradient is not finite (one parameter's gradient made NaN in the backward of step
+    2, a real hook; the loss stays finite) is skipped by the optimizer, as train.grad_overflow_check
+    asks: its samples were read and counted trained, and nothing learned from them. Nobody read
+    DeepSpeed's count (nor the lean step's device counter): the run ended 'done' saying nothing.
+    TensorBoard (train/skipped_steps), the TrainResult, the run's summary and the Slurm trainer's
+    last line (lost_text) now say it."""
+    import math
+
+    from dflash_dist.actors.trainer_group import train_job
+    from dflash_dist.orchestration.pipeline import PipelineResult, _print_summary
+    from dflash_dist.trainer.loop import Trainer
+
+    shards, out = tmp_path / "shards", tmp_path / "run"
+    write_shards(shards, tiny["prov"], tiny["samples"], done=True)
+    cfg = make_cfg(out, tiny["target_dir"], "train.optimizer_step=deepspeed", world_size=1, epochs=1, log_every=1,
+                   checkpoint_every=100)  # fmt: skip
+    job = train_job(cfg, tiny["target_dir"], shards, tiny["prov"], tiny["drafter"], num_samples=NUM_SAMPLES)
+    trainer = Trainer(cfg, job)
+    param = next(p for p in trainer.engine.module.parameters() if p.requires_grad)
+    backwards = []
+
+    def poison(grad):
+        backwards.append(1)
+        return grad * float("nan") if len(backwards) == 2 else grad  # the 2nd backward: step 2 (grad_accum 1)
+
+    param.register_hook(poison)
+    result = trainer.run()
+    assert cfg.train.grad_accum == 1 and len(backwards) == result.steps > 2
+    assert result.skipped_steps == 1 and math.isfinite(result.final_loss)
+    skipped = scalars(out / "tb" / "train")["train/skipped_steps"]
+    assert skipped[0] == (1, 0) and all(n == 1 for _, n in skipped[1:]), skipped  # from step 2 on
+    paths = {"eval": tmp_path / "eval", "tb": out / "tb"}
+    _print_summary(cfg, paths, PipelineResult(str(out), ("train",), (), (result,), (), 0, None, 1.0))
+    assert ("1 optimizer step(s) skipped for a non-finite gradient (their samples read, not learned from; "
+            "train.grad_overflow_check)") in capsys.readouterr().out  # fmt: skip

@@ -404,6 +404,29 @@ def test_server_matches_target_and_retries_a_500(target_dir, reference, server, 
     assert prov["settings"]["server"] == {"url": server.url, "model": "tiny"} and prov["counts"]["rejected"] == 1
 
 
+def test_the_cli_fails_when_empty_responses_exceed_max_lost_fraction(target_dir, server, tmp_path, capsys) -> None:
+    """An empty response leaves its record out of the regenerated dataset (in .rejected.jsonl, never
+    retried); the training run ingests that dataset and never sees it. `dflash-dist regenerate`
+    exited 0 whatever share it dropped: now it prints the counts, and exits 1 naming the file, the
+    setting and the fix when data.max_lost_fraction does not allow them (0 within it)."""
+    data = write_jsonl(tmp_path / "chats.jsonl", conversations("SILENT please"))  # 8 records, one answered empty
+    yaml_path = tmp_path / "regen.yaml"
+    yaml_path.write_text("{}")
+    args = ["regenerate", str(yaml_path), "--out", str(tmp_path / "run"), f"target.path={target_dir}",
+            "target.dtype=float32", "target.device=cpu", "regen.source=server", f"regen.url={server.url}",
+            "regen.model=tiny", f"regen.max_new_tokens={MAX_NEW}", f"data.train_path={data}"]  # fmt: skip
+    assert cli_main(args) == 1
+    captured = capsys.readouterr()
+    rejected = tmp_path / "run" / "data" / "train.regenerated.rejected.jsonl"
+    assert "7 written, 1 rejected (empty responses), 0 remaining of 8" in captured.out
+    output = rejected.with_name("train.regenerated.jsonl")
+    assert (f"1 of 8 record(s) got an empty response and are left out of {output} (see {rejected}), more than "
+            "data.max_lost_fraction=0.0 allows (0)") in captured.err  # fmt: skip
+    assert "move train.regenerated.rejected.jsonl aside to answer them again" in captured.err
+    assert cli_main([*args, "data.max_lost_fraction=0.125"]) == 0  # within it: the count, exit 0
+    assert "7 written, 1 rejected (empty responses)" in capsys.readouterr().out
+
+
 def test_server_400_names_the_record_keeps_done_ones_and_resumes(target_dir, server, tmp_path, capsys) -> None:
     bad = write_jsonl(tmp_path / "with_bad.jsonl", conversations("REFUSE this"))
     yaml_path = tmp_path / "regen.yaml"

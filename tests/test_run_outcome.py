@@ -1,9 +1,13 @@
 """A run whose trainers stopped at a preemption notice (SIGTERM/SIGUSR1) saved but did not finish:
 it must not end as a finished run does (exit 0, "done"). run_pipeline raises Preempted, the CLI
-exits 75 (EX_TEMPFAIL), on which slurm/*.sbatch requeue the job."""
+exits 75 (EX_TEMPFAIL), on which slurm/*.sbatch requeue the job. And what the end of a run says:
+records skipped at ingest, exports not evaluated, prompts the tau is over, and a failed evaluator
+(its summary first, then its error and exit 1)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -54,3 +58,90 @@ def test_resume_defaults_to_never_and_a_slice_refuses_what_it_cannot_do(monkeypa
                          "--resume", resume])
         assert code == 2 and f"--resume {resume} does not apply" in capsys.readouterr().err
         assert not out.exists()  # refused before anything was written
+
+
+def test_the_summary_names_records_skipped_at_ingest_and_exports_never_evaluated(tmp_path, capsys):
+    """What a run dropped before any shard and the checkpoints it never measured: configs/tiny.yaml
+    with 4 bad lines in 104 under data.on_bad_record=skip printed '0 sample(s) lost' and 'done',
+    the skips only in one log line among the roles' thousands; exports the evaluator passed over
+    (behind the trainer) had no word at all, nor held-out prompts the evaluator could not use (tau
+    over 2 of 12 read as tau over 12), nor, without training, the samples the capture skipped. All are
+    now in the final summary, with files and settings."""
+    from data_pipeline.ledger import record_skipped
+    from dflash_dist.config import load_config
+    from dflash_dist.evaluator.policy import EvalResult
+    from dflash_dist.orchestration.pipeline import _layout, _print_summary
+
+    cfg = load_config(REPO / "configs" / "tiny.yaml", ["data.on_bad_record=skip"], out_dir=str(tmp_path / "run"))
+    paths = _layout(cfg)
+    counts = {
+        "source": "/data/train.jsonl",
+        "kind": "jsonl",
+        "read": 104,
+        "kept": 100,
+        "truncated": 0,
+        "tokens": 0,
+        "skipped": {"malformed": 1, "unparsable": 3},
+        "first_skip": {"unparsable": "/data/train.jsonl:12: bad"},
+    }
+    (cfg.out / "data").mkdir()
+    (cfg.out / "data" / "train.ingest.json").write_text(json.dumps(counts))
+    (cfg.out / "data" / "eval.ingest.json").write_text(json.dumps({**counts, "skipped": {}, "read": 12}))
+    for step in (50, 100, 150, 200):
+        (paths["export"] / f"step_{step}").mkdir()
+    for step in (50, 200):
+        done = EvalResult(step=step, tau_chain=2.0, tau_ddtree={4: 2.5}, accept_hist=(1,), slot_acceptance=(0.5,),
+                          prompts=2, rounds=3, kernel_path="torch", seconds=0.5)  # fmt: skip
+        (paths["eval"] / f"step_{step}.json").write_text(json.dumps(done.to_json()))
+    run = PipelineResult(str(cfg.out), ("extract", "train", "eval"), (), result(None).train, (), 0, None, 1.0)
+    record_skipped(paths["shards"], "k-nonfinite", "nonfinite_features", 0)
+    record_skipped(paths["shards"], "k-nonfinite-2", "nonfinite_features", 0)
+    _print_summary(cfg, paths, run, captured=[paths["shards"]])
+    out = capsys.readouterr().out
+    assert (f"[capture] {paths['shards']}: 0 samples in 0 shards, 2 skipped as non-finite (see "
+            f"{paths['shards'] / 'skipped.jsonl'}; data.max_lost_fraction=0.0)") in out, out  # fmt: skip
+    assert (f"[data] train: 4 of 104 record(s) of /data/train.jsonl skipped (malformed 1, unparsable 3; first: "
+            f"/data/train.jsonl:12: bad), 0 truncated, under data.on_bad_record=skip, data.on_overlong=truncate: see "
+            f"{cfg.out / 'data' / 'train.ingest.json'}") in out, out  # fmt: skip
+    assert "[data] eval" not in out  # nothing skipped there
+    assert ("[eval] tau per checkpoint (2 held-out prompts of the eval.num_prompts=12 asked: the others are not in "
+            "data.eval_path or have no greedy continuation of 2+ tokens;") in out, out  # fmt: skip
+    assert "[eval] 2 export(s) not evaluated: steps [100, 150]" in out, out
+    _print_summary(cfg, paths, dataclasses.replace(run, stages=("extract", "train")))  # no evaluation asked
+    assert "not evaluated" not in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_failed_evaluator_ends_the_run_with_its_summary_then_its_error(tmp_path, capsys):
+    """The evaluator stops at a damaged export (its checksum record differs): the run exits 1 naming
+    the export and the fix, as before, but it used to print nothing else: not the tau it had
+    measured, nor which exports it never reached, nor (in `run`) the training's lost samples. Real
+    `dflash-dist eval` on configs/tiny.yaml's target, Ray and the evaluator actor; two exports of a
+    random drafter, the second damaged."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from dflash_dist.config import load_config
+    from dflash_dist.model.drafter import DFlashDrafter
+    from dflash_dist.model.export import export_drafter
+    from dflash_dist.target.loading import drafter_config_for, resolve_target_dir, tokenizer_mask_id
+    from launcher import cli
+
+    out, config = tmp_path / "run", str(REPO / "configs" / "tiny.yaml")
+    overrides = ["eval.num_prompts=2", "eval.max_new_tokens=8", "eval.poll_s=0.1"]
+    cfg = load_config(config, overrides, out_dir=str(out))
+    target_dir = resolve_target_dir(cfg)
+    drafter_cfg = drafter_config_for(cfg, target_dir, tokenizer_mask_id(AutoTokenizer.from_pretrained(target_dir)))
+    torch.manual_seed(0)
+    for step in (10, 20):
+        export_drafter(DFlashDrafter(drafter_cfg), out / "export" / f"step_{step}")
+    weights = out / "export" / "step_20" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x01
+    weights.write_bytes(bytes(data))
+    assert cli.main(["eval", config, "--out", str(out), *overrides]) == 1
+    captured = capsys.readouterr()
+    assert "[eval] tau per checkpoint (2 held-out prompts;" in captured.out and "step     10: tau chain" in captured.out
+    assert "[eval] 1 export(s) not evaluated: steps [20] (the evaluator failed before them)" in captured.out
+    assert "the evaluator FAILED (its error follows" in captured.out, captured.out
+    assert f"error: ChecksumMismatch: {out / 'export' / 'step_20'}: model.safetensors differ" in captured.err

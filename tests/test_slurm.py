@@ -141,7 +141,7 @@ def test_trainer_only_script_saves_on_a_signal_requeues_itself_and_resumes(slurm
     assert "stopped by SIGUSR1 after saving" in first and "requeueing job" in first, first
     assert f"saved {saved} and stopped" in first
     assert f"resumed from {out / 'checkpoints' / saved}" in second, second
-    assert "2 rank(s), master 127.0.0.1:" in first and "finished at step 10" in second
+    assert "2 rank(s), master 127.0.0.1:" in first and "finished at step 10; 0 sample(s) lost (0 unreadable" in second
     steps = [r["step"] for r in read_jsonl(train_log)]
     assert steps == list(range(1, 11))  # one history: nothing lost, nothing twice
     at = int(saved.split("_")[1])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections import Counter
@@ -346,6 +347,21 @@ class RegenReport:
     remaining: int
     this_run: int
     seconds: float
+
+
+def regen_loss_problem(report: RegenReport, max_lost_fraction: float) -> str | None:
+    """Why a regeneration left out more records than data.max_lost_fraction allows (empty responses,
+    in <output>.rejected.jsonl and never retried), naming the file and the fix; None within it. The
+    training run ingests the regenerated file and so never sees them: without this the command
+    exited 0 whatever share of the dataset it dropped."""
+    allowed = math.floor(max_lost_fraction * report.total)
+    if report.rejected <= allowed:
+        return None
+    rejected = RegenOutput(Path(report.output)).rejected_path
+    return (f"{report.rejected} of {report.total} record(s) got an empty response and are left out of {report.output} "
+            f"(see {rejected}), more than data.max_lost_fraction={max_lost_fraction} allows ({allowed}): check the "
+            "model or server (chat template, stop tokens, regen.max_new_tokens), or raise data.max_lost_fraction; a "
+            f"rerun keeps them out (move {rejected.name} aside to answer them again)")  # fmt: skip
 
 
 def regenerate(

@@ -140,7 +140,7 @@ def _run(cfg: Config, stages: tuple[str, ...], resume: str) -> PipelineResult:
     _save_config(cfg)
     write_plan(cfg.out / PLAN_NAME, plan)
     clear_heartbeats(cfg.out)
-    capture, results, evals = (), (), ()
+    capture, results, evals, eval_error = (), (), (), None
     with (
         Heartbeat(cfg.out, "driver", info=lambda: {"stages": list(stages)}),
         ray_session(cfg) as ray,
@@ -180,11 +180,17 @@ def _run(cfg: Config, stages: tuple[str, ...], resume: str) -> PipelineResult:
         if evaluator is not None:
             if final_step is None:  # eval alone: everything exported so far (None: nothing to wait for)
                 final_step = max(_export_steps(paths["export"]), default=None)
-            evals = tuple(wait_evaluator(ray, evaluator, final_step, cfg.eval.max_restarts))
+            try:
+                evals = tuple(wait_evaluator(ray, evaluator, final_step, cfg.eval.max_restarts))
+            except Exception as e:  # raised below, after the summary of what the run did
+                eval_error = e
     lost = samples_lost(results, _capture_dirs(cfg, plan, paths["shards"]))
     result = PipelineResult(str(cfg.out), tuple(stages), capture, results, evals, lost,
                             results[0].preempted if results else None, time.time() - t0)  # fmt: skip
-    _print_summary(cfg, paths, result)
+    captured = _capture_dirs(cfg, plan, paths["shards"]) if "extract" in stages else []
+    _print_summary(cfg, paths, result, failed=eval_error is not None, captured=captured)
+    if eval_error is not None:  # the training's summary (its lost samples, checkpoints) is printed first
+        raise eval_error
     check_finished(result)
     return result
 
@@ -414,18 +420,96 @@ def _export_steps(export_dir: Path) -> list[int]:
     return sorted(int(p.name.split("_")[1]) for p in export_dir.glob("step_*") if p.name.split("_")[1].isdigit())
 
 
-def _print_summary(cfg: Config, paths: dict[str, Path], result: PipelineResult) -> None:
-    rows = []
-    for f in sorted(paths["eval"].glob("step_*.json"), key=lambda p: int(p.stem.split("_")[1])):
-        rows.append("  " + EvalResult.from_json(json.loads(f.read_text()), str(f)).table_row())
-    if rows:
-        print("[eval] tau per checkpoint (held-out prompts; greedy replay, then live/server where measured):")
-        print("\n".join(rows))
+def _print_summary(cfg: Config, paths: dict[str, Path], result: PipelineResult, failed: bool = False,
+                   captured: list[Path] = ()) -> None:  # fmt: skip
+    """The run's end: tau per checkpoint, what was not evaluated or ingested, what the capture of
+    the directories `captured` wrote and skipped, the lost samples, and how it ended (`failed`:
+    the evaluator failed; its error follows)."""
+    results = [EvalResult.from_json(json.loads(f.read_text()), str(f))
+               for f in sorted(paths["eval"].glob("step_*.json"), key=lambda p: int(p.stem.split("_")[1]))]  # fmt: skip
+    if results:
+        fewest, asked = min(r.prompts for r in results), cfg.eval.num_prompts
+        short = (f" of the eval.num_prompts={asked} asked: the others are not in data.eval_path or have no greedy "
+                 "continuation of 2+ tokens" if fewest < asked else "")  # fmt: skip
+        print(f"[eval] tau per checkpoint ({fewest} held-out prompts{short}; greedy replay, then live/server where "
+              "measured):")  # fmt: skip
+        print("\n".join("  " + r.table_row() for r in results))
+    unevaluated = _unevaluated(cfg, paths, result)
+    if unevaluated:
+        why = ("the evaluator failed before them" if failed else f"passed over while the evaluator was behind the "
+               f"trainer: eval.max_backlog={cfg.eval.max_backlog}, eval.backlog_stride={cfg.eval.backlog_stride}; or "
+               "removed before it got to them")  # fmt: skip
+        print(f"[eval] {len(unevaluated)} export(s) not evaluated: steps {unevaluated} ({why})")
+    for line in _ingest_lines(cfg):
+        print(line)
+    for line in _capture_lines(cfg, captured):
+        print(line)
     if result.train:
         t = result.train[0]
-        print(f"[train] {t.steps} steps, {t.epochs_completed} epoch(s) completed, {result.samples_lost} sample(s) "
-              f"lost ({result.samples_lost - t.capture_skipped} unreadable, {t.capture_skipped} skipped by the "
-              f"capture, counted per epoch read; data.max_lost_fraction={cfg.data.max_lost_fraction})")  # fmt: skip
+        print(f"[train] {t.steps} steps, {t.epochs_completed} epoch(s) completed, {lost_text(cfg, t)}")
     state = f"stopped by {result.preempted} (not finished: --resume auto continues)" if result.preempted else "done"
+    state = "the evaluator FAILED (its error follows; the training's outputs are kept)" if failed else state
     print(f"{state} in {result.seconds:.0f}s; outputs under {cfg.out}")
     print(f"TensorBoard: tensorboard --logdir {paths['tb']} --host 127.0.0.1")
+
+
+def lost_text(cfg: Config, train) -> str:
+    """The trainers' lost samples (a TrainResult's) as data.max_lost_fraction held them, with their
+    parts, and the optimizer steps skipped: the run's summary and a Slurm trainer's last line."""
+    lost = train.samples_lost
+    text = (f"{lost} sample(s) lost ({lost - train.capture_skipped} unreadable, {train.capture_skipped} skipped by the "
+            f"capture, counted per epoch read; data.max_lost_fraction={cfg.data.max_lost_fraction})")  # fmt: skip
+    if train.skipped_steps:
+        text += (f"; {train.skipped_steps} optimizer step(s) skipped for a non-finite gradient (their samples read, "
+                 "not learned from; train.grad_overflow_check)")  # fmt: skip
+    return text
+
+
+def _unevaluated(cfg: Config, paths: dict[str, Path], result: PipelineResult) -> list[int]:
+    """Export steps of a run that evaluated, with no result under eval/ (policy.pending_steps thins
+    a backlog; the tau curve has no point there, which nothing else says)."""
+    if "eval" not in result.stages or not cfg.eval.enabled or "export" not in paths:
+        return []
+    done = {int(f.stem.split("_")[1]) for f in paths["eval"].glob("step_*.json") if f.stem.split("_")[1].isdigit()}
+    return [s for s in _export_steps(paths["export"]) if s not in done]
+
+
+def _ingest_lines(cfg: Config) -> list[str]:
+    """The ingested splits' records that were skipped (data.on_bad_record=skip, data.on_overlong=skip)
+    or truncated: counted in <out>/data/<split>.ingest.json and logged once at the start, where a
+    long run's log buries them; never in the lost-sample count (they never reached a shard)."""
+    from dflash_dist.capture.data_prep import ingested_paths
+
+    lines = []
+    for split in ("train", "eval"):
+        path = ingested_paths(cfg, split)[1]
+        try:
+            counts = json.loads(path.read_text())
+            skipped, truncated = sum(int(n) for n in counts["skipped"].values()), int(counts["truncated"])
+        except (FileNotFoundError, KeyError, TypeError, ValueError, AttributeError):
+            continue  # no ingest in this directory (or not this format): nothing to report
+        if skipped or truncated:
+            reasons = ", ".join(f"{k} {v}" for k, v in sorted(counts["skipped"].items()))
+            first = "; ".join(str(v) for v in counts.get("first_skip", {}).values())
+            lines.append(f"[data] {split}: {skipped} of {counts.get('read')} record(s) of {counts.get('source')} "
+                         f"skipped{f' ({reasons}; first: {first})' if reasons else ''}, {truncated} truncated, under "
+                         f"data.on_bad_record={cfg.data.on_bad_record}, data.on_overlong={cfg.data.on_overlong}: "
+                         f"see {path}")  # fmt: skip
+    return lines
+
+
+def _capture_lines(cfg: Config, shard_dirs: list[Path]) -> list[str]:
+    """Per captured directory: samples written (its manifest, every attempt's) and those skipped as
+    non-finite (its skipped.jsonl), which a capture without training printed nowhere at its end."""
+    from data_pipeline.ledger import read_skipped
+    from data_pipeline.records import SKIPPED_NAME
+    from data_pipeline.shard_reader import read_manifest
+
+    lines = []
+    for d in shard_dirs:
+        if d.is_dir():
+            records, skipped = read_manifest(d), len(read_skipped(d))
+            lines.append(f"[capture] {d}: {sum(r.n_samples for r in records)} samples in {len(records)} shards, "
+                         f"{skipped} skipped as non-finite" + (f" (see {d / SKIPPED_NAME}; data.max_lost_fraction="
+                         f"{cfg.data.max_lost_fraction})" if skipped else ""))  # fmt: skip
+    return lines

@@ -196,8 +196,11 @@ def planned_samples(cfg: Config, data: DataPlan | None, stages: tuple[str, ...],
     shards = cfg.out / "shards"
     if not (shards / DONE_NAME).exists():
         return data.capture.records if data is not None else cfg.data.max_train_samples
-    written = sum(r.n_samples for r in read_manifest(shards))
-    given = data.capture.records if data is not None else written + len(read_skipped(shards))
+    try:  # a damaged line's error names the file, the line and the fix
+        written = sum(r.n_samples for r in read_manifest(shards))
+        given = data.capture.records if data is not None else written + len(read_skipped(shards))
+    except ValueError as e:
+        raise PipelineError(str(e)) from None
     return _checkpoint_base(cfg, resume, given, written) if "train" in stages else given
 
 

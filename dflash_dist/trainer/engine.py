@@ -102,6 +102,14 @@ def build_engine(
     return engine
 
 
+def skipped_steps(engine) -> int:
+    """Optimizer steps skipped for a non-finite gradient: DeepSpeed's count (its overflow skip, kept
+    in its checkpoints: since step 0) plus the lean step's device counter (zero_step.py; this run's).
+    Read at the end of a run (the lean counter costs a host sync)."""
+    lean = getattr(engine.optimizer, "dflash_skipped_steps", None)
+    return int(engine.skipped_steps) + (int(lean) if lean is not None else 0)
+
+
 def param_grad_norms(engine) -> torch.Tensor:
     """L2 norm of each trainable drafter parameter's full gradient (after backward, before
     the step; a collective under ZeRO, every rank calls it). A layer that gets no gradient

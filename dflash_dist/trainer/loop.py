@@ -86,6 +86,7 @@ class TrainResult:
     resumed_from: str | None = None
     preempted: str | None = None  # the signal's name when a preemption notice ended the run
     capture_skipped: int = 0  # the part of samples_lost the capture skipped (non-finite features)
+    skipped_steps: int = 0  # optimizer steps skipped for a non-finite gradient (engine.skipped_steps)
 
 
 class Trainer:
@@ -180,6 +181,7 @@ class Trainer:
             resumed_from=self.resumed_from,
             preempted=self.preempted,
             capture_skipped=self.source.capture_lost,
+            skipped_steps=engine.skipped_steps(self.engine),
         )
 
     def train_step(self) -> bool:
@@ -321,6 +323,7 @@ class Trainer:
         scalars["train/lr"] = self._last_lr
         if grad_norm is not None:
             scalars["train/grad_norm"] = float(grad_norm)
+        scalars["train/skipped_steps"] = engine.skipped_steps(self.engine)  # non-finite gradients, so far
         hists = {"train/loss_per_sample": per_sample[:, 0].tolist()}
         if self._grad_norms is not None:
             hists["train/grad_norm_per_param"] = self._grad_norms.tolist()

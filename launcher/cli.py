@@ -10,6 +10,8 @@
       the target's own responses to the input's prompts (regen.*), a new JSONL; a rerun resumes
   dflash-dist build-target CONFIG [overrides]                  build (or find cached) the config's own target
       (target.kind tiny_stdlib or code_lm) and print its build record
+  dflash-dist export CHECKPOINT_DIR [--out DIR] [--dtype bf16|fp32|fp16] [--force]
+      a checkpoint tag's drafter exported again (default DIR: RUN/export/<tag>; a valid one kept unless --force)
   dflash-dist status DIR [--json]                              shards, disk, trainer, tau, roles alive
   dflash-dist demo                                             the tiny core demo (no Ray)
   dflash-dist parity DIR [--device cuda]                       numerics against golden data
@@ -80,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         return parity_main(rest)
     if cmd == "regenerate":
         return _regenerate(rest)
+    if cmd == "export":
+        from dflash_dist.trainer.export_checkpoint import main as export_main
+
+        return export_main(rest)
     if cmd in ("cluster-token", "ray-start"):
         from launcher.ray_auth import cluster_token_main, ray_start_main
 

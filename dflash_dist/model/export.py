@@ -82,21 +82,32 @@ def verify_export(export_dir: str | Path, required: bool = False) -> bool:
     except FileNotFoundError:
         if required:
             raise ValueError(f"{path}: missing: this export was not written whole by this version's trainer (its "
-                             "files' checksums are written with them); export it again from its checkpoint") from None
+                             "files' checksums are written with them); export it again from its checkpoint: "
+                             f"{_export_command(export_dir)}") from None
         return False
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: not an export record ({e}); export it again from its checkpoint") from None
+        raise ValueError(f"{path}: not an export record ({e}); export it again from its checkpoint: "
+                         f"{_export_command(export_dir)}") from None
     record = record if isinstance(record, dict) else {}
     checksums = record.get("checksums")
     files = checksums.get("files") if isinstance(checksums, dict) else None
     if record.get("version") != _RECORD_VERSION or not isinstance(files, dict) or set(files) != set(EXPORTED):
-        raise ValueError(f"{path}: not a version-{_RECORD_VERSION} record of {list(EXPORTED)}; export it again")
+        raise ValueError(f"{path}: not a version-{_RECORD_VERSION} record of {list(EXPORTED)}; export it again "
+                         f"from its checkpoint: {_export_command(export_dir)}")
     bad = mismatched_files(export_dir, checksums, EXPORTED, links_ok=not required)  # a run's own: no links
     if bad:
         raise ChecksumMismatch(f"{export_dir}: {', '.join(bad)} differ(s) from the {checksums['algorithm']} checksum "
                                f"{EXPORT_RECORD} recorded when it was exported: the export was damaged since; export "
-                               "it again from its checkpoint")
+                               f"it again from its checkpoint: {_export_command(export_dir)}")
     return True
+
+
+def _export_command(export_dir: Path) -> str:
+    """The command that writes `export_dir` again: a run's exports (<run>/export/<tag>) come from the
+    checkpoint of the same tag (<run>/checkpoints/<tag>)."""
+    if export_dir.parent.name == "export":
+        return f"dflash-dist export {export_dir.parent.parent / 'checkpoints' / export_dir.name}"
+    return "dflash-dist export <checkpoint> --out " + str(export_dir)
 
 
 def load_drafter(

@@ -1,0 +1,137 @@
+"""`dflash-dist export CHECKPOINT_DIR`: a checkpoint's drafter exported again outside training is
+bit for bit the trainer's own export of that step (ZeRO-2's whole module, ZeRO-3's consolidated
+partitions), verifies, keeps a valid export unless --force, and refuses a damaged checkpoint
+naming the file, writing nothing. Real DeepSpeed (one gloo rank in this process), tiny target."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from dflash_dist.model.export import verify_export
+from dflash_dist.trainer.export_checkpoint import MODEL_STATES, ZERO3_MODEL_STATES
+from dflash_dist.trainer.safe_load import weights_only_loads
+from launcher.cli import main as cli
+from tests.conftest import REPO
+from tests.helpers.tiny import make_cfg, write_shards
+
+STEPS = 2
+
+
+def train_run(tiny, root: Path, zero_stage: int) -> Path:
+    """A finished one-rank run with a checkpoint and the trainer's export of step 2, and its config.yaml."""
+    from dflash_dist.trainer.loop import Trainer, TrainJob
+
+    shards = root / "shards"
+    write_shards(shards, tiny["prov"], tiny["samples"][:4], done=True)
+    out = root / "run"
+    cfg = make_cfg(out, tiny["target_dir"], f"drafter.mask_token_id={tiny['drafter'].mask_token_id}", world_size=1,
+                   zero_stage=zero_stage, max_steps=STEPS, checkpoint_every=STEPS)  # fmt: skip
+    job = TrainJob(str(tiny["target_dir"]), str(shards), tiny["prov"], tiny["drafter"], total_steps=STEPS)
+    Trainer(cfg, job).run()
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))  # as the pipeline writes it
+    return out
+
+
+def moved_aside(out: Path) -> Path:
+    """The trainer's own export of the step, moved out of the run (the command's default output)."""
+    ref = out.parent / "trainer_export"
+    shutil.move(out / "export" / f"step_{STEPS}", ref)
+    return ref
+
+
+def assert_same_export(a: Path, b: Path) -> None:
+    ta, tb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert sorted(ta) == sorted(tb) and ta
+    for name in ta:
+        assert ta[name].dtype == tb[name].dtype, name
+        assert torch.equal(ta[name].view(torch.uint8), tb[name].view(torch.uint8)), name
+    assert json.loads((a / "config.json").read_text()) == json.loads((b / "config.json").read_text())
+    assert verify_export(a, required=True) and verify_export(b, required=True)
+
+
+def test_zero2_checkpoint_exports_bitwise_as_the_trainer_and_damage_is_refused(tiny, tmp_path, single_rank_gloo,
+                                                                                capsys):  # fmt: skip
+    out = train_run(tiny, tmp_path, zero_stage=2)
+    tag = out / "checkpoints" / f"step_{STEPS}"
+    ref = moved_aside(out)
+
+    assert cli(["export", str(tag)]) == 0
+    assert_same_export(out / "export" / tag.name, ref)
+    assert f"step {STEPS} (ZeRO-2)" in capsys.readouterr().out
+
+    # a valid export is kept unless --force; a damaged one is replaced without it
+    assert cli(["export", str(tag)]) == 1
+    assert "already holds a valid export" in capsys.readouterr().err
+    assert cli(["export", str(tag), "--force"]) == 0
+    weights = out / "export" / tag.name / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
+    with pytest.raises(ValueError, match=rf"export it again from its checkpoint: dflash-dist export {tag}$"):
+        verify_export(weights.parent, required=True)  # the damaged export's message names the command
+    assert cli(["export", str(tag)]) == 0
+    assert_same_export(weights.parent, ref)
+
+    # --dtype: the trainer's fp32 weights cast
+    assert cli(["export", str(tag), "--out", str(tmp_path / "bf16"), "--dtype", "bf16"]) == 0
+    bf16, fp32 = load_file(str(tmp_path / "bf16" / "model.safetensors")), load_file(str(ref / "model.safetensors"))
+    assert all(torch.equal(bf16[k], fp32[k].to(torch.bfloat16)) for k in fp32)
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+    # a directory that is not an export is never replaced
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    assert cli(["export", str(tag), "--out", str(tmp_path / "mine"), "--force"]) == 1
+    assert "not an export directory" in capsys.readouterr().err
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+
+    # usage errors exit 2
+    with pytest.raises(SystemExit) as usage:
+        cli(["export"])
+    assert usage.value.code == 2
+    with pytest.raises(SystemExit) as usage:
+        cli(["export", str(tag), "--dtype", "int8"])
+    assert usage.value.code == 2
+
+    # a flipped byte in the model states: refused naming the file, nothing written (a real process's exit code)
+    states = tag / MODEL_STATES
+    good = states.read_bytes()
+    states.write_bytes(good[: len(good) // 2] + bytes([good[len(good) // 2] ^ 1]) + good[len(good) // 2 + 1 :])
+    fresh = tmp_path / "fresh"
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "export", str(tag), "--out", str(fresh)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert f"{tag}: {MODEL_STATES} differ(s) from the xxh3_128 checksum" in proc.stderr
+    assert "export another tag" in proc.stderr and "Traceback" not in proc.stderr
+    assert not fresh.exists() and not list(tmp_path.glob(".tmp-*"))
+    states.write_bytes(good)
+
+    # the run's config.yaml is needed (and must be the one trained)
+    (out / "config.yaml").rename(out / "config.yaml.bak")
+    assert cli(["export", str(tag), "--out", str(fresh)]) == 1
+    assert f"{out / 'config.yaml'}: not found" in capsys.readouterr().err
+    cfg = yaml.safe_load((out / "config.yaml.bak").read_text())
+    cfg["drafter"]["num_layers"] = 2
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert cli(["export", str(tag), "--out", str(fresh)]) == 1
+    assert "drafter.num_layers: 1 -> 2" in capsys.readouterr().err
+    assert not fresh.exists()
+
+
+def test_zero3_checkpoint_consolidates_bitwise_as_the_trainer(tiny, tmp_path, single_rank_gloo):
+    out = train_run(tiny, tmp_path, zero_stage=3)
+    tag = out / "checkpoints" / f"step_{STEPS}"
+    with weights_only_loads():
+        module = torch.load(tag / ZERO3_MODEL_STATES)["module"]
+    layers = [v for k, v in module.items() if k.startswith("drafter.layers.")]
+    assert layers and all(v.numel() == 0 for v in layers), "ZeRO-3's module states are placeholders"
+    ref = moved_aside(out)
+    assert cli(["export", str(tag)]) == 0
+    assert_same_export(out / "export" / tag.name, ref)

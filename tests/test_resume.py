@@ -343,9 +343,21 @@ def test_ctrl_c_ends_a_run_with_one_line_saying_how_to_continue(tmp_path):
     """Ctrl-C (SIGINT) in `dflash-dist extract`, mid-capture on a real local Ray cluster: exit 130 with one
     line naming the directory and `--resume auto`, not the driver's KeyboardInterrupt traceback."""
     out, log = tmp_path / "run", tmp_path / "cli.log"
+    # what a terminal gives a command: SIGINT at its default and unblocked (a child inherits both from this
+    # process, and Python installs its KeyboardInterrupt handler only over the default). Once, in a full
+    # suite run, the signal went unanswered (the run finished, exit 0); the test process's own SIGINT state
+    # is kept for the message in case that was it
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    harness = f"test process: SIGINT handler {signal.getsignal(signal.SIGINT)!r}, blocked signals {blocked}"
+
+    def terminal_sigint() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
     with log.open("w") as f:
         cmd = [sys.executable, "-m", "launcher.cli", "extract", "configs/tiny.yaml", "--out", str(out)]
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=terminal_sigint)  # fmt: skip
     try:
         deadline = time.monotonic() + 600  # a fresh machine builds the tiny target first (~3 minutes)
         while "target actor(s) capturing" not in log.read_text() and proc.poll() is None:
@@ -357,7 +369,7 @@ def test_ctrl_c_ends_a_run_with_one_line_saying_how_to_continue(tmp_path):
         if proc.poll() is None:
             proc.kill()
     text = log.read_text()
-    assert rc == 130, text[-2000:]
+    assert rc == 130, f"{harness}\n{text[-2000:]}"
     assert "KeyboardInterrupt" not in text, text[-2000:]  # (Ray may log its stopped actors' own exits)
     last = text.strip().splitlines()[-1]
     assert last.startswith("dflash-dist extract: interrupted;") and str(out) in last and "--resume auto" in last

@@ -175,7 +175,7 @@ def _module_state(tag_dir: Path, stage: int) -> dict[str, torch.Tensor]:
                           "trainer saved; export another tag of its run")
     try:
         with weights_only_loads():
-            saved = torch.load(path, map_location="cpu")
+            saved = torch.load(path, map_location="cpu", weights_only=True)
     except ResumeError as e:  # refused (not plain data) or unreadable: named by safe_load
         raise ExportError(_for_export(e, tag_dir)) from None
     module = saved.get("module") if isinstance(saved, dict) else None

@@ -258,6 +258,10 @@ def test_a_failed_runs_ray_logs_are_kept_and_a_finished_runs_removed(caplog):
         assert not others_can_reach(kept.parent)  # still private
     finally:
         shutil.rmtree(Path(failed).parent)
+    with pytest.raises(KeyboardInterrupt), private_ray_temp() as stopped:  # Ctrl-C: no failure to read
+        session_log(stopped)
+        raise KeyboardInterrupt
+    assert not Path(stopped).parent.exists()
     for keep in (False, True):
         cluster = SlurmRayCluster([socket.gethostname()])  # never started: stop() has only the directory to do
         Path(cluster.temp_dir).mkdir()

@@ -58,12 +58,15 @@ def make_private_ray_temp(tag: str = "") -> str:
 @contextlib.contextmanager
 def private_ray_temp(tag: str = "") -> Iterator[str]:
     """make_private_ray_temp for the life of the block; its parent is removed after a block that ended
-    normally, and kept after one that raised (release_ray_temp)."""
+    normally or was stopped (Ctrl-C, SystemExit), and kept after one that failed with an error
+    (release_ray_temp)."""
     temp_dir = make_private_ray_temp(tag)
-    failed = True
+    failed = False
     try:
         yield temp_dir
-        failed = False
+    except Exception:
+        failed = True
+        raise
     finally:
         release_ray_temp(temp_dir, keep=failed)
 

@@ -110,6 +110,16 @@ def _export_command(export_dir: Path) -> str:
     return "dflash-dist export <checkpoint> --out " + str(export_dir)
 
 
+def empty_drafter(cfg: DrafterConfig, device: str | torch.device = "cpu") -> DFlashDrafter:
+    """A drafter of shape `cfg` on `device` with nothing initialised (every weight is about to be
+    loaded): built on the meta device, its storage then allocated, its RoPE buffers computed."""
+    with torch.device("meta"):
+        drafter = DFlashDrafter(cfg)
+    drafter.to_empty(device=device)
+    drafter.rotary.reset_buffers()
+    return drafter
+
+
 def load_drafter(
     export_dir: str | Path,
     embed_weight: torch.Tensor | None = None,
@@ -126,10 +136,7 @@ def load_drafter(
     verify_export(export_dir, require_record)
     cfg = DrafterConfig.from_hf_dict(json.loads(cfg_path.read_text()), where=str(cfg_path))
     state = load_file(str(export_dir / "model.safetensors"), device=str(device))
-    with torch.device("meta"):
-        drafter = DFlashDrafter(cfg)
-    drafter.to_empty(device=device)
-    drafter.rotary.reset_buffers()
+    drafter = empty_drafter(cfg, device)
     expected = set(drafter.drafter_state_dict())
     missing, unexpected = expected - set(state), set(state) - expected
     if missing or unexpected:

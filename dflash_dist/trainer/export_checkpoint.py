@@ -27,7 +27,7 @@ import torch
 
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.drafter import DFlashDrafter
-from dflash_dist.model.export import EXPORT_RECORD, EXPORTED, export_drafter, verify_export
+from dflash_dist.model.export import EXPORT_RECORD, EXPORTED, empty_drafter, export_drafter, verify_export
 from dflash_dist.trainer.checkpoint import (
     MARKER,
     ResumeError,
@@ -86,11 +86,8 @@ def export_checkpoint(tag_dir: str | Path, out: str | Path | None = None, dtype:
 
 def _empty_drafter(cfg: DrafterConfig) -> DFlashDrafter:
     """The drafter without initialising anything (its weights all come from the checkpoint; the
-    target's embedding and lm_head, not exported, are zeros), as export.load_drafter builds it."""
-    with torch.device("meta"):
-        drafter = DFlashDrafter(cfg)
-    drafter.to_empty(device="cpu")
-    drafter.rotary.reset_buffers()
+    target's embedding and lm_head, not exported, are zeros)."""
+    drafter = empty_drafter(cfg)
     drafter.embed_tokens.weight.data.zero_()
     drafter.lm_head.weight.data.zero_()
     return drafter

@@ -184,10 +184,10 @@ def _run(cfg: Config, stages: tuple[str, ...], resume: str) -> PipelineResult:
                 evals = tuple(wait_evaluator(ray, evaluator, final_step, cfg.eval.max_restarts))
             except Exception as e:  # raised below, after the summary of what the run did
                 eval_error = e
-    lost = samples_lost(results, _capture_dirs(cfg, plan, paths["shards"]))
+    lost = samples_lost(results, dirs)
     result = PipelineResult(str(cfg.out), tuple(stages), capture, results, evals, lost,
                             results[0].preempted if results else None, time.time() - t0)  # fmt: skip
-    captured = _capture_dirs(cfg, plan, paths["shards"]) if "extract" in stages else []
+    captured = dirs if "extract" in stages else []
     _print_summary(cfg, paths, result, failed=eval_error is not None, captured=captured)
     if eval_error is not None:  # the training's summary (its lost samples, checkpoints) is printed first
         raise eval_error

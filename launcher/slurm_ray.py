@@ -18,7 +18,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -122,7 +121,7 @@ def run_worker(ray_args: list[str]) -> int:
             signal.signal(sig, lambda signum, _frame: proc.send_signal(signum))
         return proc.wait()
     finally:
-        shutil.rmtree(os.path.dirname(temp_dir), ignore_errors=True)
+        release_ray_temp(temp_dir, keep=False)
 
 
 def _relay(proc: subprocess.Popen, up: threading.Event) -> None:

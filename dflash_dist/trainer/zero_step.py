@@ -105,6 +105,7 @@ def install(engine, kind: str, on_gpu: bool, grad_cuts: bool = True) -> str:
         why = next(filter(None, (fused_adamw.supports(opt.optimizer, g) for g in opt.optimizer.param_groups)), None)
         if why is not None:
             raise ValueError(f"train.optimizer_step=fused does not support {why}: set train.optimizer_step=lean")
+        fused_adamw._kernel()  # a process with torch.compile disabled is refused here, not at the first step
         for i, group in enumerate(opt.optimizer.param_groups):  # the kernel updates the flat partition itself
             if len(group["params"]) != 1 or group["params"][0] is not opt.single_partition_of_fp32_groups[i]:
                 raise RuntimeError(f"optimizer param group {i} is not DeepSpeed's flat fp32 partition")

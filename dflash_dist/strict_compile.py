@@ -1,6 +1,6 @@
 """torch.compile that never falls back to eager: the one guard of the drafter's compiled flex_attention
-(model/attention.py), its compiled kernel set (model/fused.py) and the fused capture kernels
-(capture/fused_target.py, capture/fused_layers.py).
+(model/attention.py), its compiled kernel set (model/fused.py), the fused capture kernels
+(capture/fused_target.py, capture/fused_layers.py) and the one-kernel AdamW (trainer/fused_adamw.py).
 
 Past dynamo's recompile limit (8 per function by default), or at a graph break, plain torch.compile runs
 the call eagerly with at most a logged warning: eager flex materialises the [Q, K] scores (an OOM at the

@@ -1,12 +1,12 @@
 """The lean ZeRO step (trainer/zero_step.py) against DeepSpeed's own, on real DeepSpeed engines
 over gloo: the same losses and weights within fp32 rounding with clipping active (fused and
-foreach AdamW, two parameter groups, gradient accumulation), a non-finite gradient skipped on the
-device, checkpoints of the same format and an exact resume (also a lean or DeepSpeed-step
-checkpoint resumed under the one-kernel step); at 2 ranks (ZeRO-2 partitions split inside tensors)
-the pinned loss curve's run within fp32 noise; the gradient path cuts (bf16 as on a GPU): bitwise
-the same run without them at 1 and 2 ranks, accumulation 1 and 2, overlap_comm on and off, the
-divide and the large copy really gone, restored by uninstall, exact resume; on CUDA (`-m gpu`)
-bf16 engines."""
+foreach AdamW, two parameter groups, gradient accumulation), a non-finite gradient skipped (on the
+device with fused AdamW, on the host with foreach AdamW), checkpoints of the same format and an
+exact resume (also a lean or DeepSpeed-step checkpoint resumed under the one-kernel step); at 2
+ranks (ZeRO-2 partitions split inside tensors) the pinned loss curve's run within fp32 noise; the
+gradient path cuts (bf16 as on a GPU): bitwise the same run without them at 1 and 2 ranks,
+accumulation 1 and 2, overlap_comm on and off, the divide and the large copy really gone, restored
+by uninstall, exact resume; on CUDA (`-m gpu`) bf16 engines."""
 
 from __future__ import annotations
 
@@ -129,17 +129,32 @@ def test_one_kernel_step_follows_torchs_adamw(single_rank_gloo, monkeypatch):
         assert torch.equal(torch.cat([q.detach().reshape(-1) for q in p]), flat[: sum(q.numel() for q in p)])
 
 
-@pytest.mark.parametrize("kind", ["lean", "fused"])
-def test_non_finite_gradient_skips_the_update_on_the_device(kind, single_rank_gloo):
-    engine = make_engine(kind, fused=True, cfg=cfg_for(grad_accum=1))
+@pytest.mark.parametrize(
+    ("kind", "fused"), [("lean", True), ("fused", True), ("lean", False)], ids=["lean", "fused", "lean_foreach"]
+)
+def test_non_finite_gradient_skips_the_update(kind, fused, single_rank_gloo):
+    """A NaN gradient changes no weight, master or AdamW state (step counts included) and is counted.
+    torch's fused AdamW and the one kernel skip it on the device (dflash_skipped_steps; the host does
+    not learn of it). Without fused AdamW (the CPU trainer's foreach AdamW) the lean step reads the
+    norm on the host and skips as DeepSpeed's step does: the engine's skipped_steps, the LR schedule
+    held, although this fp32 engine's check_grad_overflow is off (it had applied the NaN)."""
+    from dflash_dist.trainer import engine as trainer_engine
+
+    engine = make_engine(kind, fused=fused, cfg=cfg_for(grad_accum=1))
+    assert not engine.optimizer.check_grad_overflow  # DeepSpeed's fp32 engine (CPU) skips on the norm alone
     train(engine, batches(2))
-    before = weights(engine)
+    before, lr = weights(engine), engine.get_lr()
     state = [{k: v.clone() for k, v in s.items()} for s in engine.optimizer.optimizer.state.values()]
     x, y = batches(1)[0]
     x[0, 0] = float("nan")
     train(engine, [(x, y)])
-    assert int(engine.optimizer.dflash_skipped_steps) == 1
-    assert not engine.optimizer.overflow  # not known on the host: no sync
+    assert trainer_engine.skipped_steps(engine) == 1
+    if fused:
+        assert int(engine.optimizer.dflash_skipped_steps) == 1
+        assert not engine.optimizer.overflow  # not known on the host: no sync
+    else:
+        assert engine.skipped_steps == 1 and int(engine.optimizer.dflash_skipped_steps) == 0
+        assert engine.get_lr() == lr
     for name, w in weights(engine).items():
         assert torch.equal(w, before[name]), name
     for s0, s1 in zip(state, engine.optimizer.optimizer.state.values()):
@@ -147,7 +162,7 @@ def test_non_finite_gradient_skips_the_update_on_the_device(kind, single_rank_gl
             assert torch.equal(s0[k], s1[k]), k
     train(engine, batches(3)[2:])  # a finite step after it updates again
     assert not torch.equal(weights(engine)["a.weight"], before["a.weight"])
-    assert int(engine.optimizer.dflash_skipped_steps) == 1
+    assert trainer_engine.skipped_steps(engine) == 1
 
 
 def _walk(x, key: str, out: dict) -> None:

@@ -65,7 +65,9 @@ RECOMPILE_LIMIT = 64
 def compile_kernel(f):
     """torch.compile for the fused capture kernels (here and capture/fused_layers.py): dynamic shapes,
     and inductor rounding where eager rounds (bf16 intermediates, `emulate_precision_casts`) in these
-    compiles only, not in every later compile of the process (the drafter's, a bench's).
+    compiles only, not in every later compile of the process (the drafter's, a bench's). Triton (CUDA,
+    where these kernels run) keeps those roundings in torch 2.11 and 2.13; torch 2.11's CPU C++ backend
+    drops them inside a fused kernel (pytorch#182131, fixed by #182882), which only the CPU test meets.
 
     A kernel never runs eagerly in the kernel path's name (strict_compile): past its recompile limit (in
     any thread) or at a graph break plain torch.compile would run that call in eager, the shards still

@@ -25,6 +25,10 @@ contracts others, so it is not bitwise torch's kernel: on the H200 (per-tensor f
 masters after 6 steps agreed within rtol 1e-5 / atol 1e-6 and most elements differed in the last
 bits (tests/test_zero_step.py, CPU and `-m gpu`).
 
+Compiled through `strict_compile` (dflash_dist/strict_compile.py), as the drafter's kernels: never run
+eagerly (past RECOMPILE_LIMIT or at a graph break an error; a disabled torch.compile is refused when
+zero_step installs the step).
+
 State: the same `step` / `exp_avg` / `exp_avg_sq` tensors torch's AdamW keeps (created as it
 creates them), so checkpoints keep DeepSpeed's format and resume under either step.
 """
@@ -34,6 +38,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from dflash_dist.strict_compile import strict_compile
 
 F64 = torch.float64
 F32 = torch.float32
@@ -70,11 +76,31 @@ def _scalars(step: torch.Tensor, lr: float, wd: float, beta1: float, beta2: floa
     return lr64 * wd, (lr64 / bc1.to(F64)).to(F32), bc2_sqrt
 
 
+# compiles the kernel may take (dynamic shapes: one per gradient/weight dtypes and devices; the CPU tests'
+# fp32 engines take 1 over all their steps, clipped or not); dynamo's default is 8 per function, past
+# which plain torch.compile runs the call eagerly
+RECOMPILE_LIMIT = 16
+
+
 @functools.cache
 def _kernel():
-    # one graph for every slice length (dynamic shapes); fullgraph: a graph break would run the fp64
-    # temporaries eagerly, ~8 B per parameter each
-    return torch.compile(_adamw, dynamic=True, fullgraph=True)
+    """`_adamw` through torch.compile, never eagerly (dflash_dist/strict_compile.py): one graph for every
+    slice length (dynamic shapes); fullgraph, so a graph break raises; past RECOMPILE_LIMIT compiles (in any
+    thread) an error naming the setting. Eagerly the fp64 temporaries would be materialised, ~8 B per
+    parameter each, and the update would take eager's roundings under the kernel's name."""
+    return strict_compile(
+        _adamw,
+        dynamic=True,
+        limit=RECOMPILE_LIMIT,
+        disabled="the one-kernel AdamW (dflash_dist/trainer/fused_adamw.py): torch.compile is disabled in this "
+        "process (TORCHDYNAMO_DISABLE=1 or TORCH_COMPILE_DISABLE=1), so train.optimizer_step=fused would run it "
+        "eagerly (fp64 temporaries of ~8 B per parameter each); unset it, or set train.optimizer_step=lean",
+        past_limit=f"the one-kernel AdamW (dflash_dist/trainer/fused_adamw.py, train.optimizer_step=fused) met "
+        f"more input dtypes/devices than its {RECOMPILE_LIMIT} compiles: torch.compile would run it eagerly from "
+        "here on (fp64 temporaries of ~8 B per parameter each, other roundings than its compiled calls); stopped "
+        "instead. TORCH_LOGS=recompiles shows what changed; raise "
+        "dflash_dist.trainer.fused_adamw.RECOMPILE_LIMIT, or set train.optimizer_step=lean",
+    )
 
 
 def supports(optimizer: torch.optim.Optimizer, group: dict) -> str | None:

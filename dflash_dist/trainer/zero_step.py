@@ -18,7 +18,11 @@ changes only the arithmetic around AdamW:
   update on the device (AdamW's step count is restored), also with `train.grad_overflow_check:
   false` (DeepSpeed would apply it); the host does not learn of it, so the LR schedule advances
   and `skipped_steps` counts it in `dflash_skipped_steps` (a device tensor), not DeepSpeed's.
-  Without fused AdamW (CPU) the clip is DeepSpeed's multiply and an overflow is read on the host.
+  Without fused AdamW (CPU) the clip is DeepSpeed's multiply and a non-finite norm is read on the
+  host: the step is skipped as DeepSpeed's skips it (no update, AdamW's state untouched, the
+  engine's `skipped_steps` counts it and the LR schedule holds), whatever `check_grad_overflow`
+  says, as the kernel's skip (off on the CPU's fp32 engine, where DeepSpeed's own step skips on the
+  non-finite norm alone; the lean step had applied the NaN there).
 
 Around it, `cut_grad_path` drops two passes of DeepSpeed's ZeRO-2 gradient path where they cannot
 change a bit (on with the lean step; DeepSpeed's own step keeps its path): the divide by a
@@ -101,6 +105,7 @@ def install(engine, kind: str, on_gpu: bool, grad_cuts: bool = True) -> str:
         why = next(filter(None, (fused_adamw.supports(opt.optimizer, g) for g in opt.optimizer.param_groups)), None)
         if why is not None:
             raise ValueError(f"train.optimizer_step=fused does not support {why}: set train.optimizer_step=lean")
+        fused_adamw._kernel()  # a process with torch.compile disabled is refused here, not at the first step
         for i, group in enumerate(opt.optimizer.param_groups):  # the kernel updates the flat partition itself
             if len(group["params"]) != 1 or group["params"][0] is not opt.single_partition_of_fp32_groups[i]:
                 raise RuntimeError(f"optimizer param group {i} is not DeepSpeed's flat fp32 partition")
@@ -243,13 +248,14 @@ def lean_step(self, closure=None) -> None:
     found_inf = (~torch.isfinite(norm)).to(torch.float32)
     one_kernel = getattr(self, "dflash_one_kernel", False)
     fused = one_kernel or _fused(self)  # the clip and the skip happen inside the kernel
-    if not fused and self.check_grad_overflow and bool(found_inf):  # host read: the non-fused (CPU) path only
+    if not fused and bool(found_inf):  # host read: the non-fused (CPU) path only
         self.overflow = True
     self._global_grad_norm = norm if self.compute_grad_norm else None
     self._update_scale(self.overflow)
     if self.overflow:  # DeepSpeed's skip: drop the gradients, no update, the engine counts it
         self.zero_grad(set_to_none=True)
         for i in groups:
+            self._release_preflattened_grad_buffers(i)
             self.averaged_gradients[i] = None
             self.all_grad_tensors[i] = None
         return

@@ -145,13 +145,17 @@ def capture_loss_problem(shard_dir: str | os.PathLike[str], max_lost_fraction: f
     and the run plan of every training over a finished capture ask it: a run that lost data beyond
     the setting must not end with exit 0. A ledger that does not account for every conversation
     the capture was given (`unlisted_problem`) is refused first."""
-    unlisted = unlisted_problem(shard_dir)
-    if unlisted is not None:
-        return unlisted
-    skipped = read_skipped(shard_dir)
+    shard_dir = Path(shard_dir)
+    given = _records_given(shard_dir)
+    listed = None if given is None else _listed(shard_dir)  # read in this order as before: the same first error
+    skipped = read_skipped(shard_dir)  # once, for both checks
+    if given is not None and listed is not None:
+        unlisted = _unlisted(shard_dir, given, listed, len(skipped))
+        if unlisted is not None:
+            return unlisted
     if not skipped:
         return None
-    captured = sum(r.n_samples for r in read_manifest(shard_dir))
+    captured = _listed(shard_dir) if listed is None else listed
     allowed = math.floor(max_lost_fraction * (captured + len(skipped)))
     if len(skipped) <= allowed:
         return None
@@ -163,7 +167,7 @@ def capture_loss_problem(shard_dir: str | os.PathLike[str], max_lost_fraction: f
             "were not written: " + ", ".join(f"{n} {why}" for n, why, _ in whys))  # fmt: skip
     fixes = "; ".join(fix for _, _, fix in whys)
     return (f"capture: {len(skipped)} of {captured + len(skipped)} sample(s) {what} (first: {keys}; see "
-            f"{Path(shard_dir) / SKIPPED_NAME}), more than data.max_lost_fraction={max_lost_fraction} allows "
+            f"{shard_dir / SKIPPED_NAME}), more than data.max_lost_fraction={max_lost_fraction} allows "
             f"({allowed}): {fixes}, or raise data.max_lost_fraction")
 
 
@@ -175,12 +179,30 @@ def unlisted_problem(shard_dir: str | os.PathLike[str]) -> str | None:
     this is an error, whatever data.max_lost_fraction says (the ledger itself is damaged). None when
     complete, or when no capture_data.json says how many there were."""
     shard_dir = Path(shard_dir)
+    given = _records_given(shard_dir)
+    if given is None:
+        return None
+    return _unlisted(shard_dir, given, _listed(shard_dir), len(read_skipped(shard_dir)))
+
+
+def _records_given(shard_dir: Path) -> int | None:
+    """The conversations capture_data.json says the capture was given; None without one (an older
+    capture, which check_capture_data refuses to resume, or no capture yet)."""
     try:
-        given = int(json.loads((shard_dir / DATA_NAME).read_text())["records"])
+        return int(json.loads((shard_dir / DATA_NAME).read_text())["records"])
     except (FileNotFoundError, KeyError, TypeError, ValueError):
-        return None  # an older capture (check_capture_data refuses a resume over it), or no capture yet
-    listed = sum(r.n_samples for r in read_manifest(shard_dir))
-    settled = listed + len(read_skipped(shard_dir))
+        return None
+
+
+def _listed(shard_dir: Path) -> int:
+    """Samples in the manifest's complete shards."""
+    return sum(r.n_samples for r in read_manifest(shard_dir))
+
+
+def _unlisted(shard_dir: Path, given: int, listed: int, skipped: int) -> str | None:
+    """unlisted_problem over what its caller read: `given` conversations, `listed` samples in the
+    manifest, `skipped` lines in skipped.jsonl."""
+    settled = listed + skipped
     if settled >= given:
         return None
     manifest = shard_dir / MANIFEST_NAME

@@ -3,8 +3,11 @@ redoes exactly the rest (no sample lost, none twice).
 
 It is derived, not kept beside the data: the keys of every complete shard come from
 manifest.jsonl, whose line is appended under the same lock as the shard's rename (a shard is
-listed if and only if it is complete), plus skipped.jsonl, the keys that were captured but not
-written because their features held NaN/Inf (redoing them would give the same verdict).
+listed if and only if it is complete), plus skipped.jsonl, the keys settled without a shard,
+each with its reason: captured but not written because their features held NaN/Inf
+(`nonfinite_features`), or never captured because the target's regenerated response was empty
+(`empty_response`: its only supervised token would be the stop token); redoing either would give
+the same verdict. Both are lost samples: data.max_lost_fraction holds them (capture_loss_problem).
 `capture_data.json` (CaptureData) says which conversations the keys belong to: a capture that
 resumes must read the same ones (the same source, data.max_train_samples and content hash), or
 it is refused naming what changed.
@@ -25,8 +28,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from data_pipeline.durable_files import append_lines, fsync_dir, write_text_atomic
-from data_pipeline.records import DONE_NAME, MANIFEST_NAME, SHARD_NAME_RE, SKIPPED_NAME, TMP_PREFIX
-from data_pipeline.shard_reader import read_manifest
+from data_pipeline.records import DONE_NAME, EMPTY_RESPONSE, MANIFEST_NAME, SHARD_NAME_RE, SKIPPED_NAME, TMP_PREFIX
+from data_pipeline.shard_reader import NONFINITE, read_manifest
 from data_pipeline.shard_writer import manifest_lock
 
 DATA_NAME = "capture_data.json"
@@ -116,28 +119,56 @@ def captured_keys(shard_dir: str | os.PathLike[str]) -> set[str]:
     return keys
 
 
+# skipped.jsonl's reasons: what happened to such a sample, and where to look
+_WHY = {
+    NONFINITE: ("had non-finite features", "check the target's dtype and kernels"),
+    EMPTY_RESPONSE: ("got an empty regenerated response", "check the target's chat template and stop tokens "
+                     "(the generation prompt) and capture.max_new_tokens"),
+}  # fmt: skip
+
+
+def skipped_text(skipped: list[dict], note: str = "") -> str:
+    """`N skipped`, and when any, the count per reason and `note` in parentheses: the capture's
+    summary and log lines (`2 skipped (empty_response 1, nonfinite_features 1; see ...)`)."""
+    if not skipped:
+        return "0 skipped"
+    reasons = Counter(str(r.get("reason")) for r in skipped)
+    counts = ", ".join(f"{reason} {n}" for reason, n in sorted(reasons.items()))
+    return f"{len(skipped)} skipped ({counts}{f'; {note}' if note else ''})"
+
+
 def capture_loss_problem(shard_dir: str | os.PathLike[str], max_lost_fraction: float) -> str | None:
     """Why the capture of `shard_dir` lost more samples than `max_lost_fraction` allows (the keys
-    skipped.jsonl records as not written, against every settled sample), naming the file and the
-    setting; None when within it. Every path that finishes a capture (the pipeline's, each Slurm
-    array slice that marks DONE) and the run plan of every training over a finished capture ask
-    it: a run that lost data beyond the setting must not end with exit 0. A ledger that does not
-    account for every conversation the capture was given (`unlisted_problem`) is refused first."""
-    unlisted = unlisted_problem(shard_dir)
-    if unlisted is not None:
-        return unlisted
-    skipped = read_skipped(shard_dir)
+    skipped.jsonl records as not written, non-finite or with an empty regenerated response,
+    against every settled sample), naming the file, the reasons and the setting; None when within
+    it. Every path that finishes a capture (the pipeline's, each Slurm array slice that marks DONE)
+    and the run plan of every training over a finished capture ask it: a run that lost data beyond
+    the setting must not end with exit 0. A ledger that does not account for every conversation
+    the capture was given (`unlisted_problem`) is refused first."""
+    shard_dir = Path(shard_dir)
+    given = _records_given(shard_dir)
+    listed = None if given is None else _listed(shard_dir)  # read in this order as before: the same first error
+    skipped = read_skipped(shard_dir)  # once, for both checks
+    if given is not None and listed is not None:
+        unlisted = _unlisted(shard_dir, given, listed, len(skipped))
+        if unlisted is not None:
+            return unlisted
     if not skipped:
         return None
-    captured = sum(r.n_samples for r in read_manifest(shard_dir))
+    captured = _listed(shard_dir) if listed is None else listed
     allowed = math.floor(max_lost_fraction * (captured + len(skipped)))
     if len(skipped) <= allowed:
         return None
     keys = ", ".join(str(r.get("key")) for r in skipped[:5])
-    return (f"capture: {len(skipped)} of {captured + len(skipped)} sample(s) had non-finite features and were not "
-            f"written (first: {keys}; see {Path(shard_dir) / SKIPPED_NAME}), more than data.max_lost_fraction="
-            f"{max_lost_fraction} allows ({allowed}): check the target's dtype and kernels, or raise "
-            "data.max_lost_fraction")
+    reasons = sorted(Counter(str(r.get("reason")) for r in skipped).items())
+    whys = [(n, *_WHY.get(reason, (f"had reason {reason!r}", "restore or re-extract the capture")))
+            for reason, n in reasons]  # fmt: skip
+    what = (f"{whys[0][1]} and were not written" if len(whys) == 1 else
+            "were not written: " + ", ".join(f"{n} {why}" for n, why, _ in whys))  # fmt: skip
+    fixes = "; ".join(fix for _, _, fix in whys)
+    return (f"capture: {len(skipped)} of {captured + len(skipped)} sample(s) {what} (first: {keys}; see "
+            f"{shard_dir / SKIPPED_NAME}), more than data.max_lost_fraction={max_lost_fraction} allows "
+            f"({allowed}): {fixes}, or raise data.max_lost_fraction")
 
 
 def unlisted_problem(shard_dir: str | os.PathLike[str]) -> str | None:
@@ -148,12 +179,30 @@ def unlisted_problem(shard_dir: str | os.PathLike[str]) -> str | None:
     this is an error, whatever data.max_lost_fraction says (the ledger itself is damaged). None when
     complete, or when no capture_data.json says how many there were."""
     shard_dir = Path(shard_dir)
+    given = _records_given(shard_dir)
+    if given is None:
+        return None
+    return _unlisted(shard_dir, given, _listed(shard_dir), len(read_skipped(shard_dir)))
+
+
+def _records_given(shard_dir: Path) -> int | None:
+    """The conversations capture_data.json says the capture was given; None without one (an older
+    capture, which check_capture_data refuses to resume, or no capture yet)."""
     try:
-        given = int(json.loads((shard_dir / DATA_NAME).read_text())["records"])
+        return int(json.loads((shard_dir / DATA_NAME).read_text())["records"])
     except (FileNotFoundError, KeyError, TypeError, ValueError):
-        return None  # an older capture (check_capture_data refuses a resume over it), or no capture yet
-    listed = sum(r.n_samples for r in read_manifest(shard_dir))
-    settled = listed + len(read_skipped(shard_dir))
+        return None
+
+
+def _listed(shard_dir: Path) -> int:
+    """Samples in the manifest's complete shards."""
+    return sum(r.n_samples for r in read_manifest(shard_dir))
+
+
+def _unlisted(shard_dir: Path, given: int, listed: int, skipped: int) -> str | None:
+    """unlisted_problem over what its caller read: `given` conversations, `listed` samples in the
+    manifest, `skipped` lines in skipped.jsonl."""
+    settled = listed + skipped
     if settled >= given:
         return None
     manifest = shard_dir / MANIFEST_NAME

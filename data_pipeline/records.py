@@ -7,7 +7,8 @@ Shard directory layout (schema version SHARD_SCHEMA_VERSION):
                           checksum of every tar member (MemberChecksums; checksums.py)
   .manifest.lock          fcntl lock serialising renames and manifest appends
   DONE                    written by mark_done() once every producer has closed
-  skipped.jsonl           captured keys not written (non-finite features): with the manifest's
+  skipped.jsonl           keys settled but not written, each with its reason (non-finite features;
+                          an empty regenerated response, never captured): with the manifest's
                           keys, the capture ledger a restarted capture resumes from (ledger.py)
   released.json           shards trained and covered by a published checkpoint (disk_budget.py)
   buffer.json             disk buffer: cap and unconsumed bytes, for `dflash-dist status`
@@ -37,6 +38,9 @@ MANIFEST_LOCK_NAME = ".manifest.lock"
 DONE_NAME = "DONE"
 TMP_PREFIX = ".tmp-"
 SKIPPED_NAME = "skipped.jsonl"
+# skipped.jsonl's reason for a sample whose regenerated response was empty (generation.is_empty_response),
+# beside shard_reader.NONFINITE; the `regenerate` stage's .rejected.jsonl gives the same reason
+EMPTY_RESPONSE = "empty_response"
 RELEASED_NAME = "released.json"
 BUFFER_NAME = "buffer.json"
 # a complete shard's name: a plain file name `<prefix>-<NNNNNN>.tar` (no directory part, no

@@ -73,9 +73,10 @@ class DataSection(_Section):
     on_overlong: Literal["truncate", "skip", "error"] = "truncate"  # over max_length: truncate | skip (counted) | error
     max_train_samples: PosInt | None = None
     max_length: Annotated[int, Field(ge=2)] = 2048
-    # samples lost in total, those the capture skipped (non-finite features) plus those no trainer could
-    # read (a missing, truncated or corrupt shard), as a fraction of the run's planned samples (epochs x
-    # samples), before the run fails (a capture alone is held to it too); 0: any loss fails it
+    # samples lost in total, those the capture skipped (non-finite features, or an empty response of
+    # capture.regenerate) plus those no trainer could read (a missing, truncated or corrupt shard), as a
+    # fraction of the run's planned samples (epochs x samples), before the run fails (a capture alone is
+    # held to it too); 0: any loss fails it. `dflash-dist regenerate` holds its empty responses to it too
     max_lost_fraction: Annotated[Float, Field(ge=0, le=1)] = 0.0
 
 
@@ -83,7 +84,9 @@ class CaptureSection(_Section):
     num_actors: PosInt = 1
     num_layers: PosInt = 5  # k, when layer_ids is not given
     layer_ids: list[NonNegInt] | None = None
-    regenerate: bool = True  # replace assistant responses by the target's greedy ones
+    # replace assistant responses by the target's greedy ones; an empty one (the target stopped at once)
+    # makes no sample: recorded lost in shards/skipped.jsonl (empty_response), held to data.max_lost_fraction
+    regenerate: bool = True
     max_new_tokens: PosInt = 256
     batch_size: PosInt = 8  # prompts per greedy-regeneration batch; sequences per capture pass without token_budget
     # padded tokens (longest x count) per target capture pass, sequences length-sorted within
@@ -260,7 +263,8 @@ class EvalSection(_Section):
 
 
 class RegenSection(_Section):
-    """`dflash-dist regenerate`: the target answers the input's prompts afresh (dflash_dist/capture/regenerate.py)."""
+    """`dflash-dist regenerate`: the target answers the input's prompts afresh (dflash_dist/capture/regenerate.py);
+    an empty response leaves its record out (<output>.rejected.jsonl), held to data.max_lost_fraction."""
 
     source: Literal["target", "server"] = "target"  # target: the run's target via generate; server: OpenAI-compatible
     input: str | None = None  # conversations (any data.* source kind); default data.train_path

@@ -224,6 +224,57 @@ def test_a_later_epoch_killed_mid_way_resumes_exactly_once_and_bit_identical(sav
         assert torch.equal(s1[key].features, s0[key].features), key
 
 
+def test_empty_responses_are_lost_in_every_epoch_and_the_others_recaptured_bit_identical(saved, tmp_path, monkeypatch):
+    """Inline regeneration on a target that answers 4 of the 16 prompts with its stop token at once:
+    epoch 0 records them lost (skipped.jsonl, empty_response) and stores only the others; each later
+    epoch, killed once mid-way and resumed, records them lost in its own ledger once (every epoch's
+    ledger accounts for all 16, and the loss counts once per epoch, as a non-finite sample's does)
+    and recaptures the others in epoch 0's passes, bit for bit."""
+    from transformers import AutoTokenizer
+
+    from data_pipeline.chat_data import ChatEncoder
+    from data_pipeline.ledger import capture_loss_problem, read_skipped, unlisted_problem
+    from dflash_dist.capture.capture_job import CaptureJob
+    from tests.helpers.capture import make_silent_target
+
+    records = read_chat_jsonl(saved["jsonl"])
+    tok = AutoTokenizer.from_pretrained(saved["dir"])
+    silent = {1, 6, 7, 12}
+    target = make_silent_target(saved["dir"], tmp_path / "silent", [ChatEncoder(tok).prompt_ids(r).tolist()
+                                                                    for r in records], silent)  # fmt: skip
+    cfg = recapture_config(tmp_path / "run", {**saved, "dir": target}, regenerate=True, max_new_tokens=10)
+    real, passes = CaptureJob._capture_padded, {"n": 0}
+
+    def dies_once_in_epoch_1(self, seqs):
+        if self.counts["epoch"] == 1:
+            passes["n"] += 1
+            if passes["n"] == 2:
+                raise Killed
+        return real(self, seqs)
+
+    monkeypatch.setattr(CaptureJob, "_capture_padded", dies_once_in_epoch_1)
+    with pytest.raises(Killed):
+        capture_all(cfg)
+    result = capture_all(cfg)
+    empty = {saved["keys"][i] for i in silent}
+    kept = set(saved["keys"]) - empty
+    # the killed attempt recorded epoch 1's before its passes: this one recorded epoch 2's alone
+    assert (result.skipped, result.resumed >= len(empty)) == (len(empty), True)
+    orders, samples = zip(*(epoch_samples(cfg, e) for e in range(3)))
+    for e in range(3):
+        shards = epoch_dir(cfg.out / "shards", e, True)
+        assert sorted(orders[e]) == sorted(kept) and not duplicate_keys(shards) and (shards / DONE_NAME).exists()
+        lost = sorted((r["key"], r["reason"]) for r in read_skipped(shards))
+        assert lost == sorted((k, "empty_response") for k in empty)
+        assert unlisted_problem(shards) is None and capture_loss_problem(shards, 4 / 16) is None
+        assert "4 of 16 sample(s) got an empty regenerated response" in capture_loss_problem(shards, 0.0)
+    assert {k for r in read_store(sequences_dir(cfg.out / "shards")) for k in r.keys} == kept  # never stored
+    for key in kept:
+        for e in (1, 2):
+            for field in ("input_ids", "loss_mask", "features", "target_argmax"):
+                assert torch.equal(getattr(samples[e][key], field), getattr(samples[0][key], field)), (key, e, field)
+
+
 def test_a_resumed_epoch_0_differs_only_by_rounding(saved, tmp_path, monkeypatch):
     """Epoch 0 killed mid-way and resumed captures its remaining samples in other passes (the
     windows are cut from what is left), so their features may differ from later epochs' (the

@@ -1,7 +1,8 @@
 """Response regeneration: the local target (greedy equals a direct generate; seeded sampling is
 the same whatever the batch), resume after a limit, a torn write and a failed request, and an
 OpenAI-compatible server: a real HTTP server on 127.0.0.1 that answers /v1/chat/completions by
-running the same tiny target (retries on 500, a clear error on 400)."""
+running the same tiny target (retries on 500, a clear error on 400). An empty response makes no
+sample, in the stage and in inline regeneration (capture.regenerate) alike."""
 
 from __future__ import annotations
 
@@ -425,6 +426,65 @@ def test_the_cli_fails_when_empty_responses_exceed_max_lost_fraction(target_dir,
     assert "move train.regenerated.rejected.jsonl aside to answer them again" in captured.err
     assert cli_main([*args, "data.max_lost_fraction=0.125"]) == 0  # within it: the count, exit 0
     assert "7 written, 1 rejected (empty responses)" in capsys.readouterr().out
+
+
+def test_inline_regeneration_records_an_empty_response_lost_as_the_stage_rejects_it(tmp_path, monkeypatch) -> None:
+    """A target that answers 4 of 12 prompts with its stop token at once. The `regenerate` stage
+    leaves those records out (.rejected.jsonl); inline regeneration (capture.regenerate) captured
+    them, each a sample whose only supervised token was the stop token, and counted nothing lost.
+    Now it records the same 4 lost in skipped.jsonl (empty_response), captures the other 8, and
+    data.max_lost_fraction, the summary and a rerun (nothing generated again) see them."""
+    import dflash_dist.capture.capture_job as capture_job
+    from data_pipeline.chat_data import ChatEncoder
+    from data_pipeline.ingest import sample_keys
+    from data_pipeline.ledger import capture_loss_problem, captured_keys, read_skipped
+    from data_pipeline.shard_reader import iter_shard_samples, read_manifest
+    from dflash_dist.orchestration.pipeline import _capture_lines
+    from tests.helpers.capture import (
+        capture_config,
+        make_capture_target,
+        make_silent_target,
+        run_capture,
+        write_conversations,
+    )
+
+    data = tmp_path / "train.jsonl"
+    write_conversations(data, 12, seed=2)
+    records, silent = read_chat_jsonl(data), {0, 3, 7, 10}
+    plain = make_capture_target(tmp_path / "plain")
+    tok = AutoTokenizer.from_pretrained(plain)
+    prompts = [ChatEncoder(tok).prompt_ids(r).tolist() for r in records]
+    target = make_silent_target(plain, tmp_path / "silent", prompts, silent)
+    cfg = capture_config(tmp_path / "run", target, data, "data.max_length=1024", "regen.max_new_tokens=6",
+                         "regen.batch_size=4", regenerate=True, max_new_tokens=6)  # fmt: skip
+    report = run_regenerate(cfg)  # the stage's verdict on the same target
+    rejected = read_lines(regen_output_path(cfg).with_name("train.regenerated.rejected.jsonl"))
+    assert (report.written, report.rejected) == (8, 4)
+    assert sorted(r["source"] for r in rejected) == sorted(f"{data}:{i + 1}" for i in silent)
+
+    result = run_capture(cfg)
+    keys, shards = sample_keys(records), cfg.out / "shards"
+    empty = {keys[i] for i in silent}
+    assert (result.samples, result.skipped) == (8, 4)
+    assert sorted((r["key"], r["reason"]) for r in read_skipped(shards)) == sorted((k, "empty_response") for k in empty)
+    written = {s.key: s for r in read_manifest(shards) for s in iter_shard_samples(shards / r.name)}
+    assert written.keys() == set(keys) - empty and captured_keys(shards) == set(keys)
+    stop = tok.convert_tokens_to_ids(IM_END)
+    assert all(s.loss_mask.sum() > 0 and int(s.input_ids[int(s.loss_mask.argmax())]) != stop for s in written.values())
+
+    problem = capture_loss_problem(shards, 0.0)
+    assert problem is not None and problem.startswith(
+        "capture: 4 of 12 sample(s) got an empty regenerated response and were not written"), problem
+    assert "data.max_lost_fraction=0.0 allows (0)" in problem and "capture.max_new_tokens" in problem
+    assert capture_loss_problem(shards, 4 / 12) is None
+    (line,) = _capture_lines(cfg, [shards])
+    assert line.endswith(f"8 samples in {len(read_manifest(shards))} shards, 4 skipped (empty_response 4; see "
+                         f"{shards / 'skipped.jsonl'}; data.max_lost_fraction=0.0)"), line  # fmt: skip
+
+    real, asked = capture_job.generate_responses, []
+    monkeypatch.setattr(capture_job, "generate_responses", lambda m, p, *a: asked.extend(p) or real(m, p, *a))
+    again = run_capture(cfg)  # settled, lost ones included: nothing is generated again
+    assert (again.samples, again.skipped, again.resumed, asked) == (0, 0, 12, [])
 
 
 def test_server_400_names_the_record_keeps_done_ones_and_resumes(target_dir, server, tmp_path, capsys) -> None:

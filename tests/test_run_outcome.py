@@ -98,7 +98,7 @@ def test_the_summary_names_records_skipped_at_ingest_and_exports_never_evaluated
     record_skipped(paths["shards"], "k-nonfinite-2", "nonfinite_features", 0)
     _print_summary(cfg, paths, run, captured=[paths["shards"]])
     out = capsys.readouterr().out
-    assert (f"[capture] {paths['shards']}: 0 samples in 0 shards, 2 skipped as non-finite (see "
+    assert (f"[capture] {paths['shards']}: 0 samples in 0 shards, 2 skipped (nonfinite_features 2; see "
             f"{paths['shards'] / 'skipped.jsonl'}; data.max_lost_fraction=0.0)") in out, out  # fmt: skip
     assert (f"[data] train: 4 of 104 record(s) of /data/train.jsonl skipped (malformed 1, unparsable 3; first: "
             f"/data/train.jsonl:12: bad), 0 truncated, under data.on_bad_record=skip, data.on_overlong=truncate: see "

@@ -293,7 +293,8 @@ def test_samples_the_capture_skipped_and_unreadable_ones_count_against_one_budge
     assert all(d["data_lost"] is not None and d["halt"] is None for d in failed), failed
     assert len({d["data_lost"]["at_step"] for d in failed}) == 1  # the same slot on both ranks
     msg = failed[0]["data_lost"]["error"]
-    assert "2 sample(s) could not be read and 2 were skipped by the capture as non-finite" in msg, msg
+    assert ("2 sample(s) could not be read and 2 were skipped by the capture (non-finite features or an empty "
+            "regenerated response, by reason in skipped.jsonl") in msg, msg  # fmt: skip
     assert "4 lost, more than data.max_lost_fraction=0.2 of the 18 the run trains on allows (3)" in msg, msg
     assert any(bad.name in d["data_lost"]["error"] for d in failed)  # the rank that read it names it
 

@@ -8,7 +8,10 @@ what remains, so an actor restarted by Ray redoes exactly its unfinished work. B
 shard is opened only while the disk buffer has room (disk_budget.py). With `recapture` (later
 epochs captured again, capture/recapture.py) each sort window's sequences are first put in the
 token store (the stored ones reused, never regenerated), so every key the ledger holds has the
-exact sequence its features came from."""
+exact sequence its features came from. A regenerated response that is empty (the target stopped at
+once: generation.is_empty_response, the `regenerate` stage's rule) makes no sample: its key is
+recorded lost in the ledger (skipped.jsonl, `empty_response`), never captured nor stored, and
+counted against data.max_lost_fraction like a non-finite one."""
 
 from __future__ import annotations
 
@@ -23,15 +26,22 @@ from data_pipeline.chat_data import ChatEncoder, ChatRecord, read_chat_jsonl
 from data_pipeline.disk_budget import BufferGate, BufferPolicy
 from data_pipeline.epoch_dirs import sequences_dir
 from data_pipeline.ingest import sample_keys
-from data_pipeline.ledger import CaptureData, captured_keys, check_capture_data, remove_stale_tmp
+from data_pipeline.ledger import CaptureData, captured_keys, check_capture_data, record_skipped, remove_stale_tmp
 from data_pipeline.provenance import Provenance
+from data_pipeline.records import EMPTY_RESPONSE, SKIPPED_NAME
 from data_pipeline.token_store import SequenceStore, estimate_bytes, write_sequences
 from dflash_dist.capture.fused_target import features_provenance
 from dflash_dist.capture.host_sink import ThreadWriter, WriterPool, open_writers
 from dflash_dist.config import Config
 from dflash_dist.logging_setup import progress
 from dflash_dist.model.capture import capture_features
-from dflash_dist.target.generation import generate_responses, pad_token_id, stop_token_ids
+from dflash_dist.target.generation import (
+    generate_responses,
+    is_empty_response,
+    pad_token_id,
+    response_text,
+    stop_token_ids,
+)
 from dflash_dist.target.loading import TargetIdentity, load_verified_target
 from dflash_dist.target.weights_check import VerifiedWeights, hashes_made
 
@@ -47,7 +57,7 @@ class CaptureResult:
     tokens: int
     shards: int
     kernel_path: str
-    skipped: int  # non-finite features: recorded in the ledger, not written
+    skipped: int  # non-finite features or an empty regenerated response: recorded in the ledger, not written
     resumed: int  # samples of this actor's slice already settled before this attempt
     waited_s: float  # paused for the disk buffer
     weights_hashed: int = 0  # hashes of the weight files the job's load computed (0: their stamp was the plan's)
@@ -92,6 +102,7 @@ class CaptureJob:
         self.gate = BufferGate(self.shard_dir, BufferPolicy.from_config(cfg, recapture))  # over the whole tree
         self.store = SequenceStore(sequences_dir(self.shard_dir)) if recapture else None  # the token store
         self.counts = {"epoch": 0, "todo": 0, "resumed": 0, "samples": 0, "skipped": 0, "tokens": 0}
+        self.empty = 0  # this run's (or epoch's) empty regenerated responses, recorded lost (in counts' skipped)
         self.weights_hashed = 0  # hashes of the target's weight files `load` computed
 
     @classmethod
@@ -152,12 +163,13 @@ class CaptureJob:
         ours = my_slice(len(records), self.actor_index, self.num_actors)
         todo = [i for i in ours if self.keys[i] not in settled]
         counts["todo"], counts["resumed"] = len(todo), len(ours) - len(todo)
+        self.empty = 0
         if counts["resumed"]:
             log.info("actor %d: %d of %d samples already captured (ledger of %s); capturing the other %d",
                      self.actor_index, counts["resumed"], len(ours), self.shard_dir, len(todo))
         bar = progress(total=len(todo), desc=f"capture {self.prefix}", unit="sample")
         passes = ([(self.keys[i], ids, mask, {"source": rec.where}) for i, (ids, mask), rec in items]
-                  for items in self._passes(records, todo))
+                  for items in self._passes(records, todo, on_lost=bar.update))
         with bar:
             done = self.capture_passes(passes, on_pass=lambda items: bar.update(len(items)))
         self.gate.waited_s = done.waited_disk_s
@@ -167,8 +179,10 @@ class CaptureJob:
         return CaptureResult(self.actor_index, counts["samples"], counts["tokens"], done.shards, self.kernel_path,
                              counts["skipped"], counts["resumed"], done.waited_disk_s, self.weights_hashed)
 
-    def _passes(self, records: list[ChatRecord], todo: list[int]):
-        """The capture passes over `todo`: [(record index, (ids, loss mask), record)] each."""
+    def _passes(self, records: list[ChatRecord], todo: list[int], on_lost=None):
+        """The capture passes over `todo`: [(record index, (ids, loss mask), record)] each. A sort
+        window's empty responses are recorded lost (record_empty) and left out before it is packed,
+        as recapture.canonical_passes leaves them out of later epochs; `on_lost(n)` is told of them."""
         cfg = self.cfg
         for start in range(0, len(todo), cfg.capture.sort_window):
             window = todo[start : start + cfg.capture.sort_window]
@@ -176,22 +190,31 @@ class CaptureJob:
                 seqs = self._sequences([records[i] for i in window])
             else:  # recapture: through the token store
                 seqs = self._stored(records, window)
-            for group in pack_by_tokens([len(ids) for ids, _ in seqs], cfg.capture.token_budget,
-                                        cfg.capture.batch_size):
-                yield [(window[j], seqs[j], records[window[j]]) for j in group]
+            kept = [(i, q) for i, q in zip(window, seqs) if q is not None]
+            if len(kept) < len(window):
+                self.record_empty([self.keys[i] for i, q in zip(window, seqs) if q is None])
+                if on_lost is not None:
+                    on_lost(len(window) - len(kept))
+            for group in pack_by_tokens([len(q[0]) for _, q in kept], cfg.capture.token_budget, cfg.capture.batch_size):
+                yield [(kept[j][0], kept[j][1], records[kept[j][0]]) for j in group]
 
-    def _stored(self, records: list[ChatRecord], window: list[int]) -> list[tuple[list[int], list[int]]]:
+    def _stored(self, records: list[ChatRecord], window: list[int]) -> list[tuple[list[int], list[int]] | None]:
         """The window's sequences through the token store: stored ones as they were (an earlier
         attempt's, never regenerated), the others made and stored (one tar, behind the disk gate)
-        before any of them is captured."""
+        before any of them is captured; None for an empty response (never stored)."""
         assert self.store is not None
         new = [i for i in window if self.keys[i] not in self.store]
+        lost: set[int] = set()
         if new:
-            seqs = self._sequences([records[i] for i in new])
-            self.gate(pending=estimate_bytes(len(ids) for ids, _ in seqs))
-            write_sequences(self.store.dir, self.prefix, [(self.keys[i], *q) for i, q in zip(new, seqs)])
-            self.store.refresh()
-        return self.store.get([self.keys[i] for i in window])
+            made = self._sequences([records[i] for i in new])
+            lost = {i for i, q in zip(new, made) if q is None}
+            seqs = [(self.keys[i], *q) for i, q in zip(new, made) if q is not None]
+            if seqs:
+                self.gate(pending=estimate_bytes(len(ids) for _, ids, _ in seqs))
+                write_sequences(self.store.dir, self.prefix, seqs)
+                self.store.refresh()
+        stored = iter(self.store.get([self.keys[i] for i in window if i not in lost]))
+        return [None if i in lost else next(stored) for i in window]
 
     def writer_pool(self, shard_dir: Path | None = None) -> ThreadWriter | WriterPool:
         """The writers of a shard directory (default this job's; a later epoch's under recapture):
@@ -238,11 +261,24 @@ class CaptureJob:
     def _sync_counts(self, c=None) -> None:
         c = c or (self.writers.counts if self.writers is not None else None)
         if c is not None:
-            self.counts.update(samples=c.samples, tokens=c.tokens, skipped=c.skipped)
+            self.counts.update(samples=c.samples, tokens=c.tokens, skipped=c.skipped + self.empty)
 
-    def _sequences(self, batch: list[ChatRecord]) -> list[tuple[list[int], list[int]]]:
+    def record_empty(self, keys: list[str], shard_dir: Path | None = None) -> None:
+        """Record `keys` lost in the ledger of `shard_dir` (default epoch 0's) as empty regenerated
+        responses: settled, never captured, counted in `skipped` and against data.max_lost_fraction."""
+        if not keys:
+            return
+        for key in keys:
+            record_skipped(shard_dir or self.shard_dir, key, EMPTY_RESPONSE, self.actor_index)
+        self.empty += len(keys)
+        self.counts["skipped"] += len(keys)
+        log.warning("actor %d: %d sample(s) whose regenerated response was empty (first: %s) recorded as lost in %s, "
+                    "not captured", self.actor_index, len(keys), keys[0], (shard_dir or self.shard_dir) / SKIPPED_NAME)
+
+    def _sequences(self, batch: list[ChatRecord]) -> list[tuple[list[int], list[int]] | None]:
         """(input ids, loss mask) per record: the recorded conversation, or its prompt plus the
-        target's greedy response (generated in batch_size batches of similar prompt lengths)."""
+        target's greedy response (generated in batch_size batches of similar prompt lengths); None
+        where that response is empty (generation.is_empty_response: no sample is made of it)."""
         cfg = self.cfg
         if not cfg.capture.regenerate:
             return [self._sequence(r, None) for r in batch]
@@ -250,14 +286,14 @@ class CaptureJob:
         pad = pad_token_id(self.tokenizer, stops)
         prompts = [self.encoder.prompt_ids(r).tolist() for r in batch]
         order = sorted(range(len(batch)), key=lambda i: len(prompts[i]))
-        responses: list[list[int]] = [[] for _ in batch]
+        responses: list[list[int] | None] = [None for _ in batch]
         for s in range(0, len(order), cfg.capture.batch_size):
             chunk = order[s : s + cfg.capture.batch_size]
             generated = generate_responses(self.model, [prompts[i] for i in chunk], cfg.capture.max_new_tokens,
                                            stops, pad)
             for i, y in zip(chunk, generated):
-                responses[i] = list(y.tokens)
-        return [self._sequence(r, y) for r, y in zip(batch, responses)]
+                responses[i] = None if is_empty_response(response_text(self.tokenizer, y)) else list(y.tokens)
+        return [None if y is None else self._sequence(r, y) for r, y in zip(batch, responses)]
 
     def _capture_padded(self, seqs: list[tuple[list[int], list[int]]]):
         """(CaptureOutput [b, T_max], attention mask [b, T_max] on the device) of one right-padded

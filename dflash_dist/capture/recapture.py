@@ -29,8 +29,8 @@ from pathlib import Path
 from data_pipeline.chat_data import read_chat_jsonl
 from data_pipeline.epoch_dirs import epoch_dir, finish_slice, sequences_dir, slice_finished, wait_done
 from data_pipeline.ingest import sample_keys
-from data_pipeline.ledger import CaptureData, captured_keys, check_capture_data, remove_stale_tmp
-from data_pipeline.records import DONE_NAME
+from data_pipeline.ledger import CaptureData, captured_keys, check_capture_data, read_skipped, remove_stale_tmp
+from data_pipeline.records import DONE_NAME, EMPTY_RESPONSE
 from data_pipeline.token_store import remove_stale_tmp as remove_stale_store_tmp
 from dflash_dist.capture.capture_job import CaptureJob, CaptureResult, my_slice, pack_by_tokens
 
@@ -38,14 +38,17 @@ log = logging.getLogger(__name__)
 
 
 def canonical_passes(
-    lengths: list[int], sort_window: int, token_budget: int | None, batch_size: int
+    lengths: list[int | None], sort_window: int, token_budget: int | None, batch_size: int
 ) -> list[list[int]]:
-    """Positions into a slice's samples (of these lengths) grouped into the passes an uninterrupted
-    epoch 0 runs: sort windows of the slice in order, each packed by pack_by_tokens."""
+    """Positions into a slice's samples (of these lengths; None: an empty response, recorded lost
+    and never stored) grouped into the passes an uninterrupted epoch 0 runs: sort windows of the
+    slice in order, each packed by pack_by_tokens over the window's samples that were captured."""
     passes = []
     for start in range(0, len(lengths), sort_window):
-        window = lengths[start : start + sort_window]
-        passes += [[start + j for j in group] for group in pack_by_tokens(window, token_budget, batch_size)]
+        sizes = {j: n for j in range(start, min(start + sort_window, len(lengths))) if (n := lengths[j]) is not None}
+        window = list(sizes)
+        groups = pack_by_tokens(list(sizes.values()), token_budget, batch_size)
+        passes += [[window[j] for j in group] for group in groups]
     return passes
 
 
@@ -87,6 +90,14 @@ def capture_epochs(job: CaptureJob, train_jsonl: str | Path, data: CaptureData) 
     return total
 
 
+def empty_responses(root: Path) -> set[str]:
+    """The keys epoch 0 (the shard tree's root) recorded lost as empty regenerated responses: they
+    are not in the token store, and each later epoch records them lost in its own ledger too (as a
+    non-finite sample is skipped again in every epoch), so every epoch's ledger accounts for every
+    conversation and the lost count holds them once per epoch, as it does for a non-finite one."""
+    return {r["key"] for r in read_skipped(root) if r.get("reason") == EMPTY_RESPONSE}
+
+
 def capture_later_epoch(job: CaptureJob, epoch: int, train_jsonl: str | Path, data: CaptureData) -> CaptureResult:
     """Epoch `epoch` (>= 1) of this actor's slice from the token store, minus what its ledger holds."""
     cfg, store = job.cfg, job.store
@@ -99,14 +110,20 @@ def capture_later_epoch(job: CaptureJob, epoch: int, train_jsonl: str | Path, da
     remove_stale_tmp(shard_dir, job.prefix)
     settled = frozenset(captured_keys(shard_dir))
     ours = my_slice(len(records), job.actor_index, job.num_actors)
+    empty = empty_responses(job.shard_dir)  # epoch 0's: never stored, lost in every epoch
     store.refresh()
-    store.get([keys[r] for r in ours if keys[r] not in store])  # raises naming any key epoch 0 did not store
+    store.get([keys[r] for r in ours if keys[r] not in store and keys[r] not in empty])  # raises naming any other
     passes = canonical_passes(
-        [store.length(keys[r]) for r in ours], cfg.capture.sort_window, cfg.capture.token_budget, cfg.capture.batch_size
+        [None if keys[r] in empty else store.length(keys[r]) for r in ours],
+        cfg.capture.sort_window,
+        cfg.capture.token_budget,
+        cfg.capture.batch_size,
     )
     order = pass_order(len(passes), cfg.run.seed, epoch)
     resumed = sum(keys[r] in settled for r in ours)
     job.counts.update(todo=len(ours) - resumed, resumed=resumed, samples=0, skipped=0, tokens=0)
+    job.empty = 0
+    job.record_empty([keys[r] for r in ours if keys[r] in empty and keys[r] not in settled], shard_dir)
     if resumed:
         log.info(
             "actor %d epoch %d: %d of %d samples already captured (ledger of %s); capturing the other %d",

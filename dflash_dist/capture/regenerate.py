@@ -33,11 +33,18 @@ from data_pipeline.chat_data import ChatEncoder, ChatRecord, template_hash
 from data_pipeline.durable_files import append_lines, write_text_atomic
 from data_pipeline.ingest import DataError, IngestPolicy, ingest
 from data_pipeline.provenance import hash_weight_files
+from data_pipeline.records import EMPTY_RESPONSE
 from dflash_dist.capture.data_prep import data_sources, prepare_data
 from dflash_dist.config import Config, ConfigError
 from dflash_dist.logging_setup import progress
 from dflash_dist.model.capture import check_kernel_path
-from dflash_dist.target.generation import generate_responses, pad_token_id, stop_token_ids
+from dflash_dist.target.generation import (
+    generate_responses,
+    is_empty_response,
+    pad_token_id,
+    response_text,
+    stop_token_ids,
+)
 from dflash_dist.target.loading import load_target, resolve_target_dir, target_id
 
 PROVENANCE_SCHEMA = 1
@@ -139,10 +146,7 @@ class TargetGenerator:
             processors.append(SeededSampling([j.seed for j in jobs], self.sampling, dev))
         generated = generate_responses(self.model, prompts, self.sampling.max_new_tokens, tuple(self.eos_ids),
                                        self.pad_id, logits_processor=processors)
-        return [
-            Result(job.id, self.tokenizer.decode(list(g.content_tokens), skip_special_tokens=False), g.finish_reason)
-            for job, g in zip(jobs, generated)
-        ]
+        return [Result(job.id, response_text(self.tokenizer, g), g.finish_reason) for job, g in zip(jobs, generated)]
 
 
 class SeededSampling:
@@ -287,7 +291,7 @@ class RegenOutput:
         kept, dropped = [], []
         for r in results:
             job = jobs[r.id]
-            if r.content.strip():
+            if not is_empty_response(r.content):
                 messages = [*job.prompt, {"role": "assistant", "content": r.content}]
                 line = {"id": r.id, "messages": messages, "source": job.record.where, "finish_reason": r.finish_reason}
                 kept.append(line)
@@ -297,7 +301,7 @@ class RegenOutput:
                     {
                         "id": r.id,
                         "source": job.record.where,
-                        "reason": "empty_response",
+                        "reason": EMPTY_RESPONSE,
                         "finish_reason": r.finish_reason,
                     }
                 )

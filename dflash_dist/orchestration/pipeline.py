@@ -356,7 +356,7 @@ def _finish_capture(ray, refs, shard_dirs: list[Path], max_lost_fraction: float 
     """Wait for every actor, check each directory's ledger (no key twice) and mark it DONE (under
     recapture the actors mark each epoch's as they finish it; this final check stays). Totals
     come from the manifest: a restarted actor's result covers only its last attempt."""
-    from data_pipeline.ledger import duplicate_keys, read_skipped
+    from data_pipeline.ledger import duplicate_keys, read_skipped, skipped_text
     from data_pipeline.shard_reader import read_manifest
     from data_pipeline.shard_writer import mark_done
 
@@ -372,9 +372,8 @@ def _finish_capture(ray, refs, shard_dirs: list[Path], max_lost_fraction: float 
         mark_done(shard_dir)
         records, skipped = read_manifest(shard_dir), read_skipped(shard_dir)
         captured = sum(r.n_samples for r in records)
-        log.info("capture %s: %d samples, %d tokens in %d shards, %d skipped as non-finite (kernel path %s)",
-                 shard_dir.name, captured, sum(r.n_tokens for r in records), len(records), len(skipped),
-                 results[0].kernel_path)
+        log.info("capture %s: %d samples, %d tokens in %d shards, %s (kernel path %s)", shard_dir.name, captured,
+                 sum(r.n_tokens for r in records), len(records), skipped_text(skipped), results[0].kernel_path)
     _check_capture_loss(shard_dirs, max_lost_fraction)
     return list(results)
 
@@ -499,17 +498,19 @@ def _ingest_lines(cfg: Config) -> list[str]:
 
 
 def _capture_lines(cfg: Config, shard_dirs: list[Path]) -> list[str]:
-    """Per captured directory: samples written (its manifest, every attempt's) and those skipped as
-    non-finite (its skipped.jsonl), which a capture without training printed nowhere at its end."""
-    from data_pipeline.ledger import read_skipped
+    """Per captured directory: samples written (its manifest, every attempt's) and those skipped, by
+    reason (its skipped.jsonl: non-finite features, empty regenerated responses), which a capture
+    without training printed nowhere at its end."""
+    from data_pipeline.ledger import read_skipped, skipped_text
     from data_pipeline.records import SKIPPED_NAME
     from data_pipeline.shard_reader import read_manifest
 
     lines = []
     for d in shard_dirs:
         if d.is_dir():
-            records, skipped = read_manifest(d), len(read_skipped(d))
+            records = read_manifest(d)
+            skipped = skipped_text(read_skipped(d), f"see {d / SKIPPED_NAME}; data.max_lost_fraction="
+                                                    f"{cfg.data.max_lost_fraction}")  # fmt: skip
             lines.append(f"[capture] {d}: {sum(r.n_samples for r in records)} samples in {len(records)} shards, "
-                         f"{skipped} skipped as non-finite" + (f" (see {d / SKIPPED_NAME}; data.max_lost_fraction="
-                         f"{cfg.data.max_lost_fraction})" if skipped else ""))  # fmt: skip
+                         f"{skipped}")
     return lines

@@ -184,9 +184,9 @@ def decide_training(cfg: Config, stages: tuple[str, ...], resume: str,
 
 def planned_samples(cfg: Config, data: DataPlan | None, stages: tuple[str, ...], resume: str) -> int | None:
     """Samples per epoch: the ingested conversations when this run reads them, else those a
-    complete capture was given (its manifest's plus those it skipped as non-finite, as the
-    ingested count includes them: the same base for the LR schedule and data.max_lost_fraction
-    however the run is resumed), else data.max_train_samples. A training that resumes a
+    complete capture was given (its manifest's plus those it skipped, non-finite or empty
+    responses, as the ingested count includes them: the same base for the LR schedule and
+    data.max_lost_fraction however the run is resumed), else data.max_train_samples. A training that resumes a
     checkpoint planned over a finished capture's written samples alone (a training-only run
     before the skipped ones counted) keeps that base (`_checkpoint_base`)."""
     from data_pipeline.ledger import read_skipped

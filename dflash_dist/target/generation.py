@@ -13,7 +13,9 @@ checkpoint.
 The stop rule (one for every caller): a response ends at the first token of
 `stop_token_ids(tokenizer)` = the chat turn end `<|im_end|>` when the vocabulary has it, plus the
 tokenizer's eos token when it has one; that token is kept at the end of the response; otherwise
-the response is `max_new_tokens` long. The checkpoint's generation config plays no part.
+the response is `max_new_tokens` long. The checkpoint's generation config plays no part. A
+response that is empty once its stop token is removed makes no training sample
+(`is_empty_response`, one rule for inline regeneration and the `regenerate` stage).
 """
 
 from __future__ import annotations
@@ -43,6 +45,20 @@ class Generated:
     def content_tokens(self) -> tuple[int, ...]:
         """The response without its stop token (what a chat API returns as text)."""
         return self.tokens[:-1] if self.stopped else self.tokens
+
+
+def response_text(tokenizer, generated: Generated) -> str:
+    """The response as a chat API returns it: its tokens before the stop token, decoded with any
+    special token kept."""
+    return tokenizer.decode(list(generated.content_tokens), skip_special_tokens=False)
+
+
+def is_empty_response(text: str) -> bool:
+    """The one rule for a response no training sample is made of: nothing but whitespace (the
+    target stopped at once). Its only supervised token would be the stop token; the `regenerate`
+    stage leaves its record out (`.rejected.jsonl`) and inline regeneration records its sample
+    lost (skipped.jsonl, `empty_response`), both counted against data.max_lost_fraction."""
+    return not text.strip()
 
 
 def stop_token_ids(tokenizer) -> tuple[int, ...]:

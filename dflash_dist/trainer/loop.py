@@ -85,7 +85,7 @@ class TrainResult:
     samples_lost: int
     resumed_from: str | None = None
     preempted: str | None = None  # the signal's name when a preemption notice ended the run
-    capture_skipped: int = 0  # the part of samples_lost the capture skipped (non-finite features)
+    capture_skipped: int = 0  # the part of samples_lost the capture skipped (non-finite, empty responses)
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite gradient (engine.skipped_steps)
 
 

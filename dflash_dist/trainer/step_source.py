@@ -29,12 +29,13 @@ writes the next shard): while a rank waits, all poll again after POLL_S.
 
 Every sample of an epoch's shards is thus trained once or counted as lost (a missing, truncated
 or corrupt shard, a sample whose features are not finite); `EpochEnd` says both. The run's loss
-is one total against one budget: the samples no rank could read plus those the capture skipped as
-non-finite (each epoch's directory's skipped.jsonl, which never reach a manifest; under keep every
-epoch re-reads epoch 0's shards and so misses its skipped samples again), against
-`data.max_lost_fraction` of the samples the run was meant to train on (planned per epoch x
-epochs). Over it, every rank raises `DataLost` at the same slot, naming both parts and what this
-rank could not read (checking each part alone let a run lose up to twice the fraction).
+is one total against one budget: the samples no rank could read plus those the capture skipped,
+non-finite or with an empty regenerated response (each epoch's directory's skipped.jsonl, which
+never reach a manifest; under keep every epoch re-reads epoch 0's shards and so misses its
+skipped samples again), against `data.max_lost_fraction` of the samples the run was meant to
+train on (planned per epoch x epochs). Over it, every rank raises `DataLost` at the same slot,
+naming both parts and what this rank could not read (checking each part alone let a run lose up
+to twice the fraction).
 
 Epoch 0 follows the manifest while capture still writes it; later epochs re-read the finished
 manifest in a shard order seeded by (run.seed, epoch) (shard_reader.ShardStream), or, when they
@@ -273,10 +274,11 @@ class StepSource:
         own = feeder.problems
         mine = "; ".join(own[:5]) + (f" (+{len(own) - 5} more)" if len(own) > 5 else "") if own else "none here"
         err = DataLost(
-            f"{unread} sample(s) could not be read and {capture_lost} were skipped by the capture as non-finite "
-            f"({SKIPPED_NAME} under {self.shard_dir}): {lost} lost, more than data.max_lost_fraction={fraction} of "
-            f"the {planned} the run trains on allows ({allowed}). Rank {self.rank} could not read: {mine}. Restore "
-            f"or re-extract the shards (and --resume auto), check the target's dtype and kernels, or raise "
+            f"{unread} sample(s) could not be read and {capture_lost} were skipped by the capture (non-finite "
+            f"features or an empty regenerated response, by reason in {SKIPPED_NAME} under {self.shard_dir}): {lost} "
+            f"lost, more than data.max_lost_fraction={fraction} of the {planned} the run trains on allows "
+            f"({allowed}). Rank {self.rank} could not read: {mine}. Restore or re-extract the shards (and --resume "
+            f"auto), check the target's dtype and kernels (or its chat template and stop tokens), or raise "
             f"data.max_lost_fraction"
         )
         err.names_nothing = not own  # every rank raises; the group reports one that names the samples

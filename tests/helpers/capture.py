@@ -70,3 +70,30 @@ def run_capture(cfg, actor_index: int = 0, num_actors: int = 1):
         cfg, target_dir, target_identity(cfg, target_dir), cfg.out / "shards", actor_index, num_actors
     )
     return job.run(cfg.data.train_path, capture_data(cfg, cfg.data.train_path))
+
+
+def make_silent_target(target_dir, out_dir, prompts: list[list[int]], silent: set[int], margin: float = 30.0):
+    """A copy of a saved target whose first greedy token after prompt i is `<|im_end|>`, its stop
+    token, exactly for i in `silent` (an empty response) and never for the others: that token's
+    lm_head row solved (least squares, exact for fewer prompts than the hidden size) so its logit
+    is +margin on those prompts' last hidden states and -margin on the others'. The embeddings
+    are untied: the prompts' own `<|im_end|>` tokens keep their embedding."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    shutil.copytree(target_dir, out_dir)
+    model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
+    assert not model.config.tie_word_embeddings
+    stop = AutoTokenizer.from_pretrained(out_dir).convert_tokens_to_ids("<|im_end|>")
+    last: list[torch.Tensor] = []
+    hook = model.lm_head.register_forward_hook(lambda _m, args, _out: last.append(args[0][0, -1].clone()))
+    with torch.no_grad():
+        for p in prompts:
+            model(torch.tensor([p]))
+        hook.remove()
+        h = torch.stack(last).double()
+        want = torch.tensor([margin if i in silent else -margin for i in range(len(prompts))], dtype=torch.double)
+        model.lm_head.weight[stop] = (torch.linalg.pinv(h) @ want).float()
+    model.save_pretrained(out_dir)
+    return out_dir

@@ -113,6 +113,29 @@ def test_the_summary_names_records_skipped_at_ingest_and_exports_never_evaluated
     assert "not evaluated" not in capsys.readouterr().out
 
 
+def test_the_last_line_names_tensorboard_only_where_the_run_wrote_to_it(tmp_path, capsys):
+    """`dflash-dist extract` ended with a TensorBoard command though a capture writes nothing there
+    (tb/ stayed empty); it now names what it wrote, the shards, and how to train on them. A run that
+    trains or evaluates still ends with the TensorBoard command."""
+    from dflash_dist.config import load_config
+    from dflash_dist.orchestration.pipeline import _layout, _print_summary
+
+    cfg = load_config(REPO / "configs" / "tiny.yaml", [], out_dir=str(tmp_path / "run"))
+    paths = _layout(cfg)
+    extract = PipelineResult(str(cfg.out), ("extract",), (), (), (), 0, None, 1.0)
+    _print_summary(cfg, paths, extract, captured=[paths["shards"]])
+    out = capsys.readouterr().out
+    assert "TensorBoard" not in out and "tensorboard --logdir" not in out, out
+    assert out.splitlines()[-1] == (
+        f"Shards: {paths['shards']} (manifest.jsonl, DONE) from the conversations ingested under {cfg.out / 'data'}; "
+        f"train on them: dflash-dist train CONFIG --out {cfg.out}"
+    )
+    for stages in (("extract", "train", "eval"), ("train",), ("eval",)):
+        _print_summary(cfg, paths, dataclasses.replace(extract, stages=stages))
+        last = capsys.readouterr().out.splitlines()[-1]
+        assert last == f"TensorBoard: tensorboard --logdir {paths['tb']} --host 127.0.0.1", (stages, last)
+
+
 @pytest.mark.slow
 def test_a_failed_evaluator_ends_the_run_with_its_summary_then_its_error(tmp_path, capsys):
     """The evaluator stops at a damaged export (its checksum record differs): the run exits 1 naming

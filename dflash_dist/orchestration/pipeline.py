@@ -467,7 +467,11 @@ def _print_summary(cfg: Config, paths: dict[str, Path], result: PipelineResult, 
     state = f"stopped by {result.preempted} (not finished: --resume auto continues)" if result.preempted else "done"
     state = "the evaluator FAILED (its error follows; the training's outputs are kept)" if failed else state
     print(f"{state} in {result.seconds:.0f}s; outputs under {cfg.out}")
-    print(f"TensorBoard: tensorboard --logdir {paths['tb']} --host 127.0.0.1")
+    if "train" in result.stages or ("eval" in result.stages and cfg.eval.enabled):  # tb/train, tb/eval
+        print(f"TensorBoard: tensorboard --logdir {paths['tb']} --host 127.0.0.1")
+    elif "extract" in result.stages:  # a capture alone writes shards, nothing for TensorBoard
+        print(f"Shards: {paths['shards']} (manifest.jsonl, DONE) from the conversations ingested under "
+              f"{cfg.out / 'data'}; train on them: dflash-dist train CONFIG --out {cfg.out}")  # fmt: skip
 
 
 def lost_text(cfg: Config, train) -> str:

@@ -26,6 +26,7 @@ import threading
 import time
 from pathlib import Path
 
+from data_pipeline.durable_files import write_text_atomic
 from dflash_dist.actors.ports import free_ports
 from dflash_dist.config import Config, ConfigError
 from dflash_dist.orchestration.ray_temp import make_private_ray_temp, release_ray_temp
@@ -49,11 +50,18 @@ def _ray_bin() -> str:
     return str(Path(sys.executable).with_name("ray"))
 
 
-class SlurmRayCluster:
-    """The Ray processes of this job: the head (here) and one `srun` step of workers."""
+KEEP_LOGS_FLAG = "--keep-logs-if"  # run_worker's own option, before the `ray start` arguments
 
-    def __init__(self, hostnames: list[str]) -> None:
+
+class SlurmRayCluster:
+    """The Ray processes of this job: the head (here) and one `srun` step of workers. `run_dir`: the
+    run's directory, which every node mounts, where a failed job leaves its workers the word to keep
+    their Ray logs (`failed_flag`)."""
+
+    def __init__(self, hostnames: list[str], run_dir: Path | None = None) -> None:
         self.hosts = hostnames
+        job = os.environ.get("SLURM_JOB_ID", "x")
+        self.failed_flag = None if run_dir is None else Path(run_dir) / f"ray-job-{job}.failed"
         self.address_ip = "127.0.0.1" if len(hostnames) == 1 else socket.gethostbyname(hostnames[0])
         # the head's sessions inside a directory of ours no other user can enter (ray_temp.py)
         self.temp_dir = make_private_ray_temp(f"{os.environ.get('SLURM_JOB_ID', 'x')}-")
@@ -88,16 +96,25 @@ class SlurmRayCluster:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the Ray head did not start (exit code {proc.poll()}, {timeout_s:.0f} s)")
         if len(self.hosts) > 1:  # one raylet per other node, as one job step
-            others = len(self.hosts) - 1
-            workers = ["srun", "--overlap", f"--nodes={others}", f"--ntasks={others}", "--ntasks-per-node=1",
-                       f"--exclude={self.hosts[0]}", sys.executable, "-m", "launcher.slurm_ray", "worker",
-                       "--block", "--address", self.address, "--disable-usage-stats"]  # fmt: skip
-            self.procs.append(subprocess.Popen(workers, env=self.env, start_new_session=True))
+            self.procs.append(subprocess.Popen(self.worker_command(), env=self.env, start_new_session=True))
         log.info("Ray head at %s on %s; %d worker node(s)", self.address, self.hosts[0], len(self.hosts) - 1)
+
+    def worker_command(self) -> list[str]:
+        """The srun step that starts a Ray node on every other host (run_worker there)."""
+        others = len(self.hosts) - 1
+        keep = [KEEP_LOGS_FLAG, str(self.failed_flag)] if self.failed_flag is not None else []
+        return ["srun", "--overlap", f"--nodes={others}", f"--ntasks={others}", "--ntasks-per-node=1",
+                f"--exclude={self.hosts[0]}", sys.executable, "-m", "launcher.slurm_ray", "worker", *keep,
+                "--block", "--address", self.address, "--disable-usage-stats"]  # fmt: skip
 
     def stop(self, keep_logs: bool = False) -> None:
         """SIGTERM (then SIGKILL) each started process group; `ray start --block` stops its own. The
-        head's private temp directory is removed, or kept with its Ray logs (`keep_logs`: the job failed)."""
+        private temp directories are removed, or kept with their Ray logs (`keep_logs`: the job failed):
+        the head's here, and each worker node's, told by `failed_flag` (written before they are
+        stopped, removed once they are gone), which a worker reads when its node stops."""
+        if keep_logs and self.failed_flag is not None and len(self.hosts) > 1:  # workers to tell
+            with contextlib.suppress(OSError):  # not written: the workers remove their logs, as before
+                write_text_atomic(self.failed_flag, "the job failed: worker nodes keep their Ray logs\n")
         for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 5.0)):
             for p in self.procs:
                 if p.poll() is None:
@@ -106,22 +123,42 @@ class SlurmRayCluster:
             deadline = time.monotonic() + wait_s
             while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
                 time.sleep(0.2)
+        if self.failed_flag is not None:
+            self.failed_flag.unlink(missing_ok=True)
         release_ray_temp(self.temp_dir, keep=keep_logs)
 
 
-def run_worker(ray_args: list[str]) -> int:
-    """`python -m launcher.slurm_ray worker RAY_START_ARGS...`, one srun task on each other node:
-    `ray start RAY_START_ARGS --temp-dir DIR` with DIR private to this user on this node
-    (ray_temp.py; without it the node would make the head's temp path here, open to all), removed
-    when Ray stops. SIGTERM and SIGINT are passed on to `ray start --block`, which stops its node."""
+def run_worker(args: list[str]) -> int:
+    """`python -m launcher.slurm_ray worker [--keep-logs-if FILE] RAY_START_ARGS...`, one srun task on
+    each other node: `ray start RAY_START_ARGS --temp-dir DIR` with DIR private to this user on this
+    node (ray_temp.py; without it the node would make the head's temp path here, open to all).
+    SIGTERM and SIGINT are passed on to `ray start --block`, which stops its node. DIR is removed
+    when Ray stops, unless something failed, the rule of the head and of a local run: this node's
+    Ray ended without being asked to (one of its processes died, it could not start or join), this
+    process failed, or the job did (FILE exists when the node stops: SlurmRayCluster.stop). Then its
+    Ray logs stay, and the log says where."""
+    keep_if = None
+    if args[:1] == [KEEP_LOGS_FLAG]:
+        keep_if, args = Path(args[1]), args[2:]
     temp_dir = make_private_ray_temp(f"{os.environ.get('SLURM_JOB_ID', 'x')}-w-")
+    asked: list[int] = []  # the stop signals passed on
+    why = "this worker failed"
     try:
-        proc = subprocess.Popen([_ray_bin(), "start", *ray_args, "--temp-dir", temp_dir])
+        proc = subprocess.Popen([_ray_bin(), "start", *args, "--temp-dir", temp_dir])
+
+        def stop(signum, _frame) -> None:
+            asked.append(signum)
+            proc.send_signal(signum)
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, _frame: proc.send_signal(signum))
-        return proc.wait()
+            signal.signal(sig, stop)
+        rc = proc.wait()
+        why = None if asked or rc == 0 else f"this node's Ray ended by itself with exit code {rc}"
+        return rc
     finally:
-        release_ray_temp(temp_dir, keep=False)
+        if why is None and keep_if is not None and keep_if.exists():
+            why = f"the job failed ({keep_if})"
+        release_ray_temp(temp_dir, keep=why is not None, why=why or "")
 
 
 def _relay(proc: subprocess.Popen, up: threading.Event) -> None:
@@ -198,7 +235,7 @@ def forward_notice(out: Path, signum: int, quiet: bool = False) -> list[str]:
 def main(argv: list[str]) -> int:
     """`python -m launcher.slurm_ray notify HEARTBEAT_FILE`: forward_notice's step on another
     node: SIGUSR1 to the trainer that heartbeat names, if signal_refusal allows it there.
-    `python -m launcher.slurm_ray worker RAY_START_ARGS...`: run_worker."""
+    `python -m launcher.slurm_ray worker [--keep-logs-if FILE] RAY_START_ARGS...`: run_worker."""
     from dflash_dist.actors.heartbeat import check_record
 
     if argv[:1] == ["worker"]:
@@ -220,7 +257,7 @@ def run_on_slurm_ray(cfg: Config, pipeline_argv: list[str]) -> int:
     if cfg.ray.address:
         raise ConfigError(f"ray.address={cfg.ray.address!r} with --launcher slurm: the job starts its own cluster; "
                           "leave ray.address unset")
-    cluster = SlurmRayCluster(step_hostnames(os.environ))
+    cluster = SlurmRayCluster(step_hostnames(os.environ), run_dir=cfg.out)
     notices: list[int] = []
     told: list[str] = []  # the trainers a notice reached
 

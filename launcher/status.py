@@ -8,7 +8,8 @@ connection, so it works from any host that mounts DIR, during the run or after i
   disk        bytes of shard files under DIR/shards (every epoch directory and the token store) vs the
               configured max_buffer_bytes
   trainer     step, epoch, loss (train_log.jsonl), tokens/s (TensorBoard, as of its last flush)
-  eval        the newest eval/step_N.json: tau of the chain and of each DDTree budget
+  eval        the newest eval/step_N.json: tau of the chain and of each DDTree budget; a failed evaluator
+              (what failed, where its log is: the driver's heartbeat, or the evaluator's own)
   roles       driver, target actors, trainer ranks, evaluator: alive, finished, failed, lost
               (silent for longer than its heartbeat allows) or not started (heartbeat/*.json)
 """
@@ -192,6 +193,7 @@ def collect(out: str | os.PathLike[str], now: float | None = None) -> dict:
         if r.get("reference"):  # eval.reference_drafter: this checkpoint's tau against it
             eval_.update(reference_tau_chain=r["reference"]["tau_chain"],
                          tau_chain_vs_reference=r["tau_chain"] / r["reference"]["tau_chain"])
+    eval_["failed"] = _eval_failure(beats)
     return {
         "out": str(out),
         "run": _config_value(cfg, "run.name"),
@@ -202,6 +204,19 @@ def collect(out: str | os.PathLike[str], now: float | None = None) -> dict:
         "eval": eval_,
         "roles": _roles(cfg or {}, beats, now),
     }
+
+
+def _eval_failure(beats: list[dict]) -> str | None:
+    """A failed evaluator, as the driver said it when it happened (what failed, where its log is, that
+    training goes on), else from the evaluator's own last heartbeat; None while it works."""
+    said = next((b["info"].get("evaluator_failed") for b in beats if b["role"] == "driver"), None)
+    if said:
+        return str(said)
+    beat = next((b for b in beats if b["role"] == "evaluator" and b["state"] == "failed"), None)
+    if beat is None:
+        return None
+    log = beat["info"].get("log")
+    return f"{beat['error']}" + (f"; its log: {log} on {beat['host']}" if log else "")
 
 
 def _bytes(n: float | None) -> str:
@@ -261,6 +276,7 @@ def render(s: dict) -> tuple[list[tuple[str, str]], list[list[str]]]:
         ("samples lost", _f(tr["samples_lost"], "d")),  # unreadable + capture-skipped, as data.max_lost_fraction holds
         ("tokens/s", f"{tps['value']:.0f} (at step {tps['step']})" if tps else "-"),
         ("tau", f"step {ev['step']}: chain {ev['tau_chain']:.2f}  {taus}" if ev["step"] is not None else "-"),
+        *([("evaluator", f"FAILED: {ev['failed']}")] if ev.get("failed") else []),
         *([("tau vs reference", f"chain {ev['tau_chain_vs_reference']:.2f}x the reference drafter's "
                                 f"{ev['reference_tau_chain']:.2f}")] if "tau_chain_vs_reference" in ev else []),
     ]

@@ -1,7 +1,9 @@
 """`dflash-dist export CHECKPOINT_DIR`: a checkpoint's drafter exported again outside training is
 bit for bit the trainer's own export of that step (ZeRO-2's whole module, ZeRO-3's consolidated
 partitions), verifies, keeps a valid export unless --force, and refuses a damaged checkpoint
-naming the file, writing nothing. Real DeepSpeed (one gloo rank in this process), tiny target."""
+naming the file, writing nothing; the drafter's shape is the one the run recorded (the tag's marker,
+or its run plan), never built again from the run's config and target. Real DeepSpeed (one gloo rank
+in this process), tiny target."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.export import verify_export
+from dflash_dist.trainer.checkpoint import MARKER
 from dflash_dist.trainer.export_checkpoint import MODEL_STATES, ZERO3_MODEL_STATES
 from dflash_dist.trainer.safe_load import weights_only_loads
 from launcher.cli import main as cli
@@ -113,16 +117,53 @@ def test_zero2_checkpoint_exports_bitwise_as_the_trainer_and_damage_is_refused(t
     assert not fresh.exists() and not list(tmp_path.glob(".tmp-*"))
     states.write_bytes(good)
 
-    # the run's config.yaml is needed (and must be the one trained)
-    (out / "config.yaml").rename(out / "config.yaml.bak")
-    assert cli(["export", str(tag), "--out", str(fresh)]) == 1
-    assert f"{out / 'config.yaml'}: not found" in capsys.readouterr().err
-    cfg = yaml.safe_load((out / "config.yaml.bak").read_text())
+    # the shape is the run's record, never derived again from its config.yaml over its target: with the
+    # target gone and config.yaml naming another drafter (each refused before), the export is the trained one
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    cfg["target"]["path"] = str(tmp_path / "target-gone")
     cfg["drafter"]["num_layers"] = 2
     (out / "config.yaml").write_text(yaml.safe_dump(cfg))
-    assert cli(["export", str(tag), "--out", str(fresh)]) == 1
-    assert "drafter.num_layers: 1 -> 2" in capsys.readouterr().err
-    assert not fresh.exists()
+    assert cli(["export", str(tag), "--out", str(fresh)]) == 0
+    assert_same_export(fresh, ref)
+    (out / "config.yaml").unlink()
+    assert cli(["export", str(tag), "--out", str(fresh), "--force"]) == 0
+    shutil.rmtree(fresh)
+
+
+def test_a_tag_without_a_drafter_record_is_exported_from_its_run_plan_or_refused(tiny, tmp_path, single_rank_gloo,
+                                                                                capsys):  # fmt: skip
+    """A tag saved before markers recorded the drafter: its run's run_plan.json (Slurm: plans/*.json)
+    gives the shape; none, or plans that disagree, are refused naming the files."""
+    import dataclasses
+
+    from dflash_dist.orchestration import run_plan
+    from dflash_dist.trainer import export_checkpoint
+
+    assert (export_checkpoint.RUN_PLAN, export_checkpoint.SLURM_PLANS) == (run_plan.PLAN_NAME, run_plan.PLANS_DIR)
+    out = train_run(tiny, tmp_path, zero_stage=2)
+    tag = out / "checkpoints" / f"step_{STEPS}"
+    ref = moved_aside(out)
+    marker = json.loads((tag / MARKER).read_text())
+    assert DrafterConfig.from_hf_dict(marker.pop("drafter")) == tiny["drafter"]  # what the trainer recorded
+    (tag / MARKER).write_text(json.dumps(marker))  # as an older trainer wrote it
+    (out / "config.yaml").unlink()
+
+    assert cli(["export", str(tag)]) == 1
+    err = capsys.readouterr().err
+    assert f"{tag / MARKER} records no drafter shape" in err and f"{out / 'run_plan.json'}" in err
+    assert not (out / "export" / tag.name).exists()
+
+    plan = {"schema": 3, "drafter": dataclasses.asdict(tiny["drafter"])}  # the run plan's record of it
+    (out / "run_plan.json").write_text(json.dumps(plan))
+    assert cli(["export", str(tag)]) == 0
+    assert_same_export(out / "export" / tag.name, ref)
+
+    theta = tiny["drafter"].rope_theta * 2  # same shapes, another model
+    other = dataclasses.asdict(dataclasses.replace(tiny["drafter"], rope_theta=theta))
+    (out / "plans").mkdir()
+    (out / "plans" / "7-0-0.json").write_text(json.dumps({**plan, "drafter": other}))
+    assert cli(["export", str(tag), "--out", str(tmp_path / "x")]) == 1
+    assert "record 2 different ones" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
 def test_zero3_checkpoint_consolidates_bitwise_as_the_trainer(tiny, tmp_path, single_rank_gloo):

@@ -110,6 +110,125 @@ def test_a_slurm_worker_node_is_private(tmp_path):
     assert not found.parent.parent.exists(), f"{found.parent.parent} outlived the node"
 
 
+def _start_worker(*worker_args: str, log: Path) -> tuple[subprocess.Popen, Path]:
+    """`python -m launcher.slurm_ray worker [WORKER_ARGS] ARGS` as test_a_slurm_worker_node_is_private
+    starts it (a node of its own), its output in `log`; with its session directory once the node runs
+    (`ray start` says so, then watches its processes: stopped while it starts, it waits a minute for
+    its GCS)."""
+    from dflash_dist.actors.ports import free_ports
+    from launcher.slurm_ray import _HEAD_PORT_FLAGS
+
+    ports = free_ports(len(_HEAD_PORT_FLAGS), "127.0.0.1")
+    before = set(Path(ray_temp_base("x-w-")).glob("dfray-*"))
+    with open(log, "w") as out:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "launcher.slurm_ray", "worker", *worker_args, "--head", "--block",
+             "--node-ip-address", "127.0.0.1", "--include-dashboard", "false", "--disable-usage-stats", "--num-cpus",
+             "1", *(a for flag, port in zip(_HEAD_PORT_FLAGS, ports) for a in (flag, str(port)))],
+            env=dict(os.environ, PYTHONPATH=str(REPO), RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0"), cwd=REPO,
+            start_new_session=True, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    def session():
+        new = set(Path(ray_temp_base("x-w-")).glob("dfray-*")) - before
+        found = [s for d in new for s in (d / "ray").glob("session_2*") if (s / "sockets" / "raylet").exists()]
+        started = "Ray runtime started" in log.read_text()
+        return found[0] if found and started and _raylets(found[0]) else None
+
+    try:
+        return worker, _wait_for(session, what="the worker node's raylet")
+    except BaseException:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+        raise
+
+
+def _raylets(session: Path) -> list[int]:
+    """The pids of the raylets whose command line names `session` (only the test's own node)."""
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and Path(os.fsdecode(argv[0])).name == "raylet" and os.fsencode(session) in b" ".join(argv):
+            pids.append(int(proc.name))
+    return pids
+
+
+def _stopped(worker: subprocess.Popen) -> int:
+    try:
+        return worker.wait(timeout=120)
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
+
+
+def test_a_slurm_worker_node_keeps_its_logs_when_its_ray_fails(tmp_path):
+    """The worker node's raylet dies (killed here): `ray start --block` stops the node by itself and
+    the worker keeps the node's Ray logs, saying where, as the head and a local run keep theirs after
+    a failure. They were removed on every exit."""
+    worker, session = _start_worker(log=tmp_path / "worker.log")
+    try:
+        for pid in _raylets(session):
+            os.kill(pid, signal.SIGKILL)
+        assert _stopped(worker) != 0
+        text = (tmp_path / "worker.log").read_text()
+        assert (session / "logs" / "raylet.out").is_file(), "the node's Ray logs were removed"
+        assert f"Ray's logs of this run are kept in {session.parent}/session_*/logs on {socket.gethostname()} " \
+               "(this node's Ray ended by itself with exit code 1;" in text, text[-3000:]  # fmt: skip
+        assert not others_can_reach(session / "logs")
+    finally:
+        shutil.rmtree(session.parent.parent, ignore_errors=True)
+
+
+def test_a_slurm_worker_node_keeps_its_logs_when_the_job_failed(tmp_path):
+    """A failed job's head writes its failure flag in the run directory before it stops the workers
+    (SlurmRayCluster.stop, below); a worker stopped (SIGTERM) while the flag exists keeps its logs,
+    one stopped without it removes them (test_a_slurm_worker_node_is_private)."""
+    flag = tmp_path / "ray-job-7.failed"
+    worker, session = _start_worker("--keep-logs-if", str(flag), log=tmp_path / "worker.log")
+    try:
+        flag.write_text("the job failed\n")
+        os.killpg(worker.pid, signal.SIGTERM)
+        _stopped(worker)
+        assert (session / "logs" / "raylet.out").is_file(), "the node's Ray logs were removed"
+        assert f"on {socket.gethostname()} (the job failed ({flag});" in (tmp_path / "worker.log").read_text()
+    finally:
+        shutil.rmtree(session.parent.parent, ignore_errors=True)
+
+
+def test_a_failed_jobs_head_tells_its_workers_to_keep_their_logs(tmp_path):
+    """SlurmRayCluster of a multi-node job passes its failure flag to the workers' command and, when
+    the job failed, writes it before any process is stopped and removes it once they are; a job that
+    ended well writes none. A process standing in for the srun step reports what it saw at SIGTERM."""
+    from launcher.slurm_ray import KEEP_LOGS_FLAG, SlurmRayCluster
+
+    host = socket.gethostname()
+    cluster = SlurmRayCluster([host, host], run_dir=tmp_path)
+    command = cluster.worker_command()
+    at = command.index("worker")
+    assert command[at + 1 : at + 3] == [KEEP_LOGS_FLAG, str(cluster.failed_flag)]
+    assert cluster.failed_flag.parent == tmp_path
+    seen = tmp_path / "seen"
+    step = ("import os, signal, sys, time\n"
+            "def stop(*_):\n"
+            f"    open({str(seen)!r}, 'w').write(str(os.path.exists({str(cluster.failed_flag)!r})))\n"
+            "    sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, stop)\n"
+            f"open({str(seen)!r}, 'w').write('ready')\n"
+            "time.sleep(60)\n")  # fmt: skip
+    for failed in (True, False):
+        seen.unlink(missing_ok=True)
+        cluster.procs = [subprocess.Popen([sys.executable, "-c", step], start_new_session=True)]
+        _wait_for(lambda: seen.exists(), 30, "the stand-in step")
+        cluster.stop(keep_logs=failed)
+        assert seen.read_text() == str(failed)
+        assert not cluster.failed_flag.exists()
+        shutil.rmtree(Path(cluster.temp_dir).parent, ignore_errors=True)
+
+
 def test_a_worker_node_of_a_multi_node_job_goes_on_to_join_its_head():
     """With more than one host, the environment SlurmRayCluster gives every Ray process (srun passes it
     to `python -m launcher.slurm_ray worker` on the other nodes) lets `ray start --address` join: with

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -111,6 +113,29 @@ def test_the_summary_names_records_skipped_at_ingest_and_exports_never_evaluated
     assert "not evaluated" not in capsys.readouterr().out
 
 
+def test_the_last_line_names_tensorboard_only_where_the_run_wrote_to_it(tmp_path, capsys):
+    """`dflash-dist extract` ended with a TensorBoard command though a capture writes nothing there
+    (tb/ stayed empty); it now names what it wrote, the shards, and how to train on them. A run that
+    trains or evaluates still ends with the TensorBoard command."""
+    from dflash_dist.config import load_config
+    from dflash_dist.orchestration.pipeline import _layout, _print_summary
+
+    cfg = load_config(REPO / "configs" / "tiny.yaml", [], out_dir=str(tmp_path / "run"))
+    paths = _layout(cfg)
+    extract = PipelineResult(str(cfg.out), ("extract",), (), (), (), 0, None, 1.0)
+    _print_summary(cfg, paths, extract, captured=[paths["shards"]])
+    out = capsys.readouterr().out
+    assert "TensorBoard" not in out and "tensorboard --logdir" not in out, out
+    assert out.splitlines()[-1] == (
+        f"Shards: {paths['shards']} (manifest.jsonl, DONE) from the conversations ingested under {cfg.out / 'data'}; "
+        f"train on them: dflash-dist train CONFIG --out {cfg.out}"
+    )
+    for stages in (("extract", "train", "eval"), ("train",), ("eval",)):
+        _print_summary(cfg, paths, dataclasses.replace(extract, stages=stages))
+        last = capsys.readouterr().out.splitlines()[-1]
+        assert last == f"TensorBoard: tensorboard --logdir {paths['tb']} --host 127.0.0.1", (stages, last)
+
+
 @pytest.mark.slow
 def test_a_failed_evaluator_ends_the_run_with_its_summary_then_its_error(tmp_path, capsys):
     """The evaluator stops at a damaged export (its checksum record differs): the run exits 1 naming
@@ -145,3 +170,59 @@ def test_a_failed_evaluator_ends_the_run_with_its_summary_then_its_error(tmp_pat
     assert "[eval] 1 export(s) not evaluated: steps [20] (the evaluator failed before them)" in captured.out
     assert "the evaluator FAILED (its error follows" in captured.out, captured.out
     assert f"error: ChecksumMismatch: {out / 'export' / 'step_20'}: model.safetensors differ" in captured.err
+    kept = re.search(r"Ray's logs of this run are kept in (\S+)/session_\*/logs", captured.err)  # the run failed
+    assert kept, captured.err
+    shutil.rmtree(Path(kept.group(1)).parent)
+
+
+@pytest.mark.slow
+def test_a_failed_evaluator_is_said_when_it_fails_and_training_goes_on(tmp_path, caplog):
+    """The evaluator fails at the first export (its eval.reference_drafter has a damaged weights
+    file) while the trainers have most of their steps ahead. One ERROR line says so at that time
+    (what failed, where the evaluator's log is, that training continues), `dflash-dist status`
+    shows it, the training runs to its last step, and the run still ends with exit 1 naming the
+    error; the evaluator's log, with its traceback, is kept (the run failed). Before: nothing was
+    said until training had finished, and the log was removed with the run's Ray directory.
+    Real `dflash-dist run` on configs/tiny.yaml's target (smaller), Ray, DeepSpeed, the evaluator."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from dflash_dist.config import load_config
+    from dflash_dist.model.drafter import DFlashDrafter
+    from dflash_dist.model.export import export_drafter
+    from dflash_dist.target.loading import drafter_config_for, resolve_target_dir, tokenizer_mask_id
+    from launcher import cli
+    from launcher.status import collect, render
+
+    out, config, reference = tmp_path / "run", str(REPO / "configs" / "tiny.yaml"), tmp_path / "reference"
+    overrides = ["data.max_train_samples=32", "capture.regenerate=false", "train.world_size=1", "train.epochs=60",
+                 "train.checkpoint_every=20", "train.keep_checkpoints=1", "eval.num_prompts=2",
+                 "eval.max_new_tokens=8", "eval.poll_s=0.1", f"eval.reference_drafter={reference}"]  # fmt: skip
+    cfg = load_config(config, overrides[:-1], out_dir=str(out))
+    target_dir = resolve_target_dir(cfg)
+    drafter_cfg = drafter_config_for(cfg, target_dir, tokenizer_mask_id(AutoTokenizer.from_pretrained(target_dir)))
+    export_drafter(DFlashDrafter(drafter_cfg), reference)
+    (reference / "model.safetensors").write_bytes(b"\x00" * 64)  # config.json (checked at load) stays valid
+    caplog.set_level(logging.INFO)
+    kept = None
+    try:
+        assert cli.main(["run", config, "--out", str(out), *overrides]) == 1
+        said = [r for r in caplog.records if "the evaluator FAILED" in r.getMessage()]
+        finished = [r for r in caplog.records if r.getMessage().startswith("training finished at step")]
+        assert len(said) == 1 and said[0].levelno == logging.ERROR, [r.getMessage() for r in said]
+        assert finished and said[0].created < finished[0].created, "said only after the training had finished"
+        print(f"\nthe failure was said {finished[0].created - said[0].created:.1f}s before training finished")
+        line = said[0].getMessage()
+        assert "\n" not in line and "Training continues" in line and "exit 1" in line, line
+        log_file = Path(line.split("its log: ")[1].split(" on ")[0])
+        kept = next(p for p in log_file.parents if p.name.startswith("dfray-"))
+        assert "evaluator failed:" in log_file.read_text() and "Traceback" in log_file.read_text()
+        steps = json.loads((out / "train_log.jsonl").read_text().splitlines()[-1])["step"]
+        assert steps == 60 * 32 // 4  # every epoch trained after the evaluator failed
+        status = collect(out)
+        assert status["eval"]["failed"] == line
+        assert ("evaluator", f"FAILED: {line}") in render(status)[0]
+    finally:
+        if kept is not None:
+            shutil.rmtree(kept, ignore_errors=True)

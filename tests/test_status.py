@@ -117,7 +117,8 @@ def test_status_reads_every_part_of_a_run_from_its_files(run_dir):
     assert tr["loss"] == pytest.approx(4.4) and tr["samples"] == 48 and tr["latest_checkpoint"] == "step_4"
     assert tr["tokens_per_s"] == {"value": pytest.approx(2345.5), "step": 6}
     assert tr["samples_lost"] == 4  # from the trainer heartbeats (rank 1's older one has none)
-    assert s["eval"] == {"evaluated": 2, "step": 4, "tau_chain": 2.25, "tau_ddtree": {"4": 2.75, "8": 3.25}}
+    assert s["eval"] == {"evaluated": 2, "step": 4, "tau_chain": 2.25, "tau_ddtree": {"4": 2.75, "8": 3.25},
+                         "failed": "ProvenanceMismatch: kernel_path torch != fla"}  # the evaluator's heartbeat
     states = {(r["role"], r["index"]): r["state"] for r in s["roles"]}
     assert states == {
         ("driver", 0): "alive",
@@ -128,6 +129,25 @@ def test_status_reads_every_part_of_a_run_from_its_files(run_dir):
     }
     errors = [r["error"] for r in s["roles"] if r["role"] == "evaluator"]
     assert errors == ["ProvenanceMismatch: kernel_path torch != fla"]
+
+
+def test_a_failed_evaluator_is_a_line_of_the_summary_with_its_log(run_dir):
+    """Its failure, not only a role's state in the table: as the driver said it when it happened
+    (pipeline's evaluator watch, in the driver's heartbeat), else from the evaluator's own last
+    heartbeat with the log file it named; none while it works."""
+    from launcher.status import render
+
+    _beat(run_dir, "evaluator", 0, "failed", 10.0, {"evaluated": 2, "log": "/tmp/r/logs/worker-1.err"}, "OSError: x")
+    s = collect(run_dir)
+    assert s["eval"]["failed"] == "OSError: x; its log: /tmp/r/logs/worker-1.err on node1"
+    assert ("evaluator", f"FAILED: {s['eval']['failed']}") in render(s)[0]
+    said = "the evaluator FAILED after measuring steps [2, 4]: OSError: x. Training continues ..."
+    _beat(run_dir, "driver", 0, "running", 1.0, {"stages": ["extract", "train", "eval"], "evaluator_failed": said})
+    assert collect(run_dir)["eval"]["failed"] == said
+    _beat(run_dir, "driver", 0, "running", 1.0, {"stages": ["extract", "train", "eval"]})
+    _beat(run_dir, "evaluator", 0, "running", 1.0, {"evaluated": 2})
+    s = collect(run_dir)
+    assert s["eval"]["failed"] is None and not [row for row in render(s)[0] if row[0] == "evaluator"]
 
 
 def test_roles_the_run_should_have_but_never_started_are_listed(run_dir):

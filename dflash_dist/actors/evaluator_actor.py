@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import socket
 import threading
 import time
 import traceback
@@ -114,6 +115,8 @@ class EvaluatorActor:
             "weights_hashed": len(hashes_made()),  # by this process (0: the files carried the plan's stamp)
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
+            "host": socket.gethostname(),
+            "log": own_log_file(),
         }
 
     def wait(self, timeout_s: float | None = None) -> list[EvalResult]:
@@ -131,7 +134,7 @@ class EvaluatorActor:
 
     def _progress(self) -> dict:
         ev = self._evaluator
-        return {"evaluated": len(ev.done) if ev is not None else 0}
+        return {"evaluated": len(ev.done) if ev is not None else 0, "log": own_log_file()}
 
     def _stop(self) -> tuple[bool, int | None]:
         with self._lock:
@@ -150,9 +153,21 @@ class EvaluatorActor:
                 self._evaluator.run_until(self._stop, e.poll_s, e.max_backlog, e.backlog_stride)
         except BaseException as e:  # kept for wait(); the thread itself has no caller to raise to
             self._error, self._error_text = e, "".join(traceback.format_exception_only(type(e), e)).strip()
+            # its traceback in its own log, the file the driver's line (eval_watch.py) and `status` name
+            log.error("evaluator failed: %s", self._error_text, exc_info=e)
         finally:
             if self._evaluator is not None:
                 self._evaluator.close()
+
+
+def own_log_file() -> str | None:
+    """This process's stderr file (Ray's `session_*/logs/worker-*.err` on its node), None if its
+    stderr is no file (a terminal, a pipe)."""
+    try:
+        path = os.readlink("/proc/self/fd/2")
+    except OSError:
+        return None
+    return path if path.startswith("/") and os.path.isfile(path) else None
 
 
 def _portable(error: BaseException) -> BaseException:

@@ -158,6 +158,11 @@ class DrafterConfig:
             extra={k: v for k, v in d.items() if k not in known},
         )
 
+    @classmethod
+    def from_dict(cls, d: dict) -> DrafterConfig:
+        """The record `dataclasses.asdict` made of one (the run plan's `drafter`), its lists tuples again."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
     def to_hf_dict(self) -> dict:
         """The z-lab/HF config.json: Qwen3 fields plus block_size, num_target_layers, dflash_config."""
         d = {k: v for k, v in asdict(self).items() if k not in ("extra", "target_layer_ids", "mask_token_id")}

@@ -25,6 +25,7 @@ from dflash_dist.actors.heartbeat import Heartbeat, clear_heartbeats
 from dflash_dist.config import Config
 from dflash_dist.evaluator.policy import EvalResult
 from dflash_dist.orchestration import placement
+from dflash_dist.orchestration.eval_watch import EvaluatorWatch
 from dflash_dist.orchestration.ray_temp import private_ray_temp
 from dflash_dist.orchestration.ray_token import local_cluster_auth, reach_hint
 from dflash_dist.orchestration.run_lock import RunLock, RunLocked
@@ -140,50 +141,66 @@ def _run(cfg: Config, stages: tuple[str, ...], resume: str) -> PipelineResult:
     _save_config(cfg)
     write_plan(cfg.out / PLAN_NAME, plan)
     clear_heartbeats(cfg.out)
-    capture, results, evals, eval_error = (), (), (), None
-    with (
-        Heartbeat(cfg.out, "driver", info=lambda: {"stages": list(stages)}),
-        ray_session(cfg) as ray,
-        _placement_group(ray, cfg, pg_plan) as pg,
-    ):
-        def where(role: str, i: int) -> dict:  # the Ray options placing process i of a role
-            return placement.actor_placement(cfg, role, i, pg_plan, pg)
+    capture, results, evals, eval_error, watch = (), (), (), None, None
 
-        capture_refs, group = [], None
-        if "extract" in stages:
-            capture_workers, capture_refs = _start_capture(cfg, plan, paths, where)
-        if "train" in stages:
-            group = _start_trainers(cfg, plan, paths, plan.resume_from, where)
-            # supervised in a thread of its own: a lost rank is replaced while capture still runs
-            restart = functools.partial(_start_trainers, cfg, plan, paths, where=where)
-            training = _InThread(supervise_training, cfg, group, restart, plan.resume)
-        evaluator = None
-        if "eval" in stages and cfg.eval.enabled:
-            tokenizer = load_tokenizer(plan.target_dir)
-            prompts = eval_prompt_ids(Path(plan.data.eval_jsonl), tokenizer, cfg.eval.num_prompts,
-                                      cfg.data.enable_thinking)
-            evaluator = _start_evaluator(cfg, plan, prompts, paths["shards"], where("evaluator", 0))
-        outlived = group is not None and plan.later_epochs == "recapture"  # capture may outlive training
-        dirs = _capture_dirs(cfg, plan, paths["shards"])
-        stopped = bool(capture_refs) and outlived and _stop_capture_after(ray, capture_workers, capture_refs,
-                                                                          training, dirs)
-        if capture_refs and not stopped:
-            capture = tuple(_finish_capture(ray, capture_refs, dirs, cfg.data.max_lost_fraction))
-        final_step = None
-        if group is not None:
-            results = tuple(training.result())
-            if stopped:  # the epochs the stopped capture finished count as a finished capture's
-                _check_capture_loss(dirs, cfg.data.max_lost_fraction)
-            final_step = max(r.steps for r in results)
-            log.info("training %s at step %d", f"stopped by {results[0].preempted}" if results[0].preempted
-                     else "finished", final_step)  # fmt: skip
-        if evaluator is not None:
-            if final_step is None:  # eval alone: everything exported so far (None: nothing to wait for)
-                final_step = max(_export_steps(paths["export"]), default=None)
-            try:
-                evals = tuple(wait_evaluator(ray, evaluator, final_step, cfg.eval.max_restarts))
-            except Exception as e:  # raised below, after the summary of what the run did
-                eval_error = e
+    def driver_info() -> dict:  # the driver's heartbeat; `dflash-dist status` shows a failed evaluator's line
+        failed = watch.line if watch is not None else None
+        return {"stages": list(stages), **({"evaluator_failed": failed} if failed else {})}
+
+    try:
+        with (
+            Heartbeat(cfg.out, "driver", info=driver_info),
+            ray_session(cfg) as ray,
+            _placement_group(ray, cfg, pg_plan) as pg,
+        ):
+            def where(role: str, i: int) -> dict:  # the Ray options placing process i of a role
+                return placement.actor_placement(cfg, role, i, pg_plan, pg)
+
+            capture_refs, group = [], None
+            if "extract" in stages:
+                capture_workers, capture_refs = _start_capture(cfg, plan, paths, where)
+            if "train" in stages:
+                group = _start_trainers(cfg, plan, paths, plan.resume_from, where)
+                # supervised in a thread of its own: a lost rank is replaced while capture still runs
+                restart = functools.partial(_start_trainers, cfg, plan, paths, where=where)
+                training = _InThread(supervise_training, cfg, group, restart, plan.resume)
+            evaluator = None
+            if "eval" in stages and cfg.eval.enabled:
+                tokenizer = load_tokenizer(plan.target_dir)
+                prompts = eval_prompt_ids(Path(plan.data.eval_jsonl), tokenizer, cfg.eval.num_prompts,
+                                          cfg.data.enable_thinking)
+                evaluator = _start_evaluator(cfg, plan, prompts, paths["shards"], where("evaluator", 0))
+                # its failure said when it happens (eval_watch.py); the trainers go on
+                watch = EvaluatorWatch(ray, evaluator, cfg.eval.max_restarts, str(cfg.out))
+            outlived = group is not None and plan.later_epochs == "recapture"  # capture may outlive training
+            dirs = _capture_dirs(cfg, plan, paths["shards"])
+            stopped = bool(capture_refs) and outlived and _stop_capture_after(ray, capture_workers, capture_refs,
+                                                                              training, dirs)
+            if capture_refs and not stopped:
+                capture = tuple(_finish_capture(ray, capture_refs, dirs, cfg.data.max_lost_fraction))
+            final_step = None
+            if group is not None:
+                results = tuple(training.result())
+                if stopped:  # the epochs the stopped capture finished count as a finished capture's
+                    _check_capture_loss(dirs, cfg.data.max_lost_fraction)
+                final_step = max(r.steps for r in results)
+                log.info("training %s at step %d", f"stopped by {results[0].preempted}" if results[0].preempted
+                         else "finished", final_step)  # fmt: skip
+            if evaluator is not None:
+                watch.stop()  # from here wait_evaluator reports the evaluator's end
+                if final_step is None:  # eval alone: everything exported so far (None: nothing to wait for)
+                    final_step = max(_export_steps(paths["export"]), default=None)
+                try:
+                    evals = tuple(wait_evaluator(ray, evaluator, final_step, cfg.eval.max_restarts))
+                except Exception as e:  # raised inside the session (a failed run keeps its Ray logs, the
+                    eval_error = e  # evaluator's among them, and its driver heartbeat says failed), then
+                    raise  # again after the summary of what the run did
+    except Exception as e:
+        if e is not eval_error:
+            raise
+    finally:
+        if watch is not None:
+            watch.stop()
     lost = samples_lost(results, dirs)
     result = PipelineResult(str(cfg.out), tuple(stages), capture, results, evals, lost,
                             results[0].preempted if results else None, time.time() - t0)  # fmt: skip
@@ -449,7 +466,11 @@ def _print_summary(cfg: Config, paths: dict[str, Path], result: PipelineResult, 
     state = f"stopped by {result.preempted} (not finished: --resume auto continues)" if result.preempted else "done"
     state = "the evaluator FAILED (its error follows; the training's outputs are kept)" if failed else state
     print(f"{state} in {result.seconds:.0f}s; outputs under {cfg.out}")
-    print(f"TensorBoard: tensorboard --logdir {paths['tb']} --host 127.0.0.1")
+    if "train" in result.stages or ("eval" in result.stages and cfg.eval.enabled):  # tb/train, tb/eval
+        print(f"TensorBoard: tensorboard --logdir {paths['tb']} --host 127.0.0.1")
+    elif "extract" in result.stages:  # a capture alone writes shards, nothing for TensorBoard
+        print(f"Shards: {paths['shards']} (manifest.jsonl, DONE) from the conversations ingested under "
+              f"{cfg.out / 'data'}; train on them: dflash-dist train CONFIG --out {cfg.out}")  # fmt: skip
 
 
 def lost_text(cfg: Config, train) -> str:

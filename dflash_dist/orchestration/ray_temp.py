@@ -12,7 +12,8 @@ wide, but its parent (0700, ours) lets nobody else reach it. The parent is made 
 itself would put its directory ($RAY_TMPDIR, else $TMPDIR, else /tmp: a user who moved Ray off a
 small /tmp keeps its logs and spilled objects off it), unless Ray's socket paths under it could
 pass the 107 bytes a unix socket path may have: then under /tmp, said in the log. It is removed
-when the cluster stops, unless the run failed: then its Ray logs stay there, and the log says where.
+when the node stops, unless the run failed (a Slurm worker node: its own Ray, or the job; see
+launcher/slurm_ray.run_worker): then its Ray logs stay there, and the log says where.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import contextlib
 import logging
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 
@@ -71,12 +73,13 @@ def private_ray_temp(tag: str = "") -> Iterator[str]:
         release_ray_temp(temp_dir, keep=failed)
 
 
-def release_ray_temp(temp_dir: str, keep: bool) -> None:
-    """Remove a make_private_ray_temp directory's parent, or, for a run that failed (`keep`), leave it
-    and say where its Ray logs are: the raylet's, the GCS's and every worker's output, which Ray kept
-    in /tmp/ray before the directories were private, and which a failure is read from."""
+def release_ray_temp(temp_dir: str, keep: bool, why: str = "the run failed") -> None:
+    """Remove a make_private_ray_temp directory's parent, or, for a run that failed (`keep`; `why`
+    says what failed), leave it and say where its Ray logs are: the raylet's, the GCS's and every
+    worker's output, which Ray kept in /tmp/ray before the directories were private, and which a
+    failure is read from."""
     if keep and os.path.isdir(temp_dir):
-        log.warning("Ray's logs of this run are kept in %s/session_*/logs (the run failed; remove the "
-                    "directory %s when done)", temp_dir, os.path.dirname(temp_dir))  # fmt: skip
+        log.warning("Ray's logs of this run are kept in %s/session_*/logs on %s (%s; remove the directory %s when "
+                    "done)", temp_dir, socket.gethostname(), why, os.path.dirname(temp_dir))  # fmt: skip
         return
     shutil.rmtree(os.path.dirname(temp_dir), ignore_errors=True)

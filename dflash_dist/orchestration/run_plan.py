@@ -100,7 +100,7 @@ class RunPlan:
                 stages=tuple(d.pop("stages")),
                 identity=TargetIdentity(**_tuples(d.pop("identity"))),
                 expected=Provenance.from_dict(d.pop("expected"), where),
-                drafter=DrafterConfig(**_tuples(d.pop("drafter"))),
+                drafter=DrafterConfig.from_dict(d.pop("drafter")),
                 data=None if data is None else DataPlan(data["train_jsonl"], data["eval_jsonl"],
                                                         CaptureData(**data["capture"]), data["tokens"]),
                 **d,

@@ -4,14 +4,16 @@ The trainer exports every checkpoint it saves (loop.py `_export`); a damaged exp
 (export.verify_export names it) or one wanted again comes from its checkpoint here, without a
 process group or an engine. The tag is checked as a resume checks it before DeepSpeed reads a
 byte: its completion marker (every listed file present at its recorded size) and every file's
-XXH3 checksum (checkpoint.verify_checksums). The drafter is built as the run built it: the run's
-`config.yaml` (the run directory is CHECKPOINT_DIR/../..), whose training-relevant fields must be
-the marker's, and its target's config.json (resolve_target_dir, drafter_config_for; the mask
-token from the config or the target's tokenizer). Its weights come from the checkpoint files
-loaded weights-only (safe_load.py: nothing is unpickled): ZeRO-0/1/2 keep the whole module in
-`mp_rank_00_model_states.pt`; ZeRO-3 partitions it, and DeepSpeed's own consolidation
-(zero_to_fp32, from every rank's fp32 partition in `zero_pp_rank_*_optim_states.pt`) rebuilds it
-under the same weights-only loads, cast to the parameters' saved dtype. The export is written by
+XXH3 checksum (checkpoint.verify_checksums). The drafter is built with the shape the run
+trained, as it recorded it: the marker's `drafter` (the trainer writes the config.json of its own
+export there), or for an older tag the run plan in its run directory (CHECKPOINT_DIR/../..);
+neither the run's config.yaml nor its target is read, so no target is ever built here (the
+project's own are, on first use), and the shape cannot drift from what was trained. Its weights
+come from the checkpoint files loaded weights-only (safe_load.py: nothing is unpickled):
+ZeRO-0/1/2 keep the whole module in `mp_rank_00_model_states.pt`; ZeRO-3 partitions it, and
+DeepSpeed's own consolidation (zero_to_fp32, from every rank's fp32 partition in
+`zero_pp_rank_*_optim_states.pt`) rebuilds it under the same weights-only loads, cast to the
+parameters' saved dtype. The export is written by
 export_drafter (a temporary directory renamed into place): on any error nothing is left.
 """
 
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,10 +42,13 @@ from dflash_dist.trainer.checkpoint import (
 )
 from dflash_dist.trainer.safe_load import weights_only_loads
 
+log = logging.getLogger(__name__)
 MODEL_STATES = "mp_rank_00_model_states.pt"  # ZeRO-0/1/2: the whole module
 ZERO3_MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # ZeRO-3: rank 0's (placeholders, shapes)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 PREFIX = "drafter."  # the trainer's DeepSpeed module is TrainForward, holding the drafter (engine.py)
+# where a run keeps its plans (orchestration/run_plan.py's PLAN_NAME and PLANS_DIR, a layer above this one)
+RUN_PLAN, SLURM_PLANS = "run_plan.json", "plans"
 
 
 class ExportError(ValueError):
@@ -129,39 +136,37 @@ def _for_export(e: Exception, tag_dir: Path) -> str:
 
 
 def _drafter_config(run_dir: Path, meta: dict, tag_dir: Path) -> DrafterConfig:
-    """The drafter shape as the run's trainer built it: the run's config.yaml over its target."""
-    from dflash_dist.config import ConfigError, load_config
-    from dflash_dist.target.loading import drafter_config_for, load_tokenizer, resolve_target_dir, tokenizer_mask_id
-    from dflash_dist.trainer.resume import config_changes
-
-    path = run_dir / "config.yaml"
-    if not path.is_file():
-        raise ExportError(f"{path}: not found: the run's config (written beside checkpoints/ by run and train) "
-                          f"is needed to build the drafter of {tag_dir}; restore it there")
-    try:
-        cfg = load_config(path, out_dir=str(run_dir), check_files=False)
-    except ConfigError as e:
-        raise ExportError(f"{path}: {e}") from None
-    strict, _ = config_changes(meta["config"], cfg.to_dict())
-    if strict:
-        raise ExportError(f"{path} differs from the config {tag_dir / MARKER} records in training-relevant fields "
-                          f"({'; '.join(strict[:5])}): the drafter would not be the one trained; restore the run's "
-                          "config.yaml (the marker's `config`)")
-    target_dir = resolve_target_dir(cfg)
-    if not (Path(target_dir) / "config.json").is_file():
-        raise ExportError(f"{path}: target.path: {Path(target_dir) / 'config.json'} not found (the target's "
-                          "config.json gives the drafter's sizes): make the run's target available there")
-    mask = None
-    if cfg.drafter.mask_token_id is None:
+    """The drafter shape the run trained, as the run recorded it: the tag's marker (`drafter`, the
+    config.json of the trainer's own export), or for a tag saved before markers held it, the run
+    plan(s) of its run directory. Never derived again from a config and a target (which could
+    build the project's target, or differ from what was trained)."""
+    where = tag_dir / MARKER
+    if "drafter" in meta:
         try:
-            mask = tokenizer_mask_id(load_tokenizer(target_dir))
-        except (OSError, ValueError) as e:
-            raise ExportError(f"{target_dir}: the target's tokenizer cannot be read for the mask token ({e}); set "
-                              f"drafter.mask_token_id in {path}") from None
-    try:
-        return drafter_config_for(cfg, Path(target_dir), mask)
-    except (KeyError, ValueError) as e:
-        raise ExportError(f"{path}: the drafter's shape cannot be built ({e})") from None
+            return DrafterConfig.from_hf_dict(meta["drafter"], f"{where}: drafter")
+        except (KeyError, TypeError, ValueError) as e:
+            raise ExportError(f"{where}: its drafter record cannot be read ({e}): export another tag of its run"
+                              ) from None  # fmt: skip
+    plans = [p for p in (run_dir / RUN_PLAN, *sorted((run_dir / SLURM_PLANS).glob("*.json"))) if p.is_file()]
+    found: dict[DrafterConfig, list[str]] = {}
+    for path in plans:
+        try:
+            found.setdefault(DrafterConfig.from_dict(json.loads(path.read_text())["drafter"]), []).append(path.name)
+        except (OSError, KeyError, TypeError, ValueError) as e:
+            raise ExportError(f"{path}: its drafter record cannot be read ({type(e).__name__}: {e}); it is the "
+                              f"record {tag_dir} (saved before checkpoints recorded their drafter) is exported "
+                              "from") from None  # fmt: skip
+    if not found:
+        raise ExportError(f"{where} records no drafter shape (a checkpoint saved before markers held it) and its "
+                          f"run directory holds no run plan ({run_dir / RUN_PLAN} or {run_dir / SLURM_PLANS}/*.json) "
+                          "that does: restore the run's run_plan.json, or export a tag saved by this version")
+    if len(found) > 1:
+        raise ExportError(f"{where} records no drafter shape and the run plans of {run_dir} record "
+                          f"{len(found)} different ones ({' vs '.join(str(v) for v in found.values())}): "
+                          "keep only the plan of the run that trained this tag")  # fmt: skip
+    drafter, names = next(iter(found.items()))
+    log.info("%s: the drafter shape of %s (its marker records none)", tag_dir, ", ".join(names))
+    return drafter
 
 
 def _module_state(tag_dir: Path, stage: int) -> dict[str, torch.Tensor]:
@@ -204,13 +209,13 @@ def _load(drafter: DFlashDrafter, state: dict[str, torch.Tensor], tag_dir: Path,
     where = tag_dir / MODEL_STATES if stage != 3 else tag_dir
     missing, unexpected = sorted(set(own) - set(got)), sorted(set(got) - set(own))
     if missing or unexpected:
-        raise ExportError(f"{where}: its weights do not match the drafter the run's config.yaml builds (missing "
-                          f"{missing[:5]}, unexpected {unexpected[:5]}): export with the config the run trained")
+        raise ExportError(f"{where}: its weights do not match the drafter its run recorded (missing "
+                          f"{missing[:5]}, unexpected {unexpected[:5]}): export another tag of its run")
     for name, tensor in own.items():
         saved = got[name]
         if saved.shape != tensor.shape:
-            raise ExportError(f"{where}: {name} has shape {tuple(saved.shape)}, the drafter the run's config.yaml "
-                              f"builds {tuple(tensor.shape)}: export with the config the run trained")
+            raise ExportError(f"{where}: {name} has shape {tuple(saved.shape)}, the drafter its run recorded "
+                              f"{tuple(tensor.shape)}: export another tag of its run")
     drafter.load_state_dict({k.removeprefix(PREFIX): v for k, v in got.items()}, strict=False)
     dtypes = {v.dtype for v in got.values()}
     if len(dtypes) == 1:  # the trainer's export keeps the parameters' dtype (bf16 on GPU)

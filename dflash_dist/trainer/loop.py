@@ -361,6 +361,7 @@ class Trainer:
             "data": None,  # rank 0's below
             "schedule": list(engine.schedule_length(self.engine)),  # checked by resume.decide
             "state_version": STATE_VERSION,
+            "drafter": self.job.drafter.to_hf_dict(),  # the shape trained: `dflash-dist export` builds it from this
         }
 
         def prepare() -> None:

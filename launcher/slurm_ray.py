@@ -62,6 +62,8 @@ class SlurmRayCluster:
         self.hosts = hostnames
         job = os.environ.get("SLURM_JOB_ID", "x")
         self.failed_flag = None if run_dir is None else Path(run_dir) / f"ray-job-{job}.failed"
+        if self.failed_flag is not None:  # an earlier attempt's (a requeue keeps the job id), its head killed in stop()
+            self.failed_flag.unlink(missing_ok=True)
         self.address_ip = "127.0.0.1" if len(hostnames) == 1 else socket.gethostbyname(hostnames[0])
         # the head's sessions inside a directory of ours no other user can enter (ray_temp.py)
         self.temp_dir = make_private_ray_temp(f"{os.environ.get('SLURM_JOB_ID', 'x')}-")

@@ -229,6 +229,35 @@ def test_a_failed_jobs_head_tells_its_workers_to_keep_their_logs(tmp_path):
         shutil.rmtree(Path(cluster.temp_dir).parent, ignore_errors=True)
 
 
+def test_a_flag_left_by_an_earlier_attempt_of_the_job_is_not_this_attempts_failure(tmp_path):
+    """A requeued job keeps its SLURM_JOB_ID, so its failure flag has the name of the earlier attempt's.
+    That attempt's head, killed while it stopped its workers (Slurm's KillWait after a preemption notice:
+    stop() waits up to 25 s for them), never removed its flag; the new attempt's workers then kept their
+    Ray logs on every node although it ended well. The flag is removed when the new cluster is made."""
+    from launcher.slurm_ray import SlurmRayCluster
+
+    host = socket.gethostname()
+    stale = tmp_path / f"ray-job-{os.environ.get('SLURM_JOB_ID', 'x')}.failed"
+    stale.write_text("the job failed: worker nodes keep their Ray logs\n")  # the earlier attempt's
+    cluster = SlurmRayCluster([host, host], run_dir=tmp_path)
+    try:
+        assert cluster.failed_flag == stale
+        seen = tmp_path / "seen"
+        step = ("import os, signal, sys, time\n"
+                "def stop(*_):\n"
+                f"    open({str(seen)!r}, 'w').write(str(os.path.exists({str(stale)!r})))\n"
+                "    sys.exit(0)\n"
+                "signal.signal(signal.SIGTERM, stop)\n"
+                f"open({str(seen)!r}, 'w').write('ready')\n"
+                "time.sleep(60)\n")  # fmt: skip
+        cluster.procs = [subprocess.Popen([sys.executable, "-c", step], start_new_session=True)]
+        _wait_for(lambda: seen.exists(), 30, "the stand-in step")
+        cluster.stop(keep_logs=False)  # this attempt ended well
+        assert seen.read_text() == "False", "the workers saw the earlier attempt's flag: they kept their logs"
+    finally:
+        shutil.rmtree(Path(cluster.temp_dir).parent, ignore_errors=True)
+
+
 def test_a_worker_node_of_a_multi_node_job_goes_on_to_join_its_head():
     """With more than one host, the environment SlurmRayCluster gives every Ray process (srun passes it
     to `python -m launcher.slurm_ray worker` on the other nodes) lets `ray start --address` join: with

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -226,3 +227,57 @@ def test_a_failed_evaluator_is_said_when_it_fails_and_training_goes_on(tmp_path,
     finally:
         if kept is not None:
             shutil.rmtree(kept, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_restarts", [0, 100_000])
+def test_a_run_that_fails_stops_watching_the_evaluator_before_its_ray_session_ends(
+    tmp_path, monkeypatch, capsys, caplog, max_restarts
+):
+    """A run that fails (or is interrupted) while the evaluator is watched: the watch must stop before
+    the run's placement group and Ray session end. Before, it was stopped after both: the placement
+    group's release kills the evaluator, so a status call then found it gone and, once more often than
+    eval.max_restarts (at once at 0), the watch logged that the evaluator had FAILED, a false line in a
+    run that failed for another reason; and a call while `ray.shutdown` ran (2.6 s measured here; it
+    asks every 5 s) found Ray gone, and Ray's auto-init started a second local cluster from the watch's
+    thread (Ray's default /tmp/ray, not the run's private directory; a dashboard on :8265) that lived on
+    after the run, or its call died of Ray's SystemExit with a traceback on stderr. Here the watch asks
+    every 10 ms and the driver fails once the evaluator runs. Real `dflash-dist eval`, Ray, the evaluator
+    actor."""
+    import functools
+    import logging
+    import threading
+
+    import ray
+
+    from dflash_dist.orchestration.eval_watch import EvaluatorWatch
+    from launcher import cli
+
+    def fails(*_a, **_kw):  # the driver's next step after the watch started fails, once the evaluator runs
+        deadline = time.monotonic() + 120
+        while not (out / "heartbeat" / "evaluator-0.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)  # the watch has had its answers by now
+        raise pipeline.PipelineError("injected: the driver failed while the evaluator was watched")
+
+    monkeypatch.setattr(pipeline, "EvaluatorWatch", functools.partial(EvaluatorWatch, interval_s=0.01))
+    monkeypatch.setattr(pipeline, "_capture_dirs", fails)
+    died: list[str] = []  # a thread's uncaught exception (the watch's ray.get as Ray shut down: SystemExit)
+    monkeypatch.setattr(threading, "excepthook", lambda a: died.append(f"{a.thread.name}: {a.exc_type.__name__}"))
+    caplog.set_level(logging.INFO)
+    out, config, err = tmp_path / "run", str(REPO / "configs" / "tiny.yaml"), ""
+    overrides = ["eval.num_prompts=2", "eval.max_new_tokens=8", f"eval.max_restarts={max_restarts}"]
+    try:
+        assert cli.main(["eval", config, "--out", str(out), *overrides]) == 1
+        err = capsys.readouterr().err
+        assert "injected: the driver failed" in err, err
+        said = [r.getMessage() for r in caplog.records if "the evaluator FAILED" in r.getMessage()]
+        assert not said, said
+        assert not died, died
+        assert not ray.is_initialized(), "the watch started a Ray cluster after the run's session ended"
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        kept = re.search(r"Ray's logs of this run are kept in (\S+)/session_\*/logs", err)
+        if kept:
+            shutil.rmtree(Path(kept.group(1)).parent, ignore_errors=True)

@@ -152,6 +152,10 @@ def _run(cfg: Config, stages: tuple[str, ...], resume: str) -> PipelineResult:
             Heartbeat(cfg.out, "driver", info=driver_info),
             ray_session(cfg) as ray,
             _placement_group(ray, cfg, pg_plan) as pg,
+            # the evaluator's watch stops first, however the body ends: after the placement group's release
+            # (which kills the evaluator) it would say the evaluator FAILED, and past ray.shutdown its next
+            # call would start another Ray cluster (Ray's auto-init) from its thread
+            contextlib.ExitStack() as watching,
         ):
             def where(role: str, i: int) -> dict:  # the Ray options placing process i of a role
                 return placement.actor_placement(cfg, role, i, pg_plan, pg)
@@ -172,6 +176,7 @@ def _run(cfg: Config, stages: tuple[str, ...], resume: str) -> PipelineResult:
                 evaluator = _start_evaluator(cfg, plan, prompts, paths["shards"], where("evaluator", 0))
                 # its failure said when it happens (eval_watch.py); the trainers go on
                 watch = EvaluatorWatch(ray, evaluator, cfg.eval.max_restarts, str(cfg.out))
+                watching.callback(watch.stop)
             outlived = group is not None and plan.later_epochs == "recapture"  # capture may outlive training
             dirs = _capture_dirs(cfg, plan, paths["shards"])
             stopped = bool(capture_refs) and outlived and _stop_capture_after(ray, capture_workers, capture_refs,
@@ -198,9 +203,6 @@ def _run(cfg: Config, stages: tuple[str, ...], resume: str) -> PipelineResult:
     except Exception as e:
         if e is not eval_error:
             raise
-    finally:
-        if watch is not None:
-            watch.stop()
     lost = samples_lost(results, dirs)
     result = PipelineResult(str(cfg.out), tuple(stages), capture, results, evals, lost,
                             results[0].preempted if results else None, time.time() - t0)  # fmt: skip

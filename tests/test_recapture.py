@@ -68,6 +68,22 @@ class Killed(Exception):
     """The fault injected into a capture."""
 
 
+def kill_in_epoch_1(monkeypatch, at_pass: int) -> None:
+    """The capture raises Killed at its `at_pass`-th pass of epoch 1 (a process killed mid-epoch)."""
+    from dflash_dist.capture.capture_job import CaptureJob
+
+    real, passes = CaptureJob._capture_padded, {"n": 0}
+
+    def dies(self, seqs):
+        if self.counts["epoch"] == 1:
+            passes["n"] += 1
+            if passes["n"] == at_pass:
+                raise Killed
+        return real(self, seqs)
+
+    monkeypatch.setattr(CaptureJob, "_capture_padded", dies)
+
+
 # ---------------------------------------------------------------------------- the token store
 def test_token_store_round_trip_is_atomic_verified_and_refuses_damage(tmp_path):
     store = tmp_path / "sequences"
@@ -195,20 +211,9 @@ def test_recaptured_features_equal_epoch_0_bit_for_bit_in_another_order(saved, t
 
 
 def test_a_later_epoch_killed_mid_way_resumes_exactly_once_and_bit_identical(saved, tmp_path, monkeypatch):
-    from dflash_dist.capture.capture_job import CaptureJob
 
     cfg = recapture_config(tmp_path / "run", saved, epochs=2)
-    real = CaptureJob._capture_padded
-    passes = {"n": 0}
-
-    def dies_in_epoch_1(self, seqs):
-        if self.counts["epoch"] == 1:
-            passes["n"] += 1
-            if passes["n"] == 3:
-                raise Killed
-        return real(self, seqs)
-
-    monkeypatch.setattr(CaptureJob, "_capture_padded", dies_in_epoch_1)
+    kill_in_epoch_1(monkeypatch, at_pass=3)
     with pytest.raises(Killed):
         capture_all(cfg)
     monkeypatch.undo()
@@ -234,7 +239,6 @@ def test_empty_responses_are_lost_in_every_epoch_and_the_others_recaptured_bit_i
 
     from data_pipeline.chat_data import ChatEncoder
     from data_pipeline.ledger import capture_loss_problem, read_skipped, unlisted_problem
-    from dflash_dist.capture.capture_job import CaptureJob
     from tests.helpers.capture import make_silent_target
 
     records = read_chat_jsonl(saved["jsonl"])
@@ -243,16 +247,7 @@ def test_empty_responses_are_lost_in_every_epoch_and_the_others_recaptured_bit_i
     target = make_silent_target(saved["dir"], tmp_path / "silent", [ChatEncoder(tok).prompt_ids(r).tolist()
                                                                     for r in records], silent)  # fmt: skip
     cfg = recapture_config(tmp_path / "run", {**saved, "dir": target}, regenerate=True, max_new_tokens=10)
-    real, passes = CaptureJob._capture_padded, {"n": 0}
-
-    def dies_once_in_epoch_1(self, seqs):
-        if self.counts["epoch"] == 1:
-            passes["n"] += 1
-            if passes["n"] == 2:
-                raise Killed
-        return real(self, seqs)
-
-    monkeypatch.setattr(CaptureJob, "_capture_padded", dies_once_in_epoch_1)
+    kill_in_epoch_1(monkeypatch, at_pass=2)
     with pytest.raises(Killed):
         capture_all(cfg)
     result = capture_all(cfg)

@@ -149,7 +149,7 @@ def capture_loss_problem(shard_dir: str | os.PathLike[str], max_lost_fraction: f
     given = _records_given(shard_dir)
     listed = None if given is None else _listed(shard_dir)  # read in this order as before: the same first error
     skipped = read_skipped(shard_dir)  # once, for both checks
-    if given is not None and listed is not None:
+    if given is not None:  # then listed was read too
         unlisted = _unlisted(shard_dir, given, listed, len(skipped))
         if unlisted is not None:
             return unlisted

@@ -66,7 +66,7 @@ class SlurmRayCluster:
             self.failed_flag.unlink(missing_ok=True)
         self.address_ip = "127.0.0.1" if len(hostnames) == 1 else socket.gethostbyname(hostnames[0])
         # the head's sessions inside a directory of ours no other user can enter (ray_temp.py)
-        self.temp_dir = make_private_ray_temp(f"{os.environ.get('SLURM_JOB_ID', 'x')}-")
+        self.temp_dir = make_private_ray_temp(f"{job}-")
         self.ports = free_ports(len(_HEAD_PORT_FLAGS))
         self.address = f"{self.address_ip}:{self.ports[0]}"
         # the nodes listen on the cluster network: every Ray process demands this job's own token

@@ -244,6 +244,18 @@ def _compiled_heads_grads(root, contiguous: list[bool]) -> None:
         todo.extend(n for n, _ in node.next_functions)
 
 
+def _differences(runs: dict, base) -> str:
+    """Where each run differs from runs[base]: the loss's difference and the gradient furthest off (relative)."""
+    out_b, g_b = runs[base]
+    lines = []
+    for key, (out, g) in runs.items():
+        worst = max(g_b, key=lambda n: _rel(g[n], g_b[n]))
+        lines.append(f"{key}: loss {float(out.loss) - float(out_b.loss):+.3e}, grads differing "
+                     f"{sum(not torch.equal(g[n], g_b[n]) for n in g_b)}/{len(g_b)}, worst {worst} "
+                     f"rel {_rel(g[worst], g_b[worst]):.3e}")  # fmt: skip
+    return "; ".join(lines)
+
+
 def _same(a, b) -> bool:
     (out_a, g_a), (out_b, g_b) = a, b
     return torch.equal(out_a.loss, out_b.loss) and all(torch.equal(g_a[n], g_b[n]) for n in g_a)
@@ -338,7 +350,7 @@ def test_gpu_rope_layout_and_in_place_norm_are_bitwise(kernels, restore_switches
         names = [e.key for e in prof.key_averages()]
         count = {k: sum(e.count for e in prof.key_averages() if e.key == k) for k in names}
         ops[layout, in_place] = (count.get("aten::zeros_like", 0), count.get("aten::clone", 0))
-    assert all(_same(runs["bhtd", False], r) for r in runs.values())
+    assert all(_same(runs["bhtd", False], r) for r in runs.values()), _differences(runs, ("bhtd", False))
     if kernels == "liger":
         layers = d.config.num_hidden_layers
         (zeros_old, clones_old), (zeros_new, clones_new) = ops["bhtd", False], ops["bthd", True]

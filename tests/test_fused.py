@@ -331,7 +331,8 @@ def test_new_rope_layout_hands_the_norm_a_contiguous_gradient(restore_switches, 
 @pytest.mark.parametrize("kernels", ["liger", "compile"])
 def test_gpu_rope_layout_and_in_place_norm_are_bitwise(kernels, restore_switches, fresh_dynamo):
     """bf16 on CUDA, flex_attention, the real kernels: RoPE on [b, T, heads, d] and liger's in-place
-    RMSNorm backward give bitwise the loss and gradients of the former forms; for liger the
+    RMSNorm backward give bitwise the loss and gradients of the former forms (under compile every
+    gradient but q_proj's, which its GEMM accumulates in another order, rel < 1e-4); for liger the
     defaults drop the norm backward's zeros_like (4 per layer + 2) and its dY copies. From a fresh
     dynamo state (fresh_dynamo): each layout's function compiles alike, static for q's shape, then
     dynamic for k's, whatever the process compiled before (the default layout's function in the
@@ -350,7 +351,18 @@ def test_gpu_rope_layout_and_in_place_norm_are_bitwise(kernels, restore_switches
         names = [e.key for e in prof.key_averages()]
         count = {k: sum(e.count for e in prof.key_averages() if e.key == k) for k in names}
         ops[layout, in_place] = (count.get("aten::zeros_like", 0), count.get("aten::clone", 0))
-    assert all(_same(runs["bhtd", False], r) for r in runs.values()), _differences(runs, ("bhtd", False))
+    if kernels == "liger":
+        assert all(_same(runs["bhtd", False], r) for r in runs.values()), _differences(runs, ("bhtd", False))
+    else:  # inductor on CUDA: the loss bitwise; q's projection gradient takes dq in the other layout, and the
+        # GEMM's accumulation order with it (H200, 2026-12-06: q_proj.weight of both layers, rel 1.13e-05, the
+        # rest bitwise); bitwise on CPU (test_compiled_set_rope_layouts_are_bitwise_equal)
+        base_out, base_g = runs["bhtd", False]
+        where = _differences(runs, ("bhtd", False))
+        for key, (out, g) in runs.items():
+            assert torch.equal(out.loss, base_out.loss), where
+            for n in base_g:
+                exact = torch.equal(g[n], base_g[n])
+                assert exact or ("q_proj" in n and _rel(g[n], base_g[n]) < 1e-4), (key, n, where)
     if kernels == "liger":
         layers = d.config.num_hidden_layers
         (zeros_old, clones_old), (zeros_new, clones_new) = ops["bhtd", False], ops["bthd", True]

@@ -65,7 +65,7 @@ MAY_CHANGE: dict[str, str] = {
     "train.max_restarts": "how often a lost group is replaced, not what it trains",
     **{f"eval.{k}": _EVAL for k in ("enabled", "num_prompts", "max_new_tokens", "budgets", "poll_s", "max_backlog",
                                      "backlog_stride", "num_cpus", "num_gpus", "max_restarts", "mode", "live_every",
-                                     "live_first", "live_last",
+                                     "live_first", "live_last", "live_workers", "reference_batch",
                                      "count", "reference_drafter", "server_url", "server_engine", "server_model",
                                      "server_concurrency", "server_max_retries", "server_timeout_s")},  # fmt: skip
     **{f"ray.{k}": _RESOURCE for k in ("address", "num_cpus", "dashboard", "dashboard_host", "placement",

@@ -1,10 +1,14 @@
-"""Which config changes a resume accepts (trainer/resume.py): a section that never reaches the trainer
-(eval, ray, regen) never refuses a resume. Pure: marker dicts, no DeepSpeed."""
+"""Which config changes a resume accepts (trainer/resume.py): a field MAY_CHANGE names is harmless only
+when it cannot change what is trained, including through a value derived from it; and a section that
+never reaches the trainer (eval, ray, regen) never refuses a resume. Pure: marker dicts, no DeepSpeed."""
 
 from __future__ import annotations
 
+import pytest
+
 from dflash_dist.config import Config
 from dflash_dist.trainer import checkpoint
+from dflash_dist.trainer.checkpoint import ResumeError
 from dflash_dist.trainer.resume import MAY_CHANGE, _flatten, check_resumable
 
 
@@ -18,6 +22,27 @@ def base(tmp_path) -> Config:
     cfg = Config()
     cfg.run.out_dir = str(tmp_path)
     return cfg
+
+
+def test_max_length_is_refused_where_it_sets_the_packed_row_and_harmless_elsewhere(tmp_path):
+    """With train.packing on and no train.micro_batch_tokens, a packed row holds micro_batch_size x
+    data.max_length tokens (Config.pack_tokens): another data.max_length regroups every later
+    micro-batch (another trajectory; the LR schedule, in samples, does not notice). It was accepted as
+    'acts only through the shards'. Without packing, or with micro_batch_tokens, it stays harmless."""
+    cfg = base(tmp_path)
+    cfg.train.packing, cfg.train.micro_batch_size = True, 2
+    saved = saved_marker(cfg)
+    new = base(tmp_path)
+    new.train.packing, new.train.micro_batch_size, new.data.max_length = True, 2, 4096
+    assert cfg.pack_tokens() == 4096 and new.pack_tokens() == 8192
+    with pytest.raises(ResumeError, match=r"data.max_length: 2048 -> 4096 \(the packed row's length: 4096 -> 8192"):
+        check_resumable(saved, new.to_dict(), cfg.train.world_size, cfg.out / "shards", "ckpt")
+
+    for packing, tokens in ((False, None), (True, 8192)):  # the row does not depend on data.max_length here
+        cfg.train.packing, cfg.train.micro_batch_tokens = packing, tokens
+        new.train.packing, new.train.micro_batch_tokens = packing, tokens
+        saved = saved_marker(cfg)
+        assert check_resumable(saved, new.to_dict(), 1, cfg.out / "shards", "ckpt") == ["data.max_length: 2048 -> 4096"]
 
 
 def test_evaluation_ray_and_regenerate_settings_never_refuse_a_resume(tmp_path):

@@ -138,9 +138,10 @@ class Trainer:
         self._together("opening the logs", self._open_logs)
 
     def _open_logs(self) -> None:
-        """TensorBoard (rank 0; on a resume the killed attempt's points after this step are purged)
-        and the step logs (cut to this step)."""
-        purge = self.state.step + 1 if self.resumed_from is not None else None
+        """TensorBoard (rank 0; an earlier attempt's points after this step are purged: after the
+        resumed checkpoint, or all of them when a run that stopped before its first checkpoint starts
+        over) and the step logs (cut to this step)."""
+        purge = self.state.step + 1
         self.metrics = Metrics(self.cfg.out / "tb" / "train", enabled=self.rank == 0, purge_step=purge)
         self.logs = StepLogs(self.cfg.out, self.rank, self.cfg.train.log_sample_keys, self.state.step, self._ctrl,
                              self.world)  # fmt: skip

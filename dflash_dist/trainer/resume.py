@@ -12,17 +12,21 @@ sha256) and loads it, without deciding anything again.
 
 What may change across a resume is a typed table of config fields, each with the reason it
 cannot change the training trajectory. Every other field must match; a field added to the config
-later is training-relevant until someone adds it here with a reason.
+later is training-relevant until someone adds it here with a reason. A harmless field the trainer
+also reads through a derived value (`DERIVED`: data.max_length sets the packed row's length when
+train.packing has no train.micro_batch_tokens) is harmless only while that value is unchanged.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash_dist.config import Config, load_config_dict
 from dflash_dist.trainer.checkpoint import (
     ELASTIC_STAGES,
     MARKER,
@@ -65,7 +69,7 @@ MAY_CHANGE: dict[str, str] = {
     "train.max_restarts": "how often a lost group is replaced, not what it trains",
     **{f"eval.{k}": _EVAL for k in ("enabled", "num_prompts", "max_new_tokens", "budgets", "poll_s", "max_backlog",
                                      "backlog_stride", "num_cpus", "num_gpus", "max_restarts", "mode", "live_every",
-                                     "live_first", "live_last",
+                                     "live_first", "live_last", "live_workers", "reference_batch",
                                      "count", "reference_drafter", "server_url", "server_engine", "server_model",
                                      "server_concurrency", "server_max_retries", "server_timeout_s")},  # fmt: skip
     **{f"ray.{k}": _RESOURCE for k in ("address", "num_cpus", "dashboard", "dashboard_host", "placement",
@@ -73,6 +77,13 @@ MAY_CHANGE: dict[str, str] = {
     **{f"regen.{k}": "the regenerate stage's own settings (its output is checked by its provenance)"
        for k in ("source", "input", "output", "url", "model", "api_key_env", "temperature", "top_p",
                  "max_new_tokens", "batch_size", "concurrency", "max_retries", "timeout_s")},  # fmt: skip
+}
+
+
+# a MAY_CHANGE field that the trainer also reads through a derived value: harmless only while that
+# value is the same under both configs (what it is, how it is derived from a Config)
+DERIVED: dict[str, tuple[str, Callable[[Config], Any]]] = {
+    "data.max_length": ("the packed row's length", Config.pack_tokens),  # micro_batch_size x max_length
 }
 
 
@@ -112,14 +123,34 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 def config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     """(training-relevant changes, harmless changes) between two config dicts, each as
-    'path: old -> new', field by field: a field is harmless only if MAY_CHANGE names it."""
+    'path: old -> new', field by field: a field is harmless only if MAY_CHANGE names it and the
+    values DERIVED from it are unchanged."""
     old, new = _flatten(saved), _flatten(current)
     strict, harmless = [], []
     for key in sorted(set(old) | set(new)):
         if old.get(key, "<unset>") != new.get(key, "<unset>"):
             line = f"{key}: {old.get(key, '<unset>')!r} -> {new.get(key, '<unset>')!r}"
-            (harmless if key in MAY_CHANGE else strict).append(line)
+            derived = _derived_change(key, old[key], current) if key in old and key in new else None
+            if derived is not None:
+                strict.append(f"{line} ({derived})")
+            else:
+                (harmless if key in MAY_CHANGE else strict).append(line)
     return strict, harmless
+
+
+def _derived_change(key: str, saved_value: Any, current: dict) -> str | None:
+    """How the value DERIVED from `key` changes when only `key` goes from its saved value to the
+    current config's; None if it does not (or `key` derives nothing)."""
+    if key not in DERIVED:
+        return None
+    what, derive = DERIVED[key]
+    section, name = key.split(".")
+    before = {**current, section: {**current[section], name: saved_value}}
+    try:
+        was, now = derive(load_config_dict(before)), derive(load_config_dict(current))
+    except ValueError as e:  # the saved value is not valid beside today's other fields
+        return f"{what} cannot be derived from the saved value: {e}"
+    return None if was == now else f"{what}: {was!r} -> {now!r}"
 
 
 def training_config_hash(cfg_dict: dict) -> str:

@@ -27,15 +27,15 @@ EXPORT_RECORD = "dflash_export.json"  # their checksums, written with them
 _RECORD_VERSION = 1
 
 
-def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None,
-                   extra_config: dict | None = None) -> Path:
-    """Write `out_dir/config.json` and `out_dir/model.safetensors` atomically (replaces out_dir)."""
+def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write `out_dir/config.json` and `out_dir/model.safetensors` atomically (replaces out_dir). The
+    config is the drafter's own (`to_hf_dict`, plus the weights' dtype), nothing else: whatever could
+    override a field would make SGLang/vLLM load another drafter than the one trained."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     cfg = drafter.config.to_hf_dict()
     state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in drafter.drafter_state_dict().items()}
     cfg["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
-    cfg.update(extra_config or {})
     _remove_leftovers(out_dir)
     tmp = _new_dir(out_dir.parent, f".tmp-{out_dir.name}-")
     try:

@@ -122,3 +122,82 @@ def test_export_files_take_the_umask_like_the_runs_other_outputs(tmp_path, umask
     assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
     for name in ("config.json", "model.safetensors", EXPORT_RECORD):
         assert stat.S_IMODE((out / name).stat().st_mode) == 0o666 & ~umask, name
+
+
+def test_a_failed_replacement_keeps_the_previous_export(tmp_path, monkeypatch):
+    """Replacing an export moved the old directory aside, then renamed the new one into place: when
+    that second rename failed (or an interrupt came between the two), the new one was removed and the
+    old one stayed under `.old-<name>-<pid>`, so `<name>` held no export at all. It is moved back."""
+    from dflash_dist.model import export as export_mod
+
+    first, second = small_drafter(seed=1), small_drafter(seed=2)
+    out = export_drafter(first, tmp_path / "export" / "step_2")
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if ".tmp-" in str(src) and str(dst) == str(out):
+            raise KeyboardInterrupt  # e.g. SIGINT between the two renames
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(export_mod.os, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        export_drafter(second, out)
+    monkeypatch.undo()
+    back = load_drafter(out, require_record=True)
+    assert all(torch.equal(a, b) for a, b in zip(back.drafter_state_dict().values(),
+                                                  first.drafter_state_dict().values()))  # fmt: skip
+    assert sorted(p.name for p in out.parent.iterdir()) == ["step_2"]
+
+
+def test_a_killed_exports_leftovers_are_removed_by_the_next_export_of_its_name(tmp_path):
+    """A process killed while exporting leaves `.tmp-<name>-*` (a whole drafter's weights: GBs at the
+    27B shape) or, killed while replacing, `.old-<name>-<pid>`; nothing removed them, and an old
+    directory at the name the next replacement wanted (the same pid, as in a fresh container)
+    failed that export with ENOTEMPTY. The next export of the name removes them; others' stay."""
+    root = tmp_path / "export"
+    out = export_drafter(small_drafter(seed=1), root / "step_2")
+    stale = [root / ".tmp-step_2-dead0001", root / f".old-step_2-{os.getpid()}"]
+    for d in stale:
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"x" * 100)
+    (root / ".tmp-step_20-0000beef").mkdir()  # other names' (step_20, step_2-x): untouched
+    (root / ".tmp-step_2-x-0000beef").mkdir()
+    export_drafter(small_drafter(seed=2), out)
+    load_drafter(out, require_record=True)
+    assert sorted(p.name for p in root.iterdir()) == [".tmp-step_2-x-0000beef", ".tmp-step_20-0000beef", "step_2"]
+
+
+@pytest.mark.parametrize("change", [
+    {"dflash_config": {"block_size": 8}},  # z-lab's DFlashDraftModel reads dflash_config's first: 8, not 4
+    {"dflash_config": {"input_embedding_scale": 2.0}},  # scales the block's embeddings
+    {"input_embedding_scale": 2.0},  # the top level is read when dflash_config has none
+    {"output_multiplier": 0.5},  # scales the logits
+    {"dflash_config": {"final_logit_softcapping": 30.0}},  # tanh-caps the logits
+    {"architectures": ["DFlash2DraftModel"]},
+    {"is_causal": False},  # with sliding layers: z-lab then runs them bidirectional, we causal in the block
+], ids=["dflash_block_size", "embedding_scale", "embedding_scale_top", "output_multiplier", "softcap", "dflash2",
+        "is_causal_false_sliding"])  # fmt: skip
+def test_a_drafter_config_that_zlab_would_run_differently_is_refused(tmp_path, change):
+    """A drafter from elsewhere (eval.reference_drafter) is read as z-lab's DFlashDraftModel reads its
+    config.json: dflash_config's value of block_size/mask_token_id/target_layer_ids before the top
+    level's, and input_embedding_scale, output_multiplier, final_logit_softcapping and is_causal change
+    its forward. These were put in `extra` or ignored, and the drafter ran another forward than the
+    one the config describes (its tau measured for a model nobody serves); now each is refused, naming it."""
+    from safetensors.torch import save_file
+
+    d = small_drafter(k=3, block=4, layer_types=("sliding_attention", "full_attention"), sliding_window=8)
+    out = tmp_path / "ref"
+    out.mkdir()
+    cfg = d.config.to_hf_dict()
+    for key, value in change.items():
+        cfg[key] = {**cfg[key], **value} if isinstance(value, dict) else value
+    (out / "config.json").write_text(json.dumps(cfg))
+    save_file(d.drafter_state_dict(), str(out / "model.safetensors"))
+    key = next(iter(next(iter(change.values())))) if "dflash_config" in change else next(iter(change))
+    with pytest.raises(ValueError, match=rf"config.json: .*{key}"):
+        load_drafter(out)
+    base = d.config.to_hf_dict()
+    same = {**base, "dflash_config": {**base["dflash_config"], "block_size": 4, "input_embedding_scale": 1.0,
+                                      "final_logit_softcapping": 0}, "output_multiplier": 1}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(same))  # the defaults, spelled out: the same forward
+    assert load_drafter(out).config == d.config

@@ -176,3 +176,30 @@ def test_zero3_checkpoint_consolidates_bitwise_as_the_trainer(tiny, tmp_path, si
     ref = moved_aside(out)
     assert cli(["export", str(tag)]) == 0
     assert_same_export(out / "export" / tag.name, ref)
+
+
+def test_an_unlisted_file_in_a_zero3_tag_is_refused_not_consolidated(tiny, tmp_path, single_rank_gloo, capsys):
+    """DeepSpeed's ZeRO-3 consolidation globs the tag for `*_model_states.pt` and takes the first
+    (natural order) for the parameters' names and shapes: a file the marker does not list was read
+    without any checksum. Planted as a copy of rank 0's with two same-shaped parameters' names
+    swapped (plain data, so the weights-only load takes it), it made an export with k_proj and
+    v_proj exchanged and exit 0. The tag's files are exactly those its marker lists."""
+    from collections import OrderedDict
+
+    out = train_run(tiny, tmp_path, zero_stage=3)
+    tag = out / "checkpoints" / f"step_{STEPS}"
+    ref = moved_aside(out)
+    with weights_only_loads():
+        states = torch.load(tag / ZERO3_MODEL_STATES)
+    k, v = "drafter.layers.0.self_attn.k_proj.weight", "drafter.layers.0.self_attn.v_proj.weight"
+    swap = {k: v, v: k}
+    states["param_shapes"] = [OrderedDict((swap.get(n, n), s) for n, s in g.items()) for g in states["param_shapes"]]
+    torch.save(states, tag / "a_model_states.pt")  # sorts before zero_pp_rank_0_...
+
+    assert cli(["export", str(tag)]) == 1
+    err = capsys.readouterr().err
+    assert "a_model_states.pt" in err and MARKER in err and "not list" in err
+    assert not (out / "export" / tag.name).exists()
+    (tag / "a_model_states.pt").unlink()
+    assert cli(["export", str(tag)]) == 0
+    assert_same_export(out / "export" / tag.name, ref)

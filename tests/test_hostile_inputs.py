@@ -320,6 +320,28 @@ def test_a_checkpoint_file_replaced_by_a_link_or_device_is_refused(tmp_path, how
     assert "verify" in result, f"{named}: the checksums passed"
 
 
+def test_a_file_planted_beside_a_checkpoints_listed_files_is_refused(tmp_path):
+    """DeepSpeed's ZeRO-3 consolidation and universal conversion glob the tag directory: a file there
+    that its marker does not list (or a link to a directory) is read with no checksum compared, so a
+    tag holding one is refused before anything loads it; universal.py's own entries are not. (The
+    export of a real ZeRO-3 tag with such a file: test_export_checkpoint.)"""
+    from dflash_dist.trainer import checkpoint
+
+    tag = _tag_with_files(tmp_path)
+    meta = json.loads((tag / checkpoint.MARKER).read_text())
+    (tag / "universal" / "zero").mkdir(parents=True)  # universal.py's copy and leftovers: its own records
+    (tag / "universal" / "zero" / "x_optim_states.pt").write_bytes(b"")
+    (tag / ".universal.tmp-7").mkdir()
+    (tag / "latest_universal").write_text(".universal.tmp-7")
+    checkpoint.verify_checksums(tag, meta)
+    (tag / "zero" / "a_optim_states.pt").write_bytes(b"planted")
+    (tag / "elsewhere").symlink_to(tmp_path, target_is_directory=True)
+    assert checkpoint.unlisted_files(tag, list(meta["files"])) == ["elsewhere", "zero/a_optim_states.pt"]
+    with pytest.raises(checkpoint.ResumeError, match=r"holds elsewhere, zero/a_optim_states.pt, which "
+                       rf"{checkpoint.MARKER} does not list"):  # fmt: skip
+        checkpoint.verify_checksums(tag, meta)
+
+
 # ---------------------------------------------------------------- paths named in a run plan
 def _plan_for(cfg, **changes):
     from data_pipeline.ledger import CaptureData

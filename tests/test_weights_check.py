@@ -77,6 +77,30 @@ def test_a_live_worker_refuses_weights_other_than_the_evaluators(tiny, tmp_path)
         ev.close()
 
 
+def test_a_live_worker_requires_the_checksum_record_of_the_runs_own_export(tiny, tmp_path):
+    """The evaluator loads its run's exports only with their dflash_export.json verified; its live
+    workers (eval.live_workers > 1) load the export again from disk, and loaded one without a record
+    unverified (its record removed, its weights replaced). A worker now requires it of the run's own
+    exports, as the evaluator does; a drafter from elsewhere (the reference drafter) loads as before."""
+    from dflash_dist.evaluator.measure import _WORKER, live_worker_init
+    from dflash_dist.model.export import EXPORT_RECORD
+
+    ev = Evaluator(tiny["cfg"], tmp_path / "run", tiny["target_dir"], tiny["prompts"], expected=None)
+    export = tmp_path / "run" / "export" / "step_5"
+    shutil.copytree(tiny["root"] / "trained", export)
+    (export / EXPORT_RECORD).unlink()
+    args = (tiny["cfg"].to_dict(), str(export), ev.provenance.kernel_path, 1, ev.weights)
+    try:
+        live_worker_init(*args)
+        assert isinstance(_WORKER.get("error"), ValueError) and "model" not in _WORKER, _WORKER
+        assert f"{export / EXPORT_RECORD}: missing" in str(_WORKER["error"])
+        live_worker_init(*args, own=False)  # the reference drafter: no record of ours
+        assert _WORKER["error"] is None and "drafter" in _WORKER
+    finally:
+        _WORKER.clear()
+        ev.close()
+
+
 def test_live_workers_refuse_a_target_changed_on_disk_after_the_evaluator_loaded_it(tiny, tmp_path):
     """eval.live_workers=2: the target's weights are rewritten after the evaluator verified and
     loaded them; the spawned workers, which load the target again for live decoding, refuse it,

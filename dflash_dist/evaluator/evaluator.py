@@ -300,12 +300,13 @@ class Evaluator:
         return e.mode != "replay" and live_checkpoint(len(self.done), step, e.live_every, e.live_first, e.live_last,
                                                       self.cfg.train.max_steps)  # fmt: skip
 
-    def _measure_live(self, drafter, refs, export_dir: Path):
+    def _measure_live(self, drafter, refs, export_dir: Path, own: bool = True):
+        """Live tau of `drafter`, loaded from `export_dir` (again, by each live worker: `own` as _load_drafter's)."""
         e = self.cfg.eval
         if e.live_workers > 1:
             return measure_live_workers(e.live_workers, self.cfg.to_dict(), self.weights, export_dir, refs,
                                         self.budgets, e.count, self.stop_ids, e.max_new_tokens,
-                                        self.provenance.kernel_path, drafter.config.block_size)  # fmt: skip
+                                        self.provenance.kernel_path, drafter.config.block_size, own)  # fmt: skip
         return measure_live(self.model, drafter, refs, self.budgets, e.count, self.stop_ids, e.max_new_tokens,
                             self.provenance.kernel_path)
 
@@ -344,7 +345,7 @@ class Evaluator:
             ref = {"dir": key["dir"], "tau_chain": replay.result.tau_chain,
                    "tau_ddtree": {b: replay.result.tau_ddtree(b) for b in self.budgets}}
             if e.mode == "live":
-                live = self._measure_live(drafter, refs, Path(e.reference_drafter)).result
+                live = self._measure_live(drafter, refs, Path(e.reference_drafter), own=False).result
                 ref.update(live_tau_chain=live.tau_chain,
                            live_tau_ddtree={b: live.tau_ddtree(b) for b in self.budgets})
             del drafter

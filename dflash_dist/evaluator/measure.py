@@ -113,21 +113,22 @@ _WORKER: dict[str, Any] = {}  # a live worker process's target and drafter, or w
 
 
 def live_worker_init(cfg_dict: dict, export_dir: str, kernel_path: str, threads: int,
-                     verified: VerifiedWeights) -> None:
+                     verified: VerifiedWeights, own: bool = True) -> None:
     """A live worker: its own copy of the target (the weights the evaluator verified, `verified`, from
     its target_dir: other weight files are refused; on the kernels the evaluator checked and capture.kernels
-    applied: the same path is required) and of the drafter export. A refusal is kept and raised
-    by every prompt's call, so the evaluator gets the error itself (an initializer that raises
-    only breaks the pool)."""
+    applied: the same path is required) and of the drafter export (`own`, one of the run's: its checksum
+    record required and verified, as the evaluator requires it; else a drafter from elsewhere). A refusal
+    is kept and raised by every prompt's call, so the evaluator gets the error itself (an initializer
+    that raises only breaks the pool)."""
     try:
-        _WORKER.update(_load_worker(cfg_dict, export_dir, kernel_path, threads, verified), error=None)
+        _WORKER.update(_load_worker(cfg_dict, export_dir, kernel_path, threads, verified, own), error=None)
     except Exception as e:
         _WORKER.clear()
         _WORKER["error"] = e
 
 
 def _load_worker(cfg_dict: dict, export_dir: str, kernel_path: str, threads: int,
-                 verified: VerifiedWeights) -> dict[str, Any]:
+                 verified: VerifiedWeights, own: bool) -> dict[str, Any]:
     from dflash_dist.capture.fused_target import apply_capture_kernels
     from dflash_dist.config import load_config_dict
     from dflash_dist.model.capture import check_kernel_path
@@ -145,7 +146,7 @@ def _load_worker(cfg_dict: dict, export_dir: str, kernel_path: str, threads: int
                            f"evaluator's is {kernel_path!r}")
     dev = next(model.parameters()).device
     drafter = load_drafter(export_dir, model.get_input_embeddings().weight, model.get_output_embeddings().weight,
-                           device=dev)
+                           device=dev, require_record=own)
     return {"model": model, "drafter": drafter}
 
 
@@ -159,17 +160,18 @@ def live_worker_prompt(prompt: list[int], budgets: tuple[int, ...], count: str, 
 
 def measure_live_workers(workers: int, cfg_dict: dict, weights: VerifiedWeights, export_dir: str | Path,
                          refs: list[HeldOut], budgets: tuple[int, ...], count: str, stop_ids: tuple[int, ...],
-                         max_new_tokens: int, kernel_path: str, block_size: int) -> Measured:
+                         max_new_tokens: int, kernel_path: str, block_size: int, own: bool = True) -> Measured:
     """measure_live with the prompts spread over `workers` spawned processes (eval.live_workers),
     each decoding one prompt at a time as measure_live does; the per-prompt rounds come back in
     prompt order, so the result is measure_live's. `weights`: the evaluator's verified target
-    (weights_check.py), loaded by every worker without hashing it again while its files are unchanged."""
+    (weights_check.py), loaded by every worker without hashing it again while its files are unchanged.
+    `own`: the export is one of the run's (its checksum record required, as live_worker_init says)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     threads = max(1, (os.cpu_count() or 1) // workers)
     ctx = multiprocessing.get_context("spawn")
-    initargs = (cfg_dict, str(export_dir), kernel_path, threads, weights)
+    initargs = (cfg_dict, str(export_dir), kernel_path, threads, weights, own)
     with ProcessPoolExecutor(workers, mp_context=ctx, initializer=live_worker_init, initargs=initargs) as pool:
         futures = [pool.submit(live_worker_prompt, ref.prompt, budgets, count, stop_ids, max_new_tokens)
                    for ref in refs]  # fmt: skip

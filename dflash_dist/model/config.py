@@ -17,6 +17,12 @@ _UNSUPPORTED = {
     "mlp_bias": False,
 }
 
+# z-lab's DFlashDraftModel (dflash/model.py `_draft_value`) reads these from `dflash_config` first, else
+# from the top level; each changes its forward, and this drafter implements only the value that does not
+# (final_logit_softcapping: None or <= 0 is off)
+_ZLAB_FORWARD_DEFAULTS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
+ARCHITECTURE = "DFlashDraftModel"
+
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
@@ -123,11 +129,13 @@ class DrafterConfig:
         theta = rope.get("rope_theta", d.get("rope_theta"))
         layer_types, window = _attention_layout(d, where)
         dflash = d.get("dflash_config") or {}
+        _check_zlab_forward(d, dflash, layer_types, where)
+        block_size = dflash.get("block_size", d.get("block_size"))  # z-lab's precedence
         missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dflash]
-        if missing or "block_size" not in d:
+        if missing or block_size is None:
             raise ValueError(
                 f"{where}: not a DFlash drafter config: missing "
-                f"{['block_size'] if 'block_size' not in d else []}"
+                f"{['block_size'] if block_size is None else []}"
                 f"{[f'dflash_config.{k}' for k in missing]}"
             )
         heads = d["num_attention_heads"]
@@ -148,7 +156,7 @@ class DrafterConfig:
             vocab_size=d["vocab_size"],
             target_layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]),
             num_target_layers=d["num_target_layers"],
-            block_size=d["block_size"],
+            block_size=block_size,
             mask_token_id=int(dflash["mask_token_id"]),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta if theta is not None else 1e7),
@@ -189,6 +197,28 @@ class DrafterConfig:
             },
         )
         return d
+
+
+def _check_zlab_forward(d: dict, dflash: dict, layer_types: tuple[str, ...], where: str) -> None:
+    """Refuse what z-lab's DFlashDraftModel would run differently from this drafter (its code reads
+    dflash_config's value before the top level's): another architecture, two different block sizes,
+    a non-default embedding scale, logit multiplier or softcap, is_causal false over sliding layers."""
+    arch = d.get("architectures")
+    if arch is not None and arch != [ARCHITECTURE]:
+        raise ValueError(f"{where}: architectures={arch!r}: this drafter is z-lab's {ARCHITECTURE} only")
+    if "block_size" in dflash and "block_size" in d and dflash["block_size"] != d["block_size"]:
+        raise ValueError(f"{where}: dflash_config.block_size={dflash['block_size']!r} but block_size="
+                         f"{d['block_size']!r}: z-lab's DFlashDraftModel uses the first; make them agree")  # fmt: skip
+    for key, default in _ZLAB_FORWARD_DEFAULTS.items():
+        for name, value in ((f"dflash_config.{key}", dflash.get(key)), (key, d.get(key))):
+            off = value is None or (key == "final_logit_softcapping" and isinstance(value, (int, float)) and value <= 0)
+            if not off and value != default:
+                raise ValueError(f"{where}: {name}={value!r} is not supported (z-lab's DFlashDraftModel applies it "
+                                 f"in its forward; this drafter implements {default!r} only)")  # fmt: skip
+    if d.get("is_causal") is False and SLIDING_ATTENTION in layer_types:
+        raise ValueError(f"{where}: is_causal=False with sliding_attention layers: z-lab's DFlashDraftModel then runs "
+                         "those layers bidirectionally in the block; this drafter (SGLang's and SpecForge's rule) "
+                         "runs them causal there: drop is_causal")  # fmt: skip
 
 
 def _attention_layout(d: dict, where: str) -> tuple[tuple[str, ...], int | None]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -26,15 +27,16 @@ EXPORT_RECORD = "dflash_export.json"  # their checksums, written with them
 _RECORD_VERSION = 1
 
 
-def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None,
-                   extra_config: dict | None = None) -> Path:
-    """Write `out_dir/config.json` and `out_dir/model.safetensors` atomically (replaces out_dir)."""
+def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write `out_dir/config.json` and `out_dir/model.safetensors` atomically (replaces out_dir). The
+    config is the drafter's own (`to_hf_dict`, plus the weights' dtype), nothing else: whatever could
+    override a field would make SGLang/vLLM load another drafter than the one trained."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     cfg = drafter.config.to_hf_dict()
     state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in drafter.drafter_state_dict().items()}
     cfg["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
-    cfg.update(extra_config or {})
+    _remove_leftovers(out_dir)
     tmp = _new_dir(out_dir.parent, f".tmp-{out_dir.name}-")
     try:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
@@ -45,19 +47,37 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dty
         record = {"version": _RECORD_VERSION, "checksums": file_checksums(tmp, EXPORTED)}
         (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
         if out_dir.exists() or out_dir.is_symlink():
-            old = out_dir.with_name(f".old-{out_dir.name}-{os.getpid()}")
+            old = out_dir.with_name(f".old-{out_dir.name}-{secrets.token_hex(4)}")
             os.rename(out_dir, old)
-            os.rename(tmp, out_dir)
-            if old.is_symlink():  # planted in the run directory: removed, never followed (rmtree refuses it)
-                old.unlink()
-            else:
-                shutil.rmtree(old)
+            try:
+                os.rename(tmp, out_dir)
+            except BaseException:  # the previous export back at its name, not left under `old`
+                os.rename(old, out_dir)
+                raise
+            _remove(old)
         else:
             os.rename(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink():  # planted in the run directory: removed, never followed (rmtree refuses it)
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove_leftovers(out_dir: Path) -> None:
+    """What an export of this name killed midway left beside it: its temporary directory (a whole
+    drafter's weights) or the previous export moved aside for the rename. One writer per name."""
+    ours = re.compile(rf"\.(tmp|old)-{re.escape(out_dir.name)}-[0-9a-f]+")  # not another name's ("a" vs "a-b")
+    if out_dir.parent.is_dir():
+        for stale in out_dir.parent.iterdir():
+            if ours.fullmatch(stale.name):
+                _remove(stale)
 
 
 def _new_dir(parent: Path, prefix: str) -> Path:

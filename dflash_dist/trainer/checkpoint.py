@@ -112,18 +112,50 @@ def verify_checksums(
         )
     names = sorted(checksums["files"])
     bad = set(mismatched_files(tag_dir, checksums, names[rank::world_size]))
+    extra = unlisted_files(tag_dir, names)
     if world_size > 1:
         import torch.distributed as dist
 
-        flags = torch.tensor([int(name in bad) for name in names], dtype=torch.int32)
+        flags = torch.tensor([int(name in bad) for name in names] + [int(bool(extra))], dtype=torch.int32)
         dist.all_reduce(flags, group=group)
         bad = {name for name, flag in zip(names, flags.tolist()) if flag}
+        extra = extra or (["(seen by another rank)"] if flags[-1] else [])
+    if extra:
+        raise ResumeError(
+            f"{tag_dir} holds {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}, which {MARKER} does not list: "
+            "DeepSpeed's loaders glob the tag directory (ZeRO-3 consolidation, the universal conversion), so an "
+            "unlisted file would be read with no checksum compared; the save wrote no such file: remove it (or move "
+            "it out of the tag), or resume from another tag"
+        )
     if bad:
         raise ResumeError(
             f"{tag_dir}: {', '.join(sorted(bad))} differ(s) from the {checksums['algorithm']} checksum recorded in "
             f"{MARKER} at save time: the checkpoint was damaged since; resume from another tag (--resume PATH, e.g. "
             f"an earlier one of {[p.name for p in complete_tags(tag_dir.parent)]}) or start a fresh run"
         )
+
+
+# kept in a tag beside its listed files: the marker; universal.py's converted copy (a directory with its
+# own checksummed record), a crashed conversion's temporary directory and the converter's `latest_universal`
+_UNLISTED_FILES = (MARKER, "latest_universal")
+
+
+def _universal_dir(name: str) -> bool:
+    return name == "universal" or name.startswith(".universal.tmp-")
+
+
+def unlisted_files(tag_dir: Path, listed: list[str]) -> list[str]:
+    """Entries of `tag_dir` (any depth; links and devices too, no link followed) that its marker does
+    not list and universal.py did not make, sorted: DeepSpeed's globbing loaders would read them unverified."""
+    found = []
+    for root, dirs, files in os.walk(tag_dir):
+        rel = Path(root).relative_to(tag_dir)
+        links = [d for d in dirs if os.path.islink(os.path.join(root, d))]  # os.walk lists them, never enters
+        if rel == Path("."):
+            dirs[:] = [d for d in dirs if d not in links and not _universal_dir(d)]
+        found += [str(rel / name) for name in (*files, *links)]
+    own = set(listed) | set(_UNLISTED_FILES)
+    return sorted(n for n in found if n not in own)
 
 
 def complete_tags(ckpt_dir: Path) -> list[Path]:

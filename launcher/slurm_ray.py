@@ -28,6 +28,7 @@ from pathlib import Path
 
 from data_pipeline.durable_files import write_text_atomic
 from dflash_dist.actors.ports import free_ports
+from dflash_dist.actors.rendezvous import network_address
 from dflash_dist.config import Config, ConfigError
 from dflash_dist.orchestration.ray_temp import make_private_ray_temp, release_ray_temp
 from launcher.ray_auth import new_token, with_auth
@@ -50,6 +51,20 @@ def _ray_bin() -> str:
     return str(Path(sys.executable).with_name("ray"))
 
 
+# run with the job's Ray environment: the alive nodes counted each second ("NODES n") until ARGV[1] are
+_WAIT_FOR_NODES = """import sys, time
+import ray
+ray.init(logging_level="ERROR", log_to_driver=False)
+last = None
+while True:
+    n = sum(1 for node in ray.nodes() if node["Alive"])
+    if n != last:
+        print("NODES", n, flush=True)
+        last = n
+    if n >= int(sys.argv[1]):
+        break
+    time.sleep(1)
+"""
 KEEP_LOGS_FLAG = "--keep-logs-if"  # run_worker's own option, before the `ray start` arguments
 
 
@@ -64,7 +79,9 @@ class SlurmRayCluster:
         self.failed_flag = None if run_dir is None else Path(run_dir) / f"ray-job-{job}.failed"
         if self.failed_flag is not None:  # an earlier attempt's (a requeue keeps the job id), its head killed in stop()
             self.failed_flag.unlink(missing_ok=True)
-        self.address_ip = "127.0.0.1" if len(hostnames) == 1 else socket.gethostbyname(hostnames[0])
+        # the head runs here, on the first host: with others, the address they reach it at (not a loopback
+        # address this node's /etc/hosts may give its own name: they would dial themselves and never join)
+        self.address_ip = "127.0.0.1" if len(hostnames) == 1 else network_address(hostnames[0])
         # the head's sessions inside a directory of ours no other user can enter (ray_temp.py)
         self.temp_dir = make_private_ray_temp(f"{job}-")
         self.ports = free_ports(len(_HEAD_PORT_FLAGS))
@@ -98,8 +115,43 @@ class SlurmRayCluster:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the Ray head did not start (exit code {proc.poll()}, {timeout_s:.0f} s)")
         if len(self.hosts) > 1:  # one raylet per other node, as one job step
-            self.procs.append(subprocess.Popen(self.worker_command(), env=self.env, start_new_session=True))
+            step = subprocess.Popen(self.worker_command(), env=self.env, start_new_session=True)
+            self.procs.append(step)
+            self.wait_for_nodes(step, deadline - time.monotonic())
         log.info("Ray head at %s on %s; %d worker node(s)", self.address, self.hosts[0], len(self.hosts) - 1)
+
+    def wait_for_nodes(self, step: subprocess.Popen, timeout_s: float) -> None:
+        """Until a Ray node runs on every host of the job. A node that cannot start or join (down, a
+        port taken, an address it cannot reach) fails the job here, naming it, instead of the run
+        waiting ray.placement_timeout_s for resources that never come (or for ever, under
+        ray.placement: none) and then blaming the placement group."""
+        want = len(self.hosts)
+        waiter = subprocess.Popen([sys.executable, "-c", _WAIT_FOR_NODES, str(want)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, env=dict(self.env, RAY_ADDRESS=self.address))
+        counts: list[str] = []
+        threading.Thread(target=lambda: counts.extend(waiter.stdout), daemon=True).start()
+        deadline = time.monotonic() + max(timeout_s, 1.0)
+        try:
+            while waiter.poll() is None and step.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.5)
+        finally:
+            if waiter.poll() is None:
+                waiter.kill()
+            waiter.wait()
+        if waiter.returncode == 0 and step.poll() is None:
+            return
+        from dflash_dist.orchestration.run_plan import PipelineError
+
+        # the head's node runs (start saw it); not yet counted: it alone, as far as anyone knows
+        joined = next((line.split()[1] for line in reversed(counts) if line.startswith("NODES ")), "1")
+        if step.poll() is not None:
+            why = f"the srun step starting Ray on {', '.join(self.hosts[1:])} ended with exit code {step.returncode}"
+        elif waiter.returncode not in (0, -signal.SIGKILL):
+            why = f"the head could not be asked ({''.join(counts)[-500:].strip()})"
+        else:
+            why = f"not every node joined within {timeout_s:.0f} s"
+        raise PipelineError(f"the job's Ray cluster: {joined} of {want} nodes joined the head at {self.address} on "
+                            f"{self.hosts[0]}: {why}; the nodes' Ray output is in the job's log")
 
     def worker_command(self) -> list[str]:
         """The srun step that starts a Ray node on every other host (run_worker there)."""

@@ -17,6 +17,9 @@ import os
 import socket
 
 LOOPBACK_IFNAME = "lo"  # Linux's loopback interface
+# a destination to find the default route's source address (a UDP connect sends no packet; Ray's own
+# node IP detection asks the same way)
+ROUTE_PROBE = ("8.8.8.8", 53)
 
 
 def is_loopback(host: str) -> bool:
@@ -27,6 +30,29 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def network_address(host: str) -> str:
+    """The address of this node, named `host`, that the other nodes reach: what `host` resolves to,
+    unless that is a loopback address (an /etc/hosts line `127.0.1.1 host`, Debian's and many cloud
+    images' default, or `127.0.0.1 host`), then the source address of this node's default route.
+    Bound to loopback, a service the other nodes were told to find at `host` is unreachable to them:
+    they resolve the name to the node's real address and are refused. Raises OSError naming the
+    fix when neither gives an address beyond loopback."""
+    resolved = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    if not is_loopback(resolved):
+        return resolved
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(ROUTE_PROBE)
+            routed = probe.getsockname()[0]
+    except OSError:
+        routed = None
+    if routed is None or is_loopback(routed):
+        raise OSError(f"{host} resolves to {resolved} (loopback) on this node and it has no default route: the "
+                      f"other nodes cannot reach a service bound there; map {host} to this node's cluster address "
+                      "in /etc/hosts (or DNS)")
+    return routed
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

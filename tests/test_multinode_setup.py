@@ -1,0 +1,90 @@
+"""Multi-node set-up as a user meets it, on one machine: what the other nodes are told and where they
+look. This machine's /etc/hosts maps its own name to 127.0.0.1 (as Debian's `127.0.1.1 host` and
+many cloud images do): the address a multi-node Slurm job gives its other nodes, and the one rank 0's
+rendezvous store listens on, must still be one they reach. A relative --out, a relative target
+directory and reference drafter mean the same place to an actor whose node's Ray was started in
+another directory (every node but the driver's: `ray start` of the cluster launcher, an srun step).
+Real Ray (a head and a worker node, the ray_cluster fixture), real TCPStores.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dflash_dist.actors.rendezvous import is_loopback
+from tests.conftest import REPO
+
+
+def _resolves_to(host: str) -> str:
+    return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+
+
+def local_step_cluster(hosts: list[str], run_dir: Path, fail_with: int | None = None):
+    """SlurmRayCluster with its srun step's task run here: what srun runs on each other node
+    (`python -m launcher.slurm_ray worker ...`, the real code), or, with `fail_with`, a step that
+    could not start there (a node down) and exits with that code."""
+    from launcher.slurm_ray import SlurmRayCluster
+
+    class Cluster(SlurmRayCluster):
+        def worker_command(self) -> list[str]:
+            if fail_with is not None:
+                return [sys.executable, "-c", f"raise SystemExit({fail_with})"]
+            command = super().worker_command()
+            return [*command[command.index(sys.executable) :], "--num-cpus", "1"]
+
+    cluster = Cluster(hosts, run_dir=run_dir)
+    cluster.env["PYTHONPATH"] = str(REPO)
+    return cluster
+
+
+def test_a_multi_node_slurm_head_is_reached_at_a_network_address(tmp_path):
+    """SlurmRayCluster over two hosts, this one first: the address the srun step hands the other
+    node (`ray start --address`) is not a loopback address even where this node resolves its own
+    name to one (it was: the other node dialled itself and never joined). The head bound there takes
+    the worker node (start() returns once it joined) and a driver, both at that address."""
+    from launcher.slurm_ray import SlurmRayCluster
+
+    host = socket.gethostname()
+    plain = SlurmRayCluster([host, "node-b"], run_dir=tmp_path)  # what the job itself makes
+    command = plain.worker_command()
+    plain.stop()
+    assert not is_loopback(plain.address_ip), (host, _resolves_to(host), plain.address)
+    assert command[:2] == ["srun", "--overlap"] and command[command.index("--address") + 1] == plain.address
+
+    cluster = local_step_cluster([host, "node-b"], tmp_path)
+    try:
+        cluster.start(timeout_s=240)
+        alive = "sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive'])"
+        code = f"import ray\nray.init()\nprint('NODES', {alive})"
+        joined = subprocess.run([sys.executable, "-c", code], env=dict(cluster.env, RAY_ADDRESS=cluster.address),
+                                capture_output=True, text=True, timeout=180)  # fmt: skip
+        assert f"NODES {[cluster.address_ip] * 2}" in joined.stdout, joined.stdout + joined.stderr[-3000:]
+    finally:
+        cluster.stop()
+
+
+def test_a_node_that_does_not_join_fails_the_job_at_once_naming_it(tmp_path):
+    """The srun step that starts Ray on the other nodes fails (a node down, `ray start` refused):
+    start() raises within seconds, saying how many nodes joined and why. It returned as if the
+    cluster were whole, and the run then waited ray.placement_timeout_s (600 s) for the missing
+    node's resources before blaming the placement group (under ray.placement: none, for ever)."""
+    from dflash_dist.orchestration.run_plan import PipelineError
+
+    cluster = local_step_cluster([socket.gethostname(), "node-b"], tmp_path, fail_with=3)
+    try:
+        t0 = time.monotonic()
+        try:
+            cluster.start(timeout_s=240)
+            raised = None
+        except PipelineError as e:
+            raised = str(e)
+        took = time.monotonic() - t0
+    finally:
+        cluster.stop(keep_logs=False)
+    assert raised is not None, "start() returned with a node missing"
+    assert "1 of 2 nodes joined" in raised and "node-b ended with exit code 3" in raised, raised
+    assert took < 60, took

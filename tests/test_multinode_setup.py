@@ -9,14 +9,19 @@ Real Ray (a head and a worker node, the ray_cluster fixture), real TCPStores.
 
 from __future__ import annotations
 
+import datetime
+import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+from dflash_dist.actors.ports import free_ports
 from dflash_dist.actors.rendezvous import is_loopback
 from tests.conftest import REPO
+from tests.test_rendezvous import listening_sockets
 
 
 def _resolves_to(host: str) -> str:
@@ -88,3 +93,37 @@ def test_a_node_that_does_not_join_fails_the_job_at_once_naming_it(tmp_path):
     assert raised is not None, "start() returned with a node missing"
     assert "1 of 2 nodes joined" in raised and "node-b ended with exit code 3" in raised, raised
     assert took < 60, took
+
+
+def test_rank_0s_store_listens_where_the_other_nodes_reach_it():
+    """Slurm's train.sbatch over two nodes names the master by its host name (MASTER_ADDR=<first
+    host>). Rank 0 bound its store to what its own node resolves that name to, here loopback: the
+    ranks on the other node, resolving the name to the node's address, were refused until the
+    30-minute timeout. It listens on the node's network address now, and a rank joins there."""
+    from dflash_dist.actors.rendezvous import rendezvous_store
+
+    host = socket.gethostname()
+    (port,) = free_ports(1)
+    env = {"MASTER_ADDR": host, "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "2"}
+    timeout = datetime.timedelta(seconds=60)
+    got: dict = {}
+
+    def rank0() -> None:
+        try:
+            got["store"] = rendezvous_store(env, timeout)
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            got["error"] = e
+
+    thread = threading.Thread(target=rank0, daemon=True)
+    thread.start()
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + 30
+    while not (ours := [s for s in listening_sockets(os.getpid()) if s[1] == port]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ours and "error" not in got, (ours, got)
+    assert all(not is_loopback(addr) for addr, _ in ours), f"rank 0's store listens on {ours}: {host} -> loopback"
+    peer = dist.TCPStore(ours[0][0], port, 2, False, timeout)  # rank 1, dialling the node's address
+    thread.join(30)
+    peer.set("from-rank-1", "hello")
+    assert got["store"].get("from-rank-1") == b"hello"

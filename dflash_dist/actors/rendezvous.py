@@ -3,8 +3,9 @@
 Why not torch's `env://` rendezvous: rank 0's TCPStore there listens on every interface (the
 libuv server binds "::"/0.0.0.0 whatever MASTER_ADDR says), so on a single node the store
 that hands out the group's addresses was reachable from the network. Here rank 0 binds the
-listening socket itself, to MASTER_ADDR (127.0.0.1 when every rank shares a node; rank 0's
-address as given on several nodes), and hands it to the TCPStore (`master_listen_fd`); the
+listening socket itself, to MASTER_ADDR (127.0.0.1 when every rank shares a node; on several
+nodes rank 0's address as given, or, for a name this node resolves to loopback, the node's
+network address: network_address), and hands it to the TCPStore (`master_listen_fd`); the
 other ranks connect as before. On a single node gloo's (and NCCL's bootstrap) listeners go to
 the loopback interface too, unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME are set already.
 """
@@ -77,8 +78,11 @@ def rendezvous_store(env: dict[str, str], timeout: datetime.timedelta):
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     if rank != 0:
         return dist.TCPStore(host, port, world, False, timeout)
-    fd = listen_socket(host, port).detach()  # the store owns the descriptor from here on
-    return dist.TCPStore(host, port, world, True, timeout, multi_tenant=True, master_listen_fd=fd)
+    # a name of rank 0's node for the other nodes (a loopback MASTER_ADDR is a one-node group): bound to
+    # the address they reach, even where this node resolves its own name to loopback (network_address)
+    bind = host if is_loopback(host) else network_address(host)
+    fd = listen_socket(bind, port).detach()  # the store owns the descriptor from here on
+    return dist.TCPStore(bind, port, world, True, timeout, multi_tenant=True, master_listen_fd=fd)
 
 
 def init_process_group(env: dict[str, str], backend: str, timeout: datetime.timedelta) -> None:

@@ -127,3 +127,33 @@ def test_rank_0s_store_listens_where_the_other_nodes_reach_it():
     thread.join(30)
     peer.set("from-rank-1", "hello")
     assert got["store"].get("from-rank-1") == b"hello"
+
+
+def test_a_relative_out_is_one_directory_for_the_driver_and_actors_on_other_nodes(ray_cluster, monkeypatch, tmp_path):
+    """`dflash-dist run CONFIG --out runs/x` typed in one directory, with actors on a node whose
+    Ray was started in another (the ray_cluster fixture's node was started in the test's own
+    working directory): the actors read the config's run.out_dir, the target directory and
+    eval.reference_drafter as absolute paths naming what the driver named. They got the relative
+    ones and resolved them against their own working directory (another run directory entirely)."""
+    import ray
+
+    from dflash_dist.config import load_config, load_config_dict
+    from dflash_dist.target.loading import expected_target_dir, resolve_target_dir
+    from launcher.cli import load_cli_config
+
+    here = tmp_path / "typed-here"
+    (here / "ref" / "drafter").mkdir(parents=True)
+    (here / "ref" / "drafter" / "config.json").write_text("{}")  # what the config's check looks for
+    monkeypatch.chdir(here)
+    cfg = load_cli_config(str(REPO / "configs" / "tiny.yaml"), ["eval.reference_drafter=ref/drafter"], "runs/x")
+
+    @ray.remote(num_cpus=0)
+    def seen(tree: dict) -> tuple[str, str, str]:
+        c = load_config_dict(tree)
+        return os.getcwd(), str(c.out.resolve()), str(Path(c.eval.reference_drafter).resolve())
+
+    cwd, out, ref = ray.get(seen.remote(cfg.to_dict()))
+    assert cwd != str(here)  # the actor's node was started elsewhere, as every other node is
+    assert (out, ref) == (str(here / "runs" / "x"), str(here / "ref" / "drafter"))
+    hf = load_config(None, ["target.kind=hf", "target.path=models/t", "data.train_path=d.jsonl"], check_files=False)
+    assert resolve_target_dir(hf) == expected_target_dir(hf) == here / "models" / "t"

@@ -37,6 +37,7 @@ from launcher.slurm_train import step_hostnames
 log = logging.getLogger(__name__)
 NOTICES = (signal.SIGTERM, signal.SIGUSR1)
 RAYLET_WAIT = "RAY_raylet_start_wait_time_s"  # Ray's own (lower-case) config variable
+DRAIN_TIMEOUT = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"  # Ray's: how long `ray start --block` drains at SIGTERM
 _HEAD_PORT_FLAGS = (
     "--port",
     "--dashboard-agent-listen-port",
@@ -96,6 +97,9 @@ class SlurmRayCluster:
         multi_node = "1" if len(hostnames) > 1 else "0"
         self.env = with_auth(dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=multi_node), token=new_token())
         self.env.setdefault(RAYLET_WAIT, "120")  # a loaded node registers its raylet slowly
+        # SIGTERM stops a node at once: Ray 2.60 otherwise drains it for up to 30 s first (for Serve; nothing of
+        # ours), past stop()'s wait, whose SIGKILL then left every worker node's temp directory behind
+        self.env.setdefault(DRAIN_TIMEOUT, "0")
         self.env.pop("RAY_ADDRESS", None)
         self.procs: list[subprocess.Popen] = []
 
@@ -177,6 +181,8 @@ class SlurmRayCluster:
             deadline = time.monotonic() + wait_s
             while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
                 time.sleep(0.2)
+        if self.procs:  # the head node's processes still exiting (node_processes), before its directory goes
+            end_node_processes(self.temp_dir, self.procs[0].pid)
         if self.failed_flag is not None:
             self.failed_flag.unlink(missing_ok=True)
         release_ray_temp(self.temp_dir, keep=keep_logs)
@@ -208,11 +214,47 @@ def run_worker(args: list[str]) -> int:
             signal.signal(sig, stop)
         rc = proc.wait()
         why = None if asked or rc == 0 else f"this node's Ray ended by itself with exit code {rc}"
+        end_node_processes(temp_dir, os.getpgrp())  # this node's, still exiting, before DIR goes (below)
         return rc
     finally:
         if why is None and keep_if is not None and keep_if.exists():
             why = f"the job failed ({keep_if})"
         release_ray_temp(temp_dir, keep=why is not None, why=why or "")
+
+
+def node_processes(temp_dir: str, pgid: int) -> list[int]:
+    """The live processes (zombies aside) of a Ray node of ours but this one: those of process group
+    `pgid` (`ray start --block` and the node's own processes, some renamed `ray::...`) and those
+    naming the node's private `temp_dir` on their command line (Ray's workers, each in a session of
+    its own). `ray start --block` returns while they may still be exiting; Ray's idle workers
+    outlived it by ~20 s and then wrote their logs into the removed directory, making it again."""
+    found, marker = [], os.fsencode(temp_dir)
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+            named = marker in Path(entry.path, "cmdline").read_bytes()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and (int(fields[2]) == pgid or named):  # state, ppid, pgrp
+            found.append(int(entry.name))
+    return found
+
+
+def end_node_processes(temp_dir: str, pgid: int, grace_s: float = 10.0) -> None:
+    """SIGTERM, then after `grace_s` SIGKILL, to what node_processes finds, until none is left."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        deadline = time.monotonic() + wait_s
+        pids = node_processes(temp_dir, pgid)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        while pids and time.monotonic() < deadline:
+            time.sleep(0.2)
+            pids = node_processes(temp_dir, pgid)
+        if not pids:
+            return
 
 
 def _relay(proc: subprocess.Popen, up: threading.Event) -> None:

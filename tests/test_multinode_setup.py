@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +27,19 @@ from tests.test_rendezvous import listening_sockets
 
 def _resolves_to(host: str) -> str:
     return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+
+
+def processes_naming(text: str) -> list[int]:
+    """Live processes with `text` on their command line (a Ray node's private temp directory)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            named = proc.name.isdigit() and os.fsencode(text) in (proc / "cmdline").read_bytes()
+            if named and (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":  # zombies aside
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
 
 
 def local_step_cluster(hosts: list[str], run_dir: Path, fail_with: int | None = None):
@@ -90,6 +104,8 @@ def test_a_node_that_does_not_join_fails_the_job_at_once_naming_it(tmp_path):
         took = time.monotonic() - t0
     finally:
         cluster.stop(keep_logs=False)
+    head_dir = os.path.dirname(cluster.temp_dir)
+    assert not processes_naming(head_dir), "Ray processes of the stopped head still running (they make its dir again)"
     assert raised is not None, "start() returned with a node missing"
     assert "1 of 2 nodes joined" in raised and "node-b ended with exit code 3" in raised, raised
     assert took < 60, took
@@ -157,3 +173,32 @@ def test_a_relative_out_is_one_directory_for_the_driver_and_actors_on_other_node
     assert (out, ref) == (str(here / "runs" / "x"), str(here / "ref" / "drafter"))
     hf = load_config(None, ["target.kind=hf", "target.path=models/t", "data.train_path=d.jsonl"], check_files=False)
     assert resolve_target_dir(hf) == expected_target_dir(hf) == here / "models" / "t"
+
+
+def test_the_jobs_ray_stops_at_once_and_every_node_removes_its_temp_dir(tmp_path, monkeypatch):
+    """stop() at the end of a multi-node job: `ray start --block` answers SIGTERM by draining its
+    node for up to 30 s (Ray 2.60, for Serve), past stop()'s 20 s, so every job's end took 20 s and
+    then SIGKILLed the srun step, whose worker tasks never removed their private Ray temp
+    directories: one left in /tmp of every other node per job. The job's Ray processes stop at once
+    now (nothing of ours to drain), the step exits by itself, and the worker node's directory goes."""
+    from dflash_dist.orchestration.ray_temp import ray_temp_base
+
+    job = f"stop{os.getpid()}"  # names this job's temp directories (dfray-<job>-w-*: the worker node's)
+    monkeypatch.setenv("SLURM_JOB_ID", job)
+    base = Path(ray_temp_base(f"{job}-w-"))
+    cluster = local_step_cluster([socket.gethostname(), "node-b"], tmp_path)
+    try:
+        cluster.start(timeout_s=240)
+        worker_dirs = set(base.glob(f"dfray-{job}-w-*"))
+        assert len(worker_dirs) == 1, worker_dirs
+    finally:
+        t0 = time.monotonic()
+        cluster.stop(keep_logs=False)
+        took = time.monotonic() - t0
+    step = cluster.procs[1]
+    assert step.returncode != -signal.SIGKILL and took < 15, (step.returncode, took)
+    named = [d for d in [os.path.dirname(cluster.temp_dir), *map(str, worker_dirs)] if processes_naming(d)]
+    assert not named, f"Ray processes of the stopped nodes still running: {named}"
+    time.sleep(3)  # a Ray process still exiting after its node's `ray start` returned wrote its logs there again
+    left = sorted(Path(ray_temp_base(job)).glob(f"dfray-{job}-*")) + sorted(base.glob(f"dfray-{job}-w-*"))
+    assert not left and worker_dirs, left  # the head's directory and the worker node's

@@ -22,7 +22,7 @@ from pathlib import Path
 from dflash_dist.actors.ports import free_ports
 from dflash_dist.actors.rendezvous import is_loopback
 from tests.conftest import REPO
-from tests.test_rendezvous import listening_sockets
+from tests.helpers.sockets import listening_sockets
 
 
 def _resolves_to(host: str) -> str:

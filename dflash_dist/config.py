@@ -9,6 +9,7 @@ computed where they are needed, never stored twice.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -538,6 +539,21 @@ def _validate_capture(cfg: Config, where) -> None:
             "epoch's shards are read once, and keeping them would hold every epoch's shards on disk; use "
             "consumed_shards auto (or delete), or later_epochs=keep to re-read one capture"
         )
+
+
+def with_absolute_paths(cfg: Config) -> Config:
+    """`cfg` with the paths that processes on other nodes open made absolute, against this process's
+    working directory (where the command was typed): run.out_dir and eval.reference_drafter. A Ray
+    actor's working directory is where its node's Ray was started (`ray start` of the cluster
+    launcher, an srun step), not the driver's, so a relative --out had the actors on every node
+    write and read somewhere else than the driver. Both may change across a resume (a moved run
+    directory resumes). The paths only the driver reads (data.*) are left as given; the target's
+    directory is made absolute where it is resolved (target/loading.py)."""
+    cfg = cfg.model_copy(deep=True)
+    cfg.run.out_dir = os.path.abspath(cfg.run.out_dir)
+    if cfg.eval.reference_drafter is not None:
+        cfg.eval.reference_drafter = os.path.abspath(cfg.eval.reference_drafter)
+    return cfg
 
 
 def load_config_dict(tree: dict) -> Config:

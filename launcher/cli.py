@@ -107,13 +107,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cmd in ("run", "train", "extract"):
         args.resume = args.resume or "never"
-    from dflash_dist.config import ConfigError, load_config
+    from dflash_dist.config import ConfigError
     from dflash_dist.logging_setup import setup_logging
 
     setup_logging(_role(cmd, args))
 
     try:
-        cfg = load_config(args.config, args.overrides, out_dir=args.out)
+        cfg = load_cli_config(args.config, args.overrides, args.out)
     except ConfigError as e:
         print(f"dflash-dist: config error: {e}", file=sys.stderr)
         return 2
@@ -146,6 +146,14 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def load_cli_config(config: str, overrides: list[str], out: str | None):
+    """The stages' config: the file, the overrides and --out, with the paths that roles on other
+    nodes open made absolute here (config.with_absolute_paths)."""
+    from dflash_dist.config import load_config, with_absolute_paths
+
+    return with_absolute_paths(load_config(config, overrides, out_dir=out))
 
 
 def compile_cache_problem() -> str | None:

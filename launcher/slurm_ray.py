@@ -28,6 +28,7 @@ from pathlib import Path
 
 from data_pipeline.durable_files import write_text_atomic
 from dflash_dist.actors.ports import free_ports
+from dflash_dist.actors.rendezvous import network_address
 from dflash_dist.config import Config, ConfigError
 from dflash_dist.orchestration.ray_temp import make_private_ray_temp, release_ray_temp
 from launcher.ray_auth import new_token, with_auth
@@ -36,6 +37,7 @@ from launcher.slurm_train import step_hostnames
 log = logging.getLogger(__name__)
 NOTICES = (signal.SIGTERM, signal.SIGUSR1)
 RAYLET_WAIT = "RAY_raylet_start_wait_time_s"  # Ray's own (lower-case) config variable
+DRAIN_TIMEOUT = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"  # Ray's: how long `ray start --block` drains at SIGTERM
 _HEAD_PORT_FLAGS = (
     "--port",
     "--dashboard-agent-listen-port",
@@ -50,6 +52,20 @@ def _ray_bin() -> str:
     return str(Path(sys.executable).with_name("ray"))
 
 
+# run with the job's Ray environment: the alive nodes counted each second ("NODES n") until ARGV[1] are
+_WAIT_FOR_NODES = """import sys, time
+import ray
+ray.init(logging_level="ERROR", log_to_driver=False)
+last = None
+while True:
+    n = sum(1 for node in ray.nodes() if node["Alive"])
+    if n != last:
+        print("NODES", n, flush=True)
+        last = n
+    if n >= int(sys.argv[1]):
+        break
+    time.sleep(1)
+"""
 KEEP_LOGS_FLAG = "--keep-logs-if"  # run_worker's own option, before the `ray start` arguments
 
 
@@ -64,7 +80,9 @@ class SlurmRayCluster:
         self.failed_flag = None if run_dir is None else Path(run_dir) / f"ray-job-{job}.failed"
         if self.failed_flag is not None:  # an earlier attempt's (a requeue keeps the job id), its head killed in stop()
             self.failed_flag.unlink(missing_ok=True)
-        self.address_ip = "127.0.0.1" if len(hostnames) == 1 else socket.gethostbyname(hostnames[0])
+        # the head runs here, on the first host: with others, the address they reach it at (not a loopback
+        # address this node's /etc/hosts may give its own name: they would dial themselves and never join)
+        self.address_ip = "127.0.0.1" if len(hostnames) == 1 else network_address(hostnames[0])
         # the head's sessions inside a directory of ours no other user can enter (ray_temp.py)
         self.temp_dir = make_private_ray_temp(f"{job}-")
         self.ports = free_ports(len(_HEAD_PORT_FLAGS))
@@ -79,6 +97,9 @@ class SlurmRayCluster:
         multi_node = "1" if len(hostnames) > 1 else "0"
         self.env = with_auth(dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=multi_node), token=new_token())
         self.env.setdefault(RAYLET_WAIT, "120")  # a loaded node registers its raylet slowly
+        # SIGTERM stops a node at once: Ray 2.60 otherwise drains it for up to 30 s first (for Serve; nothing of
+        # ours), past stop()'s wait, whose SIGKILL then left every worker node's temp directory behind
+        self.env.setdefault(DRAIN_TIMEOUT, "0")
         self.env.pop("RAY_ADDRESS", None)
         self.procs: list[subprocess.Popen] = []
 
@@ -98,8 +119,43 @@ class SlurmRayCluster:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the Ray head did not start (exit code {proc.poll()}, {timeout_s:.0f} s)")
         if len(self.hosts) > 1:  # one raylet per other node, as one job step
-            self.procs.append(subprocess.Popen(self.worker_command(), env=self.env, start_new_session=True))
+            step = subprocess.Popen(self.worker_command(), env=self.env, start_new_session=True)
+            self.procs.append(step)
+            self.wait_for_nodes(step, deadline - time.monotonic())
         log.info("Ray head at %s on %s; %d worker node(s)", self.address, self.hosts[0], len(self.hosts) - 1)
+
+    def wait_for_nodes(self, step: subprocess.Popen, timeout_s: float) -> None:
+        """Until a Ray node runs on every host of the job. A node that cannot start or join (down, a
+        port taken, an address it cannot reach) fails the job here, naming it, instead of the run
+        waiting ray.placement_timeout_s for resources that never come (or for ever, under
+        ray.placement: none) and then blaming the placement group."""
+        want = len(self.hosts)
+        waiter = subprocess.Popen([sys.executable, "-c", _WAIT_FOR_NODES, str(want)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, env=dict(self.env, RAY_ADDRESS=self.address))
+        counts: list[str] = []
+        threading.Thread(target=lambda: counts.extend(waiter.stdout), daemon=True).start()
+        deadline = time.monotonic() + max(timeout_s, 1.0)
+        try:
+            while waiter.poll() is None and step.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.5)
+        finally:
+            if waiter.poll() is None:
+                waiter.kill()
+            waiter.wait()
+        if waiter.returncode == 0 and step.poll() is None:
+            return
+        from dflash_dist.orchestration.run_plan import PipelineError
+
+        # the head's node runs (start saw it); not yet counted: it alone, as far as anyone knows
+        joined = next((line.split()[1] for line in reversed(counts) if line.startswith("NODES ")), "1")
+        if step.poll() is not None:
+            why = f"the srun step starting Ray on {', '.join(self.hosts[1:])} ended with exit code {step.returncode}"
+        elif waiter.returncode not in (0, -signal.SIGKILL):
+            why = f"the head could not be asked ({''.join(counts)[-500:].strip()})"
+        else:
+            why = f"not every node joined within {timeout_s:.0f} s"
+        raise PipelineError(f"the job's Ray cluster: {joined} of {want} nodes joined the head at {self.address} on "
+                            f"{self.hosts[0]}: {why}; the nodes' Ray output is in the job's log")
 
     def worker_command(self) -> list[str]:
         """The srun step that starts a Ray node on every other host (run_worker there)."""
@@ -125,6 +181,8 @@ class SlurmRayCluster:
             deadline = time.monotonic() + wait_s
             while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
                 time.sleep(0.2)
+        if self.procs:  # the head node's processes still exiting (node_processes), before its directory goes
+            end_node_processes(self.temp_dir, self.procs[0].pid)
         if self.failed_flag is not None:
             self.failed_flag.unlink(missing_ok=True)
         release_ray_temp(self.temp_dir, keep=keep_logs)
@@ -156,11 +214,47 @@ def run_worker(args: list[str]) -> int:
             signal.signal(sig, stop)
         rc = proc.wait()
         why = None if asked or rc == 0 else f"this node's Ray ended by itself with exit code {rc}"
+        end_node_processes(temp_dir, os.getpgrp())  # this node's, still exiting, before DIR goes (below)
         return rc
     finally:
         if why is None and keep_if is not None and keep_if.exists():
             why = f"the job failed ({keep_if})"
         release_ray_temp(temp_dir, keep=why is not None, why=why or "")
+
+
+def node_processes(temp_dir: str, pgid: int) -> list[int]:
+    """The live processes (zombies aside) of a Ray node of ours but this one: those of process group
+    `pgid` (`ray start --block` and the node's own processes, some renamed `ray::...`) and those
+    naming the node's private `temp_dir` on their command line (Ray's workers, each in a session of
+    its own). `ray start --block` returns while they may still be exiting; Ray's idle workers
+    outlived it by ~20 s and then wrote their logs into the removed directory, making it again."""
+    found, marker = [], os.fsencode(temp_dir)
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+            named = marker in Path(entry.path, "cmdline").read_bytes()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and (int(fields[2]) == pgid or named):  # state, ppid, pgrp
+            found.append(int(entry.name))
+    return found
+
+
+def end_node_processes(temp_dir: str, pgid: int, grace_s: float = 10.0) -> None:
+    """SIGTERM, then after `grace_s` SIGKILL, to what node_processes finds, until none is left."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        deadline = time.monotonic() + wait_s
+        pids = node_processes(temp_dir, pgid)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        while pids and time.monotonic() < deadline:
+            time.sleep(0.2)
+            pids = node_processes(temp_dir, pgid)
+        if not pids:
+            return
 
 
 def _relay(proc: subprocess.Popen, up: threading.Event) -> None:

@@ -48,6 +48,7 @@ SLOW_MODULES = {
     "test_capture_faults", "test_elastic", "test_faults", "test_launch_ray", "test_loss_curve", "test_multinode",
     "test_pipeline", "test_publish_faults", "test_recapture_run", "test_rendezvous", "test_resume", "test_safe_load",
     "test_slurm", "test_step_source", "test_trainer", "test_bench_quality_run", "test_ray_temp",
+    "test_multinode_setup",
 }
 
 

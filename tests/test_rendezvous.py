@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,39 +21,7 @@ from dflash_dist.actors.ports import free_ports
 from dflash_dist.actors.rendezvous import is_loopback
 from dflash_dist.actors.trainer_group import default_extensions_dir
 from tests.conftest import REPO
-
-
-def _hex_address(field: str) -> tuple[str, int]:
-    """A /proc/net/tcp{,6} `ADDR:PORT` (kernel byte order) as (address, port)."""
-    addr, port = field.split(":")
-    raw = bytes.fromhex(addr)
-    if len(raw) == 4:
-        host = socket.inet_ntop(socket.AF_INET, raw[::-1])
-    else:  # four 32-bit words, each in host (little-endian) order
-        host = socket.inet_ntop(socket.AF_INET6, b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4)))
-    return host, int(port, 16)
-
-
-def listening_sockets(pid: int) -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket process `pid` holds in state LISTEN."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
-    found = []
-    for table in ("tcp", "tcp6"):
-        path = Path(f"/proc/{pid}/net/{table}")
-        if not path.exists():
-            continue
-        for line in path.read_text().splitlines()[1:]:
-            cols = line.split()
-            if cols[3] == "0A" and cols[9] in inodes:  # 0A: TCP_LISTEN
-                found.append(_hex_address(cols[1]))
-    return found
+from tests.helpers.sockets import listening_sockets
 
 
 def rank_main(rank: str, master: str, port: str, report: str) -> None:

@@ -56,30 +56,31 @@ def no_remote_code(model_dir: str | os.PathLike[str]) -> Iterator[None]:
 
 
 def resolve_target_dir(cfg: Config) -> Path:
-    """The target's HF directory; the project's own targets (tiny_stdlib, code_lm) are built
-    (once, cached) on first use."""
+    """The target's HF directory, absolute (the actors' working directory is their node's Ray's, not
+    the driver's); the project's own targets (tiny_stdlib, code_lm) are built (once, cached) on
+    first use."""
     if cfg.target.kind == "tiny_stdlib":
         from dflash_dist.target.tiny_target import build_tiny_target
 
-        return build_tiny_target(cfg.target.path)
+        return build_tiny_target(cfg.target.path).absolute()
     if cfg.target.kind == "code_lm":
         from dflash_dist.target.code_target import build_code_target
 
-        return build_code_target(cfg.target.path, cfg.target.preset, log=logging.getLogger(__name__).info)
-    return Path(cfg.target.path)
+        return build_code_target(cfg.target.path, cfg.target.preset, log=logging.getLogger(__name__).info).absolute()
+    return Path(cfg.target.path).absolute()
 
 
 def expected_target_dir(cfg: Config) -> Path:
-    """Where resolve_target_dir finds (or builds) the target, without building anything."""
+    """Where resolve_target_dir finds (or builds) the target, without building anything (absolute)."""
     if cfg.target.path is not None or cfg.target.kind == "hf":
-        return Path(cfg.target.path)
+        return Path(cfg.target.path).absolute()
     if cfg.target.kind == "tiny_stdlib":
         from dflash_dist.target.tiny_target import default_cache_dir
 
-        return default_cache_dir()
+        return default_cache_dir().absolute()
     from dflash_dist.target.code_target import default_cache_dir
 
-    return default_cache_dir(cfg.target.preset)
+    return default_cache_dir(cfg.target.preset).absolute()
 
 
 def target_id(cfg: Config, target_dir: Path) -> str:

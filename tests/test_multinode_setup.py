@@ -1,0 +1,204 @@
+"""Multi-node set-up as a user meets it, on one machine: what the other nodes are told and where they
+look. This machine's /etc/hosts maps its own name to 127.0.0.1 (as Debian's `127.0.1.1 host` and
+many cloud images do): the address a multi-node Slurm job gives its other nodes, and the one rank 0's
+rendezvous store listens on, must still be one they reach. A relative --out, a relative target
+directory and reference drafter mean the same place to an actor whose node's Ray was started in
+another directory (every node but the driver's: `ray start` of the cluster launcher, an srun step).
+Real Ray (a head and a worker node, the ray_cluster fixture), real TCPStores.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from dflash_dist.actors.ports import free_ports
+from dflash_dist.actors.rendezvous import is_loopback
+from tests.conftest import REPO
+from tests.helpers.sockets import listening_sockets
+
+
+def _resolves_to(host: str) -> str:
+    return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+
+
+def processes_naming(text: str) -> list[int]:
+    """Live processes with `text` on their command line (a Ray node's private temp directory)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            named = proc.name.isdigit() and os.fsencode(text) in (proc / "cmdline").read_bytes()
+            if named and (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":  # zombies aside
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def local_step_cluster(hosts: list[str], run_dir: Path, fail_with: int | None = None):
+    """SlurmRayCluster with its srun step's task run here: what srun runs on each other node
+    (`python -m launcher.slurm_ray worker ...`, the real code), or, with `fail_with`, a step that
+    could not start there (a node down) and exits with that code."""
+    from launcher.slurm_ray import SlurmRayCluster
+
+    class Cluster(SlurmRayCluster):
+        def worker_command(self) -> list[str]:
+            if fail_with is not None:
+                return [sys.executable, "-c", f"raise SystemExit({fail_with})"]
+            command = super().worker_command()
+            return [*command[command.index(sys.executable) :], "--num-cpus", "1"]
+
+    cluster = Cluster(hosts, run_dir=run_dir)
+    cluster.env["PYTHONPATH"] = str(REPO)
+    return cluster
+
+
+def test_a_multi_node_slurm_head_is_reached_at_a_network_address(tmp_path):
+    """SlurmRayCluster over two hosts, this one first: the address the srun step hands the other
+    node (`ray start --address`) is not a loopback address even where this node resolves its own
+    name to one (it was: the other node dialled itself and never joined). The head bound there takes
+    the worker node (start() returns once it joined) and a driver, both at that address."""
+    from launcher.slurm_ray import SlurmRayCluster
+
+    host = socket.gethostname()
+    plain = SlurmRayCluster([host, "node-b"], run_dir=tmp_path)  # what the job itself makes
+    command = plain.worker_command()
+    plain.stop()
+    assert not is_loopback(plain.address_ip), (host, _resolves_to(host), plain.address)
+    assert command[:2] == ["srun", "--overlap"] and command[command.index("--address") + 1] == plain.address
+
+    cluster = local_step_cluster([host, "node-b"], tmp_path)
+    try:
+        cluster.start(timeout_s=240)
+        alive = "sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive'])"
+        code = f"import ray\nray.init()\nprint('NODES', {alive})"
+        joined = subprocess.run([sys.executable, "-c", code], env=dict(cluster.env, RAY_ADDRESS=cluster.address),
+                                capture_output=True, text=True, timeout=180)  # fmt: skip
+        assert f"NODES {[cluster.address_ip] * 2}" in joined.stdout, joined.stdout + joined.stderr[-3000:]
+    finally:
+        cluster.stop()
+
+
+def test_a_node_that_does_not_join_fails_the_job_at_once_naming_it(tmp_path):
+    """The srun step that starts Ray on the other nodes fails (a node down, `ray start` refused):
+    start() raises within seconds, saying how many nodes joined and why. It returned as if the
+    cluster were whole, and the run then waited ray.placement_timeout_s (600 s) for the missing
+    node's resources before blaming the placement group (under ray.placement: none, for ever)."""
+    from dflash_dist.orchestration.run_plan import PipelineError
+
+    cluster = local_step_cluster([socket.gethostname(), "node-b"], tmp_path, fail_with=3)
+    try:
+        t0 = time.monotonic()
+        try:
+            cluster.start(timeout_s=240)
+            raised = None
+        except PipelineError as e:
+            raised = str(e)
+        took = time.monotonic() - t0
+    finally:
+        cluster.stop(keep_logs=False)
+    head_dir = os.path.dirname(cluster.temp_dir)
+    assert not processes_naming(head_dir), "Ray processes of the stopped head still running (they make its dir again)"
+    assert raised is not None, "start() returned with a node missing"
+    assert "1 of 2 nodes joined" in raised and "node-b ended with exit code 3" in raised, raised
+    assert took < 60, took
+
+
+def test_rank_0s_store_listens_where_the_other_nodes_reach_it():
+    """Slurm's train.sbatch over two nodes names the master by its host name (MASTER_ADDR=<first
+    host>). Rank 0 bound its store to what its own node resolves that name to, here loopback: the
+    ranks on the other node, resolving the name to the node's address, were refused until the
+    30-minute timeout. It listens on the node's network address now, and a rank joins there."""
+    from dflash_dist.actors.rendezvous import rendezvous_store
+
+    host = socket.gethostname()
+    (port,) = free_ports(1)
+    env = {"MASTER_ADDR": host, "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "2"}
+    timeout = datetime.timedelta(seconds=60)
+    got: dict = {}
+
+    def rank0() -> None:
+        try:
+            got["store"] = rendezvous_store(env, timeout)
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            got["error"] = e
+
+    thread = threading.Thread(target=rank0, daemon=True)
+    thread.start()
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + 30
+    while not (ours := [s for s in listening_sockets(os.getpid()) if s[1] == port]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ours and "error" not in got, (ours, got)
+    assert all(not is_loopback(addr) for addr, _ in ours), f"rank 0's store listens on {ours}: {host} -> loopback"
+    peer = dist.TCPStore(ours[0][0], port, 2, False, timeout)  # rank 1, dialling the node's address
+    thread.join(30)
+    peer.set("from-rank-1", "hello")
+    assert got["store"].get("from-rank-1") == b"hello"
+
+
+def test_a_relative_out_is_one_directory_for_the_driver_and_actors_on_other_nodes(ray_cluster, monkeypatch, tmp_path):
+    """`dflash-dist run CONFIG --out runs/x` typed in one directory, with actors on a node whose
+    Ray was started in another (the ray_cluster fixture's node was started in the test's own
+    working directory): the actors read the config's run.out_dir, the target directory and
+    eval.reference_drafter as absolute paths naming what the driver named. They got the relative
+    ones and resolved them against their own working directory (another run directory entirely)."""
+    import ray
+
+    from dflash_dist.config import load_config, load_config_dict
+    from dflash_dist.target.loading import expected_target_dir, resolve_target_dir
+    from launcher.cli import load_cli_config
+
+    here = tmp_path / "typed-here"
+    (here / "ref" / "drafter").mkdir(parents=True)
+    (here / "ref" / "drafter" / "config.json").write_text("{}")  # what the config's check looks for
+    monkeypatch.chdir(here)
+    cfg = load_cli_config(str(REPO / "configs" / "tiny.yaml"), ["eval.reference_drafter=ref/drafter"], "runs/x")
+
+    @ray.remote(num_cpus=0)
+    def seen(tree: dict) -> tuple[str, str, str]:
+        c = load_config_dict(tree)
+        return os.getcwd(), str(c.out.resolve()), str(Path(c.eval.reference_drafter).resolve())
+
+    cwd, out, ref = ray.get(seen.remote(cfg.to_dict()))
+    assert cwd != str(here)  # the actor's node was started elsewhere, as every other node is
+    assert (out, ref) == (str(here / "runs" / "x"), str(here / "ref" / "drafter"))
+    hf = load_config(None, ["target.kind=hf", "target.path=models/t", "data.train_path=d.jsonl"], check_files=False)
+    assert resolve_target_dir(hf) == expected_target_dir(hf) == here / "models" / "t"
+
+
+def test_the_jobs_ray_stops_at_once_and_every_node_removes_its_temp_dir(tmp_path, monkeypatch):
+    """stop() at the end of a multi-node job: `ray start --block` answers SIGTERM by draining its
+    node for up to 30 s (Ray 2.60, for Serve), past stop()'s 20 s, so every job's end took 20 s and
+    then SIGKILLed the srun step, whose worker tasks never removed their private Ray temp
+    directories: one left in /tmp of every other node per job. The job's Ray processes stop at once
+    now (nothing of ours to drain), the step exits by itself, and the worker node's directory goes."""
+    from dflash_dist.orchestration.ray_temp import ray_temp_base
+
+    job = f"stop{os.getpid()}"  # names this job's temp directories (dfray-<job>-w-*: the worker node's)
+    monkeypatch.setenv("SLURM_JOB_ID", job)
+    base = Path(ray_temp_base(f"{job}-w-"))
+    cluster = local_step_cluster([socket.gethostname(), "node-b"], tmp_path)
+    try:
+        cluster.start(timeout_s=240)
+        worker_dirs = set(base.glob(f"dfray-{job}-w-*"))
+        assert len(worker_dirs) == 1, worker_dirs
+    finally:
+        t0 = time.monotonic()
+        cluster.stop(keep_logs=False)
+        took = time.monotonic() - t0
+    step = cluster.procs[1]
+    assert step.returncode != -signal.SIGKILL and took < 15, (step.returncode, took)
+    named = [d for d in [os.path.dirname(cluster.temp_dir), *map(str, worker_dirs)] if processes_naming(d)]
+    assert not named, f"Ray processes of the stopped nodes still running: {named}"
+    time.sleep(3)  # a Ray process still exiting after its node's `ray start` returned wrote its logs there again
+    left = sorted(Path(ray_temp_base(job)).glob(f"dfray-{job}-*")) + sorted(base.glob(f"dfray-{job}-w-*"))
+    assert not left and worker_dirs, left  # the head's directory and the worker node's

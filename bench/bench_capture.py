@@ -411,6 +411,7 @@ def measure_profile(model, v: Variant, a, layer_ids) -> dict:
         print(f"  {k:<26} {ms:8.1f} ms  {100 * ms / total:5.1f}%")
     for name, ms, count in prof["top"][:12]:
         print(f"  {ms:8.1f} ms  x{count:<5} {name}")
+    print(prof["gaps"])
     p = prof["parts"]
     print(
         f"  argmax alone {1e3 * p['argmax_s']:.1f} ms; features D2H {p['d2h_gb']:.2f} GB in "

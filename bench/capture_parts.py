@@ -51,10 +51,12 @@ def classify(name: str) -> str:
 
 
 def profile_forward(model, batch, layer_ids: list[int], mask: str, capture) -> dict:
-    """Kernel time of one capture forward, by class and the top kernels (torch.profiler)."""
+    """Kernel time of one capture forward, by class and the top kernels (torch.profiler); `gaps`: where
+    the GPU idled between kernels (profile_gaps.py's report)."""
+    from profile_gaps import gap_report, host_ops, idle_gaps, kernel_intervals
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         cap = capture(model, batch, layer_ids, mask)
         del cap
         torch.cuda.synchronize()
@@ -66,6 +68,7 @@ def profile_forward(model, batch, layer_ids: list[int], mask: str, capture) -> d
     return {
         "by_class_ms": dict(sorted(by_class.items(), key=lambda kv: -kv[1])),
         "top": [(e.key[:110], round(e.self_device_time_total / 1e3, 2), e.count) for e in top],
+        "gaps": gap_report(idle_gaps(kernel_intervals(prof), host_ops(prof)), steps=1),
     }
 
 

@@ -14,10 +14,11 @@ t0=$(date +%s)
 # the capture may use all but 20 s: what follows needs more than 150 s left, which a capture past ~410 s
 # never leaves, so a lower cap (450 s before) could only cut its job:idle run (~150 s of its ~400-450 s)
 timeout $(($(left) > 60 ? $(left) - 20 : 40)) python3 bench/bench_capture.py --variants 32768:keep:fused2 --pool 256 --batches 2 \
+    --profile 32768:keep:fused2 \
     --e2e 32768:keep:fused2 --sinks "${SINKS:-job:kernel,job:idle}" --writers 4 --e2e-batches 50 --e2e-distinct 5 \
     --disk-gib 2 --shard-dir /tmp/bench_shards/s --json "$out/capture.json" >"$out/capture.log" 2>&1
 echo "capture rc=$? s=$(($(date +%s) - t0))"
-grep -E "^compute|^end to end|disk write" "$out/capture.log" | tail -8
+grep -E "^compute|^end to end|disk write|^profile|idle between|by size|by the host op" "$out/capture.log" | tail -12
 if [ "$(left)" -gt 150 ]; then  # the evaluator on capture.kernels fused (never run on a GPU before; fused2: gpu_speed)
     t0=$(date +%s)
     TORCH_LOGS=recompiles timeout $(($(left) - 10)) python3 -m pytest -m gpu -v -s -rA -p no:cacheprovider tests/test_evaluator.py \

@@ -17,7 +17,7 @@ timeout "$(cap "${TRAIN_STEP_LIMIT_S:-300}")" python3 bench/bench_train_step.py 
     --warmup 2 --settings "${TRAIN_STEP_SETTINGS:?the --settings to time}" ${TRAIN_STEP_ARGS:-} \
     --json "$out/train_step.json" >"$out/train_step.log" 2>&1
 echo "train_step rc=$? s=$(($(date +%s) - t0))"
-grep -E "ms/step|^setting|bound share|FAILED" "$out/train_step.log" | tail -16
+grep -E "ms/step|^setting|bound share|FAILED|^profiled|idle between|by size|by the host op|  [0-9. ]+ us  after" "$out/train_step.log" | tail -36
 # a faautotune setting: inductor's timing table of each flex kernel's candidate tilings (stderr)
 grep -A 8 "^AUTOTUNE flex_attention" "$out/train_step.log" | head -40
 if [ -n "${COST:-}" ]; then  # the optimizer steps on a 1/9 slice (deepspeed, lean, fused) and the 9-rank estimate

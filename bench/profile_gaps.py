@@ -1,0 +1,103 @@
+"""Where a profiled step leaves the GPU idle: the gaps between kernels (all streams merged), the
+largest with the kernels on either side and the host op that launched the kernel ending the gap.
+
+Issue 24's eighth lease measured the 27B step at 230.6 ms wall with 217.7 ms of kernels: >= 12.9 ms
+a step with no kernel running, more than the 10 ms between 4.49 and 4.7 samples/s. The wall minus
+busy figure cannot say where; this does, from the profiler's own events:
+
+    gaps = idle_gaps(kernel_intervals(prof), host_ops(prof))
+    print(gap_report(gaps, steps=2))
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Gap:
+    start_us: float  # the GPU's last kernel (of any stream) ended here
+    end_us: float  # and the next one started here
+    before: str  # the kernel that ended last
+    after: str  # the kernel that ends the gap
+    launched_by: str  # the innermost host op running just before `after` started ("" if none)
+
+    @property
+    def us(self) -> float:
+        return self.end_us - self.start_us
+
+
+def kernel_intervals(prof) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of every device kernel and copy the profiler saw, by start."""
+    out = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+           if e.device_type == torch.autograd.DeviceType.CUDA]  # fmt: skip
+    return sorted(out)
+
+
+def host_ops(prof) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of the host-side ops on the thread that launched the most kernels'
+    runtime calls (the training thread), by start."""
+    cpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    launches: dict[int, int] = {}
+    for e in cpu:
+        if e.name.startswith(("cudaLaunch", "cuLaunch")):
+            launches[e.thread] = launches.get(e.thread, 0) + 1
+    main = max(launches, key=launches.get) if launches else None
+    return sorted((e.time_range.start, e.time_range.end, e.name) for e in cpu if main is None or e.thread == main)
+
+
+def _launcher(ops: list[tuple[float, float, str]], starts: list[float], t: float, lead_us: float) -> str:
+    """The innermost (latest-starting) op that encloses t - lead_us, skipping the runtime's launch calls."""
+    probe = t - lead_us
+    i = bisect.bisect_right(starts, probe)
+    best = ""
+    for start, end, name in reversed(ops[max(0, i - 256) : i]):  # ops nest: an encloser starts shortly before
+        if start <= probe <= end and not name.startswith(("cuda", "cu")):
+            best = name
+            break
+    return best
+
+
+def idle_gaps(kernels: list[tuple[float, float, str]], ops: list[tuple[float, float, str]] = (), min_us: float = 0.0,
+              lead_us: float = 5.0) -> list[Gap]:  # fmt: skip
+    """Every stretch with no kernel running between the first kernel's start and the last one's end,
+    at least `min_us` long, in time order. Overlapping kernels (several streams) count as busy while
+    any runs. `lead_us`: how long before a kernel's start its launch is looked for among `ops`."""
+    kernels = sorted(kernels)
+    ops = sorted(ops)
+    starts = [o[0] for o in ops]
+    gaps: list[Gap] = []
+    busy_until, last = None, ""
+    for start, end, name in kernels:
+        if busy_until is not None and start - busy_until > min_us and start > busy_until:
+            gaps.append(Gap(busy_until, start, last, name, _launcher(ops, starts, start, lead_us)))
+        if busy_until is None or end >= busy_until:
+            busy_until, last = end, name
+    return gaps
+
+
+def gap_report(gaps: list[Gap], steps: int, top: int = 15, width: int = 60) -> str:
+    """Idle per step in all, by size class, and the `top` largest gaps with their neighbours."""
+    total = sum(g.us for g in gaps)
+    lines = [f"idle between kernels: {total / 1e3 / steps:.2f} ms a step in {len(gaps) / steps:.0f} gaps"]
+    classes = ((0, 10), (10, 100), (100, 1000), (1000, float("inf")))
+    parts = []
+    for lo, hi in classes:
+        sel = [g.us for g in gaps if lo <= g.us < hi]
+        label = f">= {lo:g} us" if hi == float("inf") else f"{lo:g}-{hi:g} us"
+        parts.append(f"{label}: {len(sel) / steps:.0f} gaps, {sum(sel) / 1e3 / steps:.2f} ms")
+    lines.append("  by size (a step): " + "; ".join(parts))
+    by_launcher: dict[str, float] = {}
+    for g in gaps:
+        by_launcher[g.launched_by or "?"] = by_launcher.get(g.launched_by or "?", 0.0) + g.us
+    ranked = sorted(by_launcher.items(), key=lambda kv: -kv[1])[:8]
+    lines.append("  by the host op launching the next kernel (ms a step): "
+                 + "; ".join(f"{k[:40]} {v / 1e3 / steps:.2f}" for k, v in ranked))  # fmt: skip
+    lines.append(f"  the {min(top, len(gaps))} largest:")
+    for g in sorted(gaps, key=lambda g: -g.us)[:top]:
+        lines.append(f"  {g.us:9.1f} us  after {g.before[:width]!r} before {g.after[:width]!r}"
+                     f" (launched in {g.launched_by[:40] or '?'})")  # fmt: skip
+    return "\n".join(lines)

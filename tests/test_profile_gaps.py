@@ -1,0 +1,54 @@
+"""bench/profile_gaps.py: the idle stretches between kernels of a profiled step, with the kernels on
+either side and the host op that launched the next kernel."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import profile_gaps as pg  # noqa: E402
+
+
+def test_gaps_merge_streams_and_name_both_sides_and_the_launcher():
+    kernels = [
+        (0.0, 10.0, "gemm_a"),
+        (5.0, 30.0, "copy_on_side_stream"),  # overlaps gemm_a: busy until 30
+        (12.0, 20.0, "norm"),  # inside the side stream's run: no gap at 10
+        (130.0, 140.0, "gemm_b"),  # 100 us with nothing running, after the side-stream copy
+        (141.0, 150.0, "tiny"),  # 1 us
+    ]
+    ops = [
+        (100.0, 200.0, "aten::linear"),
+        (110.0, 128.0, "aten::mm"),  # innermost op running 5 us before gemm_b starts
+        (120.0, 124.0, "cudaLaunchKernel"),  # the runtime's call is skipped
+        (135.0, 140.5, "aten::add"),
+    ]
+    gaps = pg.idle_gaps(kernels, ops)
+    assert [(g.start_us, g.end_us) for g in gaps] == [(30.0, 130.0), (140.0, 141.0)]
+    first = gaps[0]
+    assert (first.us, first.before, first.after) == (100.0, "copy_on_side_stream", "gemm_b")
+    assert first.launched_by == "aten::mm"
+    assert gaps[1].launched_by == "aten::add"  # at 136 us both aten::linear and aten::add run: the inner one
+    assert [g.us for g in pg.idle_gaps(kernels, ops, min_us=5.0)] == [100.0]
+    report = pg.gap_report(gaps, steps=1, top=1)
+    assert "idle between kernels: 0.10 ms a step in 2 gaps" in report
+    assert "100-1000 us: 1 gaps, 0.10 ms" in report and "0-10 us: 1 gaps, 0.00 ms" in report
+    assert "100.0 us  after 'copy_on_side_stream' before 'gemm_b' (launched in aten::mm)" in report
+    assert report.count(" us  after ") == 1  # top=1
+
+
+def test_a_real_profile_gives_host_ops_and_no_kernels_on_cpu():
+    from torch.profiler import ProfilerActivity, profile
+
+    a = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        (a @ a).relu().sum()
+    ops = pg.host_ops(prof)
+    names = {name for _, _, name in ops}
+    assert {"aten::mm", "aten::relu", "aten::sum"} <= names
+    assert all(start <= end for start, end, _ in ops) and ops == sorted(ops)
+    assert pg.kernel_intervals(prof) == []
+    assert pg.gap_report(pg.idle_gaps([], ops), steps=1).startswith("idle between kernels: 0.00 ms a step in 0 gaps")

@@ -206,8 +206,9 @@ class TrainSection(_Section):
     # the optimizer step around AdamW (trainer/zero_step.py): "deepspeed" (DeepSpeed's ZeRO-1/2 step),
     # "lean" (the same state and checkpoints; one fp32 norm, clip and non-finite skip inside the fused
     # AdamW kernel, no host sync), "fused" (lean with one compiled AdamW kernel that reads the bf16
-    # gradients and writes the bf16 weights: trainer/fused_adamw.py; opt-in until measured at 1/N of
-    # the parameters), "auto": lean on GPU ranks, deepspeed on CPU (the pinned loss curve)
+    # gradients and writes the bf16 weights: trainer/fused_adamw.py; opt-in: at the 27B shape on the H200
+    # -7.5 ms a step at world size 1 (3%), but 3.38 vs lean's 3.94 ms at 1/9 of the parameters, 0.13% of a
+    # 9-rank step, docs/BENCHMARKS.md), "auto": lean on GPU ranks, deepspeed on CPU (the pinned loss curve)
     optimizer_step: Literal["auto", "deepspeed", "lean", "fused"] = "auto"
     # ZeRO-1/2's gradient reduction each micro-batch (DeepSpeed's use_multi_rank_bucket_allreduce,
     # ds_config.py): "allreduce" (DeepSpeed's default) all-reduces every whole bucket, 2(N-1)/N x 2P bytes

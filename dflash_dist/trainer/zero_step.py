@@ -56,7 +56,8 @@ DEEPSPEED_VERSION = "0.19.8"  # the step below mirrors this version's DeepSpeedZ
 def resolve_step(kind: str, on_gpu: bool) -> str:
     """train.optimizer_step "auto": lean on GPU ranks (where the step's launches and syncs cost),
     DeepSpeed's own on CPU (the pinned loss curve's path). "fused" (opt-in): the lean step with one
-    AdamW kernel (trainer/fused_adamw.py; not the default until measured at 1/N of the parameters)."""
+    AdamW kernel (trainer/fused_adamw.py; 3% at world size 1, 0.13% at the 27B config's 9 ranks: not the
+    default, docs/BENCHMARKS.md's eighth lease)."""
     if kind not in STEPS:
         raise ValueError(f"train.optimizer_step={kind!r}; expected one of {STEPS}")
     if kind == "auto":

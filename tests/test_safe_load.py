@@ -165,6 +165,32 @@ def test_planted_pickle_in_a_universal_copy_is_refused_on_load(tiny, shards, tmp
     assert not flag.exists(), "the planted payload ran"
 
 
+def test_a_file_planted_beside_a_universal_copys_listed_files_is_not_loaded(tiny, shards, tmp_path, single_rank_gloo):
+    """DeepSpeed's universal load globs the copy for `mp_rank_*_model_states.pt` and reads the first
+    (sorted) for the trainer's client state (step, samples, data position, RNG) and the LR schedule.
+    The tag's unlisted files are refused (checkpoint.verify_checksums), but the copy was exempted as
+    having its own record, and reusing it compared only the files that record lists: a copy of the
+    model states with the trainer's step set back to 1, planted as `mp_rank_0-_model_states.pt`, was
+    loaded, and the resume trained steps 2 and 3 again (4 samples, not 2); an accidental copy (its
+    mp_world_size 1) failed the resume in DeepSpeed's own assertion, naming no file. A copy holding a file its
+    record does not list is converted again from the (verified) tag, which removes it."""
+    out = tmp_path / "run"
+    tag = train(out, tiny, shards)
+    copy = universal.convert(tag)
+    with weights_only_loads():
+        states = torch.load(copy / "mp_rank_00_model_states.pt")
+    assert [s["step"] for s in states["dflash"]["trainer"]] == [STEPS]
+    for s in states["dflash"]["trainer"]:
+        s["step"] = 1
+    states["mp_world_size"] = 2  # DeepSpeed checks the files it globbed against this count (plain data)
+    planted = copy / "mp_rank_0-_model_states.pt"  # sorts before mp_rank_00_...
+    torch.save(states, planted)
+    pretend_saved_by_two_ranks(tag)
+    result = resume(out, tiny, shards, tag)
+    assert (result.steps, result.samples_consumed) == (TOTAL, 2)
+    assert not planted.exists() and universal.is_converted(tag)
+
+
 def test_truncated_file_with_a_matching_marker_is_named(tiny, shards, tmp_path, single_rank_gloo):
     """A checkpoint file cut short after the marker was fixed to its size (so the marker check
     passes): the load fails naming the file, not with the zip reader's bare message."""

@@ -101,6 +101,28 @@ def test_a_live_worker_requires_the_checksum_record_of_the_runs_own_export(tiny,
         ev.close()
 
 
+def test_live_workers_measure_a_reference_drafter_that_has_no_checksum_record(tiny, tmp_path):
+    """eval.live_workers=2 in live mode against a reference drafter from elsewhere (z-lab's export has
+    no dflash_export.json): the evaluator passes it to its workers as not the run's own, so they load
+    it as the evaluator does instead of requiring the record of the run's own exports. (The worker
+    side: the test above; this one covers the evaluator's reference path, which nothing else runs.)"""
+    from dflash_dist.model.export import EXPORT_RECORD
+
+    ref = tmp_path / "zlab_drafter"
+    shutil.copytree(tiny["root"] / "trained", ref)
+    (ref / EXPORT_RECORD).unlink()
+    tree = tiny["cfg"].to_dict()
+    tree["eval"].update(mode="live", live_workers=2, reference_drafter=str(ref))
+    out = tmp_path / "run"
+    (out / "export").mkdir(parents=True)
+    ev = Evaluator(config_from(tree), out, tiny["target_dir"], tiny["prompts"], expected=None)
+    try:
+        record = ev.reference_tau()
+    finally:
+        ev.close()
+    assert record["live_tau_chain"] == pytest.approx(record["tau_chain"], rel=0.02)
+
+
 def test_live_workers_refuse_a_target_changed_on_disk_after_the_evaluator_loaded_it(tiny, tmp_path):
     """eval.live_workers=2: the target's weights are rewritten after the evaluator verified and
     loaded them; the spawned workers, which load the target again for live decoding, refuse it,
@@ -254,8 +276,16 @@ def _plan(capture_target, target: Path, out: Path):
     """The run plan of an extract over `target`, made in this process (the driver)."""
     from dflash_dist.orchestration.run_plan import make_plan
 
-    cfg = capture_config(out, target, capture_target["jsonl"], "eval.enabled=false", "eval.max_new_tokens=4",
-                         "eval.poll_s=0.1", cpus_per_actor=0.5, max_restarts=0)
+    cfg = capture_config(
+        out,
+        target,
+        capture_target["jsonl"],
+        "eval.enabled=false",
+        "eval.max_new_tokens=4",
+        "eval.poll_s=0.1",
+        cpus_per_actor=0.5,
+        max_restarts=0,
+    )
     return cfg, make_plan(cfg, ("extract",), "never")
 
 
@@ -346,12 +376,20 @@ def test_a_capture_slice_hashes_unless_it_made_the_plan_itself(capture_target, t
     cfg = capture_config(tmp_path / "run", here, capture_target["jsonl"], "eval.enabled=false")
     assert capture_slice(cfg, 0, 2)["weights_hashed"] == 0  # made the plan here: its check
     (tmp_path / "cfg.json").write_text(json.dumps(cfg.to_dict()))
-    code = ("import json, sys; from dflash_dist.config import load_config_dict; "
-            "from launcher.slurm_capture import capture_slice; "
-            "capture_slice(load_config_dict(json.load(open(sys.argv[1]))), 1, 2)")
+    code = (
+        "import json, sys; from dflash_dist.config import load_config_dict; "
+        "from launcher.slurm_capture import capture_slice; "
+        "capture_slice(load_config_dict(json.load(open(sys.argv[1]))), 1, 2)"
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("SLURM_JOB_ID", None), env.pop("SLURM_ARRAY_JOB_ID", None)  # the same plan key as this process's
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "cfg.json")], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "cfg.json")],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(slice_marker(cfg.out, 1, 2).read_text())["weights_hashed"] == 1

@@ -41,6 +41,7 @@ TAG_RE = re.compile(r"step_(\d+)")
 RESUME_MODES = ("auto", "never")  # or a checkpoint tag directory
 ELASTIC_STAGES = (1, 2, 3)  # ZeRO stages resumable at another world size (universal.py)
 
+
 class ResumeError(ValueError):
     """A run cannot start or resume as asked; the message says why and what to do."""
 
@@ -144,17 +145,18 @@ def _universal_dir(name: str) -> bool:
     return name == "universal" or name.startswith(".universal.tmp-")
 
 
-def unlisted_files(tag_dir: Path, listed: list[str]) -> list[str]:
+def unlisted_files(tag_dir: Path, listed: list[str], tag: bool = True) -> list[str]:
     """Entries of `tag_dir` (any depth; links and devices too, no link followed) that its marker does
-    not list and universal.py did not make, sorted: DeepSpeed's globbing loaders would read them unverified."""
+    not list and universal.py did not make, sorted: DeepSpeed's globbing loaders would read them unverified.
+    `tag` False: a directory whose record lists everything in it (universal.py's converted copy)."""
     found = []
     for root, dirs, files in os.walk(tag_dir):
         rel = Path(root).relative_to(tag_dir)
         links = [d for d in dirs if os.path.islink(os.path.join(root, d))]  # os.walk lists them, never enters
         if rel == Path("."):
-            dirs[:] = [d for d in dirs if d not in links and not _universal_dir(d)]
+            dirs[:] = [d for d in dirs if d not in links and not (tag and _universal_dir(d))]
         found += [str(rel / name) for name in (*files, *links)]
-    own = set(listed) | set(_UNLISTED_FILES)
+    own = set(listed) | (set(_UNLISTED_FILES) if tag else set())
     return sorted(n for n in found if n not in own)
 
 
@@ -170,8 +172,10 @@ def read_latest(ckpt_dir: Path) -> str | None:
     except FileNotFoundError:
         return None
     if name is not None and not TAG_RE.fullmatch(name):
-        raise ResumeError(f"{ckpt_dir / LATEST} names {name[:80]!r}, not a tag of this directory (step_N): it is "
-                          "written only by the trainer; delete it to resume from the newest complete tag")
+        raise ResumeError(
+            f"{ckpt_dir / LATEST} names {name[:80]!r}, not a tag of this directory (step_N): it is "
+            "written only by the trainer; delete it to resume from the newest complete tag"
+        )
     return name
 
 

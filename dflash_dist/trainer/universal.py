@@ -16,8 +16,10 @@ The converted copy lives inside the tag (`<tag>/universal/`), so a second resume
 and pruning the tag removes it. It is written into a temporary directory and renamed into
 place only after its completion marker (with every file's XXH3 checksum) is on disk: a crash
 leaves nothing that looks complete, and the next resume converts again. A reused copy is
-verified against those checksums first; a damaged one is converted again from the tag (whose
-own files `checkpoint.verify_checksums` verified before). Rank 0 converts; the other ranks wait (`ensure_universal`).
+verified against those checksums first, and must hold no file they do not list (DeepSpeed's
+universal load globs it, as its ZeRO loaders glob the tag); a damaged one is converted again from
+the tag (whose own files `checkpoint.verify_checksums` verified before). Rank 0 converts; the
+other ranks wait (`ensure_universal`).
 
 Stage 0 is not elastic here: without ZeRO the optimizer state is not DeepSpeed-partitioned
 on CPU, but on GPU bf16 the BF16_Optimizer partitions it in yet another layout; refusing is
@@ -40,7 +42,7 @@ import torch.distributed as dist
 
 from data_pipeline.checksums import file_checksums, mismatched_files
 from data_pipeline.durable_files import fsync_dir, write_text_atomic
-from dflash_dist.trainer.checkpoint import fsync_tree
+from dflash_dist.trainer.checkpoint import fsync_tree, unlisted_files
 from dflash_dist.trainer.collectives import PeerError, run_or_stop
 from dflash_dist.trainer.safe_load import weights_only_loads
 
@@ -76,10 +78,13 @@ def convert(tag_dir: Path) -> Path:
     if is_converted(tag_dir):
         meta = json.loads((out / UNIVERSAL_MARKER).read_text())
         damaged = mismatched_files(out, meta["checksums"])
-        if not damaged:
+        # DeepSpeed's universal load globs the copy (the first mp_rank_*_model_states.pt, every zero/<param>/*.pt)
+        unlisted = unlisted_files(out, [*meta["checksums"]["files"], UNIVERSAL_MARKER], tag=False)
+        if not damaged and not unlisted:
             return out
-        log.warning("%s: %s differ(s) from the checksums recorded at conversion: converting %s again",
-                    out, ", ".join(damaged), tag_dir)  # fmt: skip
+        log.warning("%s: %s differ(s) from the checksums recorded at conversion, %s not listed there: converting "
+                    "%s again", out, ", ".join(damaged) or "nothing", ", ".join(unlisted[:5]) or "nothing",
+                    tag_dir)  # fmt: skip
     for stale in [out, *tag_dir.glob(f".{UNIVERSAL}.tmp-*")]:  # a conversion that crashed
         shutil.rmtree(stale, ignore_errors=True)
     tmp = tag_dir / f".{UNIVERSAL}.tmp-{os.getpid()}"

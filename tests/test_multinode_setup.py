@@ -175,6 +175,45 @@ def test_a_relative_out_is_one_directory_for_the_driver_and_actors_on_other_node
     assert resolve_target_dir(hf) == expected_target_dir(hf) == here / "models" / "t"
 
 
+def test_a_relative_resume_path_is_one_checkpoint_for_the_driver_and_trainers_on_other_nodes(
+    ray_cluster, monkeypatch, tmp_path
+):
+    """`dflash-dist run CONFIG --out runs/x --resume runs/x/checkpoints/step_2` typed in one
+    directory: the driver decides on that tag (plan_resume) and hands its path to the trainer ranks,
+    which check it on their own nodes (resume.verify), from where their node's Ray was started. The
+    path went as typed, relative: a rank on another node found no checkpoint ("the checkpoint decided
+    on for this resume is gone"), as a relative --out named another directory there before."""
+    import hashlib
+
+    import ray
+
+    from dflash_dist.trainer import resume
+    from dflash_dist.trainer.checkpoint import MARKER, ResumeError, plan_resume, write_marker
+    from launcher.cli import cli_resume
+
+    here = tmp_path / "typed-here"
+    tag = here / "runs" / "x" / "checkpoints" / "step_2"
+    tag.mkdir(parents=True)
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"the tag's files")
+    write_marker(tag, {"step": 2})  # a complete tag, as the trainer marks one
+    monkeypatch.chdir(here)
+    path = plan_resume(cli_resume("runs/x/checkpoints/step_2"), here / "runs" / "x" / "checkpoints")
+    decision = resume.ResumeDecision(str(path), 2, 1, 1, hashlib.sha256((path / MARKER).read_bytes()).hexdigest())
+
+    @ray.remote(num_cpus=0)
+    def verified_on_a_node(d: resume.ResumeDecision) -> tuple[str, str | None]:
+        try:
+            resume.verify(d)
+        except ResumeError as e:
+            return os.getcwd(), str(e)
+        return os.getcwd(), None
+
+    cwd, error = ray.get(verified_on_a_node.remote(decision))
+    assert cwd != str(here)  # the actor's node was started elsewhere, as every other node is
+    assert error is None, f"a trainer whose node's Ray started in {cwd}: {error}"
+    assert (cli_resume("auto"), cli_resume("never")) == ("auto", "never")
+
+
 def test_the_jobs_ray_stops_at_once_and_every_node_removes_its_temp_dir(tmp_path, monkeypatch):
     """stop() at the end of a multi-node job: `ray start --block` answers SIGTERM by draining its
     node for up to 30 s (Ray 2.60, for Serve), past stop()'s 20 s, so every job's end took 20 s and

@@ -42,16 +42,19 @@ def processes_naming(text: str) -> list[int]:
     return found
 
 
-def local_step_cluster(hosts: list[str], run_dir: Path, fail_with: int | None = None):
+def local_step_cluster(hosts: list[str], run_dir: Path, fail_with: int | None = None, hang: bool = False):
     """SlurmRayCluster with its srun step's task run here: what srun runs on each other node
     (`python -m launcher.slurm_ray worker ...`, the real code), or, with `fail_with`, a step that
-    could not start there (a node down) and exits with that code."""
+    could not start there (a node down) and exits with that code, or, with `hang`, a step that
+    runs on without its node ever joining (a `ray start` retrying an address it cannot reach)."""
     from launcher.slurm_ray import SlurmRayCluster
 
     class Cluster(SlurmRayCluster):
         def worker_command(self) -> list[str]:
             if fail_with is not None:
                 return [sys.executable, "-c", f"raise SystemExit({fail_with})"]
+            if hang:
+                return [sys.executable, "-c", "import time; time.sleep(600)"]
             command = super().worker_command()
             return [*command[command.index(sys.executable) :], "--num-cpus", "1"]
 
@@ -109,6 +112,27 @@ def test_a_node_that_does_not_join_fails_the_job_at_once_naming_it(tmp_path):
     assert raised is not None, "start() returned with a node missing"
     assert "1 of 2 nodes joined" in raised and "node-b ended with exit code 3" in raised, raised
     assert took < 60, took
+
+
+def test_a_node_that_never_joins_is_named_when_the_wait_ends(tmp_path):
+    """The srun step runs on but one node's Ray never joins: start() gives up when its time is spent
+    and names the host that did not join (and those that did), not only a count: with dozens of
+    nodes, "7 of 8 nodes joined" left the operator to find the missing one in the job's log."""
+    from dflash_dist.orchestration.run_plan import PipelineError
+
+    host = socket.gethostname()
+    cluster = local_step_cluster([host, "node-b"], tmp_path, hang=True)
+    try:
+        try:
+            cluster.start(timeout_s=40)
+            raised = None
+        except PipelineError as e:
+            raised = str(e)
+    finally:
+        cluster.stop(keep_logs=False)
+    assert raised is not None, "start() returned with a node missing"
+    assert "1 of 2 nodes joined" in raised and "not joined: node-b" in raised, raised
+    assert f"joined: {host}" in raised, raised
 
 
 def test_rank_0s_store_listens_where_the_other_nodes_reach_it():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     if cmd in ("run", "train", "extract"):
-        args.resume = args.resume or "never"
+        args.resume = cli_resume(args.resume or "never")
     from dflash_dist.config import ConfigError
     from dflash_dist.logging_setup import setup_logging
 
@@ -154,6 +155,13 @@ def load_cli_config(config: str, overrides: list[str], out: str | None):
     from dflash_dist.config import load_config, with_absolute_paths
 
     return with_absolute_paths(load_config(config, overrides, out_dir=out))
+
+
+def cli_resume(resume: str) -> str:
+    """--resume as the stages get it: auto and never as given, a checkpoint PATH made absolute here
+    (the trainer ranks open the tag the driver decided on from their node's working directory, where
+    its Ray was started: config.with_absolute_paths' reason)."""
+    return resume if resume in ("auto", "never") else os.path.abspath(resume)
 
 
 def compile_cache_problem() -> str | None:

@@ -52,17 +52,18 @@ def _ray_bin() -> str:
     return str(Path(sys.executable).with_name("ray"))
 
 
-# run with the job's Ray environment: the alive nodes counted each second ("NODES n") until ARGV[1] are
+# run with the job's Ray environment: the alive nodes counted each second ("NODES n HOST...", their host
+# names) until ARGV[1] are
 _WAIT_FOR_NODES = """import sys, time
 import ray
 ray.init(logging_level="ERROR", log_to_driver=False)
 last = None
 while True:
-    n = sum(1 for node in ray.nodes() if node["Alive"])
-    if n != last:
-        print("NODES", n, flush=True)
-        last = n
-    if n >= int(sys.argv[1]):
+    hosts = sorted(node["NodeManagerHostname"] for node in ray.nodes() if node["Alive"])
+    if hosts != last:
+        print("NODES", len(hosts), *hosts, flush=True)
+        last = hosts
+    if len(hosts) >= int(sys.argv[1]):
         break
     time.sleep(1)
 """
@@ -147,13 +148,14 @@ class SlurmRayCluster:
         from dflash_dist.orchestration.run_plan import PipelineError
 
         # the head's node runs (start saw it); not yet counted: it alone, as far as anyone knows
-        joined = next((line.split()[1] for line in reversed(counts) if line.startswith("NODES ")), "1")
+        last = next((line.split()[1:] for line in reversed(counts) if line.startswith("NODES ")), None)
+        joined, names = (last[0], last[1:]) if last else ("1", [self.hosts[0]])
         if step.poll() is not None:
             why = f"the srun step starting Ray on {', '.join(self.hosts[1:])} ended with exit code {step.returncode}"
         elif waiter.returncode not in (0, -signal.SIGKILL):
             why = f"the head could not be asked ({''.join(counts)[-500:].strip()})"
         else:
-            why = f"not every node joined within {timeout_s:.0f} s"
+            why = f"not every node joined within {timeout_s:.0f} s ({missing_hosts(self.hosts, names)})"
         raise PipelineError(f"the job's Ray cluster: {joined} of {want} nodes joined the head at {self.address} on "
                             f"{self.hosts[0]}: {why}; the nodes' Ray output is in the job's log")
 
@@ -255,6 +257,14 @@ def end_node_processes(temp_dir: str, pgid: int, grace_s: float = 10.0) -> None:
             pids = node_processes(temp_dir, pgid)
         if not pids:
             return
+
+
+def missing_hosts(hosts: list[str], joined: list[str]) -> str:
+    """Which of the job's `hosts` have no Ray node among `joined` (the nodes' own host names, which
+    Slurm's node names match up to the domain), and which joined: "not joined: b, c; joined: a"."""
+    have = {name.split(".")[0] for name in joined}
+    absent = [h for h in hosts if h.split(".")[0] not in have]
+    return f"not joined: {', '.join(absent) or '?'}; joined: {', '.join(joined) or '-'}"
 
 
 def _relay(proc: subprocess.Popen, up: threading.Event) -> None:

@@ -42,16 +42,19 @@ def processes_naming(text: str) -> list[int]:
     return found
 
 
-def local_step_cluster(hosts: list[str], run_dir: Path, fail_with: int | None = None):
+def local_step_cluster(hosts: list[str], run_dir: Path, fail_with: int | None = None, hang: bool = False):
     """SlurmRayCluster with its srun step's task run here: what srun runs on each other node
     (`python -m launcher.slurm_ray worker ...`, the real code), or, with `fail_with`, a step that
-    could not start there (a node down) and exits with that code."""
+    could not start there (a node down) and exits with that code, or, with `hang`, a step that
+    runs on without its node ever joining (a `ray start` retrying an address it cannot reach)."""
     from launcher.slurm_ray import SlurmRayCluster
 
     class Cluster(SlurmRayCluster):
         def worker_command(self) -> list[str]:
             if fail_with is not None:
                 return [sys.executable, "-c", f"raise SystemExit({fail_with})"]
+            if hang:
+                return [sys.executable, "-c", "import time; time.sleep(600)"]
             command = super().worker_command()
             return [*command[command.index(sys.executable) :], "--num-cpus", "1"]
 
@@ -109,6 +112,27 @@ def test_a_node_that_does_not_join_fails_the_job_at_once_naming_it(tmp_path):
     assert raised is not None, "start() returned with a node missing"
     assert "1 of 2 nodes joined" in raised and "node-b ended with exit code 3" in raised, raised
     assert took < 60, took
+
+
+def test_a_node_that_never_joins_is_named_when_the_wait_ends(tmp_path):
+    """The srun step runs on but one node's Ray never joins: start() gives up when its time is spent
+    and names the host that did not join (and those that did), not only a count: with dozens of
+    nodes, "7 of 8 nodes joined" left the operator to find the missing one in the job's log."""
+    from dflash_dist.orchestration.run_plan import PipelineError
+
+    host = socket.gethostname()
+    cluster = local_step_cluster([host, "node-b"], tmp_path, hang=True)
+    try:
+        try:
+            cluster.start(timeout_s=40)
+            raised = None
+        except PipelineError as e:
+            raised = str(e)
+    finally:
+        cluster.stop(keep_logs=False)
+    assert raised is not None, "start() returned with a node missing"
+    assert "1 of 2 nodes joined" in raised and "not joined: node-b" in raised, raised
+    assert f"joined: {host}" in raised, raised
 
 
 def test_rank_0s_store_listens_where_the_other_nodes_reach_it():
@@ -173,6 +197,45 @@ def test_a_relative_out_is_one_directory_for_the_driver_and_actors_on_other_node
     assert (out, ref) == (str(here / "runs" / "x"), str(here / "ref" / "drafter"))
     hf = load_config(None, ["target.kind=hf", "target.path=models/t", "data.train_path=d.jsonl"], check_files=False)
     assert resolve_target_dir(hf) == expected_target_dir(hf) == here / "models" / "t"
+
+
+def test_a_relative_resume_path_is_one_checkpoint_for_the_driver_and_trainers_on_other_nodes(
+    ray_cluster, monkeypatch, tmp_path
+):
+    """`dflash-dist run CONFIG --out runs/x --resume runs/x/checkpoints/step_2` typed in one
+    directory: the driver decides on that tag (plan_resume) and hands its path to the trainer ranks,
+    which check it on their own nodes (resume.verify), from where their node's Ray was started. The
+    path went as typed, relative: a rank on another node found no checkpoint ("the checkpoint decided
+    on for this resume is gone"), as a relative --out named another directory there before."""
+    import hashlib
+
+    import ray
+
+    from dflash_dist.trainer import resume
+    from dflash_dist.trainer.checkpoint import MARKER, ResumeError, plan_resume, write_marker
+    from launcher.cli import cli_resume
+
+    here = tmp_path / "typed-here"
+    tag = here / "runs" / "x" / "checkpoints" / "step_2"
+    tag.mkdir(parents=True)
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"the tag's files")
+    write_marker(tag, {"step": 2})  # a complete tag, as the trainer marks one
+    monkeypatch.chdir(here)
+    path = plan_resume(cli_resume("runs/x/checkpoints/step_2"), here / "runs" / "x" / "checkpoints")
+    decision = resume.ResumeDecision(str(path), 2, 1, 1, hashlib.sha256((path / MARKER).read_bytes()).hexdigest())
+
+    @ray.remote(num_cpus=0)
+    def verified_on_a_node(d: resume.ResumeDecision) -> tuple[str, str | None]:
+        try:
+            resume.verify(d)
+        except ResumeError as e:
+            return os.getcwd(), str(e)
+        return os.getcwd(), None
+
+    cwd, error = ray.get(verified_on_a_node.remote(decision))
+    assert cwd != str(here)  # the actor's node was started elsewhere, as every other node is
+    assert error is None, f"a trainer whose node's Ray started in {cwd}: {error}"
+    assert (cli_resume("auto"), cli_resume("never")) == ("auto", "never")
 
 
 def test_the_jobs_ray_stops_at_once_and_every_node_removes_its_temp_dir(tmp_path, monkeypatch):

@@ -32,7 +32,7 @@ from dflash_dist.actors.rendezvous import network_address
 from dflash_dist.config import Config, ConfigError
 from dflash_dist.orchestration.ray_temp import make_private_ray_temp, release_ray_temp
 from launcher.ray_auth import new_token, with_auth
-from launcher.slurm_train import step_hostnames
+from launcher.slurm_train import head_address, step_hostnames
 
 log = logging.getLogger(__name__)
 NOTICES = (signal.SIGTERM, signal.SIGUSR1)
@@ -83,7 +83,10 @@ class SlurmRayCluster:
             self.failed_flag.unlink(missing_ok=True)
         # the head runs here, on the first host: with others, the address they reach it at (not a loopback
         # address this node's /etc/hosts may give its own name: they would dial themselves and never join)
-        self.address_ip = "127.0.0.1" if len(hostnames) == 1 else network_address(hostnames[0])
+        # (MASTER_ADDR in the job's environment, when set, is that address: a chosen network's, as for the trainers)
+        self.address_ip = "127.0.0.1" if len(hostnames) == 1 else (
+            head_address(os.environ, hostnames) if os.environ.get("MASTER_ADDR", "").strip()
+            else network_address(hostnames[0]))  # fmt: skip
         # the head's sessions inside a directory of ours no other user can enter (ray_temp.py)
         self.temp_dir = make_private_ray_temp(f"{job}-")
         self.ports = free_ports(len(_HEAD_PORT_FLAGS))

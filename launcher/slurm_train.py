@@ -16,6 +16,7 @@ import os
 import subprocess
 from collections.abc import Mapping
 
+from dflash_dist.actors.rendezvous import is_loopback
 from dflash_dist.config import Config, ConfigError
 from dflash_dist.logging_setup import setup_logging
 
@@ -53,7 +54,7 @@ def slurm_rank_environment(env: Mapping[str, str], hostnames: list[str], on_gpu:
         )
     port = env.get("MASTER_PORT") or str(PORT_BASE + int(env["SLURM_JOB_ID"]) % PORT_SPAN)
     return {
-        "MASTER_ADDR": "127.0.0.1" if len(hostnames) == 1 else hostnames[0],
+        "MASTER_ADDR": "127.0.0.1" if len(hostnames) == 1 else head_address(env, hostnames),
         "MASTER_PORT": port,
         "RANK": env["SLURM_PROCID"],
         "WORLD_SIZE": env["SLURM_NTASKS"],
@@ -61,6 +62,18 @@ def slurm_rank_environment(env: Mapping[str, str], hostnames: list[str], on_gpu:
         "LOCAL_WORLD_SIZE": str(tasks_per_node(env)[int(env.get("SLURM_NODEID", "0"))]),
         "DS_ACCELERATOR": "cuda" if on_gpu else "cpu",
     }
+
+
+def head_address(env: Mapping[str, str], hostnames: list[str]) -> str:
+    """Where the other nodes of a multi-node job reach the first one: MASTER_ADDR from the job's
+    environment when set (the address of the network to use, e.g. an InfiniBand interface's, which
+    the first host's name may not resolve to on every node), else the first host's name."""
+    given = env.get("MASTER_ADDR", "").strip()
+    if given and is_loopback(given):
+        raise ConfigError(f"MASTER_ADDR={given} is a loopback address, but this job spans {len(hostnames)} nodes "
+                          f"({', '.join(hostnames)}): the others cannot reach it; unset MASTER_ADDR, or set it to "
+                          f"the first node's ({hostnames[0]}) address on the network the nodes share")
+    return given or hostnames[0]
 
 
 def tasks_per_node(env: Mapping[str, str]) -> list[int]:

@@ -19,6 +19,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from dflash_dist.actors.ports import free_ports
 from dflash_dist.actors.rendezvous import is_loopback
 from tests.conftest import REPO
@@ -265,3 +267,32 @@ def test_the_jobs_ray_stops_at_once_and_every_node_removes_its_temp_dir(tmp_path
     time.sleep(3)  # a Ray process still exiting after its node's `ray start` returned wrote its logs there again
     left = sorted(Path(ray_temp_base(job)).glob(f"dfray-{job}-*")) + sorted(base.glob(f"dfray-{job}-w-*"))
     assert not left and worker_dirs, left  # the head's directory and the worker node's
+
+
+def test_master_addr_in_the_jobs_environment_chooses_the_network_of_a_multi_node_job(tmp_path, monkeypatch):
+    """A multi-node job whose nodes share a network the first host's name does not resolve to (an
+    InfiniBand interface's address): MASTER_ADDR in the job's environment is where the trainers' store
+    and the Ray head are reached; a loopback MASTER_ADDR over several nodes is refused naming it; one
+    node stays on 127.0.0.1 whatever the environment says."""
+    from launcher.slurm_ray import SlurmRayCluster
+    from launcher.slurm_train import slurm_rank_environment
+
+    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "77",
+           "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}  # fmt: skip
+    assert slurm_rank_environment(env, ["gpu-a", "gpu-b"], True)["MASTER_ADDR"] == "gpu-a"
+    chosen = {**env, "MASTER_ADDR": "192.0.2.7"}
+    assert slurm_rank_environment(chosen, ["gpu-a", "gpu-b"], True)["MASTER_ADDR"] == "192.0.2.7"
+    assert slurm_rank_environment(chosen, ["gpu-a"], True)["MASTER_ADDR"] == "127.0.0.1"
+    with pytest.raises(ValueError, match=r"MASTER_ADDR=127\.0\.0\.1 is a loopback address.*gpu-a"):
+        slurm_rank_environment({**env, "MASTER_ADDR": "127.0.0.1"}, ["gpu-a", "gpu-b"], True)
+
+    monkeypatch.setenv("MASTER_ADDR", "192.0.2.7")
+    cluster = SlurmRayCluster([socket.gethostname(), "node-b"], run_dir=tmp_path)
+    try:
+        assert cluster.address_ip == "192.0.2.7" and cluster.address.startswith("192.0.2.7:")
+        assert cluster.worker_command()[cluster.worker_command().index("--address") + 1] == cluster.address
+    finally:
+        cluster.stop()
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    with pytest.raises(ValueError, match="MASTER_ADDR=localhost is a loopback address"):
+        SlurmRayCluster([socket.gethostname(), "node-b"], run_dir=tmp_path)

@@ -129,11 +129,17 @@ def _start_worker(*worker_args: str, log: Path) -> tuple[subprocess.Popen, Path]
             start_new_session=True, stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
 
+    def ours(pid: int) -> bool:  # in the worker's process group (another Ray node of this machine's is not)
+        try:
+            return os.getpgid(pid) == worker.pid
+        except ProcessLookupError:
+            return False
+
     def session():
         new = set(Path(ray_temp_base("x-w-")).glob("dfray-*")) - before
-        found = [s for d in new for s in (d / "ray").glob("session_2*") if (s / "sockets" / "raylet").exists()]
-        started = "Ray runtime started" in log.read_text()
-        return found[0] if found and started and _raylets(found[0]) else None
+        found = [s for d in new for s in (d / "ray").glob("session_2*") if (s / "sockets" / "raylet").exists()
+                 and any(ours(p) for p in _raylets(s))]  # fmt: skip
+        return found[0] if found and "Ray runtime started" in log.read_text() else None
 
     try:
         return worker, _wait_for(session, what="the worker node's raylet")

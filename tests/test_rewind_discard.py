@@ -75,7 +75,7 @@ def _resume_from_step_2(cfg, tiny, shards: Path) -> None:
 
 
 def test_a_resume_from_an_earlier_tag_moves_the_later_exports_and_results_aside(tiny, tmp_path, single_rank_gloo,
-                                                                                 caplog):  # fmt: skip
+                                                                                 caplog, capsys):  # fmt: skip
     """Before: eval/step_4.json and export/step_4 of the discarded future stayed; a fresh evaluator
     measured nothing (`[]`) and the old result stood for the new export."""
     from dflash_dist.evaluator.evaluator import Evaluator
@@ -108,6 +108,15 @@ def test_a_resume_from_an_earlier_tag_moves_the_later_exports_and_results_aside(
     taus = scalars(out / "tb" / "eval")["eval/tau_chain"]
     assert [st for st, _ in taus] == [2, 4] and taus[1][1] == pytest.approx(measured[0].tau_chain)
     assert checkpoint.read_latest(out / "checkpoints") == "step_4"
+    # the run's summary: the new tau at step 4, and what was moved aside
+    from dflash_dist.orchestration.pipeline import PipelineResult, _layout, _print_summary
+
+    capsys.readouterr()
+    _print_summary(cfg, _layout(cfg), PipelineResult(str(out), ("train", "eval"), (), (), (), 0, None, 600.0))
+    summary = capsys.readouterr().out
+    assert "  " + measured[0].table_row() + "\n" in summary and summary.count("step      4:") == 1, summary
+    assert (f"[discarded] {moved}: eval/step_4.json, eval/rounds/step_4.json, export/step_4 (resumed from step_2 "
+            "(step 2)") in summary, summary  # fmt: skip
 
 
 def test_an_evaluator_holding_the_discarded_results_measures_the_new_export(tiny, tmp_path, single_rank_gloo,

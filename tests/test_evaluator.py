@@ -178,7 +178,8 @@ def test_evaluator_scores_exports_and_a_restart_continues(tiny, tmp_path):
     # restart: a fresh evaluator recovers step 10 from eval/step_10.json and does only step 20
     publish(tiny, out, "trained", 20)
     ev2 = Evaluator(tiny["cfg"], out, tiny["target_dir"], tiny["prompts"], expected=ev.provenance)
-    assert ev2.done == {10} and ev2.state_dict() == {"version": 1, "evaluated": [10]}
+    measured = json.loads((out / "export" / "step_10" / "dflash_export.json").read_text())["checksums"]["files"]
+    assert ev2.done == {10} and ev2.state_dict() == {"version": 2, "evaluated": [10], "exports": {"10": measured}}
     second = ev2.run_until(lambda: (True, 20), poll_s=0.05)
     ev2.close()
     assert [r.step for r in second] == [20]

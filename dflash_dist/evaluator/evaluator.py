@@ -27,6 +27,16 @@ continues after the last checkpoint it finished. A checkpoint whose result lacks
 asks (live or server tau; `dflash-dist eval ... eval.mode=live` on a run evaluated by replay) is
 measured again for that mode, keeping the result's replay tau and its other modes; results of
 another eval.count are refused (one count per run directory).
+
+A resume from an earlier checkpoint (trainer/discard.py) moves the results and exports of the
+steps after it into <out>/discarded/; the trainer then writes those exports again. A result is
+trusted only while its eval/step_N.json is still there and export/step_N holds the files it
+measured (their checksums are in the result): the evaluator checks this before each choice of
+export, since it may have read the results before the trainer moved them, or measured an old
+export the trainer moved meanwhile (that result is moved aside too). Dropped steps are measured
+again, and the TensorBoard writer is reopened with purge_step one past the newest trusted result,
+so the discarded future's points are no longer shown (every opening purges so: a point with no
+result file behind it is a crashed attempt's or a discarded one's).
 """
 
 from __future__ import annotations
@@ -63,10 +73,11 @@ from dflash_dist.evaluator.server import ServerError, server_tau
 from dflash_dist.evaluator.tb_log import log_result, logged_tags
 from dflash_dist.model.capture import capture_features
 from dflash_dist.model.config import DrafterConfig
-from dflash_dist.model.export import load_drafter
+from dflash_dist.model.export import EXPORT_RECORD, load_drafter
 from dflash_dist.target.generation import generate_in_batches, generate_responses, pad_token_id, stop_token_ids
 from dflash_dist.target.loading import TargetIdentity, load_verified_target, target_identity
 from dflash_dist.target.weights_check import VerifiedWeights
+from dflash_dist.trainer.discard import move_aside
 from dflash_dist.trainer.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -74,7 +85,8 @@ log = logging.getLogger(__name__)
 EXPORT_NAME_RE = re.compile(r"step_(\d+)")
 RESULT_NAME_RE = re.compile(r"step_(\d+)\.json")
 EXPORT_FILES = ("config.json", "model.safetensors")
-_STATE_VERSION = 1
+_STATE_VERSION = 2
+_READS_STATE = (1, 2)  # 1: steps alone (their exports unknown: trusted as they are)
 REFERENCE_VERSION = 1
 
 
@@ -143,6 +155,8 @@ class Evaluator:
         self._refs: list[HeldOut] | None = None
         self._reference: dict | None = None  # the reference drafter's tau, measured on first use
         self._metrics: Metrics | None = None  # opened on the first result
+        self._claims: dict[int, dict | None] = {}  # steps load_state_dict added: their exports' checksums
+        self._ids: dict[int, tuple[tuple[int, int], dict | None]] = {}  # export step -> (its stat, checksums)
         # Replaced, never mutated, so another thread (the actor's status()) reads a consistent copy.
         self.results: dict[int, EvalResult] = self._read_results()
         self._check_count()
@@ -156,13 +170,19 @@ class Evaluator:
     # ---- progress -------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        return {"version": _STATE_VERSION, "evaluated": sorted(self.done)}
+        """The steps done, with the checksums of the export each measured (None: unknown)."""
+        exports = {str(s): self.results[s].export if s in self.results else self._claims.get(s) for s in self.done}
+        return {"version": _STATE_VERSION, "evaluated": sorted(self.done), "exports": exports}
 
     def load_state_dict(self, state: dict) -> None:
-        """Steps evaluated by a previous run; merged with those whose eval/step_N.json exists."""
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"evaluator state version {state.get('version')!r}, this code reads {_STATE_VERSION}")
-        self.done = frozenset(self.done | {int(s) for s in state["evaluated"]})
+        """Steps evaluated by a previous run; merged with those whose eval/step_N.json exists. A step
+        whose export holds other files now than it measured is dropped again (next_request)."""
+        if state.get("version") not in _READS_STATE:
+            raise ValueError(f"evaluator state version {state.get('version')!r}, this code reads {list(_READS_STATE)}")
+        exports = state.get("exports") or {}
+        added = {int(s) for s in state["evaluated"]} - self.done
+        self._claims = {**self._claims, **{s: exports.get(str(s)) for s in added}}
+        self.done = frozenset(self.done | added)
 
     def _read_results(self) -> dict[int, EvalResult]:
         results = {}
@@ -361,6 +381,7 @@ class Evaluator:
         t0 = time.time()
         e = self.cfg.eval
         export_dir = Path(export_dir)
+        exported = self._export_id(step, export_dir)  # read first: a replaced export is at worst measured again
         drafter = self._load_drafter(export_dir)
         refs = self._counted(self.references(), drafter.config.block_size)
         kernel_path = self.provenance.kernel_path
@@ -384,14 +405,14 @@ class Evaluator:
             accept_hist=tuple(res.accept_hist), slot_acceptance=tuple(res.slot_acceptance),
             prompts=len(res.tau_chain_per_prompt), rounds=res.rounds, kernel_path=kernel_path,
             seconds=time.time() - t0, mode=e.mode, count=e.count, live=live, server=server,
-            reference=self.reference_tau(), loop_free=loop_free(replay, refs, self.budgets),
+            reference=self.reference_tau(), loop_free=loop_free(replay, refs, self.budgets), export=exported,
         )
         rounds_path = self.eval_dir / "rounds" / f"step_{step}.json"
         if earlier is not None:
             result = replace(earlier, mode=e.mode, live=live if live is not None else earlier.live,
                              loop_free=earlier.loop_free if earlier.loop_free is not None else result.loop_free,
                              server=server if server is not None else earlier.server, reference=result.reference,
-                             seconds=earlier.seconds + result.seconds)
+                             seconds=earlier.seconds + result.seconds, export=exported)
             if rounds_path.is_file():  # the earlier replay rounds stay, the new mode's are added
                 rounds = {**json.loads(rounds_path.read_text()), **{k: v for k, v in rounds.items() if k != "replay"}}
         # TensorBoard and the rounds first, then the result file that marks the step done: a crash in
@@ -415,14 +436,61 @@ class Evaluator:
                  result.prompts, result.seconds)
         return result
 
+    # ---- results of a discarded future ----------------------------------------------------
+
+    def _export_id(self, step: int, export_dir: Path) -> dict | None:
+        """The checksums export_dir's record holds (None: no readable record), cached while the
+        directory is the same (a new export is renamed in: another inode)."""
+        try:
+            st = export_dir.stat()
+        except OSError:
+            return None
+        key = (st.st_ino, st.st_mtime_ns)
+        cached = self._ids.get(step)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        try:
+            files = json.loads((export_dir / EXPORT_RECORD).read_text())["checksums"]["files"]
+            ident = {str(k): str(v) for k, v in files.items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            ident = None
+        self._ids[step] = (key, ident)
+        return ident
+
+    def _drop_stale(self, available: dict[int, Path]) -> None:
+        """Forget the done steps that are no longer what they say (module docstring): the result file
+        is gone (moved aside by a rewind), or export/step_N holds other files than it measured (that
+        result file, if any, is moved aside). Their points leave TensorBoard when it is reopened."""
+        stale: dict[int, str] = {}
+        for step in sorted(self.done):
+            result = self.results.get(step)
+            if result is not None and not (self.eval_dir / f"step_{step}.json").is_file():
+                stale[step] = "its result file was moved or removed (a resume from an earlier checkpoint)"
+                continue
+            measured = result.export if result is not None else self._claims.get(step)
+            if step in available and measured is not None and self._export_id(step, available[step]) != measured:
+                stale[step] = f"{available[step]} holds other files than it measured (written again since)"
+        if not stale:
+            return
+        for step, why in stale.items():
+            log.warning("evaluator: step %d is measured again: %s", step, why)
+        names = [f"step_{s}.json" for s in stale]
+        files = [p for n in names for p in (self.eval_dir / n, self.eval_dir / "rounds" / n) if p.is_file()]
+        move_aside(self.out, files, f"the evaluator's results of steps {sorted(stale)} measured exports that are gone",
+                   "stale-results")  # fmt: skip
+        self.results = {s: r for s, r in self.results.items() if s not in stale}
+        self.done = self.done - set(stale)
+        self._claims = {s: c for s, c in self._claims.items() if s not in stale}
+        self.close()  # reopened with purge_step past the newest trusted result: their points go
+
     def _write_result(self, result: EvalResult) -> None:
         self.eval_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(self.eval_dir / f"step_{result.step}.json", json.dumps(result.to_json(), indent=2) + "\n")
 
     def _log_scalars(self, result: EvalResult, earlier: EvalResult | None = None) -> None:
         """`earlier`: the step's result logged before; only what it lacked is logged now (each point once)."""
-        if self._metrics is None:
-            self._metrics = Metrics(self.tb_dir)
+        if self._metrics is None:  # points after the newest trusted result have no result file behind them
+            self._metrics = Metrics(self.tb_dir, purge_step=max(self.results, default=-1) + 1)
         history = [*(r for r in self.results.values() if r.step != result.step), result]
         log_result(self._metrics, result, history, skip=logged_tags(earlier) if earlier is not None else frozenset())
 
@@ -436,6 +504,7 @@ class Evaluator:
     def next_request(self, max_backlog: int = 4, stride: int = 2) -> EvalRequest | None:
         """The export to evaluate now (policy.pending_steps over what is on disk), if any."""
         available = list_exports(self.export_root)
+        self._drop_stale(available)
         todo = pending_steps(list(available), set(self.done), max_backlog, stride)
         return EvalRequest(todo[0], str(available[todo[0]])) if todo else None
 

@@ -118,6 +118,10 @@ class EvalResult:
     reference: dict[str, Any] | None = None
     # replay's tau over the prompts whose reference continuation does not end in a loop (measure.loop_free)
     loop_free: dict[str, Any] | None = None
+    # the measured export's file checksums (its dflash_export.json `checksums.files`): a result whose
+    # export/step_N holds other files since (a resume from an earlier checkpoint wrote it again) is
+    # not that export's; None: written before this was recorded, or an export without a record
+    export: dict[str, str] | None = None
 
     @property
     def server_error(self) -> str | None:
@@ -164,6 +168,7 @@ class EvalResult:
             "tau_chain_vs_reference": self.tau_chain_vs_reference,
             "loop_free": None if self.loop_free is None else {
                 **self.loop_free, "tau_ddtree": {str(b): t for b, t in sorted(self.loop_free["tau_ddtree"].items())}},
+            "export": self.export,
         }
 
     @classmethod
@@ -191,6 +196,7 @@ class EvalResult:
                 server=d.get("server"),
                 reference=tau_record_from_json(d.get("reference")),
                 loop_free=_loop_free_from_json(d.get("loop_free")),
+                export=None if d.get("export") is None else {str(k): str(v) for k, v in d["export"].items()},
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"{where}: not a valid eval result ({type(e).__name__}: {e})") from None

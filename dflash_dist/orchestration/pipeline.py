@@ -452,6 +452,8 @@ def _print_summary(cfg: Config, paths: dict[str, Path], result: PipelineResult, 
         print(f"[eval] tau per checkpoint ({fewest} held-out prompts{short}; greedy replay, then live/server where "
               "measured):")  # fmt: skip
         print("\n".join("  " + r.table_row() for r in results))
+    for line in _discarded_lines(cfg, result.seconds):
+        print(line)
     unevaluated = _unevaluated(cfg, paths, result)
     if unevaluated:
         why = ("the evaluator failed before them" if failed else f"passed over while the evaluator was behind the "
@@ -485,6 +487,21 @@ def lost_text(cfg: Config, train) -> str:
         text += (f"; {train.skipped_steps} optimizer step(s) skipped for a non-finite gradient (their samples read, "
                  "not learned from; train.grad_overflow_check)")  # fmt: skip
     return text
+
+
+def _discarded_lines(cfg: Config, seconds: float) -> list[str]:
+    """What a resume from an earlier checkpoint moved aside in the last `seconds` (this run; trainer/discard.py)."""
+    from dflash_dist.trainer.discard import DISCARDED, RECORD
+
+    lines, since = [], time.time() - seconds - 1.0
+    for path in sorted((cfg.out / DISCARDED).glob(f"*/{RECORD}")):
+        try:
+            record = json.loads(path.read_text())
+            if record["unix_time"] >= since:
+                lines.append(f"[discarded] {path.parent}: {', '.join(record['moved'])} ({record['why']})")
+        except (OSError, ValueError, KeyError, TypeError):
+            lines.append(f"[discarded] {path.parent}: {path.name} cannot be read")
+    return lines
 
 
 def _unevaluated(cfg: Config, paths: dict[str, Path], result: PipelineResult) -> list[int]:

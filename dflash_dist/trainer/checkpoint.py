@@ -33,6 +33,7 @@ import torch
 from data_pipeline.checksums import file_checksums, mismatched_files, regular_file
 from data_pipeline.durable_files import fsync_dir, write_text_atomic
 from data_pipeline.shard_reader import read_manifest
+from dflash_dist.trainer import discard
 
 MARKER = "dflash_checkpoint.json"
 LATEST = "latest"
@@ -242,14 +243,19 @@ def commit(ckpt_dir: Path, tag: str, meta: dict[str, Any], keep: int) -> None:
     prune(ckpt_dir, keep)
 
 
-def rewind(ckpt_dir: Path, resumed: Path) -> list[Path]:
+def rewind(ckpt_dir: Path, resumed: Path, out: Path | None = None) -> list[Path]:
     """Resuming from `resumed` inside `ckpt_dir`: tags after it belong to a discarded future (or
-    are crash leftovers) and go; `latest` names the resumed tag (it already does for auto)."""
+    are crash leftovers) and go; `latest` names the resumed tag (it already does for auto). `out`
+    (the run directory): that future's exports and evaluation results are moved aside first
+    (discard.py), after `latest` moved, so a kill anywhere leaves a state the next `--resume auto`
+    finishes from the same tag."""
     if resumed.parent.resolve() != ckpt_dir.resolve():
         return []
     if read_latest(ckpt_dir) != resumed.name:
         publish_latest(ckpt_dir, resumed.name)
     step = tag_step(resumed)
+    if out is not None:
+        discard.discard_after(out, step, resumed.name)
     later = [p for p in tag_dirs(ckpt_dir) if tag_step(p) > step]
     for p in later:
         shutil.rmtree(p, ignore_errors=True)

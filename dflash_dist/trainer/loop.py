@@ -415,7 +415,7 @@ class Trainer:
         self.resumed_from = str(path)
 
         def rewind(vec: torch.Tensor) -> None:
-            checkpoint.rewind(self.ckpt_dir, path)
+            checkpoint.rewind(self.ckpt_dir, path, self.cfg.out)  # and moves the later exports and results aside
             how = f" (saved by {meta['world_size']} ranks, loaded as a universal checkpoint)" if elastic else ""
             log.info("resumed from %s%s: step %d, epoch %d", path, how, self.state.step, self.source.epoch)
             # `latest` moves before the export is written: a crash in between leaves it missing

@@ -84,9 +84,13 @@ class SlurmRayCluster:
         # the head runs here, on the first host: with others, the address they reach it at (not a loopback
         # address this node's /etc/hosts may give its own name: they would dial themselves and never join)
         # (MASTER_ADDR in the job's environment, when set, is that address: a chosen network's, as for the trainers)
-        self.address_ip = "127.0.0.1" if len(hostnames) == 1 else (
-            head_address(os.environ, hostnames) if os.environ.get("MASTER_ADDR", "").strip()
-            else network_address(hostnames[0]))  # fmt: skip
+        try:
+            self.address_ip = "127.0.0.1" if len(hostnames) == 1 else (
+                head_address(os.environ, hostnames) if os.environ.get("MASTER_ADDR", "").strip()
+                else network_address(hostnames[0]))  # fmt: skip
+        except OSError as e:  # no address beyond loopback, or the name does not resolve: the fix, in one line
+            raise ConfigError(f"the Ray head of this {len(hostnames)}-node job on {hostnames[0]}: {e}; or export "
+                              "MASTER_ADDR=<this node's address on the network the nodes share>") from None
         # the head's sessions inside a directory of ours no other user can enter (ray_temp.py)
         self.temp_dir = make_private_ray_temp(f"{job}-")
         self.ports = free_ports(len(_HEAD_PORT_FLAGS))

@@ -296,3 +296,13 @@ def test_master_addr_in_the_jobs_environment_chooses_the_network_of_a_multi_node
     monkeypatch.setenv("MASTER_ADDR", "localhost")
     with pytest.raises(ValueError, match="MASTER_ADDR=localhost is a loopback address"):
         SlurmRayCluster([socket.gethostname(), "node-b"], run_dir=tmp_path)
+
+
+def test_a_head_name_that_does_not_resolve_is_a_one_line_error_naming_the_fix(tmp_path, monkeypatch):
+    """`run --launcher slurm` over two nodes whose first host name this node cannot resolve: the error
+    `dflash-dist run` prints in one line (ConfigError), naming the host and MASTER_ADDR, not a traceback."""
+    from launcher.slurm_ray import SlurmRayCluster
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(ValueError, match=r"node job on no-such-node\.invalid: .*export MASTER_ADDR="):
+        SlurmRayCluster(["no-such-node.invalid", "node-b"], run_dir=tmp_path)

@@ -33,10 +33,12 @@ steps after it into <out>/discarded/; the trainer then writes those exports agai
 trusted only while its eval/step_N.json is still there and export/step_N holds the files it
 measured (their checksums are in the result): the evaluator checks this before each choice of
 export, since it may have read the results before the trainer moved them, or measured an old
-export the trainer moved meanwhile (that result is moved aside too). Dropped steps are measured
-again, and the TensorBoard writer is reopened with purge_step one past the newest trusted result,
-so the discarded future's points are no longer shown (every opening purges so: a point with no
-result file behind it is a crashed attempt's or a discarded one's).
+export the trainer moved meanwhile (that result is moved aside too: at once if the export is gone
+or replaced once the result is written; rank 0 lists the results again after moving the exports,
+so none written meanwhile stays either). Dropped steps are measured again, and the TensorBoard
+writer is reopened with purge_step one past the newest trusted result, so the discarded future's
+points are no longer shown (every opening purges so: a point with no result file behind it is a
+crashed attempt's or a discarded one's).
 """
 
 from __future__ import annotations
@@ -423,6 +425,10 @@ class Evaluator:
         self._write_result(result)
         self.results = {**self.results, step: result}
         self.done = self.done | {step}
+        if not export_dir.is_dir() or self._export_id(step, export_dir) != exported:  # moved while measured
+            self._forget({step: f"{export_dir} was moved or written again while it was measured (a resume from "
+                                "an earlier checkpoint)"})  # fmt: skip
+            return result
         trees = " ".join(f"ddtree{b}={t:.3f}" for b, t in result.tau_ddtree.items())
         extra = f" live chain={live['tau_chain']:.3f}" if live else ""
         extra += f" server={server['tau']:.3f}" if server and "error" not in server else ""
@@ -470,8 +476,11 @@ class Evaluator:
             measured = result.export if result is not None else self._claims.get(step)
             if step in available and measured is not None and self._export_id(step, available[step]) != measured:
                 stale[step] = f"{available[step]} holds other files than it measured (written again since)"
-        if not stale:
-            return
+        if stale:
+            self._forget(stale)
+
+    def _forget(self, stale: dict[int, str]) -> None:
+        """Move the results of `stale` (step: why) aside and measure those steps again."""
         for step, why in stale.items():
             log.warning("evaluator: step %d is measured again: %s", step, why)
         names = [f"step_{s}.json" for s in stale]

@@ -17,8 +17,10 @@ saying what was moved, from which resume and why, and logs a warning naming them
 deleting: the old future's exports and tau are real measurements a user may want to compare
 (STYLE: data that cannot be used is reported, never silently dropped); a rename within `<out>`
 costs nothing. The evaluator's results go first (the claims that a step was measured), then the
-exports. A kill midway leaves `latest` naming step_N already, so the next `--resume auto` resumes
-from N and moves the rest (into a directory of its own). TensorBoard's eval points at steps > N
+exports, then the results again (one of an old export may have been written meanwhile: the evaluator
+checks its export after writing a result, so one written later it moves aside itself). A kill
+midway leaves `latest` naming step_N already, so the next `--resume auto` resumes from N and moves
+the rest (into a directory of its own). TensorBoard's eval points at steps > N
 stay in tb/eval until the evaluator next opens its writer, which purges the points after its
 newest remaining result (evaluator.py).
 """
@@ -97,4 +99,8 @@ def discard_after(out: Path, step: int, resumed: str) -> Path | None:
     and exports aside (see the module docstring). The directory they went to, or None if none existed."""
     why = (f"resumed from {resumed} (step {step}): the exports and evaluation results of steps after it belong to "
            "the discarded future this run trains again; their tau is not this run's")  # fmt: skip
-    return move_aside(out, future_of(out, step), why, f"after-step_{step}")
+    dest = move_aside(out, future_of(out, step), why, f"after-step_{step}")
+    # A result the evaluator wrote after the listing above, of an export moved since: listed again now
+    # that those exports are gone (the evaluator moves one it writes later itself: evaluator.py).
+    again = [p for p in future_of(out, step) if p.parts[-2] != "export"]
+    return move_aside(out, again, why + " (written while they were moved)", f"after-step_{step}") or dest

@@ -243,3 +243,16 @@ def test_a_result_written_while_rank_0_moves_the_exports_is_moved_too(tmp_path, 
     moved = {m for d in (out / DISCARDED).iterdir() for m in json.loads((d / RECORD).read_text())["moved"]}
     assert moved == {"export/step_6", "eval/step_6.json"}
 
+
+def test_a_planted_discarded_link_is_refused(tmp_path):
+    """<out>/discarded planted as a link to a directory elsewhere: before, the exports and results were
+    moved through it out of the run directory."""
+    from dflash_dist.trainer import discard
+
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    (out / "export" / "step_6").mkdir(parents=True)
+    elsewhere.mkdir()
+    (out / DISCARDED).symlink_to(elsewhere)
+    with pytest.raises(ValueError, match="discarded.*link"):
+        discard.discard_after(out, 2, "step_2")
+    assert (out / "export" / "step_6").is_dir() and list(elsewhere.iterdir()) == []

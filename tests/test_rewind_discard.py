@@ -256,3 +256,31 @@ def test_a_planted_discarded_link_is_refused(tmp_path):
     with pytest.raises(ValueError, match="discarded.*link"):
         discard.discard_after(out, 2, "step_2")
     assert (out / "export" / "step_6").is_dir() and list(elsewhere.iterdir()) == []
+
+
+def test_a_replaced_export_below_the_newest_measured_is_measured_again(tiny_eval, tmp_path):
+    """export/step_4 written again after steps 4 and 6 were measured (`dflash-dist export --force` of
+    step_4, e.g. in another dtype): its result is moved aside, and the step must be measured again and
+    its old point leave TensorBoard. Before: pending_steps passed over step 4 (below the newest measured),
+    so it stayed unmeasured, and TensorBoard kept the old point (purge_step was 7)."""
+    from dflash_dist.evaluator.evaluator import Evaluator
+    from tests.helpers.eval_target import publish
+
+    out = tmp_path / "run"
+    (out / "export").mkdir(parents=True)
+    for step in (2, 4, 6):
+        publish(tiny_eval, out, "random", step)
+    ev = Evaluator(tiny_eval["cfg"], out, tiny_eval["target_dir"], tiny_eval["prompts"], expected=None)
+    old = {r.step: r for r in ev.run_until(lambda: (True, 6), poll_s=0.05)}
+    shutil.rmtree(out / "export" / "step_4")
+    publish(tiny_eval, out, "trained", 4)
+    request = ev.next_request()
+    assert request is not None and request.step == 4
+    (new,) = ev.run_until(lambda: (True, 6), poll_s=0.05)
+    ev.close()
+    assert new.step == 4 and new.export == _record(out / "export" / "step_4") and new.tau_chain > old[4].tau_chain + 0.5
+    assert sorted(ev.done) == [2, 4, 6] and json.loads((out / "eval" / "step_4.json").read_text()) == new.to_json()
+    tb = scalars(out / "tb" / "eval")
+    want = {2: old[2].tau_chain, 4: new.tau_chain, 6: old[6].tau_chain}
+    assert tb["eval/tau_chain"] == [(s, pytest.approx(t)) for s, t in want.items()]  # each step once
+    assert [s for s, _ in tb["eval/tau_ddtree_4"]] == [2, 4, 6]

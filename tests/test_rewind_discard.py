@@ -179,3 +179,108 @@ def test_an_old_export_measured_after_the_rewind_is_moved_aside_when_the_new_one
     assert new.tau_chain > old.tau_chain + 0.5  # the trained drafter's, not the random one's
     taus = scalars(out / "tb" / "eval")["eval/tau_chain"]
     assert taus == [(4, pytest.approx(new.tau_chain))]
+
+
+def test_a_result_of_an_export_moved_while_it_was_measured_is_not_kept(tiny_eval, tmp_path, monkeypatch):
+    """The evaluator loaded the old future's export/step_6 (a 27B drafter: minutes of measuring) when
+    rank 0's rewind to step_2 moved it; its result was written after the move, so rank 0 never saw it.
+    Before: eval/step_6.json stayed, trusted (export/step_6 absent: nothing to compare), and as the
+    newest done step it made pending_steps pass over the branched run's new exports 4 (next_request
+    None) until step 6 was written again, and the summary showed the discarded future's tau at 6."""
+    from dflash_dist.evaluator.evaluator import Evaluator
+    from dflash_dist.trainer import discard
+    from tests.helpers.eval_target import publish
+
+    out = tmp_path / "run"
+    (out / "export").mkdir(parents=True)
+    for step in (2, 6):
+        publish(tiny_eval, out, "random", step)
+    ev = Evaluator(tiny_eval["cfg"], out, tiny_eval["target_dir"], tiny_eval["prompts"], expected=None)
+    ev.evaluate(2, out / "export" / "step_2")
+    load = ev._load_drafter
+
+    def load_then_rewind(export_dir, own=True):  # the drafter is in memory when rank 0 moves its files
+        drafter = load(export_dir, own)
+        discard.discard_after(out, 2, "step_2")
+        return drafter
+
+    monkeypatch.setattr(ev, "_load_drafter", load_then_rewind)
+    ev.evaluate(6, out / "export" / "step_6")
+    monkeypatch.undo()
+    assert not (out / "export" / "step_6").exists()
+    assert not (out / "eval" / "step_6.json").exists() and not (out / "eval" / "rounds" / "step_6.json").exists()
+    assert 6 not in ev.done and 6 not in ev.results
+    kept = [d / "eval" / "step_6.json" for d in (out / DISCARDED).iterdir() if (d / "eval" / "step_6.json").is_file()]
+    assert len(kept) == 1  # moved aside (kept), not deleted
+    publish(tiny_eval, out, "trained", 4)  # the branched run's step 4
+    request = ev.next_request()
+    assert request is not None and request.step == 4
+    (new,) = ev.run_until(lambda: (True, 4), poll_s=0.05)
+    ev.close()
+    assert [st for st, _ in scalars(out / "tb" / "eval")["eval/tau_chain"]] == [2, 4]  # step 6's point purged
+
+
+def test_a_result_written_while_rank_0_moves_the_exports_is_moved_too(tmp_path, monkeypatch):
+    """The evaluator wrote eval/step_6.json after rank 0 listed eval/ but before it moved export/step_6
+    (its check after writing still found the export): before, rank 0 listed once, so that result stayed."""
+    from dflash_dist.trainer import discard
+
+    out = tmp_path / "run"
+    for d in ("eval", "export/step_6"):
+        (out / d).mkdir(parents=True)
+    (out / "export" / "step_6" / "config.json").write_text("{}")
+    move = shutil.move
+
+    def evaluator_writes_meanwhile(src, dst):
+        if src.endswith("step_6") and not (out / "eval" / "step_6.json").exists():
+            (out / "eval" / "step_6.json").write_text("{}")  # the evaluator's result, written meanwhile
+        return move(src, dst)
+
+    monkeypatch.setattr(discard.shutil, "move", evaluator_writes_meanwhile)
+    discard.discard_after(out, 2, "step_2")
+    monkeypatch.undo()
+    assert not (out / "eval" / "step_6.json").exists() and not (out / "export" / "step_6").exists()
+    moved = {m for d in (out / DISCARDED).iterdir() for m in json.loads((d / RECORD).read_text())["moved"]}
+    assert moved == {"export/step_6", "eval/step_6.json"}
+
+
+def test_a_planted_discarded_link_is_refused(tmp_path):
+    """<out>/discarded planted as a link to a directory elsewhere: before, the exports and results were
+    moved through it out of the run directory."""
+    from dflash_dist.trainer import discard
+
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    (out / "export" / "step_6").mkdir(parents=True)
+    elsewhere.mkdir()
+    (out / DISCARDED).symlink_to(elsewhere)
+    with pytest.raises(ValueError, match="discarded.*link"):
+        discard.discard_after(out, 2, "step_2")
+    assert (out / "export" / "step_6").is_dir() and list(elsewhere.iterdir()) == []
+
+
+def test_a_replaced_export_below_the_newest_measured_is_measured_again(tiny_eval, tmp_path):
+    """export/step_4 written again after steps 4 and 6 were measured (`dflash-dist export --force` of
+    step_4, e.g. in another dtype): its result is moved aside, and the step must be measured again and
+    its old point leave TensorBoard. Before: pending_steps passed over step 4 (below the newest measured),
+    so it stayed unmeasured, and TensorBoard kept the old point (purge_step was 7)."""
+    from dflash_dist.evaluator.evaluator import Evaluator
+    from tests.helpers.eval_target import publish
+
+    out = tmp_path / "run"
+    (out / "export").mkdir(parents=True)
+    for step in (2, 4, 6):
+        publish(tiny_eval, out, "random", step)
+    ev = Evaluator(tiny_eval["cfg"], out, tiny_eval["target_dir"], tiny_eval["prompts"], expected=None)
+    old = {r.step: r for r in ev.run_until(lambda: (True, 6), poll_s=0.05)}
+    shutil.rmtree(out / "export" / "step_4")
+    publish(tiny_eval, out, "trained", 4)
+    request = ev.next_request()
+    assert request is not None and request.step == 4
+    (new,) = ev.run_until(lambda: (True, 6), poll_s=0.05)
+    ev.close()
+    assert new.step == 4 and new.export == _record(out / "export" / "step_4") and new.tau_chain > old[4].tau_chain + 0.5
+    assert sorted(ev.done) == [2, 4, 6] and json.loads((out / "eval" / "step_4.json").read_text()) == new.to_json()
+    tb = scalars(out / "tb" / "eval")
+    want = {2: old[2].tau_chain, 4: new.tau_chain, 6: old[6].tau_chain}
+    assert tb["eval/tau_chain"] == [(s, pytest.approx(t)) for s, t in want.items()]  # each step once
+    assert [s for s, _ in tb["eval/tau_ddtree_4"]] == [2, 4, 6]

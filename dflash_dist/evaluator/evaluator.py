@@ -33,10 +33,13 @@ steps after it into <out>/discarded/; the trainer then writes those exports agai
 trusted only while its eval/step_N.json is still there and export/step_N holds the files it
 measured (their checksums are in the result): the evaluator checks this before each choice of
 export, since it may have read the results before the trainer moved them, or measured an old
-export the trainer moved meanwhile (that result is moved aside too). Dropped steps are measured
-again, and the TensorBoard writer is reopened with purge_step one past the newest trusted result,
-so the discarded future's points are no longer shown (every opening purges so: a point with no
-result file behind it is a crashed attempt's or a discarded one's).
+export the trainer moved meanwhile (that result is moved aside too: at once if the export is gone
+or replaced once the result is written; rank 0 lists the results again after moving the exports,
+so none written meanwhile stays either). Dropped steps are measured again (one below the newest
+measured too, e.g. an export replaced by `dflash-dist export --force`), and the TensorBoard writer
+is reopened with purge_step at the lowest dropped step (the trusted results after it are logged
+again), so the discarded points are no longer shown. Every opening purges past the newest trusted
+result: a point with no result file behind it is a crashed attempt's or a discarded one's.
 """
 
 from __future__ import annotations
@@ -157,6 +160,8 @@ class Evaluator:
         self._metrics: Metrics | None = None  # opened on the first result
         self._claims: dict[int, dict | None] = {}  # steps load_state_dict added: their exports' checksums
         self._ids: dict[int, tuple[tuple[int, int], dict | None]] = {}  # export step -> (its stat, checksums)
+        self._redo: frozenset[int] = frozenset()  # steps whose results were moved aside: measured again
+        self._purge_at: int | None = None  # the lowest of them: the writer is reopened purging from there
         # Replaced, never mutated, so another thread (the actor's status()) reads a consistent copy.
         self.results: dict[int, EvalResult] = self._read_results()
         self._check_count()
@@ -423,6 +428,10 @@ class Evaluator:
         self._write_result(result)
         self.results = {**self.results, step: result}
         self.done = self.done | {step}
+        if not export_dir.is_dir() or self._export_id(step, export_dir) != exported:  # moved while measured
+            self._forget({step: f"{export_dir} was moved or written again while it was measured (a resume from "
+                                "an earlier checkpoint)"})  # fmt: skip
+            return result
         trees = " ".join(f"ddtree{b}={t:.3f}" for b, t in result.tau_ddtree.items())
         extra = f" live chain={live['tau_chain']:.3f}" if live else ""
         extra += f" server={server['tau']:.3f}" if server and "error" not in server else ""
@@ -470,8 +479,11 @@ class Evaluator:
             measured = result.export if result is not None else self._claims.get(step)
             if step in available and measured is not None and self._export_id(step, available[step]) != measured:
                 stale[step] = f"{available[step]} holds other files than it measured (written again since)"
-        if not stale:
-            return
+        if stale:
+            self._forget(stale)
+
+    def _forget(self, stale: dict[int, str]) -> None:
+        """Move the results of `stale` (step: why) aside and measure those steps again."""
         for step, why in stale.items():
             log.warning("evaluator: step %d is measured again: %s", step, why)
         names = [f"step_{s}.json" for s in stale]
@@ -481,7 +493,9 @@ class Evaluator:
         self.results = {s: r for s, r in self.results.items() if s not in stale}
         self.done = self.done - set(stale)
         self._claims = {s: c for s, c in self._claims.items() if s not in stale}
-        self.close()  # reopened with purge_step past the newest trusted result: their points go
+        self._redo = self._redo | set(stale)
+        self._purge_at = min(self._purge_at if self._purge_at is not None else min(stale), min(stale))
+        self.close()  # reopened purging from the lowest of them (_log_scalars): their points go
 
     def _write_result(self, result: EvalResult) -> None:
         self.eval_dir.mkdir(parents=True, exist_ok=True)
@@ -489,10 +503,19 @@ class Evaluator:
 
     def _log_scalars(self, result: EvalResult, earlier: EvalResult | None = None) -> None:
         """`earlier`: the step's result logged before; only what it lacked is logged now (each point once)."""
-        if self._metrics is None:  # points after the newest trusted result have no result file behind them
-            self._metrics = Metrics(self.tb_dir, purge_step=max(self.results, default=-1) + 1)
         history = [*(r for r in self.results.values() if r.step != result.step), result]
+        again: list[EvalResult] = []
+        if self._metrics is None:  # points after the newest trusted result have no result file behind them
+            purge = min(max(self.results, default=-1) + 1, self._purge_at if self._purge_at is not None else 1 << 62)
+            self._metrics = Metrics(self.tb_dir, purge_step=purge)
+            self._purge_at = None
+            # trusted results past a moved-aside step lost their points to the purge too: logged again, in step order
+            again = sorted((r for r in self.results.values() if r.step >= purge), key=lambda r: r.step)
+        for r in (r for r in again if r.step <= result.step):  # (`earlier` among them: before its added mode)
+            log_result(self._metrics, r, [h for h in history if h.step <= r.step])
         log_result(self._metrics, result, history, skip=logged_tags(earlier) if earlier is not None else frozenset())
+        for r in (r for r in again if r.step > result.step):
+            log_result(self._metrics, r, [h for h in history if h.step <= r.step])
 
     def close(self) -> None:
         if self._metrics is not None:
@@ -505,7 +528,9 @@ class Evaluator:
         """The export to evaluate now (policy.pending_steps over what is on disk), if any."""
         available = list_exports(self.export_root)
         self._drop_stale(available)
-        todo = pending_steps(list(available), set(self.done), max_backlog, stride)
+        newest = max(self.done, default=-1)  # a step below it that was moved aside: pending_steps passes over it
+        redo = sorted(s for s in self._redo if s < newest and s in available and s not in self.done)
+        todo = redo or pending_steps(list(available), set(self.done), max_backlog, stride)
         return EvalRequest(todo[0], str(available[todo[0]])) if todo else None
 
     def run_until(self, stop: Callable[[], tuple[bool, int | None]], poll_s: float = 5.0, max_backlog: int = 4,

@@ -17,8 +17,10 @@ saying what was moved, from which resume and why, and logs a warning naming them
 deleting: the old future's exports and tau are real measurements a user may want to compare
 (STYLE: data that cannot be used is reported, never silently dropped); a rename within `<out>`
 costs nothing. The evaluator's results go first (the claims that a step was measured), then the
-exports. A kill midway leaves `latest` naming step_N already, so the next `--resume auto` resumes
-from N and moves the rest (into a directory of its own). TensorBoard's eval points at steps > N
+exports, then the results again (one of an old export may have been written meanwhile: the evaluator
+checks its export after writing a result, so one written later it moves aside itself). A kill
+midway leaves `latest` naming step_N already, so the next `--resume auto` resumes from N and moves
+the rest (into a directory of its own). TensorBoard's eval points at steps > N
 stay in tb/eval until the evaluator next opens its writer, which purges the points after its
 newest remaining result (evaluator.py).
 """
@@ -66,6 +68,11 @@ def move_aside(out: Path, paths: list[Path], why: str, label: str) -> Path | Non
         return None
     root = out / DISCARDED
     root.mkdir(parents=True, exist_ok=True)
+    if root.is_symlink():  # planted: what is moved would leave the run directory through it
+        raise ValueError(
+            f"{root} is a symbolic link to {root.resolve()}: the run's exports and results are moved only within "
+            f"{out}; remove the link (and move back what it points to, if yours)"
+        )
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     for n in range(1000):  # two discards in one second get their own directories
         dest = root / f"{stamp}-{label}{f'-{n}' if n else ''}"
@@ -97,4 +104,8 @@ def discard_after(out: Path, step: int, resumed: str) -> Path | None:
     and exports aside (see the module docstring). The directory they went to, or None if none existed."""
     why = (f"resumed from {resumed} (step {step}): the exports and evaluation results of steps after it belong to "
            "the discarded future this run trains again; their tau is not this run's")  # fmt: skip
-    return move_aside(out, future_of(out, step), why, f"after-step_{step}")
+    dest = move_aside(out, future_of(out, step), why, f"after-step_{step}")
+    # A result the evaluator wrote after the listing above, of an export moved since: listed again now
+    # that those exports are gone (the evaluator moves one it writes later itself: evaluator.py).
+    again = [p for p in future_of(out, step) if p.parts[-2] != "export"]
+    return move_aside(out, again, why + " (written while they were moved)", f"after-step_{step}") or dest

@@ -107,6 +107,23 @@ def _seed():
     torch.manual_seed(0)
 
 
+RANK_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+@pytest.fixture(autouse=True)
+def _rank_env():
+    """torch.distributed's rank environment as each test found it: tests that run a rank in this process
+    set it in os.environ (as the product's rank processes do), and a later test reading the job's
+    environment (a Slurm head honours MASTER_ADDR) must not see theirs."""
+    before = {k: os.environ.get(k) for k in RANK_ENV}
+    yield
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny models on a shared 2-core machine: intra-op threads only add contention (one module

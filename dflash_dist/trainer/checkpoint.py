@@ -267,7 +267,7 @@ def plan_resume(mode: str, ckpt_dir: Path) -> Path | None:
     """The tag directory to resume from, or None to start fresh (a pure decision over the disk).
 
     auto: the tag `latest` names; without `latest`, the newest complete tag (a crash between
-    marker and `latest`); none: start fresh. never: start fresh, refusing a directory that
+    marker and `latest`); with no complete tag either: start fresh. never: start fresh, refusing a directory that
     already holds a run. PATH: that tag directory; into a directory holding another run only
     if PATH is one of its own tags (it branches from there).
     """

@@ -32,7 +32,7 @@ from dflash_dist.actors.rendezvous import network_address
 from dflash_dist.config import Config, ConfigError
 from dflash_dist.orchestration.ray_temp import make_private_ray_temp, release_ray_temp
 from launcher.ray_auth import new_token, with_auth
-from launcher.slurm_train import head_address, step_hostnames
+from launcher.slurm_train import given_master_addr, step_hostnames
 
 log = logging.getLogger(__name__)
 NOTICES = (signal.SIGTERM, signal.SIGUSR1)
@@ -86,8 +86,7 @@ class SlurmRayCluster:
         # (MASTER_ADDR in the job's environment, when set, is that address: a chosen network's, as for the trainers)
         try:
             self.address_ip = "127.0.0.1" if len(hostnames) == 1 else (
-                head_address(os.environ, hostnames) if os.environ.get("MASTER_ADDR", "").strip()
-                else network_address(hostnames[0]))  # fmt: skip
+                given_master_addr(os.environ, hostnames) or network_address(hostnames[0]))
         except OSError as e:  # no address beyond loopback, or the name does not resolve: the fix, in one line
             raise ConfigError(f"the Ray head of this {len(hostnames)}-node job on {hostnames[0]}: {e}; or export "
                               "MASTER_ADDR=<this node's address on the network the nodes share>") from None

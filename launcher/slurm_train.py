@@ -54,7 +54,7 @@ def slurm_rank_environment(env: Mapping[str, str], hostnames: list[str], on_gpu:
         )
     port = env.get("MASTER_PORT") or str(PORT_BASE + int(env["SLURM_JOB_ID"]) % PORT_SPAN)
     return {
-        "MASTER_ADDR": "127.0.0.1" if len(hostnames) == 1 else head_address(env, hostnames),
+        "MASTER_ADDR": "127.0.0.1" if len(hostnames) == 1 else given_master_addr(env, hostnames) or hostnames[0],
         "MASTER_PORT": port,
         "RANK": env["SLURM_PROCID"],
         "WORLD_SIZE": env["SLURM_NTASKS"],
@@ -64,16 +64,16 @@ def slurm_rank_environment(env: Mapping[str, str], hostnames: list[str], on_gpu:
     }
 
 
-def head_address(env: Mapping[str, str], hostnames: list[str]) -> str:
-    """Where the other nodes of a multi-node job reach the first one: MASTER_ADDR from the job's
-    environment when set (the address of the network to use, e.g. an InfiniBand interface's, which
-    the first host's name may not resolve to on every node), else the first host's name."""
+def given_master_addr(env: Mapping[str, str], hostnames: list[str]) -> str | None:
+    """MASTER_ADDR from a multi-node job's environment, if set: where the other nodes reach the first
+    one (the address of the network to use, e.g. an InfiniBand interface's, which the first host's name
+    may not resolve to on every node). A loopback address is refused, naming the hosts."""
     given = env.get("MASTER_ADDR", "").strip()
     if given and is_loopback(given):
         raise ConfigError(f"MASTER_ADDR={given} is a loopback address, but this job spans {len(hostnames)} nodes "
                           f"({', '.join(hostnames)}): the others cannot reach it; unset MASTER_ADDR, or set it to "
                           f"the first node's ({hostnames[0]}) address on the network the nodes share")
-    return given or hostnames[0]
+    return given or None
 
 
 def tasks_per_node(env: Mapping[str, str]) -> list[int]:

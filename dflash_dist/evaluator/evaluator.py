@@ -76,7 +76,7 @@ from dflash_dist.evaluator.server import ServerError, server_tau
 from dflash_dist.evaluator.tb_log import log_result, logged_tags
 from dflash_dist.model.capture import capture_features
 from dflash_dist.model.config import DrafterConfig
-from dflash_dist.model.export import EXPORT_RECORD, load_drafter
+from dflash_dist.model.export import load_drafter, recorded_checksums
 from dflash_dist.target.generation import generate_in_batches, generate_responses, pad_token_id, stop_token_ids
 from dflash_dist.target.loading import TargetIdentity, load_verified_target, target_identity
 from dflash_dist.target.weights_check import VerifiedWeights
@@ -458,11 +458,7 @@ class Evaluator:
         cached = self._ids.get(step)
         if cached is not None and cached[0] == key:
             return cached[1]
-        try:
-            files = json.loads((export_dir / EXPORT_RECORD).read_text())["checksums"]["files"]
-            ident = {str(k): str(v) for k, v in files.items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            ident = None
+        ident = recorded_checksums(export_dir)
         self._ids[step] = (key, ident)
         return ident
 

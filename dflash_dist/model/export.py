@@ -92,6 +92,16 @@ def _new_dir(parent: Path, prefix: str) -> Path:
             continue
 
 
+def recorded_checksums(export_dir: str | Path) -> dict[str, str] | None:
+    """The file checksums export_dir's record holds ({name: digest}), or None without a readable one
+    (what identifies the export's weights, as verify_export compares them)."""
+    try:
+        files = json.loads((Path(export_dir) / EXPORT_RECORD).read_text())["checksums"]["files"]
+        return {str(k): str(v) for k, v in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def verify_export(export_dir: str | Path, required: bool = False) -> bool:
     """Check the export's files against the checksums its record holds (ChecksumMismatch naming
     them); True if it had a record. Without one: False, or with `required` a ValueError naming it."""

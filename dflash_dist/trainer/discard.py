@@ -67,12 +67,12 @@ def move_aside(out: Path, paths: list[Path], why: str, label: str) -> Path | Non
     if not paths:
         return None
     root = out / DISCARDED
-    root.mkdir(parents=True, exist_ok=True)
     if root.is_symlink():  # planted: what is moved would leave the run directory through it
         raise ValueError(
             f"{root} is a symbolic link to {root.resolve()}: the run's exports and results are moved only within "
             f"{out}; remove the link (and move back what it points to, if yours)"
         )
+    root.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     for n in range(1000):  # two discards in one second get their own directories
         dest = root / f"{stamp}-{label}{f'-{n}' if n else ''}"

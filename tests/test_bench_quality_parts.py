@@ -182,6 +182,12 @@ def test_variants_are_one_config_change_each(tmp_path, monkeypatch):
                                      "drafter.sliding_window=32"))  # fmt: skip
     assert [(r.name, r.aliases) for r in slid] == [("default", ("sliding",)), ("full", ())]
     assert slid[1].drafter.layer_types == ("full_attention",) * 3 and slid[1].drafter.sliding_window is None
+    # a block-8 run (configs/mid_gpu.yaml since the ninth lease): block8 is the default's run, block 16
+    # the alternative measured, and the peers' recipes (block 16 both) no longer fold into the default
+    b8 = quality_variants.resolve(["default", "block8", "block16", "peer_modelopt"], config, target, 63, facts,
+                                  ("drafter.block_size=8",))  # fmt: skip
+    assert [(r.name, r.aliases) for r in b8] == [("default", ("block8",)), ("block16", ("peer_modelopt",))]
+    assert b8[0].drafter.block_size == 8 and b8[1].drafter.block_size == 16 and b8[1].drafter.loss_decay_gamma == 7.0
     assert got["anchors_half"].cfg["train"]["num_anchors"] == 20  # half of the 40 the default draws
     # D-PACE is the default (since 2026-12-04), so dpace and Model-Optimizer's recipe (D-PACE at block 16)
     # are the default itself; decay is the alternative measured

@@ -20,6 +20,7 @@ INSTALL_REQUIRES = [
     "pydantic==2.14.4",  # the typed config (dflash_dist/config.py)
     "typing_extensions==4.16.0",  # pydantic 2.14 needs >= 4.16 (`import pydantic` fails on 4.12)
     "rich==15.0.0",  # `dflash-dist status` tables (launcher/status.py)
+    "psutil==7.2.2",  # the network interface holding an address (dflash_dist/node_address.py)
     "safetensors",
     "numpy",
     "pyyaml",

@@ -24,15 +24,16 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from data_pipeline.durable_files import write_text_atomic
 from dflash_dist.actors.ports import free_ports
-from dflash_dist.actors.rendezvous import network_address
 from dflash_dist.config import Config, ConfigError
+from dflash_dist.node_address import network_address
 from dflash_dist.orchestration.ray_temp import make_private_ray_temp, release_ray_temp
 from launcher.ray_auth import new_token, with_auth
-from launcher.slurm_train import given_master_addr, step_hostnames
+from launcher.slurm_train import given_master_addr, step_hostnames, tasks_per_node
 
 log = logging.getLogger(__name__)
 NOTICES = (signal.SIGTERM, signal.SIGUSR1)
@@ -111,8 +112,7 @@ class SlurmRayCluster:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, timeout_s: float = 300.0) -> None:
-        cpus = os.environ.get("SLURM_CPUS_ON_NODE")
-        res = ["--num-cpus", cpus] if cpus else []
+        res = num_cpus_args(os.environ, [])  # the job's CPUs on this node (each worker node counts its own)
         head = [_ray_bin(), "start", "--head", "--block", "--node-ip-address", self.address_ip,
                 "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", self.temp_dir, *res,
                 *(a for flag, port in zip(_HEAD_PORT_FLAGS, self.ports) for a in (flag, str(port)))]
@@ -204,10 +204,12 @@ def run_worker(args: list[str]) -> int:
     when Ray stops, unless something failed, the rule of the head and of a local run: this node's
     Ray ended without being asked to (one of its processes died, it could not start or join), this
     process failed, or the job did (FILE exists when the node stops: SlurmRayCluster.stop). Then its
-    Ray logs stay, and the log says where."""
+    Ray logs stay, and the log says where. The node offers Ray the CPUs Slurm gave the job on it
+    (num_cpus_args), not the machine's count."""
     keep_if = None
     if args[:1] == [KEEP_LOGS_FLAG]:
         keep_if, args = Path(args[1]), args[2:]
+    args = [*args, *num_cpus_args(os.environ, args)]  # this node's CPUs of the job, as the head counts its own
     temp_dir = make_private_ray_temp(f"{os.environ.get('SLURM_JOB_ID', 'x')}-w-")
     asked: list[int] = []  # the stop signals passed on
     why = "this worker failed"
@@ -228,6 +230,36 @@ def run_worker(args: list[str]) -> int:
         if why is None and keep_if is not None and keep_if.exists():
             why = f"the job failed ({keep_if})"
         release_ray_temp(temp_dir, keep=why is not None, why=why or "")
+
+
+def slurm_node_cpus(env: Mapping[str, str]) -> int | None:
+    """The CPUs Slurm gave this job (step) on this node: SLURM_CPUS_ON_NODE, which slurmstepd sets for
+    each node in the batch step and in every srun task (the job's allocation on the node: a 2-task x
+    2-CPU job's srun step of one task sees 4), else SLURM_CPUS_PER_TASK x the step's tasks on this
+    node; None outside Slurm. A value that is not a positive integer is a ConfigError naming it."""
+    if "SLURM_CPUS_ON_NODE" in env:
+        return _cpu_count("SLURM_CPUS_ON_NODE", env["SLURM_CPUS_ON_NODE"])
+    if "SLURM_CPUS_PER_TASK" in env and ("SLURM_STEP_TASKS_PER_NODE" in env or "SLURM_TASKS_PER_NODE" in env):
+        tasks = tasks_per_node(env)[int(env.get("SLURM_NODEID", "0"))]
+        return _cpu_count("SLURM_CPUS_PER_TASK", env["SLURM_CPUS_PER_TASK"]) * tasks
+    return None
+
+
+def _cpu_count(name: str, value: str) -> int:
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ConfigError(f"{name}={value!r} is not a CPU count: start the job through sbatch/srun, which set it")
+    return int(value)
+
+
+def num_cpus_args(env: Mapping[str, str], start_args: list[str]) -> list[str]:
+    """`--num-cpus N` for `ray start` on this node: the CPUs Slurm gave the job here (slurm_node_cpus).
+    Left to Ray, a node offers the machine's whole count and Ray schedules actors onto CPUs the job
+    was not given (other jobs' on a shared node). None when the arguments name a count already or
+    outside Slurm."""
+    if any(a == "--num-cpus" or a.startswith("--num-cpus=") for a in start_args):
+        return []
+    cpus = slurm_node_cpus(env)
+    return [] if cpus is None else ["--num-cpus", str(cpus)]
 
 
 def node_processes(temp_dir: str, pgid: int) -> list[int]:

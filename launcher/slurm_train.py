@@ -16,9 +16,9 @@ import os
 import subprocess
 from collections.abc import Mapping
 
-from dflash_dist.actors.rendezvous import is_loopback
 from dflash_dist.config import Config, ConfigError
 from dflash_dist.logging_setup import setup_logging
+from dflash_dist.node_address import is_loopback
 
 log = logging.getLogger(__name__)
 

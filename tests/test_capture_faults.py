@@ -410,6 +410,36 @@ def test_a_target_actor_with_other_weights_fails_the_capture_naming_both_hashes(
     assert beat["state"] == "failed" and "TargetWeightsMismatch" in beat["error"] and ident.target_hash in beat["error"]
 
 
+def test_a_target_actor_on_a_node_without_the_target_fails_naming_the_node(saved, ray_cluster, tmp_path):
+    """A node of a multi-node run lacks the target directory the driver resolved (not on shared
+    storage, not copied there): its target actor's error reaches the driver through Ray and the
+    pipeline's PipelineError naming the node (host name and address), the path and the fix, and nothing
+    is written in the shard tree. It said "hash_weight_files: ... is not a directory", naming no node."""
+    import socket
+
+    from dflash_dist.actors.target_worker import CaptureTask, TargetWorker
+    from dflash_dist.capture.data_prep import capture_data
+    from dflash_dist.node_address import network_address
+    from dflash_dist.orchestration.pipeline import _finish_capture
+    from dflash_dist.orchestration.run_plan import PipelineError
+    from dflash_dist.target.loading import TargetNotOnNode, target_identity
+
+    cfg = capture_config(tmp_path / "run", saved["dir"], saved["jsonl"])
+    ident = target_identity(cfg, saved["dir"])  # the run plan's, on the driver's node
+    absent = tmp_path / "not_on_this_node" / "target"
+    shards = cfg.out / "shards"
+    worker = TargetWorker.options(num_cpus=0.5, max_restarts=2, max_task_retries=2).remote()
+    ref = worker.capture.remote(CaptureTask(cfg.to_dict(), str(absent), ident, str(saved["jsonl"]),
+                                            capture_data(cfg, saved["jsonl"]), str(shards), 0, 1))
+    with pytest.raises(PipelineError, match="target capture failed") as info:
+        _finish_capture(ray_cluster, [ref], [shards])
+    assert isinstance(info.value.__cause__, TargetNotOnNode)
+    host, text = socket.gethostname(), str(info.value)
+    assert f"the target directory {absent} does not exist on node {host} ({network_address(host)})" in text, text
+    assert f"storage every node mounts at the same path, or copy it to {absent} on {host}" in text, text
+    assert "Traceback" not in text and not shards.exists()
+
+
 # ---------------------------------------------------------------------------- a real tiny run under a disk cap
 def test_shard_directory_stays_under_the_cap_while_the_trainer_consumes(saved, ray_cluster, tmp_path):
     from dflash_dist.orchestration.pipeline import run_pipeline

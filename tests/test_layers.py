@@ -23,6 +23,7 @@ LAYERS = {
     "dflash_dist.logging_setup": 0,
     "dflash_dist.compile_cache": 0,
     "dflash_dist.strict_compile": 0,
+    "dflash_dist.node_address": 0,
     "data_pipeline": 1,
     "dflash_dist.model": 1,
     "dflash_dist.target": 2,

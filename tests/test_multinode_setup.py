@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from dflash_dist.actors.ports import free_ports
-from dflash_dist.actors.rendezvous import is_loopback
+from dflash_dist.node_address import is_loopback, network_address
 from tests.conftest import REPO
 from tests.helpers.sockets import listening_sockets
 
@@ -44,11 +45,13 @@ def processes_naming(text: str) -> list[int]:
     return found
 
 
-def local_step_cluster(hosts: list[str], run_dir: Path, fail_with: int | None = None, hang: bool = False):
+def local_step_cluster(hosts: list[str], run_dir: Path, fail_with: int | None = None, hang: bool = False,
+                       worker_cpus: int = 1):
     """SlurmRayCluster with its srun step's task run here: what srun runs on each other node
-    (`python -m launcher.slurm_ray worker ...`, the real code), or, with `fail_with`, a step that
-    could not start there (a node down) and exits with that code, or, with `hang`, a step that
-    runs on without its node ever joining (a `ray start` retrying an address it cannot reach)."""
+    (`python -m launcher.slurm_ray worker ...`, the real code, with SLURM_CPUS_ON_NODE `worker_cpus`
+    as slurmstepd sets it on that node), or, with `fail_with`, a step that could not start there (a
+    node down) and exits with that code, or, with `hang`, a step that runs on without its node ever
+    joining (a `ray start` retrying an address it cannot reach)."""
     from launcher.slurm_ray import SlurmRayCluster
 
     class Cluster(SlurmRayCluster):
@@ -58,18 +61,23 @@ def local_step_cluster(hosts: list[str], run_dir: Path, fail_with: int | None = 
             if hang:
                 return [sys.executable, "-c", "import time; time.sleep(600)"]
             command = super().worker_command()
-            return [*command[command.index(sys.executable) :], "--num-cpus", "1"]
+            return command[command.index(sys.executable) :]
 
     cluster = Cluster(hosts, run_dir=run_dir)
     cluster.env["PYTHONPATH"] = str(REPO)
+    cluster.env["SLURM_CPUS_ON_NODE"] = str(worker_cpus)
     return cluster
 
 
-def test_a_multi_node_slurm_head_is_reached_at_a_network_address(tmp_path):
+def test_a_multi_node_slurm_head_is_reached_at_a_network_address_and_each_node_offers_its_slurm_cpus(
+    tmp_path, monkeypatch
+):
     """SlurmRayCluster over two hosts, this one first: the address the srun step hands the other
     node (`ray start --address`) is not a loopback address even where this node resolves its own
     name to one (it was: the other node dialled itself and never joined). The head bound there takes
-    the worker node (start() returns once it joined) and a driver, both at that address."""
+    the worker node (start() returns once it joined) and a driver, both at that address. Each node
+    offers Ray the CPUs Slurm gave the job on it (SLURM_CPUS_ON_NODE there): the head did, but the
+    worker nodes offered the machine's whole count, and Ray placed actors on CPUs of other jobs."""
     from launcher.slurm_ray import SlurmRayCluster
 
     host = socket.gethostname()
@@ -78,17 +86,36 @@ def test_a_multi_node_slurm_head_is_reached_at_a_network_address(tmp_path):
     plain.stop()
     assert not is_loopback(plain.address_ip), (host, _resolves_to(host), plain.address)
     assert command[:2] == ["srun", "--overlap"] and command[command.index("--address") + 1] == plain.address
+    assert "--num-cpus" not in command  # the step's one command line: each node counts its own
 
-    cluster = local_step_cluster([host, "node-b"], tmp_path)
+    monkeypatch.setenv("SLURM_CPUS_ON_NODE", "1")  # the batch step's, on the head's node
+    worker_cpus = (os.cpu_count() or 1) + 1  # not what Ray would count on this machine by itself
+    cluster = local_step_cluster([host, "node-b"], tmp_path, worker_cpus=worker_cpus)
     try:
         cluster.start(timeout_s=240)
-        alive = "sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive'])"
+        alive = "sorted((n['NodeManagerAddress'], n['Resources'].get('CPU')) for n in ray.nodes() if n['Alive'])"
         code = f"import ray\nray.init()\nprint('NODES', {alive})"
         joined = subprocess.run([sys.executable, "-c", code], env=dict(cluster.env, RAY_ADDRESS=cluster.address),
                                 capture_output=True, text=True, timeout=180)  # fmt: skip
-        assert f"NODES {[cluster.address_ip] * 2}" in joined.stdout, joined.stdout + joined.stderr[-3000:]
+        nodes = [(cluster.address_ip, 1.0), (cluster.address_ip, float(worker_cpus))]
+        assert f"NODES {nodes}" in joined.stdout, joined.stdout + joined.stderr[-3000:]
     finally:
         cluster.stop()
+
+
+def test_a_slurm_nodes_ray_cpus_come_from_slurms_variables():
+    """num_cpus_args, what the head and every worker node add to `ray start`: SLURM_CPUS_ON_NODE (the
+    job's CPUs on the node), else SLURM_CPUS_PER_TASK x the tasks on the node; nothing outside Slurm or
+    where the arguments name a count; a value that is not a count is refused naming the variable."""
+    from launcher.slurm_ray import num_cpus_args
+
+    assert num_cpus_args({"SLURM_CPUS_ON_NODE": "48"}, ["--block"]) == ["--num-cpus", "48"]
+    per_task = {"SLURM_CPUS_PER_TASK": "8", "SLURM_STEP_TASKS_PER_NODE": "4,2", "SLURM_NODEID": "1"}
+    assert num_cpus_args(per_task, []) == ["--num-cpus", "16"]
+    assert num_cpus_args({}, []) == []
+    assert num_cpus_args({"SLURM_CPUS_ON_NODE": "48"}, ["--num-cpus=4"]) == []
+    with pytest.raises(ValueError, match=r"SLURM_CPUS_ON_NODE='0' is not a CPU count"):
+        num_cpus_args({"SLURM_CPUS_ON_NODE": "0"}, [])
 
 
 def test_a_node_that_does_not_join_fails_the_job_at_once_naming_it(tmp_path):
@@ -306,3 +333,33 @@ def test_a_head_name_that_does_not_resolve_is_a_one_line_error_naming_the_fix(tm
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     with pytest.raises(ValueError, match=r"node job on no-such-node\.invalid: .*export MASTER_ADDR="):
         SlurmRayCluster(["no-such-node.invalid", "node-b"], run_dir=tmp_path)
+
+
+def test_a_target_directory_missing_on_a_node_names_the_node_the_path_and_the_fix(tmp_path):
+    """A multi-node run whose target directory exists on the driver's node only: the process that loads
+    it on another node (a trainer rank's embedding and lm_head, a capture actor's or the evaluator's
+    load_verified_target) fails with an error naming that node (host name and address), the path, and
+    what to do: shared storage at the same path, or a copy there. It said "hash_weight_files: ... is not
+    a directory" or "no *.safetensors weight files", naming no node, among many nodes' logs."""
+    from dflash_dist.config import load_config
+    from dflash_dist.target.loading import TargetNotOnNode, load_embeddings, load_verified_target
+
+    host = socket.gethostname()
+    missing = tmp_path / "models" / "target"
+    fix = "put the target on storage every node mounts at the same path, or copy it to"
+    with pytest.raises(TargetNotOnNode) as info:
+        load_embeddings(missing, "trainer rank 3")
+    text = str(info.value)
+    assert text.startswith(f"trainer rank 3: the target directory {missing} does not exist on node {host} ("), text
+    assert f"({network_address(host)})" in text and f"{fix} {missing} on {host} " in text, text
+    assert isinstance(info.value, ValueError)  # deterministic: the trainer group is not restarted for it
+
+    cfg = load_config(None, ["target.kind=hf", f"target.path={missing}", "data.train_path=d.jsonl"], check_files=False)
+    path = re.escape(str(missing))
+    with pytest.raises(TargetNotOnNode, match=rf"^target actor 0 on {host}: the target directory {path} does not exist "
+                                              rf"on node {host} \(.*{fix}"):
+        load_verified_target(cfg, missing, "0" * 64, f"target actor 0 on {host}", purpose="capture")
+    missing.parent.mkdir(parents=True)
+    missing.write_text("a file where the directory should be")
+    with pytest.raises(TargetNotOnNode, match=rf"the target directory {path} is not a directory on node {host}"):
+        load_embeddings(missing)

@@ -1,6 +1,7 @@
 """The trainers' process group listens on MASTER_ADDR only: rank 0's rendezvous store (and, on one
 node, gloo's pair listeners) on 127.0.0.1, never on every interface; on several nodes the store
-on the master address as given.
+on the master address as given, and gloo's listeners on the interface of the node's network
+address (GLOO_SOCKET_IFNAME, a user's own kept), not what the host name resolves to.
 
 Two real ranks (subprocesses of this module: `python -m tests.test_rendezvous`) join through
 trainer_group.join_group, the call run_rank makes; rank 0 reports its listening sockets, read
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from dflash_dist.actors.ports import free_ports
-from dflash_dist.actors.rendezvous import is_loopback
 from dflash_dist.actors.trainer_group import default_extensions_dir
+from dflash_dist.node_address import interface_of, is_loopback, network_address
 from tests.conftest import REPO
 from tests.helpers.sockets import listening_sockets
 
@@ -35,13 +37,16 @@ def rank_main(rank: str, master: str, port: str, report: str) -> None:
     join_group(env, on_gpu=False)
     dist.barrier()  # every gloo pair is connected
     if rank == "0":
-        Path(report).write_text(json.dumps(listening_sockets(os.getpid())))
+        Path(report).write_text(json.dumps({"listening": listening_sockets(os.getpid()),
+                                            "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME")}))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def run_group(tmp_path: Path, master: str) -> tuple[int, list[tuple[str, int]]]:
-    port = free_ports(1, master)[0]
+def run_group(tmp_path: Path, master: str) -> tuple[int, list[tuple[str, int]], str | None]:
+    """Two ranks joined at `master`: the store's port, rank 0's listening sockets, and the
+    GLOO_SOCKET_IFNAME rank 0 ran with."""
+    port = free_ports(1, master if is_loopback(master) else network_address(master))[0]
     report = tmp_path / "listening.json"
     env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
     env.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())  # DeepSpeed's shm op compiles once
@@ -63,11 +68,12 @@ def run_group(tmp_path: Path, master: str) -> tuple[int, list[tuple[str, int]]]:
             if p.poll() is None:
                 p.kill()
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
-    return port, [tuple(x) for x in json.loads(report.read_text())]
+    got = json.loads(report.read_text())
+    return port, [tuple(x) for x in got["listening"]], got["gloo_ifname"]
 
 
 def test_single_node_group_listens_on_loopback_only(tmp_path):
-    port, sockets = run_group(tmp_path, "127.0.0.1")
+    port, sockets, _ = run_group(tmp_path, "127.0.0.1")
     assert (("127.0.0.1", port)) in sockets, sockets  # the rendezvous store, on the address given
     assert len(sockets) >= 2, sockets  # the store and gloo's listener(s)
     assert all(is_loopback(host) for host, _ in sockets), f"listening beyond loopback: {sockets}"
@@ -80,8 +86,54 @@ def test_store_listens_on_the_given_master_address(tmp_path):
         free_ports(1, "127.0.0.2")
     except OSError:
         pytest.fail("this Linux machine should accept binds on 127.0.0.2 (all of 127/8 is loopback)")
-    port, sockets = run_group(tmp_path, "127.0.0.2")
+    port, sockets, _ = run_group(tmp_path, "127.0.0.2")
     assert [s for s in sockets if s[1] == port] == [("127.0.0.2", port)], sockets
+
+
+def test_an_address_maps_to_the_interface_holding_it():
+    """interface_of: loopback addresses are on lo (127.0.0.2 too, which no interface lists); this
+    node's network address on its own interface; an address no interface holds is an OSError naming
+    it and what the node has."""
+    assert interface_of("127.0.0.1") == interface_of("127.0.0.2") == "lo"
+    own = network_address(socket.gethostname())
+    assert interface_of(own) != "lo" and interface_of(own) in {name for _, name in socket.if_nameindex()}
+    with pytest.raises(OSError, match=r"no network interface of this node holds 203\.0\.113\.9 \(it has: lo 127"):
+        interface_of("203.0.113.9")  # TEST-NET-3: documentation only, never a host's
+
+
+def test_a_multi_node_rank_sets_gloos_interface_unless_the_user_did():
+    """socket_ifname_env, what init_process_group puts in a rank's environment. One node: gloo and
+    NCCL on lo. Several (MASTER_ADDR rank 0's node name, here this host's, which this machine's
+    /etc/hosts resolves to loopback as Debian's `127.0.1.1 host` does): GLOO_SOCKET_IFNAME is the
+    interface of the node's network address, for rank 0 and the others alike; it was unset, and gloo
+    bound the loopback address the name resolves to, unreachable from every other node. A user's
+    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME stays theirs; NCCL picks its own interface over nodes."""
+    from dflash_dist.actors.rendezvous import socket_ifname_env
+
+    host = socket.gethostname()
+    node_if = interface_of(network_address(host))
+    for rank in ("0", "1"):
+        env = {"MASTER_ADDR": host, "MASTER_PORT": "29500", "RANK": rank, "WORLD_SIZE": "2"}
+        assert socket_ifname_env(env, {}) == {"GLOO_SOCKET_IFNAME": node_if}, rank
+        assert socket_ifname_env(env, {"GLOO_SOCKET_IFNAME": "ib0"}) == {}
+    by_ip = {"MASTER_ADDR": network_address(host), "MASTER_PORT": "29500", "RANK": "1", "WORLD_SIZE": "2"}
+    assert socket_ifname_env(by_ip, {}) == {"GLOO_SOCKET_IFNAME": node_if}  # Ray's MASTER_ADDR: rank 0's node IP
+    one = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "RANK": "0", "WORLD_SIZE": "2"}
+    assert socket_ifname_env(one, {}) == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+    assert socket_ifname_env(one, {"NCCL_SOCKET_IFNAME": "eth9"}) == {"GLOO_SOCKET_IFNAME": "lo"}
+
+
+def test_a_multi_node_group_listens_on_the_nodes_network_interface(tmp_path):
+    """Two ranks joined as a multi-node Slurm job joins them (MASTER_ADDR the first host's name, which
+    this machine resolves to loopback): rank 1 reaches the store at the node's network address (it
+    dialled the loopback address its /etc/hosts gives the name, where nothing listens, until the
+    store's timeout: every rank beside rank 0 on the first node), and rank 0's gloo listeners are on
+    the interface of that address, named in its GLOO_SOCKET_IFNAME, not on loopback."""
+    host = socket.gethostname()
+    port, sockets, ifname = run_group(tmp_path, host)
+    assert (network_address(host), port) in sockets, sockets
+    assert ifname == interface_of(network_address(host)) != "lo", ifname
+    assert len(sockets) >= 2 and not any(is_loopback(h) for h, _ in sockets), f"on loopback: {sockets}"
 
 
 def _listening_after_connect(rank: int, world: int) -> list:

@@ -178,6 +178,21 @@ def test_pipeline_script_runs_the_tiny_config_on_a_ray_cluster_inside_the_job(sl
     assert not list(Path("/tmp").glob(f"dfray-{job}-*"))  # the job's Ray temp dir went with its processes
 
 
+def test_a_ray_worker_step_offers_the_jobs_cpus_on_its_node(slurm, tmp_path):
+    """What a Ray worker node of `run --launcher slurm` adds to `ray start`, asked inside the srun step
+    the head starts on every other node (its options: --overlap, one task per node) of a job of 2
+    tasks x 2 CPUs on this 4-CPU node: the job's 4 CPUs on the node (SLURM_CPUS_ON_NODE as slurmstepd
+    sets it in the step), not the step's one task's 2 nor the machine's count, which the worker nodes
+    offered before (no --num-cpus)."""
+    out = tmp_path / "cpus.out"
+    ask = "import os; from launcher.slurm_ray import num_cpus_args; print('ARGS', num_cpus_args(os.environ, []))"
+    step = f"srun --overlap --nodes=1 --ntasks=1 --ntasks-per-node=1 {sys.executable} -c \"{ask}\""
+    job = slurm.run("sbatch", "--parsable", f"--output={out}", f"--chdir={REPO}", "--ntasks=2", "--cpus-per-task=2",
+                    f"--wrap={step}").stdout.strip()
+    wait_job(slurm, job, 120, log=out)
+    assert "ARGS ['--num-cpus', '4']" in out.read_text(), out.read_text()
+
+
 def test_slurm_rank_environment_from_slurm_variables():
     env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "4242",
            "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "4(x2)"}

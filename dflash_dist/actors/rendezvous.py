@@ -5,55 +5,27 @@ libuv server binds "::"/0.0.0.0 whatever MASTER_ADDR says), so on a single node 
 that hands out the group's addresses was reachable from the network. Here rank 0 binds the
 listening socket itself, to MASTER_ADDR (127.0.0.1 when every rank shares a node; on several
 nodes rank 0's address as given, or, for a name this node resolves to loopback, the node's
-network address: network_address), and hands it to the TCPStore (`master_listen_fd`); the
-other ranks connect as before. On a single node gloo's (and NCCL's bootstrap) listeners go to
-the loopback interface too, unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME are set already.
+network address: node_address.network_address), and hands it to the TCPStore
+(`master_listen_fd`); the other ranks dial that address (a rank on rank 0's node whose host
+name resolves to loopback too). gloo's listeners (and, on one node, NCCL's bootstrap) go to one
+interface (`socket_ifname_env`): loopback on one node; on several, the interface holding the
+address this node reaches rank 0 from (gloo would bind what the host name resolves to, loopback
+on Debian-style hosts, and the other nodes could not connect). GLOO_SOCKET_IFNAME /
+NCCL_SOCKET_IFNAME set by the user are kept.
 """
 
 from __future__ import annotations
 
 import datetime
-import ipaddress
+import logging
 import os
 import socket
+from collections.abc import Mapping
 
-LOOPBACK_IFNAME = "lo"  # Linux's loopback interface
-# a destination to find the default route's source address (a UDP connect sends no packet; Ray's own
-# node IP detection asks the same way)
-ROUTE_PROBE = ("8.8.8.8", 53)
+from dflash_dist.node_address import LOOPBACK_IFNAME, interface_of, is_loopback, network_address, route_source
 
-
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and `localhost`."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def network_address(host: str) -> str:
-    """The address of this node, named `host`, that the other nodes reach: what `host` resolves to,
-    unless that is a loopback address (an /etc/hosts line `127.0.1.1 host`, Debian's and many cloud
-    images' default, or `127.0.0.1 host`), then the source address of this node's default route.
-    Bound to loopback, a service the other nodes were told to find at `host` is unreachable to them:
-    they resolve the name to the node's real address and are refused. Raises OSError naming the
-    fix when neither gives an address beyond loopback."""
-    resolved = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
-    if not is_loopback(resolved):
-        return resolved
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect(ROUTE_PROBE)
-            routed = probe.getsockname()[0]
-    except OSError:
-        routed = None
-    if routed is None or is_loopback(routed):
-        raise OSError(f"{host} resolves to {resolved} (loopback) on this node and it has no default route: the "
-                      f"other nodes cannot reach a service bound there; map {host} to this node's cluster address "
-                      "in /etc/hosts (or DNS)")
-    return routed
+log = logging.getLogger(__name__)
+GLOO_IFNAME, NCCL_IFNAME = "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -70,32 +42,65 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def master_dial_address(host: str) -> str:
+    """Where the ranks find rank 0's store: a loopback MASTER_ADDR as given (a one-node group), else
+    the address rank 0 binds (network_address: what the name resolves to, beyond loopback). A rank
+    on rank 0's node whose /etc/hosts maps the node's name to loopback dialled loopback, where
+    nothing listens, until the store's timeout."""
+    return host if is_loopback(host) else network_address(host)
+
+
 def rendezvous_store(env: dict[str, str], timeout: datetime.timedelta):
     """The group's TCPStore: rank 0 serves it on MASTER_ADDR:MASTER_PORT only, the others join."""
     import torch.distributed as dist
 
     host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    if rank != 0:
-        return dist.TCPStore(host, port, world, False, timeout)
     # a name of rank 0's node for the other nodes (a loopback MASTER_ADDR is a one-node group): bound to
     # the address they reach, even where this node resolves its own name to loopback (network_address)
-    bind = host if is_loopback(host) else network_address(host)
-    fd = listen_socket(bind, port).detach()  # the store owns the descriptor from here on
-    return dist.TCPStore(bind, port, world, True, timeout, multi_tenant=True, master_listen_fd=fd)
+    address = master_dial_address(host)
+    if rank != 0:
+        return dist.TCPStore(address, port, world, False, timeout)
+    fd = listen_socket(address, port).detach()  # the store owns the descriptor from here on
+    return dist.TCPStore(address, port, world, True, timeout, multi_tenant=True, master_listen_fd=fd)
+
+
+def socket_ifname_env(env: Mapping[str, str], environ: Mapping[str, str]) -> dict[str, str]:
+    """The socket interface variables a rank with process-group environment `env` sets, those the
+    user set in `environ` left out. One node (a loopback MASTER_ADDR): gloo and NCCL on loopback.
+    Several: GLOO_SOCKET_IFNAME is the interface holding this node's address toward rank 0 (rank 0's
+    own bound address, or the source of this node's route to it): unset, gloo binds what the host
+    name resolves to, loopback under Debian's `127.0.1.1 host`, and the other nodes' ranks could not
+    connect. NCCL is left to its own choice there (it skips loopback and prefers InfiniBand's IPoIB)."""
+    if is_loopback(env["MASTER_ADDR"]):
+        if LOOPBACK_IFNAME not in {name for _, name in socket.if_nameindex()}:
+            return {}
+        return {k: LOOPBACK_IFNAME for k in (GLOO_IFNAME, NCCL_IFNAME) if k not in environ}
+    if GLOO_IFNAME in environ:
+        return {}
+    master = master_dial_address(env["MASTER_ADDR"])
+    own = route_source(master, int(env["MASTER_PORT"]))
+    try:
+        if own is None:
+            raise OSError(f"this node has no route to rank 0's address {master}")
+        return {GLOO_IFNAME: interface_of(own)}
+    except OSError as e:
+        log.warning("%s not set: gloo binds what this node's name (%s) resolves to, which ranks on other nodes may "
+                    "not reach (%s); set %s to the interface of the network the nodes share", GLOO_IFNAME,
+                    socket.gethostname(), e, GLOO_IFNAME)
+        return {}
 
 
 def init_process_group(env: dict[str, str], backend: str, timeout: datetime.timedelta) -> None:
     """torch.distributed's default group from the rank's environment (MASTER_ADDR/PORT, RANK,
-    WORLD_SIZE, LOCAL_RANK) over `rendezvous_store`; on one node, gloo and NCCL listen on
-    loopback. NCCL with several ranks binds the rank's GPU (`device_id`), as DeepSpeed's own
+    WORLD_SIZE, LOCAL_RANK) over `rendezvous_store`; gloo (the CPU group, and the GPU ranks' gloo
+    side group made later) and NCCL listen where `socket_ifname_env` says, set in this process's
+    environment. NCCL with several ranks binds the rank's GPU (`device_id`), as DeepSpeed's own
     init does."""
     import torch
     import torch.distributed as dist
 
-    if is_loopback(env["MASTER_ADDR"]) and LOOPBACK_IFNAME in {name for _, name in socket.if_nameindex()}:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_IFNAME)
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_IFNAME)
+    os.environ.update(socket_ifname_env(env, os.environ))
     world = int(env["WORLD_SIZE"])
     extra = {}
     if backend == "nccl" and world > 1:

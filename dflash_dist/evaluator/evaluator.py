@@ -78,7 +78,7 @@ from dflash_dist.model.capture import capture_features
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.export import load_drafter, recorded_checksums
 from dflash_dist.target.generation import generate_in_batches, generate_responses, pad_token_id, stop_token_ids
-from dflash_dist.target.loading import TargetIdentity, load_verified_target, target_identity
+from dflash_dist.target.loading import TargetIdentity, load_verified_target, require_target_dir, target_identity
 from dflash_dist.target.weights_check import VerifiedWeights
 from dflash_dist.trainer.discard import move_aside
 from dflash_dist.trainer.metrics import Metrics
@@ -140,6 +140,7 @@ class Evaluator:
 
         target_dir = Path(target_dir)
         self.target_dir = target_dir
+        require_target_dir(target_dir, "the evaluator")  # on this node: else an error naming it and the fix
         self.identity = identity if identity is not None else target_identity(cfg, target_dir)
         # the weights loaded here (and by every live worker: self.weights) are those the identity's
         # hash names, i.e. the features' target: checked once per process, refused otherwise

@@ -22,6 +22,7 @@ from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance, installed
 from dflash_dist.config import Config, ConfigError, load_config
 from dflash_dist.model.capture import check_capture_layer_ids, gdn_kernel_path
 from dflash_dist.model.config import DrafterConfig, build_target_layer_ids
+from dflash_dist.node_address import node_label
 from dflash_dist.target.gdn_path import route_cpu_to_torch
 from dflash_dist.target.weights_check import (
     VerifiedWeights,
@@ -53,6 +54,29 @@ def no_remote_code(model_dir: str | os.PathLike[str]) -> Iterator[None]:
             "(auto_map), for a model type this transformers does not implement; dflash-dist never runs code from a "
             "model directory: use a transformers version that implements the model type"
         ) from None
+
+
+class TargetNotOnNode(ValueError):
+    """The target directory the run resolved (on the driver's node) is missing on the node of the
+    process that loads it. A ValueError: a restart on the same node meets it again."""
+
+
+def require_target_dir(target_dir: str | os.PathLike[str], who: str) -> None:
+    """Raise TargetNotOnNode unless `target_dir` is a directory on this node. Every node that runs a
+    target actor, a trainer rank or the evaluator loads the target from the path the run resolved:
+    the error names this node (host name and address), the path, and the two ways to give it the
+    target, so a multi-node run does not end in an error about weight files that names no node."""
+    path = Path(target_dir)
+    if path.is_dir():
+        return
+    what = "is not a directory" if path.exists() else "does not exist"
+    node = node_label()  # "host (address)"
+    host = node.split(" (")[0]
+    raise TargetNotOnNode(
+        f"{who}: the target directory {path} {what} on node {node}. Every node that runs a target actor, "
+        "a trainer rank or the evaluator loads the target from this path: put the target on storage every node "
+        f"mounts at the same path, or copy it to {path} on {host} (the same files: their hash is checked)"
+    )
 
 
 def resolve_target_dir(cfg: Config) -> Path:
@@ -128,7 +152,9 @@ def load_verified_target(cfg: Config, target_dir: Path, recorded_hash: str, wher
     loads: both read the same files, the later reader from the page cache, and sha256 releases the
     GIL, so the check adds about max(hash, load) - load of wall time. Its verdict is in before this
     returns: nothing is made from another model's weights. A load that fails waits for the hash,
-    whose mismatch (another model, another shape) says more than the load's own error."""
+    whose mismatch (another model, another shape) says more than the load's own error. A target
+    directory missing on this node is refused first, naming the node (require_target_dir)."""
+    require_target_dir(target_dir, where)
     before = weights_stamp(target_dir)
     hashed = _in_thread(verify_weights, target_dir, recorded_hash, where, verified, purpose)
     try:
@@ -182,9 +208,11 @@ def target_config_dict(target_dir: Path) -> dict:
     return d.get("text_config", d) if "num_hidden_layers" not in d else d
 
 
-def load_embeddings(target_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+def load_embeddings(target_dir: Path, who: str = "a trainer rank") -> tuple[torch.Tensor, torch.Tensor]:
     """The target's input embedding and lm_head weights, read from its safetensors files without
-    building the model (a 27B target need not fit a trainer's memory)."""
+    building the model (a 27B target need not fit a trainer's memory); `who` names the loader in the
+    error of a target directory missing on this node (require_target_dir)."""
+    require_target_dir(target_dir, who)
     files = sorted(Path(target_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{target_dir}: no *.safetensors weight files")

@@ -86,7 +86,8 @@ def build_engine(
     torch.manual_seed(cfg.run.seed)
     t = cfg.train
     drafter = DFlashDrafter(drafter_config, kernels=resolve_kernels(t.kernels, on_gpu))
-    drafter.set_target_weights(*load_embeddings(Path(target_dir)))
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    drafter.set_target_weights(*load_embeddings(Path(target_dir), f"trainer rank {rank}"))
     module = TrainForward(drafter, t.label_source, t.gamma, t.attention, t.position_weighting)
     optimizer = build_optimizer(cfg, module, fused=on_gpu)
     engine, *_ = deepspeed.initialize(

@@ -47,7 +47,10 @@ def master_dial_address(host: str) -> str:
     the address rank 0 binds (network_address: what the name resolves to, beyond loopback). A rank
     on rank 0's node whose /etc/hosts maps the node's name to loopback dialled loopback, where
     nothing listens, until the store's timeout."""
-    return host if is_loopback(host) else network_address(host)
+    try:
+        return host if is_loopback(host) else network_address(host)
+    except socket.gaierror as e:  # its own text names no host
+        raise OSError(f"MASTER_ADDR {host} does not resolve on {socket.gethostname()}: {e.strerror}") from e
 
 
 def rendezvous_store(env: dict[str, str], timeout: datetime.timedelta):
@@ -78,9 +81,9 @@ def socket_ifname_env(env: Mapping[str, str], environ: Mapping[str, str]) -> dic
         return {k: LOOPBACK_IFNAME for k in (GLOO_IFNAME, NCCL_IFNAME) if k not in environ}
     if GLOO_IFNAME in environ:
         return {}
-    master = master_dial_address(env["MASTER_ADDR"])
-    own = route_source(master, int(env["MASTER_PORT"]))
     try:
+        master = master_dial_address(env["MASTER_ADDR"])  # an error here is raised again by the store
+        own = route_source(master, int(env["MASTER_PORT"]))
         if own is None:
             raise OSError(f"this node has no route to rank 0's address {master}")
         return {GLOO_IFNAME: interface_of(own)}

@@ -177,7 +177,10 @@ def test_reduce_and_allreduce_train_the_same(world, cases):
 
 def test_pinned_curve_with_reduce_through_the_trainer(tiny, tmp_path, ray_cluster):
     """tests/test_loss_curve.py's run (Ray trainer group, 2 gloo ranks, ZeRO-2 fp32, DeepSpeed's step)
-    with train.zero_grad_reduce=reduce: the pinned losses and LRs exactly (the same additions)."""
+    with train.zero_grad_reduce=reduce: the pinned losses within the gate's own tolerance and the LRs.
+    (Exact equality with the stored file held on the machine that pinned it and in CI, but not on
+    every x86 CPU: on an AMD EPYC host of 2026-12-06 step 1 differed by 2.2e-8 relative, for the
+    allreduce run of tests/test_loss_curve.py as well; the gate is RTOL for that reason.)"""
     from dflash_dist.actors.trainer_group import start_trainer_group
     from dflash_dist.trainer.loop import TRAIN_LOG
     from tests.helpers import loss_curve as lc
@@ -196,4 +199,5 @@ def test_pinned_curve_with_reduce_through_the_trainer(tiny, tmp_path, ray_cluste
     assert [r.steps for r in results] == [lc.STEPS, lc.STEPS]
     got = [json.loads(line) for line in (cfg.out / TRAIN_LOG).read_text().splitlines()]
     want = json.loads(lc.PINNED.read_text())
-    assert [(r["step"], r["loss"], r["lr"]) for r in got] == [(r["step"], r["loss"], r["lr"]) for r in want]
+    assert [(r["step"], r["lr"]) for r in got] == [(r["step"], r["lr"]) for r in want]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=lc.RTOL)

@@ -16,6 +16,7 @@ Recipe options (issue 13; defaults = the behaviour the pinned loss curve was rec
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -140,12 +141,24 @@ def loss_weights(
 
     sum(w) over a micro-batch is `LossOutput.weight_sum`; summed over the optimizer step and all
     ranks it is the `loss_denominator` of the step_slots normalisation."""
+    _, binary = label_targets(input_ids, loss_mask, anchors, block_size)
+    return _normalising_weights(binary, block_size, gamma, position_weighting)
+
+
+def _normalising_weights(binary: torch.Tensor, block_size: int, gamma: float, position_weighting: str) -> torch.Tensor:
+    """`loss_weights` from `label_targets`' binary weights (dflash_loss has them already)."""
     if position_weighting not in POSITION_WEIGHTINGS:
         raise ValueError(f"train.position_weighting={position_weighting!r}; expected one of {POSITION_WEIGHTINGS}")
-    _, binary = label_targets(input_ids, loss_mask, anchors, block_size)
     if position_weighting == "dpace":
         return binary
-    return binary * decay_weights(block_size, gamma).to(binary.device)
+    return binary * _decay_weights_on(block_size, gamma, binary.device)
+
+
+@functools.lru_cache(maxsize=16)
+def _decay_weights_on(block_size: int, gamma: float, device: torch.device) -> torch.Tensor:
+    """decay_weights as computed on the host, copied to `device` once: the copy of a host tensor to a GPU
+    waits for the queued kernels, and it ran in every micro-batch's forward. Read only (never written)."""
+    return decay_weights(block_size, gamma).to(device)
 
 
 def supervised_rows(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: Anchors, block_size: int,
@@ -252,7 +265,7 @@ def dflash_loss(
     # one host sync, and here it waits for no queued drafter work (but for the previous step's)
     n = anchors.positions.shape[1]
     labels, binary = label_targets(input_ids, loss_mask, anchors, blk, target_argmax, label_source)
-    norm_weights = loss_weights(input_ids, loss_mask, anchors, blk, gamma, position_weighting)
+    norm_weights = _normalising_weights(binary, blk, gamma, position_weighting)  # loss_weights, from this binary
     weights = norm_weights  # decay: the loss weights are the normalising ones
     denom = norm_weights.sum() + 1e-6 if loss_denominator is None else loss_denominator
     if return_logits:

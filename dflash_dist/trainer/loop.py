@@ -276,7 +276,8 @@ class Trainer:
             total += loss_weights(b.input_ids, b.loss_mask, b.anchors, self.block_size, self.gamma, weighting).sum()
         dist.all_reduce(total, group=self._ctrl)
         scale = self.cfg.train.grad_accum * self.world
-        denominator = torch.tensor(max(float(total), 1e-6) / scale, dtype=torch.float32, device=self.device)
+        # a fill on the device (torch.tensor(value, device=) copies a host tensor and waits for the queue)
+        denominator = torch.full((), max(float(total), 1e-6) / scale, dtype=torch.float32, device=self.device)
         return [denominator]
 
     def _finished(self) -> bool:

@@ -7,7 +7,8 @@ drains the GPU's queue, so a change that adds one fails here, naming its site.
   log's values.
 - The bench's step under `direct+fused+leangrads` on the engine the GPU gets (bf16, overlap_comm;
   `deepspeed_config(on_gpu=True)`), with DeepSpeed's CUDA-only synchronize branches taken: one device
-  synchronize per micro-batch remains, DeepSpeed's own at the end of each backward under overlap_comm.
+  synchronize per micro-batch remains, DeepSpeed's own at the end of each backward under overlap_comm;
+  none with the opt-in word "epiwait" (zero_step.wait_on_device).
 
 Before issue 24's sync cut each micro-batch also made the loss's nonzero over the supervised slots and its
 block count (`int(keep.sum())`), DeepSpeed's throughput timer synchronized in every forward and step(), and
@@ -115,9 +116,12 @@ def test_a_trainer_step_reads_nothing_back_between_log_steps(tiny, tmp_path, sin
     print(reads.table(steps=4))
 
 
-def test_the_bench_step_under_direct_fused_leangrads_syncs_once_per_micro_batch(single_rank_gloo):
+@pytest.mark.parametrize("words", ["", "+epiwait"])
+def test_the_bench_step_under_direct_fused_leangrads_syncs_once_per_micro_batch(words, single_rank_gloo):
     """The GPU's engine config on the CPU (bf16, overlap_comm, the 27B shape's bucket rule), the setting
-    issue 24's eighth lease profiled, the bench's batches with their host-found supervised rows."""
+    issue 24's eighth lease profiled, the bench's batches with their host-found supervised rows: one
+    synchronize per micro-batch, DeepSpeed's epilogue; none with "epiwait" (zero_step.wait_on_device,
+    opt-in: there the compute stream waits on the reduction stream instead)."""
     import deepspeed
 
     cfg = load_config(None, ["target.kind=tiny_stdlib", "train.max_steps=20", "train.position_weighting=dpace"])
@@ -127,7 +131,7 @@ def test_the_bench_step_under_direct_fused_leangrads_syncs_once_per_micro_batch(
     assert ds["zero_optimization"]["overlap_comm"] and ds["bf16"]["enabled"]
     engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds, dist_init_required=False,
                                       lr_scheduler=build_lr_schedule(cfg, optimizer, 20))  # fmt: skip
-    bts.apply_setting(engine, bts.parse_setting("direct+fused+leangrads"))
+    bts.apply_setting(engine, bts.parse_setting("direct+fused+leangrads" + words))
     g = torch.Generator().manual_seed(0)
     batches = []
     for _ in range(7):
@@ -148,4 +152,5 @@ def test_the_bench_step_under_direct_fused_leangrads_syncs_once_per_micro_batch(
             engine.step()
     reads.remove_hooks()
     print(reads.table(steps=3))
-    assert _sites(reads.reads) == {EPILOGUE: 3}, _show("the bench's step read device data:", reads.reads)
+    want = {} if words else {EPILOGUE: 3}
+    assert _sites(reads.reads) == want, _show("the bench's step read device data:", reads.reads)

@@ -172,13 +172,19 @@ def cut_grad_path(opt) -> list[str]:
 def wait_on_device(opt) -> bool:
     """With overlap_comm, DeepSpeed 0.19.8's `independent_gradient_partition_epilogue` (the end of every
     backward) synchronizes the device after queueing the last bucket's reduction on its reduction
-    stream (stage_1_and_2.py:1028; with train.zero_grad_reduce=reduce also per bucket, :2413): the host
+    stream (stage_1_and_2.py:1028; train.zero_grad_reduce=reduce also synchronizes per reduce bucket
+    during the backward, :2413, which this leaves alone): the host
     waits until the GPU's queue is empty, so it could release the reduce buffers and gradients the
     reduction stream reads, and the step reads the reduced partition. Here the compute stream waits on
     the reduction stream instead, at the same point: every later kernel of the compute stream, the
     step's and those reusing the released memory (the caching allocator reuses a block on the stream
     that allocated it), runs after the reductions queued so far; the host goes on. Nothing else
-    changes (the same kernels in the same stream order: bitwise). True when installed (overlap_comm on).
+    changes (the same kernels in the same stream order: bitwise). With train.zero_grad_reduce=reduce the
+    per-bucket synchronize of allreduce_and_copy (reached inside the epilogue's last reduce) runs with the
+    reduction stream current, so there the wait is on itself, a no-op: that synchronize guards only the
+    release of earlier buckets' gradients, none with contiguous_gradients (ds_config sets it); the
+    compute stream's order against the reductions is average_tensor's own stream waits. True when
+    installed (overlap_comm on).
     Opt-in (bench_train_step's "epiwait") until `pytest -m gpu` tests/test_zero_step.py checks it on CUDA."""
     if not opt.overlap_comm:
         return False

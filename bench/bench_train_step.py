@@ -53,7 +53,7 @@ from dflash_dist.model import loss as loss_mod
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.drafter import DFlashDrafter
 from dflash_dist.model.fused import KERNELS
-from dflash_dist.model.loss import Anchors, dflash_loss, label_targets, sample_anchors
+from dflash_dist.model.loss import Anchors, dflash_loss, label_targets, sample_anchors, supervised_rows
 from dflash_dist.model.vocab_loss import lm_head_cross_entropy
 from dflash_dist.trainer.batching import BatchLimit
 from dflash_dist.trainer.ds_config import build_lr_schedule, build_optimizer, deepspeed_config
@@ -65,16 +65,18 @@ DATASHEET_TFLOPS = 989.0
 class BenchForward(TrainForward):
     """TrainForward (the chunked loss, as trained) or, with `naive`, the full-logits loss path
     (dflash_loss return_logits=True: lm_head over every block slot, fp32 logits, F.cross_entropy).
-    With anchor_starts/anchor_ends: packed rows (each anchor's document bounds, loss.Anchors)."""
+    With anchor_starts/anchor_ends: packed rows (each anchor's document bounds, loss.Anchors).
+    `rows`: the supervised slots found on the host (as the trainer passes them)."""
 
     naive = False
 
     def forward(
         self, input_ids, features, loss_mask, target_argmax, anchor_positions, anchor_keep, anchor_starts=None,
-        anchor_ends=None,
+        anchor_ends=None, rows=None,
     ):
         if not self.naive and anchor_starts is None:
-            return super().forward(input_ids, features, loss_mask, target_argmax, anchor_positions, anchor_keep)
+            return super().forward(input_ids, features, loss_mask, target_argmax, anchor_positions, anchor_keep,
+                                   rows=rows)
         out = dflash_loss(
             self.drafter,
             input_ids,
@@ -88,6 +90,7 @@ class BenchForward(TrainForward):
             return_logits=self.naive,
             position_weighting=self.position_weighting,
             block_mask=self.block_mask,
+            rows=rows,
         )
         out.logits = out.extras = None  # only the loss leaves the step
         return out.loss, out
@@ -182,6 +185,20 @@ def build(a, dc: DrafterConfig):
     return cfg, engine
 
 
+class Batch(tuple):
+    """One micro-batch's forward arguments on the device (input_ids, features, loss_mask, target_argmax,
+    anchor positions, keep[, starts, ends]) and its supervised slots `rows`, found on the host from the
+    host copies, as the trainer finds them (loss.supervised_rows): the forward then reads nothing back."""
+
+    rows: torch.Tensor
+
+    @classmethod
+    def of(cls, args, host_ids, host_mask, host_anchors: Anchors, block_size: int) -> Batch:
+        out = cls(args)
+        out.rows = supervised_rows(host_ids, host_mask, host_anchors, block_size).to(args[0].device)
+        return out
+
+
 def make_batches(a, dc: DrafterConfig, n: int):
     """n micro-batches: (input_ids, features, loss_mask, target_argmax, anchor_positions, anchor_keep)."""
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -193,7 +210,8 @@ def make_batches(a, dc: DrafterConfig, n: int):
     out = []
     for _ in range(n):
         anchors = sample_anchors(mask.cpu(), a.anchors, cpu_g)  # as batching.py: on the host, per sample
-        out.append((ids, feats, mask, ids, anchors.positions.cuda(), anchors.keep.cuda()))
+        args = (ids, feats, mask, ids, anchors.positions.cuda(), anchors.keep.cuda())
+        out.append(Batch.of(args, ids.cpu(), mask.cpu(), anchors, dc.block_size))
     return out
 
 
@@ -240,7 +258,8 @@ def mix_batches(a, dc: DrafterConfig, lengths, bucket: int):
             anc = sample_anchors(mask[i : i + 1], a.anchors, cpu_g)
             k = anc.positions.shape[1]
             pos[i, :k], keep[i, :k] = anc.positions[0], anc.keep[0]
-        batch = (ids, feats.to(torch.bfloat16), mask.cuda(), ids, pos.cuda(), keep.cuda())
+        batch = Batch.of((ids, feats.to(torch.bfloat16), mask.cuda(), ids, pos.cuda(), keep.cuda()), ids.cpu(), mask,
+                         Anchors(pos, keep), dc.block_size)
         out.append((batch, sum(s for s, _ in grp), b))
     return out
 
@@ -287,7 +306,9 @@ def pack_batches(a, dc: DrafterConfig, lengths, anchor_bucket: int):
         ids = torch.randint(0, dc.vocab_size, (1, a.seq), generator=g, device="cuda")
         feats = torch.randn(1, a.seq, dc.num_context_layers * dc.hidden_size, generator=g, device="cuda")
         anchors = tuple(t[None].cuda() for t in (pos, keep, starts, ends))
-        batch = (ids, feats.to(torch.bfloat16), mask.cuda(), ids, *anchors)
+        host = Anchors(*(t[None] for t in (pos, keep, starts, ends)))
+        batch = Batch.of((ids, feats.to(torch.bfloat16), mask.cuda(), ids, *anchors), ids.cpu(), mask, host,
+                         dc.block_size)
         out.append((batch, off, len(row)))
     return out
 
@@ -300,7 +321,7 @@ def run_steps(engine, batches):
     for b in batches:
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         ev[0].record()
-        loss, out = engine(*b)
+        loss, out = engine(*b, rows=b.rows)
         if HOST_SYNC:
             float(loss.detach())
         ev[1].record()
@@ -467,7 +488,7 @@ def main() -> None:
     for k in kernel_sets:
         drafter.set_kernels(k)
         with torch.no_grad():
-            loss = float(engine.module(*batches[0])[0])
+            loss = float(engine.module(*batches[0], rows=batches[0].rows)[0])
         ref = loss if ref is None else ref
         print(f"loss on batch 0, kernels {k:8s}: {loss:.6f}  (vs {kernel_sets[0]}: {loss - ref:+.2e})", flush=True)
 

@@ -16,6 +16,9 @@ SWITCHES = {  # --settings vocabulary: each word sets one switch on the running 
     "fused": ("step", "fused"),  # the lean step with one AdamW kernel (trainer/fused_adamw.py)
     # the lean step's gradient path: DeepSpeed's (the default) or the trainer's cuts (zero_step.cut_grad_path)
     "dsgrads": ("grads", "ds"), "leangrads": ("grads", "lean"),
+    # DeepSpeed's end-of-backward synchronize under overlap_comm (the default), or the compute stream waiting on
+    # the reduction stream instead (zero_step.wait_on_device; with lean or fused)
+    "episync": ("epi", "sync"), "epiwait": ("epi", "wait"),
     "ovf": ("ovf", True), "noovf": ("ovf", False),  # DeepSpeed's inf/nan pass (bf16 check_grad_overflow)
     "cat": ("kv", False), "splitkv": ("kv", True),  # k/v projections of cat(context, x) or of each part
     # slot weights (default: --position-weighting); twopass: D-PACE as before 2026-12-04, a no-grad
@@ -59,6 +62,8 @@ def parse_setting(text: str) -> dict:
         raise SystemExit(f"--settings: {text!r}: twopass is D-PACE's former form, so it needs the word dpace")
     if out["grads"] == "lean" and out["step"] not in ("lean", "fused"):
         raise SystemExit(f"--settings: {text!r}: leangrads cuts the lean step's gradient path; add lean or fused")
+    if out.get("epi") == "wait" and out["step"] not in ("lean", "fused"):
+        raise SystemExit(f"--settings: {text!r}: epiwait comes with the lean step; add lean or fused")
     return out
 
 
@@ -84,7 +89,8 @@ def apply_setting(engine, setting: dict) -> None:
     engine.module.drafter.set_split_kv(setting["kv"])
     engine.optimizer.check_grad_overflow = setting["ovf"]
     zero_step.uninstall(engine)  # DeepSpeed's step and gradient path, then the setting's
-    zero_step.install(engine, setting["step"], on_gpu=True, grad_cuts=setting["grads"] == "lean")
+    zero_step.install(engine, setting["step"], on_gpu=True, grad_cuts=setting["grads"] == "lean",
+                      epilogue_wait=setting.get("epi") == "wait")  # a setting without the word: DeepSpeed's sync
     set_rope_layout(setting.get("rope", "bthd"))  # a setting without these words: the defaults (after issue 24)
     set_rms_norm_in_place(setting.get("rms", True))
     flex = setting.get("flex", "torch")

@@ -17,6 +17,7 @@ from dflash_dist.model.loss import (
     label_targets,
     loss_weights,
     sample_anchors,
+    supervised_rows,
 )
 from dflash_dist.model.vocab_loss import lm_head_cross_entropy
 from tests.helpers.drafter import small_drafter
@@ -103,6 +104,42 @@ def test_per_sample_statistics_match_manual_and_both_vocab_paths():
     assert chunked.sample_count[2] == 0 and chunked.sample_loss[2] == 0
     # the batch loss is the weight-averaged per-sample loss
     assert torch.allclose((want * w.sum((1, 2))).sum() / w.sum(), full.loss, atol=1e-5)
+
+
+@pytest.mark.parametrize("weighting", ["decay", "dpace"])
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_rows_found_on_the_host_give_the_same_loss_and_gradients_bitwise(weighting, packed):
+    """dflash_loss(rows=supervised_rows(host batch)) (the trainer's form: no nonzero on the device) is the
+    loss without them: the same supervised slots (ascending, as the nonzero finds them), the same loss,
+    statistics and every gradient bit for bit; a sample with nothing supervised and a dropped anchor
+    included, and a packed row's document ends."""
+    d = small_drafter(block=4)
+    ids = torch.randint(0, 60, (3, 18))
+    f = torch.randn(3, 18, 96)
+    lm = torch.ones(3, 18)
+    lm[1, :10] = 0
+    lm[2] = 0
+    a = sample_anchors(lm, 5, torch.Generator().manual_seed(3))
+    a = Anchors(a.positions, a.keep.clone())
+    a.keep[0, 1] = False
+    if packed:  # two documents in row 0: [0, 9) and [9, 18)
+        ends = torch.where(a.positions < 9, 9, 18)
+        a = Anchors(a.positions, a.keep, torch.where(a.positions < 9, 0, 9), ends)
+    _, binary = label_targets(ids, lm, a, 4)
+    rows = supervised_rows(ids, lm, a, 4)
+    assert torch.equal(rows, binary.reshape(-1).nonzero().squeeze(1)) and rows.numel() > 0
+    outs, grads = [], []
+    for given in (None, rows):
+        d.zero_grad()
+        out = dflash_loss(d, ids, f, lm, a, gamma=3.0, vocab_chunk_rows=7, position_weighting=weighting, rows=given)
+        out.loss.backward()
+        outs.append(out)
+        grads.append([p.grad.clone() for p in d.parameters() if p.grad is not None])
+    ref, host = outs
+    for name in ("loss", "accuracy", "slot_correct", "slot_count", "sample_loss", "sample_correct", "num_blocks"):
+        assert torch.equal(getattr(host, name), getattr(ref, name)), name
+    assert int(ref.num_blocks) == int(a.keep.sum())
+    assert len(grads[0]) == len(grads[1]) > 0 and all(torch.equal(x, y) for x, y in zip(*grads))
 
 
 # --- recipe options (issue 13) ---

@@ -117,6 +117,8 @@ def test_deepspeed_config_reaches_engine(tiny, tmp_path, monkeypatch):
         assert engine.train_micro_batch_size_per_gpu() == 3
         assert engine.gradient_accumulation_steps() == 2
         assert not engine.bfloat16_enabled() and not engine.fp16_enabled()
+        # DeepSpeed's throughput timer synchronized the device in every forward and step() (ds_config.py)
+        assert not engine.tput_timer.config.enabled and not engine.tput_timer.config.synchronized
         assert next(engine.module.parameters()).dtype == torch.float32
         # the frozen target weights stay out of the optimizer
         trainable = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)

@@ -335,8 +335,10 @@ def test_two_rank_zero2_run_with_the_lean_step_follows_the_pinned_curve(kind, ti
 # ---- the gradient path cuts (zero_step.cut_grad_path): bf16 engines as on a GPU, bitwise ----
 
 
-def cut_engine(cuts: bool, grad_accum: int, overlap: bool, world: int = 1, device: str = "cpu", kind: str = "lean"):
-    """A bf16 ZeRO-2 engine with the lean step (the trainer's GPU config), with or without the cuts."""
+def cut_engine(cuts: bool, grad_accum: int, overlap: bool, world: int = 1, device: str = "cpu", kind: str = "lean",
+               wait: bool = False):  # fmt: skip
+    """A bf16 ZeRO-2 engine with the lean step (the trainer's GPU config), with or without the cuts
+    (and with `wait`, the end-of-backward synchronize as a device-side wait: zero_step.wait_on_device)."""
     import deepspeed
 
     cfg = cfg_for(grad_accum=grad_accum)
@@ -347,7 +349,7 @@ def cut_engine(cuts: bool, grad_accum: int, overlap: bool, world: int = 1, devic
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=opt, lr_scheduler=build_lr_schedule(cfg, opt, 50), config=ds, dist_init_required=False
     )
-    assert zero_step.install(engine, kind, on_gpu=True, grad_cuts=cuts) == kind
+    assert zero_step.install(engine, kind, on_gpu=True, grad_cuts=cuts, epilogue_wait=wait) == kind
     return engine
 
 
@@ -419,6 +421,27 @@ def test_grad_path_cuts_restore_and_never_reach_deepspeeds_step(single_rank_gloo
     assert opt.gradient_average and "copy_grads_in_partition" not in vars(opt)
     out = run_and_inspect(engine, batches(2), 1)
     assert out["divides"] > 0 and out["storages"] == [[(768 + 384 + 48 + 48) * 2]] * 2
+
+
+def test_epilogue_wait_is_opt_in_and_bitwise_and_uninstalled(single_rank_gloo):
+    """zero_step.wait_on_device: only with overlap_comm and only when asked; DeepSpeed's epilogue runs
+    through it with the same results bit for bit (the CPU has no streams: the wait is a no-op here;
+    tests/test_host_reads.py shows the synchronize gone, `pytest -m gpu` checks it on CUDA), the
+    accelerator's own synchronize is back after each backward, and uninstall removes it."""
+    from deepspeed.accelerator import get_accelerator
+
+    data = batches(4)
+    assert "independent_gradient_partition_epilogue" not in vars(cut_engine(True, 2, True).optimizer)
+    assert "independent_gradient_partition_epilogue" not in vars(cut_engine(True, 2, False, wait=True).optimizer)
+    ref, waiting = cut_engine(True, 2, True), cut_engine(True, 2, True, wait=True)
+    opt = waiting.optimizer
+    assert opt.independent_gradient_partition_epilogue.__func__ is zero_step._epilogue_waiting_on_device
+    out = run_and_inspect(waiting, data, 2)
+    assert "synchronize" not in vars(get_accelerator())
+    assert out["losses"] == run_and_inspect(ref, data, 2)["losses"]
+    assert_bitwise(state_of(waiting), state_of(ref))
+    zero_step.uninstall(waiting)
+    assert "independent_gradient_partition_epilogue" not in vars(opt)
 
 
 def test_grad_path_cuts_resume_exactly(tmp_path, single_rank_gloo):
@@ -549,3 +572,23 @@ def test_cuda_grad_path_cuts_are_bitwise_with_overlap_comm(grad_accum, kind, sin
     assert_bitwise(cut_state, ref_state)
     assert ref["divides"] > 0 and cut["divides"] == 0
     assert cut["storages"] == [sorted([768 * 2, (384 + 48 + 48) * 2])] * 4 != ref["storages"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduce", ["allreduce", "reduce"])
+@pytest.mark.parametrize("kind", ["lean", "fused"])
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_cuda_epilogue_wait_is_bitwise_with_overlap_comm(grad_accum, kind, reduce, single_rank_nccl):
+    """zero_step.wait_on_device on CUDA with overlap_comm (reductions on DeepSpeed's side stream, the
+    reduce buffers released and the partition read right after them): bitwise the run with DeepSpeed's
+    host synchronize, with the gradient-path cuts, both reduce modes (per-rank reduce synchronizes per
+    bucket too), over 4 optimizer steps."""
+    data = batches(4 * grad_accum, device="cuda")
+    runs = {}
+    for wait in (False, True):
+        engine = cut_engine(True, grad_accum, True, device="cuda", kind=kind, wait=wait)
+        engine.optimizer.use_multi_rank_bucket_allreduce = reduce == "allreduce"
+        runs[wait] = run_and_inspect(engine, data, grad_accum), state_of(engine)
+    (ref, ref_state), (got, got_state) = runs[False], runs[True]
+    assert got["losses"] == ref["losses"] and got["norms"] == ref["norms"]
+    assert_bitwise(got_state, ref_state)

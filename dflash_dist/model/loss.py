@@ -16,6 +16,7 @@ Recipe options (issue 13; defaults = the behaviour the pinned loss curve was rec
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +51,7 @@ class LossOutput:
     accuracy: torch.Tensor  # scalar: argmax == label over supervised slots (no decay)
     slot_correct: torch.Tensor  # [B] correct counts per slot (slot 0 always 0)
     slot_count: torch.Tensor  # [B] supervised counts per slot
-    num_blocks: int
+    num_blocks: torch.Tensor  # scalar int64: blocks with keep (on the anchors' device, never read here)
     logits: torch.Tensor | None = None  # [b, N*B, V] only when asked (parity / tests)
     extras: dict | None = None
     # per sample of the batch (no grad; diagnostics): its weighted CE / its weight, and its
@@ -140,12 +141,35 @@ def loss_weights(
 
     sum(w) over a micro-batch is `LossOutput.weight_sum`; summed over the optimizer step and all
     ranks it is the `loss_denominator` of the step_slots normalisation."""
+    _, binary = label_targets(input_ids, loss_mask, anchors, block_size)
+    return _normalising_weights(binary, block_size, gamma, position_weighting)
+
+
+def _normalising_weights(binary: torch.Tensor, block_size: int, gamma: float, position_weighting: str) -> torch.Tensor:
+    """`loss_weights` from `label_targets`' binary weights (dflash_loss has them already)."""
     if position_weighting not in POSITION_WEIGHTINGS:
         raise ValueError(f"train.position_weighting={position_weighting!r}; expected one of {POSITION_WEIGHTINGS}")
-    _, binary = label_targets(input_ids, loss_mask, anchors, block_size)
     if position_weighting == "dpace":
         return binary
-    return binary * decay_weights(block_size, gamma).to(binary.device)
+    return binary * _decay_weights_on(block_size, gamma, binary.device)
+
+
+@functools.lru_cache(maxsize=16)
+def _decay_weights_on(block_size: int, gamma: float, device: torch.device) -> torch.Tensor:
+    """decay_weights as computed on the host, copied to `device` once: the copy of a host tensor to a GPU
+    waits for the queued kernels, and it ran in every micro-batch's forward. Read only (never written)."""
+    return decay_weights(block_size, gamma).to(device)
+
+
+def supervised_rows(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: Anchors, block_size: int,
+                    ) -> torch.Tensor:  # fmt: skip
+    """The slots with a label weight (`label_targets`' binary > 0) as ascending flat indices into
+    [b, N, B]: the rows `dflash_loss` sends through the lm_head. Their number sizes the chunked head,
+    so finding them from device tensors is a host read (a nonzero) that waits for every queued
+    kernel; on the host batch, before it moves to the device, it waits for nothing (the trainer
+    passes them as `dflash_loss(rows=...)`)."""
+    _, binary = label_targets(input_ids, loss_mask, anchors, block_size)
+    return binary.reshape(-1).nonzero().squeeze(1)
 
 
 def block_inputs(input_ids: torch.Tensor, anchors: Anchors, block_size: int, mask_token_id: int):
@@ -207,6 +231,7 @@ def dflash_loss(
     dpace_alpha: float = DPACE_ALPHA,
     loss_denominator: torch.Tensor | None = None,
     block_mask: str = "direct",
+    rows: torch.Tensor | None = None,
 ) -> LossOutput:
     """One training forward over all blocks of the batch; loss = sum(w*CE) / (sum(w) + 1e-6), or
     sum(w*CE) / loss_denominator when given (step_slots: the caller sums `loss_weights` over the
@@ -225,6 +250,9 @@ def dflash_loss(
     `vocab_chunk_rows` supervised slots (default: 1 GiB of fp32 logits, vocab_loss.py) and skips
     unsupervised slots; return_logits=True (parity, tests) materialises all logits instead.
     block_mask: how flex's BlockMask is built, "direct" or "create" (attention.block_mask_flex).
+    rows: `supervised_rows` of these inputs, found on the host (on the compute device); None: found
+    here with a nonzero, the forward's one host sync (it waits for every queued kernel). The caller
+    vouches that they are these inputs' rows: they are not checked (that would be the read again).
     """
     cfg = drafter.config
     bsz, s_len = input_ids.shape
@@ -233,15 +261,18 @@ def dflash_loss(
     if attention == "auto":
         attention = "flex" if input_ids.is_cuda else "dense"
 
-    # labels, weights and the supervised rows first: the rows' nonzero and the block count are
-    # the step's only host syncs, and here they wait for no queued drafter work
+    # labels, weights and the supervised rows first: without `rows` their nonzero is the forward's
+    # one host sync, and here it waits for no queued drafter work (but for the previous step's)
     n = anchors.positions.shape[1]
     labels, binary = label_targets(input_ids, loss_mask, anchors, blk, target_argmax, label_source)
-    norm_weights = loss_weights(input_ids, loss_mask, anchors, blk, gamma, position_weighting)
+    norm_weights = _normalising_weights(binary, blk, gamma, position_weighting)  # loss_weights, from this binary
     weights = norm_weights  # decay: the loss weights are the normalising ones
     denom = norm_weights.sum() + 1e-6 if loss_denominator is None else loss_denominator
-    rows = None if return_logits else binary.reshape(-1).nonzero().squeeze(1)
-    num_blocks = int(anchors.keep.sum())
+    if return_logits:
+        rows = None
+    elif rows is None:
+        rows = binary.reshape(-1).nonzero().squeeze(1)
+    num_blocks = anchors.keep.sum()
     kernels = getattr(drafter, "kernels", "torch")  # fused.py's CE kernel when the drafter uses fast kernels
 
     context = drafter.fuse_context(features)

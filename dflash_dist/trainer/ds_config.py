@@ -65,6 +65,11 @@ def deepspeed_config(
         "zero_allow_untested_optimizer": True,  # torch AdamW as the client optimizer
         "steps_per_print": STEPS_PER_PRINT,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer is on and synchronized by default: a device synchronize in every
+        # forward's prologue and every step() (micro-steps too), from the third optimizer step on, to time
+        # a samples/s line it prints only every steps_per_print steps (never here). Each drained the GPU's
+        # queue (bench/host_reads.py); the trainer times its steps itself (step_log.Window).
+        "timers": {"throughput": {"enabled": False, "synchronized": False}},
     }
 
 

@@ -31,8 +31,9 @@ class TrainForward(nn.Module):
     the loss tensor for DeepSpeed's backward hooks next to the full LossOutput.
     `loss_denominator` (train.loss_norm "step_slots"): the loss is sum(w*CE) / it instead of
     this micro-batch's own sum(w). `anchor_starts/ends` (train.packing): each anchor's document
-    bounds in a packed row (loss.Anchors). `block_mask`: how flex's block mask is built
-    (attention.block_mask_flex; "create" is torch's create_block_mask, for benchmarks)."""
+    bounds in a packed row (loss.Anchors). `rows`: the batch's supervised slots found on the host
+    (loss.supervised_rows; None: the loss finds them with a host sync). `block_mask`: how flex's
+    block mask is built (attention.block_mask_flex; "create" is torch's create_block_mask, for benchmarks)."""
 
     block_mask = "direct"
 
@@ -47,9 +48,11 @@ class TrainForward(nn.Module):
 
     def forward(
         self, input_ids, features, loss_mask, target_argmax, anchor_positions, anchor_keep, loss_denominator=None,
-        anchor_starts=None, anchor_ends=None,
+        anchor_starts=None, anchor_ends=None, rows=None,
     ):
         extra = {} if loss_denominator is None else {"loss_denominator": loss_denominator}
+        if rows is not None:
+            extra["rows"] = rows
         out = dflash_loss(
             self.drafter,
             input_ids,

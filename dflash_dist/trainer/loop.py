@@ -35,7 +35,7 @@ from data_pipeline.provenance import Provenance
 from dflash_dist.config import Config
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.export import export_drafter
-from dflash_dist.model.loss import loss_weights
+from dflash_dist.model.loss import loss_weights, supervised_rows
 from dflash_dist.trainer import checkpoint, engine, resume
 from dflash_dist.trainer.batching import MicroBatch, empty_batch
 from dflash_dist.trainer.collectives import PeerError, all_gather_json, all_reduce_or_stop, run_or_stop
@@ -212,7 +212,10 @@ class Trainer:
         step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for i in range(slots):
             real = i < len(batches)
-            batch = (batches[i] if real else self._pad_batch()).to(self.device)
+            host = batches[i] if real else self._pad_batch()
+            # the supervised slots from the host batch: found on the device they are a host sync
+            rows = supervised_rows(host.input_ids, host.loss_mask, host.anchors, self.block_size)
+            batch = host.to(self.device)
             loss, out = self.engine(  # forward
                 batch.input_ids,
                 batch.features,
@@ -223,6 +226,7 @@ class Trainer:
                 denominators[0],
                 batch.anchors.starts,  # None unless train.packing
                 batch.anchors.ends,
+                rows.to(self.device, non_blocking=True),
             )
             if not real:
                 loss = loss * 0.0  # an empty slot: no gradient, but the same collectives as its peers
@@ -272,7 +276,8 @@ class Trainer:
             total += loss_weights(b.input_ids, b.loss_mask, b.anchors, self.block_size, self.gamma, weighting).sum()
         dist.all_reduce(total, group=self._ctrl)
         scale = self.cfg.train.grad_accum * self.world
-        denominator = torch.tensor(max(float(total), 1e-6) / scale, dtype=torch.float32, device=self.device)
+        # a fill on the device (torch.tensor(value, device=) copies a host tensor and waits for the queue)
+        denominator = torch.full((), max(float(total), 1e-6) / scale, dtype=torch.float32, device=self.device)
         return [denominator]
 
     def _finished(self) -> bool:

@@ -136,8 +136,10 @@ class Window:
     wait_s: float = 0.0
     wall_s: float = 0.0
     sums: torch.Tensor = field(init=False)  # [loss, slot_correct x B, slot_count x B]
-    # per sample (diagnostics): [b, 4] rows of (loss, correct, count, length), on the device
+    # per sample (diagnostics): [b, 3] rows of (loss, correct, count) on the device, and each
+    # sample's length on the host (copying it to the device was an upload per micro-batch)
     samples: list[torch.Tensor] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.sums = torch.zeros(1 + 2 * self.block_size, dtype=torch.float64, device=self.device)
@@ -148,9 +150,9 @@ class Window:
         step = torch.cat([out.loss.detach().reshape(1), out.slot_correct.detach(), out.slot_count.detach()])
         self.sums += step.to(torch.float64)
         if out.sample_loss is not None:
-            lengths = torch.tensor(batch.lengths, dtype=torch.float32).to(self.device, non_blocking=True)
             cols = (out.sample_loss, out.sample_correct, out.sample_count)
-            self.samples.append(torch.stack([*(c.detach().float() for c in cols), lengths], dim=1))
+            self.samples.append(torch.stack([c.detach().float() for c in cols], dim=1))
+            self.lengths.extend(batch.lengths)
 
     def add_time(self, wait_s: float, wall_s: float) -> None:
         self.wait_s += wait_s
@@ -182,4 +184,7 @@ class Window:
 
     def per_sample(self) -> torch.Tensor:
         """[n, 4] (loss, correct, count, length) of this rank's samples since the last log."""
-        return torch.cat(self.samples).cpu() if self.samples else torch.zeros(0, 4)
+        if not self.samples:
+            return torch.zeros(0, 4)
+        lengths = torch.tensor(self.lengths, dtype=torch.float32)[:, None]
+        return torch.cat([torch.cat(self.samples).cpu(), lengths], dim=1)

@@ -27,7 +27,9 @@ changes only the arithmetic around AdamW:
 Around it, `cut_grad_path` drops two passes of DeepSpeed's ZeRO-2 gradient path where they cannot
 change a bit (on with the lean step; DeepSpeed's own step keeps its path): the divide by a
 data-parallel world size of 1, and the copy of each gradient larger than the reduce bucket into
-`grads_in_partition` (the step reads it in place).
+`grads_in_partition` (the step reads it in place). Opt-in, `wait_on_device` turns DeepSpeed's
+synchronize at the end of every backward under overlap_comm into a wait of the compute stream on
+the reduction stream (no host sync; not yet run on a GPU).
 
 Numerics: the clip factor differs from DeepSpeed's by fp32 rounding of the norm (~1e-7 relative),
 the clipped gradient by one rounding (a divide in the kernel instead of a multiply by the
@@ -85,11 +87,12 @@ def unsupported(opt) -> str | None:
     return ", ".join(found) if found else None
 
 
-def install(engine, kind: str, on_gpu: bool, grad_cuts: bool = True) -> str:
+def install(engine, kind: str, on_gpu: bool, grad_cuts: bool = True, epilogue_wait: bool = False) -> str:
     """Give `engine`'s ZeRO optimizer the lean step when train.optimizer_step `kind` asks for it;
     returns the step in use. "lean" that cannot apply is an error naming why; "auto" then keeps
     DeepSpeed's step (ZeRO-3, offload, another DeepSpeed version). With the lean step and
-    `grad_cuts`, also `cut_grad_path` (bench_train_step's "dsgrads"/"leangrads" set it)."""
+    `grad_cuts`, also `cut_grad_path` (bench_train_step's "dsgrads"/"leangrads" set it); with
+    `epilogue_wait`, `wait_on_device` (opt-in, bench_train_step's "epiwait": not yet run on a GPU)."""
     if resolve_step(kind, on_gpu) == "deepspeed":
         return "deepspeed"
     opt = engine.optimizer
@@ -115,6 +118,8 @@ def install(engine, kind: str, on_gpu: bool, grad_cuts: bool = True) -> str:
     opt.dflash_skipped_steps = torch.zeros((), dtype=torch.int64, device=opt.device)
     if grad_cuts:
         log.info("optimizer step: lean; gradient path cuts: %s", ", ".join(cut_grad_path(opt)) or "none apply")
+    if epilogue_wait and wait_on_device(opt):
+        log.info("optimizer step: the end-of-backward synchronize is a device-side wait")
     return "fused" if kernel else "lean"
 
 
@@ -123,6 +128,7 @@ def uninstall(engine) -> None:
     opt = engine.optimizer
     vars(opt).pop("step", None)  # the class's step again
     vars(opt).pop("copy_grads_in_partition", None)
+    vars(opt).pop("independent_gradient_partition_epilogue", None)
     vars(opt).pop("dflash_one_kernel", None)
     if "dflash_gradient_average" in vars(opt):
         opt.gradient_average = vars(opt).pop("dflash_gradient_average")
@@ -161,6 +167,51 @@ def cut_grad_path(opt) -> list[str]:
         opt.copy_grads_in_partition = types.MethodType(_keep_large_grads, opt)
         cuts.append("copy")
     return cuts
+
+
+def wait_on_device(opt) -> bool:
+    """With overlap_comm, DeepSpeed 0.19.8's `independent_gradient_partition_epilogue` (the end of every
+    backward) synchronizes the device after queueing the last bucket's reduction on its reduction
+    stream (stage_1_and_2.py:1028; train.zero_grad_reduce=reduce also synchronizes per reduce bucket
+    during the backward, :2413, which this leaves alone): the host
+    waits until the GPU's queue is empty, so it could release the reduce buffers and gradients the
+    reduction stream reads, and the step reads the reduced partition. Here the compute stream waits on
+    the reduction stream instead, at the same point: every later kernel of the compute stream, the
+    step's and those reusing the released memory (the caching allocator reuses a block on the stream
+    that allocated it), runs after the reductions queued so far; the host goes on. Nothing else
+    changes (the same kernels in the same stream order: bitwise). With train.zero_grad_reduce=reduce the
+    per-bucket synchronize of allreduce_and_copy (reached inside the epilogue's last reduce) runs with the
+    reduction stream current, so there the wait is on itself, a no-op: that synchronize guards only the
+    release of earlier buckets' gradients, none with contiguous_gradients (ds_config sets it); the
+    compute stream's order against the reductions is average_tensor's own stream waits. True when
+    installed (overlap_comm on).
+    Opt-in (bench_train_step's "epiwait") until `pytest -m gpu` tests/test_zero_step.py checks it on CUDA."""
+    if not opt.overlap_comm:
+        return False
+    opt.independent_gradient_partition_epilogue = types.MethodType(_epilogue_waiting_on_device, opt)
+    return True
+
+
+def _epilogue_waiting_on_device(self) -> None:
+    """DeepSpeedZeroOptimizer.independent_gradient_partition_epilogue with the accelerator's synchronize,
+    for this call, a wait of the current stream on the reduction stream (wait_on_device)."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    before = vars(acc).get("synchronize")
+
+    def wait(device_index=None) -> None:
+        if self.reduction_stream is not None:  # None on a device that orders its work itself (the CPU)
+            acc.current_stream().wait_stream(self.reduction_stream)
+
+    acc.synchronize = wait
+    try:
+        type(self).independent_gradient_partition_epilogue(self)
+    finally:
+        if before is None:
+            vars(acc).pop("synchronize", None)
+        else:
+            acc.synchronize = before
 
 
 def _keep_large_grads(self, param, group_idx=None) -> None:

@@ -75,13 +75,22 @@ def _frames() -> list[traceback.FrameSummary]:
     return [f for f in traceback.extract_stack()[:-2] if not f.filename.startswith(_SKIP)]
 
 
+def _ours(filename: str) -> bool:
+    """A file of this repository (not of a virtual environment inside it, as tests/setup_and_run.sh makes)."""
+    return filename.startswith(str(ROOT)) and "site-packages" not in Path(filename).parts
+
+
 def _where(f: traceback.FrameSummary) -> str:
+    """"path:line function": a package's path from its site-packages, this repository's from its root."""
     path = Path(f.filename)
-    try:
-        name = str(path.resolve().relative_to(ROOT))
-    except ValueError:
-        parts = path.parts
-        name = "/".join(parts[parts.index("site-packages") + 1 :]) if "site-packages" in parts else str(path)
+    parts = path.parts
+    if "site-packages" in parts:
+        name = "/".join(parts[parts.index("site-packages") + 1 :])
+    else:
+        try:
+            name = str(path.resolve().relative_to(ROOT))
+        except ValueError:
+            name = str(path)
     return f"{name}:{f.lineno} {f.name}"
 
 
@@ -165,7 +174,7 @@ class HostReads(TorchDispatchMode):
     # -------------------------------------------------------------- recording
     def _record(self, kind: str) -> None:
         frames = _frames()
-        ours = [f for f in frames if f.filename.startswith(str(ROOT))]
+        ours = [f for f in frames if _ours(f.filename)]
         site = _where(frames[-1]) if frames else "?"
         caller = _where(ours[-1]) if ours and ours[-1] is not frames[-1] else ""
         self.reads.append(Read(kind, site, caller, tuple(_where(f) for f in frames)))

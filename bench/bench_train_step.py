@@ -66,14 +66,18 @@ class BenchForward(TrainForward):
     """TrainForward (the chunked loss, as trained) or, with `naive`, the full-logits loss path
     (dflash_loss return_logits=True: lm_head over every block slot, fp32 logits, F.cross_entropy).
     With anchor_starts/anchor_ends: packed rows (each anchor's document bounds, loss.Anchors).
-    `rows`: the supervised slots found on the host (as the trainer passes them)."""
+    `rows`: the supervised slots found on the host (as the trainer passes them); with `host_rows` False
+    (the bench word "devrows", the trainer before 2026-12-06) they are dropped and the loss finds them on
+    the device (a nonzero: a host sync per micro-batch)."""
 
     naive = False
+    host_rows = True
 
     def forward(
         self, input_ids, features, loss_mask, target_argmax, anchor_positions, anchor_keep, anchor_starts=None,
         anchor_ends=None, rows=None,
     ):
+        rows = rows if self.host_rows else None
         if not self.naive and anchor_starts is None:
             return super().forward(input_ids, features, loss_mask, target_argmax, anchor_positions, anchor_keep,
                                    rows=rows)

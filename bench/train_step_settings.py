@@ -19,6 +19,10 @@ SWITCHES = {  # --settings vocabulary: each word sets one switch on the running 
     # DeepSpeed's end-of-backward synchronize under overlap_comm (the default), or the compute stream waiting on
     # the reduction stream instead (zero_step.wait_on_device; with lean or fused)
     "episync": ("epi", "sync"), "epiwait": ("epi", "wait"),
+    # before 2026-12-06 (default: after): DeepSpeed's throughput timer on and synchronized (its default: a device
+    # synchronize in every forward and step()), and the loss's supervised rows found on the device (a nonzero)
+    "dstimer": ("timer", True), "notimer": ("timer", False),
+    "devrows": ("rows", "device"), "hostrows": ("rows", "host"),
     "ovf": ("ovf", True), "noovf": ("ovf", False),  # DeepSpeed's inf/nan pass (bf16 check_grad_overflow)
     "cat": ("kv", False), "splitkv": ("kv", True),  # k/v projections of cat(context, x) or of each part
     # slot weights (default: --position-weighting); twopass: D-PACE as before 2026-12-04, a no-grad
@@ -88,6 +92,9 @@ def apply_setting(engine, setting: dict) -> None:
     loss_mod.lm_head_cross_entropy = _two_pass_dpace if setting.get("passes", 1) == 2 else lm_head_cross_entropy
     engine.module.drafter.set_split_kv(setting["kv"])
     engine.optimizer.check_grad_overflow = setting["ovf"]
+    timer = engine.tput_timer.config  # ds_config turns it off; "dstimer" as DeepSpeed's default has it
+    timer.enabled = timer.synchronized = setting.get("timer", False)
+    engine.module.host_rows = setting.get("rows", "host") == "host"
     zero_step.uninstall(engine)  # DeepSpeed's step and gradient path, then the setting's
     zero_step.install(engine, setting["step"], on_gpu=True, grad_cuts=setting["grads"] == "lean",
                       epilogue_wait=setting.get("epi") == "wait")  # a setting without the word: DeepSpeed's sync

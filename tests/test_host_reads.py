@@ -116,12 +116,22 @@ def test_a_trainer_step_reads_nothing_back_between_log_steps(tiny, tmp_path, sin
     print(reads.table(steps=4))
 
 
-@pytest.mark.parametrize("words", ["", "+epiwait"])
+# the two cuts' sites, as the bench words "dstimer" and "devrows" put them back (the step before 2026-12-06)
+BEFORE_CUTS = {
+    ("synchronize", "deepspeed/utils/timer.py", "start"): 3,  # the throughput timer, every forward's prologue
+    ("synchronize", "deepspeed/utils/timer.py", "stop"): 3,  # ... and every engine.step()
+    ("nonzero", "dflash_dist/model/loss.py", "dflash_loss"): 3,  # the supervised rows found on the device
+}
+
+
+@pytest.mark.parametrize("words", ["", "+epiwait", "+dstimer+devrows"])
 def test_the_bench_step_under_direct_fused_leangrads_syncs_once_per_micro_batch(words, single_rank_gloo):
     """The GPU's engine config on the CPU (bf16, overlap_comm, the 27B shape's bucket rule), the setting
     issue 24's eighth lease profiled, the bench's batches with their host-found supervised rows: one
     synchronize per micro-batch, DeepSpeed's epilogue; none with "epiwait" (zero_step.wait_on_device,
-    opt-in: there the compute stream waits on the reduction stream instead)."""
+    opt-in: there the compute stream waits on the reduction stream instead). "dstimer+devrows" (the
+    bench's words for the step before the cuts, so that a lease measures them side by side) put
+    DeepSpeed's timer synchronizes and the loss's nonzero back, and only those."""
     import deepspeed
 
     cfg = load_config(None, ["target.kind=tiny_stdlib", "train.max_steps=20", "train.position_weighting=dpace"])
@@ -152,5 +162,5 @@ def test_the_bench_step_under_direct_fused_leangrads_syncs_once_per_micro_batch(
             engine.step()
     reads.remove_hooks()
     print(reads.table(steps=3))
-    want = {} if words else {EPILOGUE: 3}
+    want = {"": {EPILOGUE: 3}, "+epiwait": {}, "+dstimer+devrows": {EPILOGUE: 3, **BEFORE_CUTS}}[words]
     assert _sites(reads.reads) == want, _show("the bench's step read device data:", reads.reads)

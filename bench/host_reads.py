@@ -33,6 +33,8 @@ tests/test_host_reads.py asserts the counts per step of the trainer and of bench
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 import linecache
 import sys
 import threading
@@ -60,7 +62,10 @@ SYNC_OPS = {
     aten.is_nonzero: "item",
 }
 ROOT = Path(__file__).resolve().parents[1]
-_SKIP = (str(Path(torch.__file__).parent), str(Path(__file__).resolve()), "<frozen", "contextlib.py", "functools.py")
+# frames never named as a site: torch, this module, and the standard library's with/ExitStack and functools
+# machinery (their files by full path: a frame's filename is absolute, so their bare names never matched)
+_SKIP = (str(Path(torch.__file__).parent), str(Path(__file__).resolve()), "<frozen", contextlib.__file__,
+         functools.__file__)
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,29 @@ def _show(title: str, reads) -> str:
     return title + "\n" + "\n".join(f"  {r.kind} {r.site}  <- {' <- '.join(reversed(r.stack[-6:]))}" for r in reads)
 
 
+def test_a_read_made_by_the_with_machinery_is_sited_at_the_with_statement():
+    """A read that contextlib's own code makes (an ExitStack callback run at the block's end) is sited
+    at the caller's frame, not in contextlib.py: host_reads skips the standard library's with/ExitStack
+    and functools frames. It listed them as bare names ("contextlib.py"), which no frame's full path
+    starts with, so the site was contextlib.py's `_exit_wrapper`."""
+    import contextlib
+
+    t = torch.ones(3)
+    reads = HostReads()
+    reads.mark(t)
+
+    def step() -> None:
+        with contextlib.ExitStack() as stack:
+            stack.callback(float, t.sum())  # float(sum) at the block's end, called from contextlib
+
+    with reads:
+        step()
+    assert [r.kind for r in reads.reads] == ["item"], reads.reads
+    site = reads.reads[0].site
+    assert site.startswith("tests/test_host_reads.py:") and site.endswith(" step"), site
+    assert not any("contextlib.py" in frame for frame in reads.reads[0].stack), reads.reads[0].stack
+
+
 def test_a_trainer_step_reads_nothing_back_between_log_steps(tiny, tmp_path, single_rank_gloo):
     from dflash_dist.trainer.loop import Trainer
 

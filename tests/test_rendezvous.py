@@ -123,6 +123,24 @@ def test_a_multi_node_rank_sets_gloos_interface_unless_the_user_did():
     assert socket_ifname_env(one, {"NCCL_SOCKET_IFNAME": "eth9"}) == {"GLOO_SOCKET_IFNAME": "lo"}
 
 
+def test_other_ranks_dial_master_addr_as_given_unless_it_is_loopback_here(monkeypatch):
+    """The store's client tries every address a name resolves to, so the ranks dial MASTER_ADDR itself
+    (a dual-stack name may resolve IPv6 first on one node while rank 0 bound IPv4); only a name this
+    node resolves to loopback (Debian's `127.0.1.1 host` on rank 0's own node) becomes the node's
+    network address, which is where rank 0 binds."""
+    from dflash_dist.actors import rendezvous
+
+    host = socket.gethostname()  # this machine resolves its own name to loopback
+    assert is_loopback(rendezvous.resolve(host))
+    assert rendezvous.master_dial_address(host) == network_address(host) == rendezvous.master_bind_address(host)
+    assert rendezvous.master_dial_address("127.0.0.1") == "127.0.0.1"
+    monkeypatch.setattr(rendezvous, "resolve", lambda name: "2001:db8::7" if name == "gpu-a.cluster" else "?")
+    assert rendezvous.master_dial_address("gpu-a.cluster") == "gpu-a.cluster"  # as given: every address tried
+    with pytest.raises(OSError, match=r"MASTER_ADDR no-such-host\.invalid does not resolve on"):
+        monkeypatch.undo()
+        rendezvous.master_dial_address("no-such-host.invalid")
+
+
 def test_a_multi_node_group_listens_on_the_nodes_network_interface(tmp_path):
     """Two ranks joined as a multi-node Slurm job joins them (MASTER_ADDR the first host's name, which
     this machine resolves to loopback): rank 1 reaches the store at the node's network address (it

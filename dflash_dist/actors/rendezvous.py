@@ -22,7 +22,7 @@ import os
 import socket
 from collections.abc import Mapping
 
-from dflash_dist.node_address import LOOPBACK_IFNAME, interface_of, is_loopback, network_address, route_source
+from dflash_dist.node_address import LOOPBACK_IFNAME, interface_of, is_loopback, network_address, resolve, route_source
 
 log = logging.getLogger(__name__)
 GLOO_IFNAME, NCCL_IFNAME = "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"
@@ -42,15 +42,29 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def master_dial_address(host: str) -> str:
-    """Where the ranks find rank 0's store: a loopback MASTER_ADDR as given (a one-node group), else
-    the address rank 0 binds (network_address: what the name resolves to, beyond loopback). A rank
-    on rank 0's node whose /etc/hosts maps the node's name to loopback dialled loopback, where
-    nothing listens, until the store's timeout."""
+def master_bind_address(host: str) -> str:
+    """The address rank 0's store binds (and, for the interface, the address of rank 0 as this node
+    finds it): a loopback MASTER_ADDR as given (a one-node group), else network_address (what the name
+    resolves to, beyond loopback)."""
     try:
         return host if is_loopback(host) else network_address(host)
     except socket.gaierror as e:  # its own text names no host
         raise OSError(f"MASTER_ADDR {host} does not resolve on {socket.gethostname()}: {e.strerror}") from e
+
+
+def master_dial_address(host: str) -> str:
+    """Where the other ranks find rank 0's store: MASTER_ADDR as given, so the store's client tries
+    every address the name resolves to (a dual-stack name: IPv6 first on some nodes, while rank 0
+    bound an IPv4 address); only a name this node resolves to loopback becomes the node's network
+    address: a rank on rank 0's node whose /etc/hosts maps the node's name to loopback dialled
+    loopback, where nothing listens, until the store's timeout."""
+    if is_loopback(host):
+        return host
+    try:
+        resolved = resolve(host)
+    except socket.gaierror as e:  # its own text names no host
+        raise OSError(f"MASTER_ADDR {host} does not resolve on {socket.gethostname()}: {e.strerror}") from e
+    return master_bind_address(host) if is_loopback(resolved) else host
 
 
 def rendezvous_store(env: dict[str, str], timeout: datetime.timedelta):
@@ -59,11 +73,11 @@ def rendezvous_store(env: dict[str, str], timeout: datetime.timedelta):
 
     host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    if rank != 0:
+        return dist.TCPStore(master_dial_address(host), port, world, False, timeout)
     # a name of rank 0's node for the other nodes (a loopback MASTER_ADDR is a one-node group): bound to
     # the address they reach, even where this node resolves its own name to loopback (network_address)
-    address = master_dial_address(host)
-    if rank != 0:
-        return dist.TCPStore(address, port, world, False, timeout)
+    address = master_bind_address(host)
     fd = listen_socket(address, port).detach()  # the store owns the descriptor from here on
     return dist.TCPStore(address, port, world, True, timeout, multi_tenant=True, master_listen_fd=fd)
 
@@ -82,7 +96,7 @@ def socket_ifname_env(env: Mapping[str, str], environ: Mapping[str, str]) -> dic
     if GLOO_IFNAME in environ:
         return {}
     try:
-        master = master_dial_address(env["MASTER_ADDR"])  # an error here is raised again by the store
+        master = master_bind_address(env["MASTER_ADDR"])  # an error here is raised again by the store
         own = route_source(master, int(env["MASTER_PORT"]))
         if own is None:
             raise OSError(f"this node has no route to rank 0's address {master}")

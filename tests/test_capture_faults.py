@@ -381,10 +381,6 @@ def test_a_target_actor_with_other_weights_fails_the_capture_naming_both_hashes(
     target_dir, on this one machine): its actor's TargetWeightsMismatch reaches the driver with
     its message, through Ray (not retried: max_task_retries is for dead processes) and the
     pipeline's PipelineError (the CLI's nonzero exit), and nothing is written in the shard tree."""
-    from dflash_dist.actors.target_worker import CaptureTask, TargetWorker
-    from dflash_dist.capture.data_prep import capture_data
-    from dflash_dist.orchestration.pipeline import _finish_capture
-    from dflash_dist.orchestration.run_plan import PipelineError
     from dflash_dist.target.loading import target_identity
     from dflash_dist.target.weights_check import TargetWeightsMismatch
     from tests.helpers.weights import other_target
@@ -393,11 +389,7 @@ def test_a_target_actor_with_other_weights_fails_the_capture_naming_both_hashes(
     ident = target_identity(cfg, saved["dir"])  # the run plan's
     other = other_target(saved["dir"], tmp_path / "node2_target")
     shards = cfg.out / "shards"
-    worker = TargetWorker.options(num_cpus=0.5, max_restarts=2, max_task_retries=2).remote()
-    ref = worker.capture.remote(CaptureTask(cfg.to_dict(), str(other), ident, str(saved["jsonl"]),
-                                            capture_data(cfg, saved["jsonl"]), str(shards), 0, 1))
-    with pytest.raises(PipelineError, match="target capture failed") as info:
-        _finish_capture(ray_cluster, [ref], [shards])
+    info = _capture_failing_on(cfg, other, ident, saved, ray_cluster)
     cause = info.value.__cause__
     assert isinstance(cause, TargetWeightsMismatch) and cause.recorded == ident.target_hash
     text = str(info.value)
@@ -410,6 +402,23 @@ def test_a_target_actor_with_other_weights_fails_the_capture_naming_both_hashes(
     assert beat["state"] == "failed" and "TargetWeightsMismatch" in beat["error"] and ident.target_hash in beat["error"]
 
 
+def _capture_failing_on(cfg, target_dir, ident, saved, ray_cluster):
+    """One target actor capturing from `target_dir` with the run plan's identity `ident`: the pipeline's
+    PipelineError it ends in (pytest's ExceptionInfo)."""
+    from dflash_dist.actors.target_worker import CaptureTask, TargetWorker
+    from dflash_dist.capture.data_prep import capture_data
+    from dflash_dist.orchestration.pipeline import _finish_capture
+    from dflash_dist.orchestration.run_plan import PipelineError
+
+    shards = cfg.out / "shards"
+    worker = TargetWorker.options(num_cpus=0.5, max_restarts=2, max_task_retries=2).remote()
+    ref = worker.capture.remote(CaptureTask(cfg.to_dict(), str(target_dir), ident, str(saved["jsonl"]),
+                                            capture_data(cfg, saved["jsonl"]), str(shards), 0, 1))
+    with pytest.raises(PipelineError, match="target capture failed") as info:
+        _finish_capture(ray_cluster, [ref], [shards])
+    return info
+
+
 def test_a_target_actor_on_a_node_without_the_target_fails_naming_the_node(saved, ray_cluster, tmp_path):
     """A node of a multi-node run lacks the target directory the driver resolved (not on shared
     storage, not copied there): its target actor's error reaches the driver through Ray and the
@@ -417,22 +426,14 @@ def test_a_target_actor_on_a_node_without_the_target_fails_naming_the_node(saved
     is written in the shard tree. It said "hash_weight_files: ... is not a directory", naming no node."""
     import socket
 
-    from dflash_dist.actors.target_worker import CaptureTask, TargetWorker
-    from dflash_dist.capture.data_prep import capture_data
     from dflash_dist.node_address import network_address
-    from dflash_dist.orchestration.pipeline import _finish_capture
-    from dflash_dist.orchestration.run_plan import PipelineError
     from dflash_dist.target.loading import TargetNotOnNode, target_identity
 
     cfg = capture_config(tmp_path / "run", saved["dir"], saved["jsonl"])
     ident = target_identity(cfg, saved["dir"])  # the run plan's, on the driver's node
     absent = tmp_path / "not_on_this_node" / "target"
     shards = cfg.out / "shards"
-    worker = TargetWorker.options(num_cpus=0.5, max_restarts=2, max_task_retries=2).remote()
-    ref = worker.capture.remote(CaptureTask(cfg.to_dict(), str(absent), ident, str(saved["jsonl"]),
-                                            capture_data(cfg, saved["jsonl"]), str(shards), 0, 1))
-    with pytest.raises(PipelineError, match="target capture failed") as info:
-        _finish_capture(ray_cluster, [ref], [shards])
+    info = _capture_failing_on(cfg, absent, ident, saved, ray_cluster)
     assert isinstance(info.value.__cause__, TargetNotOnNode)
     host, text = socket.gethostname(), str(info.value)
     assert f"the target directory {absent} does not exist on node {host} ({network_address(host)})" in text, text

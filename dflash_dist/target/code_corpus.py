@@ -63,6 +63,7 @@ PACKAGES = (
     "pydantic",
     "typing_extensions",  # a single module, not a package directory: listed as not found in the record
     "rich",
+    "psutil",  # pinned since 2026-12-06 (dflash_dist/node_address.py): the corpus (and its hash) changed with it
 )
 PACKAGE_EXCLUDED_DIRS = frozenset({"__pycache__", "test", "tests", "testing"})
 PACKAGE_EXCLUDED_NAMES = ("test_", "conftest.py")

@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -70,8 +71,7 @@ def require_target_dir(target_dir: str | os.PathLike[str], who: str) -> None:
     if path.is_dir():
         return
     what = "is not a directory" if path.exists() else "does not exist"
-    node = node_label()  # "host (address)"
-    host = node.split(" (")[0]
+    node, host = node_label(), socket.gethostname()  # "host (address)", and the host alone
     raise TargetNotOnNode(
         f"{who}: the target directory {path} {what} on node {node}. Every node that runs a target actor, "
         "a trainer rank or the evaluator loads the target from this path: put the target on storage every node "

@@ -39,6 +39,10 @@ os.environ.setdefault("RAY_raylet_start_wait_time_s", "180")
 # never answers, and hangs. Test modules set it too, but collection imports some of them after
 # another module has imported ray, so it is set here, before any test module is imported.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Under pytest-xdist (tests/setup_and_run.sh runs 2 workers on CI's 2 cores) each worker has about one
+# core: torch's intra-op threads would only contend (one_torch_thread's measurements: 10-30x slower).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 # The slow tier: modules that start Ray clusters, DeepSpeed process groups, Slurm daemons or
@@ -52,12 +56,18 @@ SLOW_MODULES = {
 }
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """Mark the slow tier; run `gpu` tests only when the marker expression names them (`-m gpu`),
-    so `pytest`, `pytest -m slow` and `pytest -m "not slow"` never pick them on a CPU machine."""
+    so `pytest`, `pytest -m slow` and `pytest -m "not slow"` never pick them on a CPU machine.
+    Under pytest-xdist's `--dist loadgroup` (tests/setup_and_run.sh) each module runs whole on one
+    worker, so its module fixtures (a tiny target, a Ray cluster, captured shards) are built once, and
+    the modules that use the README's run (`readme_run`, ~4 minutes) share one worker and one run."""
     for item in items:
-        if item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES or "ray_cluster" in item.fixturenames:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if module in SLOW_MODULES or "ray_cluster" in item.fixturenames:
             item.add_marker(pytest.mark.slow)
+        item.add_marker(pytest.mark.xdist_group("readme_run" if "readme_run" in item.fixturenames else module))
     if "gpu" not in (config.option.markexpr or ""):
         gpu = [item for item in items if item.get_closest_marker("gpu")]
         if gpu:

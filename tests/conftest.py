@@ -56,18 +56,38 @@ SLOW_MODULES = {
 }
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
+# The modules whose tests use `readme_run` (the README's run, ~4 minutes on 2 cores): under pytest-xdist
+# they run on one worker, so the session fixture runs once (pytest_collection_modifyitems checks the list).
+README_RUN_MODULES = frozenset({"test_bench_quality_run", "test_launch_ray", "test_pipeline", "test_tiny_target"})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadscope` (tests/setup_and_run.sh's 2 workers): each module whole on one worker, so its
+    module fixtures (a tiny target, a Ray cluster, captured shards) are built once, and the
+    README_RUN_MODULES together as one unit. (xdist's `loadgroup` marks do nothing under pytest 9.2:
+    its nodeid suffix is written to an attribute pytest 9 no longer reads.)"""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "readme_run" if Path(path).stem in README_RUN_MODULES else path
+
+    return ModuleScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark the slow tier; run `gpu` tests only when the marker expression names them (`-m gpu`),
-    so `pytest`, `pytest -m slow` and `pytest -m "not slow"` never pick them on a CPU machine.
-    Under pytest-xdist's `--dist loadgroup` (tests/setup_and_run.sh) each module runs whole on one
-    worker, so its module fixtures (a tiny target, a Ray cluster, captured shards) are built once, and
-    the modules that use the README's run (`readme_run`, ~4 minutes) share one worker and one run."""
+    so `pytest`, `pytest -m slow` and `pytest -m "not slow"` never pick them on a CPU machine."""
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1]
         if module in SLOW_MODULES or "ray_cluster" in item.fixturenames:
             item.add_marker(pytest.mark.slow)
-        item.add_marker(pytest.mark.xdist_group("readme_run" if "readme_run" in item.fixturenames else module))
+        if "readme_run" in item.fixturenames and module not in README_RUN_MODULES:
+            raise pytest.UsageError(f"{item.nodeid} uses readme_run: add {module} to conftest's README_RUN_MODULES")
     if "gpu" not in (config.option.markexpr or ""):
         gpu = [item for item in items if item.get_closest_marker("gpu")]
         if gpu:

@@ -33,7 +33,7 @@ fi
 
 python3 -m venv .venv
 .venv/bin/pip install -q --no-compile -e '.[test]'
-# Two workers (pytest-xdist), whole modules each (tests/conftest.py's xdist_group marks): the serial
-# suite kept CI's 2 cores 36% busy (tests wait on Ray, DeepSpeed and Slurm processes) and took 49 minutes.
-# DFLASH_TEST_WORKERS=0 runs it in this process; a later -n in the arguments wins.
-exec .venv/bin/pytest -n "${DFLASH_TEST_WORKERS:-2}" --dist loadgroup "$@"
+# Two workers (pytest-xdist), a module whole on one worker (tests/conftest.py's scheduler): the serial
+# suite took 49 minutes on CI's 2 cores (2026-12-06). DFLASH_TEST_WORKERS=0 runs it in this process; a
+# later -n in the arguments wins.
+exec .venv/bin/pytest -n "${DFLASH_TEST_WORKERS:-2}" --dist loadscope "$@"

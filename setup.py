@@ -29,8 +29,6 @@ INSTALL_REQUIRES = [
 
 TEST_REQUIRES = [
     "pytest==9.2.0",
-    "pytest-xdist==3.8.0",  # tests/setup_and_run.sh: 2 workers, one module per worker at a time
-    "execnet==2.1.2",  # pytest-xdist's transport
     "ruff",
 ]
 

@@ -39,10 +39,6 @@ os.environ.setdefault("RAY_raylet_start_wait_time_s", "180")
 # never answers, and hangs. Test modules set it too, but collection imports some of them after
 # another module has imported ray, so it is set here, before any test module is imported.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-# Under pytest-xdist (tests/setup_and_run.sh runs 2 workers on CI's 2 cores) each worker has about one
-# core: torch's intra-op threads would only contend (one_torch_thread's measurements: 10-30x slower).
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(1)
 
 
 # The slow tier: modules that start Ray clusters, DeepSpeed process groups, Slurm daemons or
@@ -56,38 +52,12 @@ SLOW_MODULES = {
 }
 
 
-# The modules whose tests use `readme_run` (the README's run, ~4 minutes on 2 cores): under pytest-xdist
-# they run on one worker, so the session fixture runs once (pytest_collection_modifyitems checks the list).
-README_RUN_MODULES = frozenset({"test_bench_quality_run", "test_launch_ray", "test_pipeline", "test_tiny_target"})
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadscope` (tests/setup_and_run.sh's 2 workers): each module whole on one worker, so its
-    module fixtures (a tiny target, a Ray cluster, captured shards) are built once, and the
-    README_RUN_MODULES together as one unit. (xdist's `loadgroup` marks do nothing under pytest 9.2:
-    its nodeid suffix is written to an attribute pytest 9 no longer reads.)"""
-    if config.getvalue("dist") != "loadscope":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ModuleScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return "readme_run" if Path(path).stem in README_RUN_MODULES else path
-
-    return ModuleScheduling(config, log)
-
-
 def pytest_collection_modifyitems(config, items):
     """Mark the slow tier; run `gpu` tests only when the marker expression names them (`-m gpu`),
     so `pytest`, `pytest -m slow` and `pytest -m "not slow"` never pick them on a CPU machine."""
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        if module in SLOW_MODULES or "ray_cluster" in item.fixturenames:
+        if item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES or "ray_cluster" in item.fixturenames:
             item.add_marker(pytest.mark.slow)
-        if "readme_run" in item.fixturenames and module not in README_RUN_MODULES:
-            raise pytest.UsageError(f"{item.nodeid} uses readme_run: add {module} to conftest's README_RUN_MODULES")
     if "gpu" not in (config.option.markexpr or ""):
         gpu = [item for item in items if item.get_closest_marker("gpu")]
         if gpu:

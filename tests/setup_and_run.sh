@@ -5,7 +5,7 @@
 #     Slurm and munge (tests/test_slurm.py starts a one-node cluster from them), and what the venv
 #     and DeepSpeed's JIT-compiled CPU op need when absent (python3-venv, g++, python3-dev).
 #  2. .venv with the project and its test extras (`pip install -e '.[test]'`).
-#  3. pytest on 2 xdist workers with the given arguments (none: both tiers, as CI runs them).
+#  3. pytest with the given arguments (none: both tiers, as CI runs them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,7 +33,4 @@ fi
 
 python3 -m venv .venv
 .venv/bin/pip install -q --no-compile -e '.[test]'
-# Two workers (pytest-xdist), a module whole on one worker (tests/conftest.py's scheduler): the serial
-# suite took 49 minutes on CI's 2 cores (2026-12-06). DFLASH_TEST_WORKERS=0 runs it in this process; a
-# later -n in the arguments wins.
-exec .venv/bin/pytest -n "${DFLASH_TEST_WORKERS:-2}" --dist loadscope "$@"
+exec .venv/bin/pytest "$@"

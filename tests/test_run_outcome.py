@@ -177,14 +177,17 @@ def test_a_failed_evaluator_ends_the_run_with_its_summary_then_its_error(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_failed_evaluator_is_said_when_it_fails_and_training_goes_on(tmp_path, caplog):
+def test_a_failed_evaluator_is_said_when_it_fails_and_training_goes_on(tmp_path, caplog, monkeypatch):
     """The evaluator fails at the first export (its eval.reference_drafter has a damaged weights
     file) while the trainers have most of their steps ahead. One ERROR line says so at that time
     (what failed, where the evaluator's log is, that training continues), `dflash-dist status`
     shows it, the training runs to its last step, and the run still ends with exit 1 naming the
     error; the evaluator's log, with its traceback, is kept (the run failed). Before: nothing was
     said until training had finished, and the log was removed with the run's Ray directory.
-    Real `dflash-dist run` on configs/tiny.yaml's target (smaller), Ray, DeepSpeed, the evaluator."""
+    Real `dflash-dist run` on configs/tiny.yaml's target (smaller), Ray, DeepSpeed, the evaluator.
+    The watch asks every 0.2 s (not every 5 s): the failure is said ~2 s after the step-20 export,
+    near step 30 of 160 (20 epochs), with most steps still ahead."""
+    import functools
     import logging
 
     from transformers import AutoTokenizer
@@ -192,14 +195,18 @@ def test_a_failed_evaluator_is_said_when_it_fails_and_training_goes_on(tmp_path,
     from dflash_dist.config import load_config
     from dflash_dist.model.drafter import DFlashDrafter
     from dflash_dist.model.export import export_drafter
+    from dflash_dist.orchestration.eval_watch import EvaluatorWatch
     from dflash_dist.target.loading import drafter_config_for, resolve_target_dir, tokenizer_mask_id
     from launcher import cli
     from launcher.status import collect, render
 
+    monkeypatch.setattr(pipeline, "EvaluatorWatch", functools.partial(EvaluatorWatch, interval_s=0.2))
+    epochs = 20
     out, config, reference = tmp_path / "run", str(REPO / "configs" / "tiny.yaml"), tmp_path / "reference"
-    overrides = ["data.max_train_samples=32", "capture.regenerate=false", "train.world_size=1", "train.epochs=60",
-                 "train.checkpoint_every=20", "train.keep_checkpoints=1", "eval.num_prompts=2",
-                 "eval.max_new_tokens=8", "eval.poll_s=0.1", f"eval.reference_drafter={reference}"]  # fmt: skip
+    overrides = ["data.max_train_samples=32", "capture.regenerate=false", "train.world_size=1",
+                 f"train.epochs={epochs}", "train.checkpoint_every=20", "train.keep_checkpoints=1",
+                 "eval.num_prompts=2", "eval.max_new_tokens=8", "eval.poll_s=0.1",
+                 f"eval.reference_drafter={reference}"]  # fmt: skip
     cfg = load_config(config, overrides[:-1], out_dir=str(out))
     target_dir = resolve_target_dir(cfg)
     drafter_cfg = drafter_config_for(cfg, target_dir, tokenizer_mask_id(AutoTokenizer.from_pretrained(target_dir)))
@@ -220,7 +227,7 @@ def test_a_failed_evaluator_is_said_when_it_fails_and_training_goes_on(tmp_path,
         kept = next(p for p in log_file.parents if p.name.startswith("dfray-"))
         assert "evaluator failed:" in log_file.read_text() and "Traceback" in log_file.read_text()
         steps = json.loads((out / "train_log.jsonl").read_text().splitlines()[-1])["step"]
-        assert steps == 60 * 32 // 4  # every epoch trained after the evaluator failed
+        assert steps == epochs * 32 // 4  # every epoch trained after the evaluator failed
         status = collect(out)
         assert status["eval"]["failed"] == line
         assert ("evaluator", f"FAILED: {line}") in render(status)[0]

@@ -459,10 +459,9 @@ def test_grad_path_cuts_resume_exactly(tmp_path, single_rank_gloo):
     assert_bitwise(state_of(plain), state_of(first))
 
 
-def _two_rank_worker(rank: int, world: int, grad_accum: int, overlap: bool) -> str:
-    """One of two gloo ranks (run_ranks has joined it to the group): the same run with and without the
-    cuts (rank-dependent data, so the reduction sums different gradients; ZeRO-2 cuts a.weight between
-    the ranks' partitions)."""
+def _two_rank_case(rank: int, world: int, grad_accum: int, overlap: bool) -> None:
+    """On one of two gloo ranks: the same run with and without the cuts (rank-dependent data, so the
+    reduction sums different gradients; ZeRO-2 cuts a.weight between the ranks' partitions)."""
     data = [(x + rank, y - rank) for x, y in batches(3 * grad_accum)]
     runs = {}
     for cuts in (False, True):
@@ -475,13 +474,38 @@ def _two_rank_worker(rank: int, world: int, grad_accum: int, overlap: bool) -> s
     assert ref["divides"] == cut["divides"] > 0
     assert "copy_grads_in_partition" in vars(cut_opt)  # (b) applies
     assert len(cut["storages"][0]) > len(ref["storages"][0])  # a.weight's part read in place
-    return "ok"
 
 
-@pytest.mark.parametrize("grad_accum,overlap", [(1, True), (2, False)])
-def test_grad_path_cuts_at_two_ranks(grad_accum, overlap):
+def _two_rank_worker(rank: int, world: int, cases: list[tuple[int, bool]]) -> dict:
+    """One of two gloo ranks (run_ranks has joined it to the group): every (grad_accum, overlap) case
+    in turn, each case's outcome ("ok" or its failed assertion) by case. The checks follow every
+    collective of a case, so a case failing on one rank leaves both ranks at the next case."""
+    import traceback
+
+    out = {}
+    for grad_accum, overlap in cases:
+        try:
+            _two_rank_case(rank, world, grad_accum, overlap)
+            out[(grad_accum, overlap)] = "ok"
+        except AssertionError:
+            out[(grad_accum, overlap)] = traceback.format_exc()[-3000:]
+    return out
+
+
+TWO_RANK_CASES = [(1, True), (2, False)]
+
+
+@pytest.fixture(scope="module")
+def two_rank_cuts() -> list[dict]:
+    """Both cases on one group of two rank processes (a process start, imports and a gloo group
+    per case otherwise); each test below reads its own case's outcome on both ranks."""
+    return run_ranks(_two_rank_worker, 2, (TWO_RANK_CASES,))
+
+
+@pytest.mark.parametrize("grad_accum,overlap", TWO_RANK_CASES)
+def test_grad_path_cuts_at_two_ranks(grad_accum, overlap, two_rank_cuts):
     """Two gloo ranks: (a) is not applied (the divide by 2 changes numbers), (b) is, bitwise."""
-    assert run_ranks(_two_rank_worker, 2, (grad_accum, overlap)) == ["ok", "ok"]
+    assert [r[(grad_accum, overlap)] for r in two_rank_cuts] == ["ok", "ok"]
 
 
 # ---- CUDA: the bf16 engine the trainer builds on a GPU (pytest -m gpu) ----

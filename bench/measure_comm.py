@@ -48,10 +48,21 @@ def measure_comm(
     issues at `world` gloo ranks on this CPU, over the drafter's full tensors `shapes`. Per rank and
     phase: DeepSpeed's comms logger's calls {op: {message bytes: count}}, their bus bytes and the
     bytes the rank's gloo connections sent; beside them the calls zero_buckets predicts."""
-    ranks = run_ranks(_comm_rank, world, (shapes, hidden, grad_accum, mode), timeout_s)
+    (got,) = measure_modes(shapes, world, hidden, grad_accum, timeout_s, (mode,))
+    return got
+
+
+def measure_modes(
+    shapes, world: int, hidden: int, grad_accum: int = 2, timeout_s: float = 300, modes=zero_buckets.MODES
+) -> list[dict]:
+    """measure_comm for each of `modes` in turn, on one group of `world` rank processes (an engine per
+    mode; each counts its own warm-up and counted steps): one process start and gloo group per world
+    size instead of one per measurement."""
+    ranks = run_ranks(_comm_ranks, world, (shapes, hidden, grad_accum, tuple(modes)), timeout_s)
     params = sum(math.prod(s) for s in shapes)
-    out = {"world": world, "params": params, "grad_accum": grad_accum, "mode": mode}
-    return {**out, "model_calls": slice_calls(shapes, world, hidden, mode), "ranks": ranks}
+    return [{"world": world, "params": params, "grad_accum": grad_accum, "mode": mode,
+             "model_calls": slice_calls(shapes, world, hidden, mode), "ranks": [r[i] for r in ranks]}
+            for i, mode in enumerate(modes)]  # fmt: skip
 
 
 def slice_calls(shapes, world: int, hidden: int, mode: str) -> dict[int, int]:
@@ -64,6 +75,11 @@ def slice_calls(shapes, world: int, hidden: int, mode: str) -> dict[int, int]:
         for n in b.calls:
             counts[GRAD_BYTES * n] = counts.get(GRAD_BYTES * n, 0) + 1
     return counts
+
+
+def _comm_ranks(rank: int, world: int, shapes, hidden: int, grad_accum: int, modes: tuple[str, ...]) -> list[dict]:
+    """One rank of measure_modes (run_ranks has joined it to the group): _comm_rank for each mode."""
+    return [_comm_rank(rank, world, shapes, hidden, grad_accum, mode) for mode in modes]
 
 
 def _comm_rank(rank: int, world: int, shapes, hidden: int, grad_accum: int, mode: str) -> dict:
@@ -165,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worlds", default="2,3", help="gloo ranks, one measurement per size")
     ap.add_argument("--grad-reduce", default="both", choices=[*zero_buckets.MODES, "both"], help="mode(s) to count")
     ap.add_argument("--grad-accum", type=int, default=2)
-    ap.add_argument("--timeout-s", type=float, default=300.0, help="per measurement")
+    ap.add_argument("--timeout-s", type=float, default=300.0, help="per world size (all its modes)")
     ap.add_argument("--json", default=None, help="write the measurements here")
     a = ap.parse_args(argv)
     modes = zero_buckets.MODES if a.grad_reduce == "both" else (a.grad_reduce,)
@@ -176,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(worlds) < 2:
         raise SystemExit(f"--worlds: every size needs 2 or more ranks to have collectives (got {a.worlds!r})")
     shapes = drafter_shapes(*shape)
-    comm = [measure_comm(shapes, n, shape[0], a.grad_accum, a.timeout_s, m) for n in worlds for m in modes]
+    comm = [got for n in worlds for got in measure_modes(shapes, n, shape[0], a.grad_accum, a.timeout_s, modes)]
     for got in comm:
         print("\n".join(comm_report(got)))
     if a.json:

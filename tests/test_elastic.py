@@ -202,11 +202,13 @@ def run_in_process(cfg: Config, job: TrainJob, dump: Path):
         reset_deepspeed_groups()
 
 
-def run_two_ranks(cfg: Config, job: TrainJob, dump: Path) -> list[dict]:
-    """Two ranks as subprocesses running `main` below; returns their TrainResults (as dicts)."""
-    spec = dump.with_name(dump.name + ".spec.json")
-    job_dict = dataclasses.asdict(job) | {"provenance": job.provenance.to_dict()}
-    spec.write_text(json.dumps({"cfg": cfg.to_dict(), "job": job_dict, "dump": str(dump)}))
+def run_two_ranks(runs: list[tuple[Config, TrainJob, Path]], name: Path) -> list[list[dict]]:
+    """Two ranks as subprocesses running `main` below, one trainer after the other for each (cfg, job,
+    dump) of `runs` in their one process group; returns each run's TrainResults (as dicts)."""
+    spec = name.with_name(name.name + ".spec.json")
+    spec.write_text(json.dumps({"runs": [{"cfg": cfg.to_dict(), "dump": str(dump),
+                                          "job": dataclasses.asdict(job) | {"provenance": job.provenance.to_dict()}}
+                                         for cfg, job, dump in runs]}))  # fmt: skip
     port = str(free_port())
     procs = []
     with contextlib.ExitStack() as stack:
@@ -219,22 +221,24 @@ def run_two_ranks(cfg: Config, job: TrainJob, dump: Path) -> list[dict]:
                 "WORLD_SIZE": "2",
                 "OMP_NUM_THREADS": "1",
             }
-            log = stack.enter_context(open(dump.with_name(f"{dump.name}.rank{rank}.log"), "w"))
+            log = stack.enter_context(open(name.with_name(f"{name.name}.rank{rank}.log"), "w"))
             cmd = [sys.executable, "-m", "tests.test_elastic", str(spec)]
             procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
         try:
-            codes = [p.wait(timeout=300) for p in procs]
+            codes = [p.wait(timeout=300 * len(runs)) for p in procs]
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
-    logs = [dump.with_name(f"{dump.name}.rank{r}.log").read_text() for r in range(2)]
+    logs = [name.with_name(f"{name.name}.rank{r}.log").read_text() for r in range(2)]
     assert codes == [0, 0], "\n".join(f"--- rank {r}\n{text[-4000:]}" for r, text in enumerate(logs))
-    return [json.loads(dump.with_name(f"{dump.name}.result{r}.json").read_text()) for r in range(2)]
+    return [[json.loads(dump.with_name(f"{dump.name}.result{r}.json").read_text()) for r in range(2)]
+            for _, _, dump in runs]  # fmt: skip
 
 
 def main(spec_path: str) -> None:
-    """A rank of run_two_ranks: its process group from the environment, the trainer, dumps."""
+    """A rank of run_two_ranks: its process group from the environment, then for each run of the spec
+    the trainer and its dumps."""
     import torch.distributed as dist
 
     from dflash_dist.actors.trainer_group import join_group
@@ -242,16 +246,19 @@ def main(spec_path: str) -> None:
 
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
-    job = job_from_json(spec["job"])
-    dump = Path(spec["dump"])
     join_group(dict(os.environ), on_gpu=False)  # the product's rendezvous: the store on MASTER_ADDR only
     try:
-        trainer = Trainer(load_config_dict(spec["cfg"]), job)
-        assert trainer.engine.load_universal_checkpoint() == (job.resume is not None)
-        dump_state(trainer.engine, dump.with_name(dump.name + "_resumed"))
-        result = trainer.run()
-        dump_state(trainer.engine, dump.with_name(dump.name + "_final"))
-        dump.with_name(f"{dump.name}.result{dist.get_rank()}.json").write_text(json.dumps(dataclasses.asdict(result)))
+        for run in spec["runs"]:
+            job = job_from_json(run["job"])
+            dump = Path(run["dump"])
+            trainer = Trainer(load_config_dict(run["cfg"]), job)
+            assert trainer.engine.load_universal_checkpoint() == (job.resume is not None)
+            dump_state(trainer.engine, dump.with_name(dump.name + "_resumed"))
+            result = trainer.run()
+            dump_state(trainer.engine, dump.with_name(dump.name + "_final"))
+            dump.with_name(f"{dump.name}.result{dist.get_rank()}.json").write_text(
+                json.dumps(dataclasses.asdict(result)))
+            del trainer
     finally:
         dist.destroy_process_group()
 
@@ -263,25 +270,56 @@ def shards(tiny, tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_elastic_resume_one_to_two_to_one_rank(tiny, shards, tmp_path, stage):
-    out, dumps = tmp_path / "run", tmp_path / "dumps"
-    dumps.mkdir()
+STAGES = (1, 2, 3)
+
+
+def stage_cfg(tiny, out: Path, stage: int, world: int, max_steps: int | None) -> Config:
+    return make_cfg(out, tiny["target_dir"], world_size=world, zero_stage=stage, epochs=2, max_steps=max_steps,
+                    checkpoint_every=100, log_sample_keys=True, weight_decay=0.1)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_then_two(tiny, shards, tmp_path_factory) -> dict[int, dict]:
+    """The first two attempts of every stage's run: 1 rank here trains FIRST steps and saves step_3,
+    then one group of 2 rank processes resumes each stage's step_3 in turn (one process start and
+    gloo group for the three stages) to step SECOND. Per stage: its out dir, dumps dir, the 1-rank
+    result and the 2-rank results; the tests check them and run the third attempt."""
+    got = {}
+    for stage in STAGES:
+        root = tmp_path_factory.mktemp(f"zero{stage}")
+        out, dumps = root / "run", root / "dumps"
+        dumps.mkdir()
+        cfg = stage_cfg(tiny, out, stage, 1, FIRST)
+        first = run_in_process(cfg, job_for(tiny, shards, cfg, None), dumps / "a")
+        got[stage] = {"out": out, "dumps": dumps, "first": first, "ckpt_after_first": checkpoint.read_latest(
+            out / "checkpoints")}  # fmt: skip
+    runs = []
+    for stage in STAGES:
+        cfg = stage_cfg(tiny, got[stage]["out"], stage, 2, SECOND)
+        ckpt = got[stage]["out"] / "checkpoints"
+        runs.append((cfg, job_for(tiny, shards, cfg, ckpt / f"step_{FIRST}"), got[stage]["dumps"] / "b"))
+    for stage, results in zip(STAGES, run_two_ranks(runs, tmp_path_factory.mktemp("two_ranks") / "group")):
+        got[stage]["second"] = results
+    return got
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_elastic_resume_one_to_two_to_one_rank(tiny, shards, one_then_two, stage):
+    run = one_then_two[stage]
+    out, dumps = run["out"], run["dumps"]
     ckpt = out / "checkpoints"
 
     def cfg_for(world: int, max_steps: int | None) -> Config:
-        return make_cfg(out, tiny["target_dir"], world_size=world, zero_stage=stage, epochs=2, max_steps=max_steps,
-                        checkpoint_every=100, log_sample_keys=True, weight_decay=0.1)  # fmt: skip
+        return stage_cfg(tiny, out, stage, world, max_steps)
 
-    # 1 rank trains 3 steps (6 of epoch 0's 16 samples: shards 0-2) and saves step_3
-    first = run_in_process(cfg_for(1, FIRST), job_for(tiny, shards, cfg_for(1, FIRST), None), dumps / "a")
-    assert first.steps == FIRST and checkpoint.read_latest(ckpt) == f"step_{FIRST}"
+    # 1 rank trained 3 steps (6 of epoch 0's 16 samples: shards 0-2) and saved step_3
+    first = run["first"]
+    assert first.steps == FIRST and run["ckpt_after_first"] == f"step_{FIRST}"
 
-    # 2 ranks resume it: shards 3-7 are left (rank 0 owns 4 and 6, rank 1 owns 3, 5 and 7), so
+    # 2 ranks resumed it: shards 3-7 are left (rank 0 owns 4 and 6, rank 1 owns 3, 5 and 7), so
     # epoch 0 ends after 3 steps (the third: rank 1's last shard, rank 0 an empty slot); step 7 is
     # epoch 1's first
-    results = run_two_ranks(cfg_for(2, SECOND), job_for(tiny, shards, cfg_for(2, SECOND), ckpt / f"step_{FIRST}"),
-                            dumps / "b")  # fmt: skip
+    results = run["second"]
     assert universal.is_converted(ckpt / f"step_{FIRST}")
     assert_same_state(load_state(dumps / "a_final"), load_state(dumps / "b_resumed"))
     assert [r["steps"] for r in results] == [SECOND, SECOND] and [r["epochs_completed"] for r in results] == [1, 1]

@@ -40,7 +40,7 @@ from tests.helpers.runs import consumed_per_epoch, read_jsonl
 from tests.helpers.tiny import make_cfg, write_shards
 
 NUM = 16  # 8 shards of 2: 4 per rank, 4 steps of 2x2 samples per epoch, nothing dropped
-STEPS = 16  # 4 epochs
+STEPS = 12  # 3 epochs: a kill or notice after the first checkpoint still has an epoch end before or after it
 EVERY = 4  # checkpoint_every
 
 
@@ -442,7 +442,7 @@ def test_sigkilled_run_resumed_with_auto_matches_uninterrupted_run(tiny, shards,
     keys = Counter(s.key for s in tiny["samples"][:NUM])
     for run in (uninterrupted, out):
         per = consumed_per_epoch(run)
-        assert sorted(per) == [0, 1, 2, 3] and all(per[e] == keys for e in per), run
+        assert sorted(per) == list(range(STEPS // 4)) and all(per[e] == keys for e in per), run
     # the same weights at the end; `latest` complete, the last keep_checkpoints kept
     a, b = (load_file(str(r / "export" / f"step_{STEPS}" / "model.safetensors")) for r in (uninterrupted, out))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -452,37 +452,46 @@ def test_sigkilled_run_resumed_with_auto_matches_uninterrupted_run(tiny, shards,
 
 
 # ---------------------------------------------------------------------------- preemption notice
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
-def test_preemption_signal_saves_a_checkpoint_and_resume_matches(tiny, shards, uninterrupted, tmp_path, signum):
+def test_preemption_signal_saves_a_checkpoint_and_resume_matches(tiny, shards, uninterrupted, tmp_path):
     """A scheduler's SIGTERM (or SIGUSR1) to one rank: every rank stops at the same step, that
     step is saved as `latest` (not a checkpoint_every multiple), the ranks return normally, and
-    `--resume auto` continues to the same losses and weights as the uninterrupted run."""
-    notice_at = random.Random().randint(EVERY + 1, STEPS - 3)
-    victim = random.Random().randint(0, 1)
+    `--resume auto` continues to the same losses and weights as the uninterrupted run. One run
+    takes both: SIGTERM to the first attempt, SIGUSR1 to the resumed one (each notice at a random
+    step and rank, each with every check), and the third attempt finishes it."""
     out = tmp_path / "run"
     cfg = resume_cfg(out, tiny)
-    group = start(cfg, tiny, shards, "never")
-    log = out / TRAIN_LOG
-    deadline = time.time() + 240
-    while not (log.exists() and len(log.read_text().splitlines()) >= notice_at):
-        assert time.time() < deadline, "the run did not reach the notice step"
-        time.sleep(0.02)
-    os.kill(group.infos[victim].pid, signum)
-    results = group.wait(timeout_s=120)  # returns: no rank died
-    stopped = results[0].steps
-    assert [r.preempted for r in results] == [signum.name, signum.name]
-    assert [r.steps for r in results] == [stopped, stopped] and notice_at <= stopped < STEPS
-    ckpt = out / "checkpoints"
-    assert checkpoint.read_latest(ckpt) == f"step_{stopped}"
-    assert checkpoint.read_marker(ckpt / f"step_{stopped}")["step"] == stopped
-    assert len(read_jsonl(log)) == stopped  # the log is durable up to the saved step
+    ckpt, log = out / "checkpoints", out / TRAIN_LOG
+    stopped = None  # the step the last attempt stopped at
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        if stopped is None:  # after the first checkpoint, early enough to leave room for the second notice
+            notice_at = random.Random().randint(EVERY + 1, EVERY + 2)
+        else:  # the resumed attempt: after the step it resumed from
+            assert stopped < STEPS - 3, f"the SIGTERM attempt stopped at step {stopped}: no room for another"
+            notice_at = random.Random().randint(stopped + 1, STEPS - 3)
+        victim = random.Random().randint(0, 1)
+        resumed_from = None if stopped is None else str(ckpt / f"step_{stopped}")
+        group = start(cfg, tiny, shards, "never" if stopped is None else "auto")
+        deadline = time.time() + 240
+        while not (log.exists() and len(log.read_text().splitlines()) >= notice_at):
+            assert time.time() < deadline, "the run did not reach the notice step"
+            time.sleep(0.02)
+        os.kill(group.infos[victim].pid, signum)
+        results = group.wait(timeout_s=120)  # returns: no rank died
+        assert results[0].resumed_from == resumed_from
+        stopped = results[0].steps
+        where = f"{signum.name} to rank {victim} once step {notice_at} was logged"
+        assert [r.preempted for r in results] == [signum.name, signum.name], where
+        assert [r.steps for r in results] == [stopped, stopped] and notice_at <= stopped < STEPS, where
+        assert checkpoint.read_latest(ckpt) == f"step_{stopped}"
+        assert checkpoint.read_marker(ckpt / f"step_{stopped}")["step"] == stopped
+        assert len(read_jsonl(log)) == stopped  # the log is durable up to the saved step
 
     results = start(cfg, tiny, shards, "auto").wait(timeout_s=300)
     assert results[0].resumed_from == str(ckpt / f"step_{stopped}") and results[0].preempted is None
     assert read_jsonl(out / TRAIN_LOG) == read_jsonl(uninterrupted / TRAIN_LOG)
     keys = Counter(s.key for s in tiny["samples"][:NUM])
     per = consumed_per_epoch(out)
-    assert sorted(per) == [0, 1, 2, 3] and all(per[e] == keys for e in per)
+    assert sorted(per) == list(range(STEPS // 4)) and all(per[e] == keys for e in per)
 
 
 # ---------------------------------------------------------------------------- a crash inside a save

@@ -20,7 +20,6 @@ import torch
 from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance
 from data_pipeline.records import Sample
 from data_pipeline.shard_writer import ShardWriter, mark_done
-from tests.conftest import REPO
 
 H, K = 8, 2
 PROV = Provenance(SHARD_SCHEMA_VERSION, "synthetic", "0" * 64, (1, 2), H, "float32", "torch", "t")
@@ -123,12 +122,42 @@ def rank_main(spec_path: str) -> None:
         dist.destroy_process_group()
 
 
+def _rank_process(spec_path: str, rank: int, world: int, log_path: str) -> None:
+    """A rank process forked from the fork server (which has imported this module, torch and the
+    source): its output to `log_path`, one torch thread, rank_main. An exception exits it with 1."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    rank_main(spec_path)
+
+
+_FORK_SERVER = None
+
+
+def _fork_server():
+    """The rank processes' start method: a fork server that imports torch, torch.distributed, the step
+    source and this module once; each rank is a fresh fork of it (not of this test process, whose
+    threads make a fork unsafe, and not of another rank: rank_main's stand-ins stay in their own rank).
+    A rank started as `python -m tests.test_step_source` imported them again (~3 s of a core each)."""
+    global _FORK_SERVER
+    if _FORK_SERVER is None:
+        import multiprocessing as mp
+
+        _FORK_SERVER = mp.get_context("forkserver")
+        _FORK_SERVER.set_forkserver_preload(["torch", "torch.distributed", "dflash_dist.config",
+                                             "dflash_dist.trainer.step_source", "tests.test_step_source"])  # fmt: skip
+    return _FORK_SERVER
+
+
 def run_ranks(tmp: Path, name: str, world: int, cfg, shards: Path, planned: int, timeout_s: float = 240,
               linger: bool = False, **extra) -> list[dict]:  # fmt: skip
     """Each rank's dump. `linger`: a rank that failed keeps its process (and gloo group) up until every
     rank has dumped, so a peer left waiting in a collective is found by the timeout, not by gloo
     noticing a closed connection."""
-    import subprocess
     import time
 
     store = tmp / f"{name}.store"
@@ -136,26 +165,30 @@ def run_ranks(tmp: Path, name: str, world: int, cfg, shards: Path, planned: int,
             "dump": str(tmp / name), "linger": linger, **extra}  # fmt: skip
     spec_path = tmp / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_step_source", str(spec_path)], cwd=REPO,
-                              env=os.environ | {"RANK": str(r), "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]  # fmt: skip
+    logs = [tmp / f"{name}.{r}.log" for r in range(world)]
+    ctx = _fork_server()
+    procs = [ctx.Process(target=_rank_process, args=(str(spec_path), r, world, str(logs[r]))) for r in range(world)]
+    for p in procs:
+        p.start()
     dumps = [tmp / f"{name}.{r}.json" for r in range(world)]
     deadline = time.monotonic() + timeout_s
     while linger and not all(d.exists() for d in dumps) and time.monotonic() < deadline:
         time.sleep(0.2)
     (tmp / f"{name}.release").touch()
     try:
-        if linger and not all(d.exists() for d in dumps):
-            raise subprocess.TimeoutExpired("rank", timeout_s)
-        outs = [p.communicate(timeout=max(deadline - time.monotonic(), 1))[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        hung = [r for r, d in enumerate(dumps) if not d.exists()]
+        if not linger or all(d.exists() for d in dumps):
+            for p in procs:
+                p.join(timeout=max(deadline - time.monotonic(), 1))
+        if any(p.exitcode is None for p in procs):
+            hung = [r for r, d in enumerate(dumps) if not d.exists()]
+            raise AssertionError(f"rank(s) {hung} had no result after {timeout_s} s (waiting in a collective?)")
+    finally:
         for p in procs:
-            p.kill()  # our own children, by handle
-            p.communicate()
-        raise AssertionError(f"rank(s) {hung} had no result after {timeout_s} s (waiting in a collective?)") from None
-    assert [p.returncode for p in procs] == [0] * world, "\n".join(o[-3000:] for o in outs)
+            if p.exitcode is None:
+                p.kill()  # our own children, by handle
+                p.join()
+    outs = [log.read_text() if log.exists() else "" for log in logs]
+    assert [p.exitcode for p in procs] == [0] * world, "\n".join(o[-3000:] for o in outs)
     return [json.loads(d.read_text()) for d in dumps]
 
 

@@ -299,33 +299,53 @@ def test_resolve_and_refusals(single_rank_gloo):
     assert fused_adamw.supports(adamw, adamw.param_groups[0]) is None
 
 
-@pytest.mark.parametrize("kind", ["lean", "fused"])
-def test_two_rank_zero2_run_with_the_lean_step_follows_the_pinned_curve(kind, tiny, tmp_path, ray_cluster):
-    """tests/test_loss_curve.py's run (2 gloo ranks, ZeRO-2, partitions cut inside tensors) with
-    train.optimizer_step=lean or fused (the one-kernel AdamW over each rank's partial tensors): the
-    pinned losses within the gate's 1e-6 (the norm sums in fp32, not fp64)."""
-    from dflash_dist.actors.trainer_group import start_trainer_group
-    from dflash_dist.trainer.loop import TRAIN_LOG
+def _curve_ranks(rank: int, world: int, runs: list) -> dict[str, int]:
+    """One of the two gloo ranks (run_ranks has joined it to the group, one torch thread, as a trainer
+    rank): each (kind, config, job) of `runs` in turn, a Trainer each, in the trainer ranks'
+    compile-cache directories; the steps each trained."""
+    from dflash_dist.compile_cache import use_private_cache_dirs
+    from dflash_dist.config import load_config_dict
+    from dflash_dist.trainer.loop import Trainer
+
+    use_private_cache_dirs()
+    return {kind: Trainer(load_config_dict(cfg_dict), job).run().steps for kind, cfg_dict, job in runs}
+
+
+CURVE_KINDS = ("lean", "fused")
+
+
+@pytest.fixture(scope="module")
+def curve_runs(tiny, tmp_path_factory) -> dict:
+    """The pinned curve's run under each of CURVE_KINDS, one after the other on one group of two rank
+    processes (each a Trainer of its own, from step 0, into its own out dir): a process start and
+    group per kind otherwise. Per kind its config and each rank's steps."""
+    from dflash_dist.actors.trainer_group import train_job
     from tests.helpers import loss_curve as lc
     from tests.helpers.tiny import make_cfg, write_shards
 
-    shards = tmp_path / "shards"
+    root = tmp_path_factory.mktemp("curve")
+    shards = root / "shards"
     write_shards(shards, tiny["prov"], tiny["samples"][: lc.NUM], done=True)
-    cfg = make_cfg(
-        tmp_path / "run",
-        tiny["target_dir"],
-        epochs=5,
-        micro_batch_size=1,
-        grad_accum=2,
-        checkpoint_every=10,
-        warmup_frac=0.1,
-        optimizer_step=kind,
-    )
-    group = start_trainer_group(
-        cfg, tiny["target_dir"], shards, tiny["prov"], tiny["drafter"], num_samples=lc.NUM, resume="never"
-    )
-    results = group.wait(timeout_s=600)
-    assert [r.steps for r in results] == [lc.STEPS, lc.STEPS]
+    cfgs = {kind: make_cfg(root / kind, tiny["target_dir"], epochs=5, micro_batch_size=1, grad_accum=2,
+                           checkpoint_every=10, warmup_frac=0.1, optimizer_step=kind)
+            for kind in CURVE_KINDS}  # fmt: skip
+    runs = [(kind, cfg.to_dict(), train_job(cfg, tiny["target_dir"], shards, tiny["prov"], tiny["drafter"],
+                                            num_samples=lc.NUM)) for kind, cfg in cfgs.items()]  # fmt: skip
+    steps = run_ranks(_curve_ranks, 2, (runs,), timeout_s=1200)
+    return {kind: (cfgs[kind], [r[kind] for r in steps]) for kind in CURVE_KINDS}
+
+
+@pytest.mark.parametrize("kind", CURVE_KINDS)
+def test_two_rank_zero2_run_with_the_lean_step_follows_the_pinned_curve(kind, curve_runs):
+    """tests/test_loss_curve.py's run (2 gloo ranks, ZeRO-2, partitions cut inside tensors; its Trainer
+    on each rank, here without Ray) with train.optimizer_step=lean or fused (the one-kernel AdamW over
+    each rank's partial tensors): the pinned losses within the gate's 1e-6 (the norm sums in fp32,
+    not fp64)."""
+    from dflash_dist.trainer.loop import TRAIN_LOG
+    from tests.helpers import loss_curve as lc
+
+    cfg, steps = curve_runs[kind]
+    assert steps == [lc.STEPS, lc.STEPS]
     got = [json.loads(line)["loss"] for line in (cfg.out / TRAIN_LOG).read_text().splitlines()]
     want = [r["loss"] for r in json.loads(lc.PINNED.read_text())]
     print(f"{kind} vs pinned: max rel", max(abs(g - w) / abs(w) for g, w in zip(got, want)))
@@ -459,10 +479,9 @@ def test_grad_path_cuts_resume_exactly(tmp_path, single_rank_gloo):
     assert_bitwise(state_of(plain), state_of(first))
 
 
-def _two_rank_worker(rank: int, world: int, grad_accum: int, overlap: bool) -> str:
-    """One of two gloo ranks (run_ranks has joined it to the group): the same run with and without the
-    cuts (rank-dependent data, so the reduction sums different gradients; ZeRO-2 cuts a.weight between
-    the ranks' partitions)."""
+def _two_rank_case(rank: int, world: int, grad_accum: int, overlap: bool) -> None:
+    """On one of two gloo ranks: the same run with and without the cuts (rank-dependent data, so the
+    reduction sums different gradients; ZeRO-2 cuts a.weight between the ranks' partitions)."""
     data = [(x + rank, y - rank) for x, y in batches(3 * grad_accum)]
     runs = {}
     for cuts in (False, True):
@@ -475,13 +494,38 @@ def _two_rank_worker(rank: int, world: int, grad_accum: int, overlap: bool) -> s
     assert ref["divides"] == cut["divides"] > 0
     assert "copy_grads_in_partition" in vars(cut_opt)  # (b) applies
     assert len(cut["storages"][0]) > len(ref["storages"][0])  # a.weight's part read in place
-    return "ok"
 
 
-@pytest.mark.parametrize("grad_accum,overlap", [(1, True), (2, False)])
-def test_grad_path_cuts_at_two_ranks(grad_accum, overlap):
+def _two_rank_worker(rank: int, world: int, cases: list[tuple[int, bool]]) -> dict:
+    """One of two gloo ranks (run_ranks has joined it to the group): every (grad_accum, overlap) case
+    in turn, each case's outcome ("ok" or its failed assertion) by case. The checks follow every
+    collective of a case, so a case failing on one rank leaves both ranks at the next case."""
+    import traceback
+
+    out = {}
+    for grad_accum, overlap in cases:
+        try:
+            _two_rank_case(rank, world, grad_accum, overlap)
+            out[(grad_accum, overlap)] = "ok"
+        except AssertionError:
+            out[(grad_accum, overlap)] = traceback.format_exc()[-3000:]
+    return out
+
+
+TWO_RANK_CASES = [(1, True), (2, False)]
+
+
+@pytest.fixture(scope="module")
+def two_rank_cuts() -> list[dict]:
+    """Both cases on one group of two rank processes (a process start, imports and a gloo group
+    per case otherwise); each test below reads its own case's outcome on both ranks."""
+    return run_ranks(_two_rank_worker, 2, (TWO_RANK_CASES,))
+
+
+@pytest.mark.parametrize("grad_accum,overlap", TWO_RANK_CASES)
+def test_grad_path_cuts_at_two_ranks(grad_accum, overlap, two_rank_cuts):
     """Two gloo ranks: (a) is not applied (the divide by 2 changes numbers), (b) is, bitwise."""
-    assert run_ranks(_two_rank_worker, 2, (grad_accum, overlap)) == ["ok", "ok"]
+    assert [r[(grad_accum, overlap)] for r in two_rank_cuts] == ["ok", "ok"]
 
 
 # ---- CUDA: the bf16 engine the trainer builds on a GPU (pytest -m gpu) ----

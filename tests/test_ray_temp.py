@@ -80,26 +80,10 @@ def test_a_slurm_worker_node_is_private(tmp_path):
     """`python -m launcher.slurm_ray worker ARGS` (srun runs it on every other node) starts `ray
     start ARGS` with a private --temp-dir of its own. Here ARGS start a node of its own (`--head`:
     this host cannot join a second raylet to a head on 127.0.0.1 with multi-node clusters off),
-    which is what decides where the node keeps its files."""
-    from dflash_dist.actors.ports import free_ports
-    from launcher.slurm_ray import _HEAD_PORT_FLAGS
-
-    ports = free_ports(len(_HEAD_PORT_FLAGS), "127.0.0.1")
-    before = set(Path(ray_temp_base("x-w-")).glob("dfray-*"))
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "launcher.slurm_ray", "worker", "--head", "--block", "--node-ip-address", "127.0.0.1",
-         "--include-dashboard", "false", "--disable-usage-stats", "--num-cpus", "1",
-         *(a for flag, port in zip(_HEAD_PORT_FLAGS, ports) for a in (flag, str(port)))],
-        env=dict(os.environ, PYTHONPATH=str(REPO), RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0"), cwd=REPO,
-        start_new_session=True,
-    )  # fmt: skip
+    which is what decides where the node keeps its files. Stopped once it runs (_start_worker):
+    stopped while it starts, `ray start` waits a minute for its GCS before it exits."""
+    worker, found = _start_worker(log=tmp_path / "worker.log")
     try:
-
-        def session():
-            new = set(Path(ray_temp_base("x-w-")).glob("dfray-*")) - before
-            return next((s for d in new for s in (d / "ray").glob("session_2*") if (s / "sockets").is_dir()), None)
-
-        found = _wait_for(session, what="the worker node's session directory")
         assert not others_can_reach(found / "sockets"), f"{found}: other users can reach the node's sockets"
         os.killpg(worker.pid, signal.SIGTERM)
         worker.wait(timeout=120)

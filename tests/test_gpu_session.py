@@ -333,20 +333,31 @@ def test_a_failure_is_on_disk_before_its_group_is_killed(tmp_path):
     """The device scripts stop a test group at its limit (timeout's TERM, then KILL), and pytest
     prints tracebacks only at the session's end. With DFLASH_TEST_FAILURES (set by gpu_session.sh
     and gpu_env.sh) the project's conftest appends each failure's report as it happens: a group
-    killed while a later test hangs still leaves the earlier failure's assertion on disk."""
+    killed while a later test hangs still leaves the earlier failure's assertion on disk. The limit
+    is reached once the later test hangs: SIGALRM to `timeout` is its own timer's expiry (TERM to the
+    group, exit 124), so the group is killed as at its limit without waiting out a fixed one."""
+    import signal
+
+    hanging = tmp_path / "hanging"
     tests = tmp_path / "test_group.py"
     tests.write_text(
-        "import time\n\n"
+        "import pathlib, time\n\n"
         "def test_fails():\n    assert 1 + 1 == 3, 'the failure we need to read'\n\n"
-        "def test_hangs():\n    time.sleep(600)\n"
+        f"def test_hangs():\n    pathlib.Path({str(hanging)!r}).touch()\n    time.sleep(600)\n"
     )
     failures = tmp_path / "test_failures.log"
     env = dict(os.environ, DFLASH_TEST_FAILURES=str(failures))
-    cmd = ["timeout", "-k", "2", "20", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    cmd = ["timeout", "-k", "2", "300", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
            "-p", "tests.conftest", str(tests)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    assert proc.returncode in (124, 137), proc.stdout + proc.stderr  # killed while test_hangs ran
-    assert "the failure we need to read" not in proc.stdout  # pytest never got to print it
+    group = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not hanging.exists() and group.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if group.poll() is None:
+        group.send_signal(signal.SIGALRM)  # the group's limit is reached while test_hangs runs
+    out, err = group.communicate(timeout=60)
+    assert hanging.exists() and group.returncode in (124, 137), out + err  # killed while test_hangs ran
+    assert "the failure we need to read" not in out  # pytest never got to print it
     text = failures.read_text()
     assert "test_group.py::test_fails (call) FAILED" in text and "the failure we need to read" in text
     assert "test_hangs" not in text

@@ -198,7 +198,7 @@ def test_roles_run_in_their_bundles_and_an_unplaceable_group_fails_naming_the_re
 
     cfg = _tiny("ray.node_resources.trainer=dflash_trainer")
     with pytest.raises(TimeoutError, match=r"trainer\[1\] \{'CPU': 0.5, 'dflash_trainer': 0.001\}"):
-        reserve(ray_cluster, plan_placement(cfg, ("train",)), timeout_s=3)
+        reserve(ray_cluster, plan_placement(cfg, ("train",)), timeout_s=1)  # never placeable: no node has it
     assert ray_cluster.available_resources().get("CPU") == 2.0  # the refused group was removed
 
 
@@ -302,15 +302,24 @@ def test_a_head_started_by_ray_start_refuses_clients_without_its_token(tmp_path)
                  "print('CPUS', ray.cluster_resources().get('CPU')); ray.shutdown()")  # fmt: skip
         one_try = {"RAY_gcs_server_port_wait_time_s": "1"}  # a refused client gives up after one attempt
 
-        def client(extra: dict) -> subprocess.CompletedProcess:
-            return subprocess.run([sys.executable, "-c", probe], env=_no_auth_env(tmp_path) | extra,
-                                  capture_output=True, text=True, timeout=60)  # fmt: skip
+        def client(extra: dict) -> subprocess.Popen:  # the three clients at once: each is mostly Python's start
+            return subprocess.Popen([sys.executable, "-c", probe], env=_no_auth_env(tmp_path) | extra,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
 
-        none = client(one_try)
+        def ended(p: subprocess.Popen) -> subprocess.CompletedProcess:
+            try:
+                stdout, stderr = p.communicate(timeout=120)
+            finally:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+
+        clients = [client(one_try), client(one_try | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}),
+                   client({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(home / "dflash-ray-token")})]
+        none, wrong, right = map(ended, clients)
         assert none.returncode != 0 and "Authentication token is missing or incorrect" in none.stderr, none.stderr
-        wrong = client(one_try | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64})
         assert wrong.returncode != 0 and "Authentication token is missing or incorrect" in wrong.stderr, wrong.stderr
-        right = client({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(home / "dflash-ray-token")})
         assert right.returncode == 0 and "CPUS 1.0" in right.stdout, right.stdout + right.stderr
         leaked = subprocess.run(["grep", "-rl", token, temp_dir], capture_output=True, text=True)
         assert leaked.stdout == "", f"the token is written in {leaked.stdout}"
@@ -328,6 +337,7 @@ def test_a_head_started_by_ray_start_refuses_clients_without_its_token(tmp_path)
 
 _LOCAL_SESSIONS = r"""
 import logging, os, shlex, subprocess, sys
+from concurrent.futures import ThreadPoolExecutor
 import ray
 from dflash_dist.config import load_config
 from dflash_dist.orchestration.pipeline import ray_session
@@ -364,8 +374,10 @@ with ray_session(cfg):
     token = os.environ.get("RAY_AUTH_TOKEN")
     print("TASK", ray.get(ray.remote(lambda: 41 + 1).remote()))
     print("TOKEN_FILE", os.path.exists(os.path.join(home, ".ray", "auth_token")))
-    print("REFUSED", probe_without_token())
-    print("HINT_JOINS", probe_through_hint())
+    with ThreadPoolExecutor(2) as pool:  # the two clients at once: each is mostly Python's start
+        refused, joins = pool.submit(probe_without_token), pool.submit(probe_through_hint)
+        print("REFUSED", refused.result())
+        print("HINT_JOINS", joins.result())
 print("ENV_AFTER", sorted(k for k in os.environ if k.startswith("RAY_AUTH")))
 # Ray's own default cluster in the same process (it writes ~/.ray/auth_token), then ours again, then Ray's
 for name, session in (("plain", None), ("ours", ray_session), ("plain2", None)):

@@ -46,15 +46,20 @@ def processes_naming(text: str) -> list[int]:
 
 
 def local_step_cluster(hosts: list[str], run_dir: Path, fail_with: int | None = None, hang: bool = False,
-                       worker_cpus: int = 1):
+                       worker_cpus: int = 1, wait_s: float | None = None):
     """SlurmRayCluster with its srun step's task run here: what srun runs on each other node
     (`python -m launcher.slurm_ray worker ...`, the real code, with SLURM_CPUS_ON_NODE `worker_cpus`
     as slurmstepd sets it on that node), or, with `fail_with`, a step that could not start there (a
     node down) and exits with that code, or, with `hang`, a step that runs on without its node ever
-    joining (a `ray start` retrying an address it cannot reach)."""
+    joining (a `ray start` retrying an address it cannot reach). `wait_s`: the most start() waits for
+    the other nodes once the head runs (else what its timeout leaves), so that a test of a wait that
+    ends unanswered spends seconds on it while the head still has all of start()'s time to come up."""
     from launcher.slurm_ray import SlurmRayCluster
 
     class Cluster(SlurmRayCluster):
+        def wait_for_nodes(self, step: subprocess.Popen, timeout_s: float) -> None:
+            super().wait_for_nodes(step, timeout_s if wait_s is None else min(timeout_s, wait_s))
+
         def worker_command(self) -> list[str]:
             if fail_with is not None:
                 return [sys.executable, "-c", f"raise SystemExit({fail_with})"]
@@ -77,7 +82,15 @@ def test_a_multi_node_slurm_head_is_reached_at_a_network_address_and_each_node_o
     name to one (it was: the other node dialled itself and never joined). The head bound there takes
     the worker node (start() returns once it joined) and a driver, both at that address. Each node
     offers Ray the CPUs Slurm gave the job on it (SLURM_CPUS_ON_NODE there): the head did, but the
-    worker nodes offered the machine's whole count, and Ray placed actors on CPUs of other jobs."""
+    worker nodes offered the machine's whole count, and Ray placed actors on CPUs of other jobs.
+
+    The same cluster's stop() at the end of the job (one start of a two-node cluster for both checks):
+    `ray start --block` answers SIGTERM by draining its node for up to 30 s (Ray 2.60, for Serve),
+    past stop()'s 20 s, so every job's end took 20 s and then SIGKILLed the srun step, whose worker
+    tasks never removed their private Ray temp directories: one left in /tmp of every other node per
+    job. The job's Ray processes stop at once now (nothing of ours to drain), the step exits by
+    itself, and the worker node's directory goes."""
+    from dflash_dist.orchestration.ray_temp import ray_temp_base
     from launcher.slurm_ray import SlurmRayCluster
 
     host = socket.gethostname()
@@ -88,11 +101,16 @@ def test_a_multi_node_slurm_head_is_reached_at_a_network_address_and_each_node_o
     assert command[:2] == ["srun", "--overlap"] and command[command.index("--address") + 1] == plain.address
     assert "--num-cpus" not in command  # the step's one command line: each node counts its own
 
+    job = f"stop{os.getpid()}"  # names this job's temp directories (dfray-<job>-w-*: the worker node's)
+    monkeypatch.setenv("SLURM_JOB_ID", job)
+    base = Path(ray_temp_base(f"{job}-w-"))
     monkeypatch.setenv("SLURM_CPUS_ON_NODE", "1")  # the batch step's, on the head's node
     worker_cpus = (os.cpu_count() or 1) + 1  # not what Ray would count on this machine by itself
     cluster = local_step_cluster([host, "node-b"], tmp_path, worker_cpus=worker_cpus)
     try:
         cluster.start(timeout_s=240)
+        worker_dirs = set(base.glob(f"dfray-{job}-w-*"))
+        assert len(worker_dirs) == 1, worker_dirs
         alive = "sorted((n['NodeManagerAddress'], n['Resources'].get('CPU')) for n in ray.nodes() if n['Alive'])"
         code = f"import ray\nray.init()\nprint('NODES', {alive})"
         joined = subprocess.run([sys.executable, "-c", code], env=dict(cluster.env, RAY_ADDRESS=cluster.address),
@@ -100,7 +118,16 @@ def test_a_multi_node_slurm_head_is_reached_at_a_network_address_and_each_node_o
         nodes = [(cluster.address_ip, 1.0), (cluster.address_ip, float(worker_cpus))]
         assert f"NODES {nodes}" in joined.stdout, joined.stdout + joined.stderr[-3000:]
     finally:
-        cluster.stop()
+        t0 = time.monotonic()
+        cluster.stop(keep_logs=False)
+        took = time.monotonic() - t0
+    step = cluster.procs[1]
+    assert step.returncode != -signal.SIGKILL and took < 15, (step.returncode, took)
+    named = [d for d in [os.path.dirname(cluster.temp_dir), *map(str, worker_dirs)] if processes_naming(d)]
+    assert not named, f"Ray processes of the stopped nodes still running: {named}"
+    time.sleep(3)  # a Ray process still exiting after its node's `ray start` returned wrote its logs there again
+    left = sorted(Path(ray_temp_base(job)).glob(f"dfray-{job}-*")) + sorted(base.glob(f"dfray-{job}-w-*"))
+    assert not left and worker_dirs, left  # the head's directory and the worker node's
 
 
 def test_a_slurm_nodes_ray_cpus_come_from_slurms_variables():
@@ -150,10 +177,10 @@ def test_a_node_that_never_joins_is_named_when_the_wait_ends(tmp_path):
     from dflash_dist.orchestration.run_plan import PipelineError
 
     host = socket.gethostname()
-    cluster = local_step_cluster([host, "node-b"], tmp_path, hang=True)
+    cluster = local_step_cluster([host, "node-b"], tmp_path, hang=True, wait_s=8)
     try:
         try:
-            cluster.start(timeout_s=40)
+            cluster.start(timeout_s=240)
             raised = None
         except PipelineError as e:
             raised = str(e)
@@ -265,35 +292,6 @@ def test_a_relative_resume_path_is_one_checkpoint_for_the_driver_and_trainers_on
     assert cwd != str(here)  # the actor's node was started elsewhere, as every other node is
     assert error is None, f"a trainer whose node's Ray started in {cwd}: {error}"
     assert (cli_resume("auto"), cli_resume("never")) == ("auto", "never")
-
-
-def test_the_jobs_ray_stops_at_once_and_every_node_removes_its_temp_dir(tmp_path, monkeypatch):
-    """stop() at the end of a multi-node job: `ray start --block` answers SIGTERM by draining its
-    node for up to 30 s (Ray 2.60, for Serve), past stop()'s 20 s, so every job's end took 20 s and
-    then SIGKILLed the srun step, whose worker tasks never removed their private Ray temp
-    directories: one left in /tmp of every other node per job. The job's Ray processes stop at once
-    now (nothing of ours to drain), the step exits by itself, and the worker node's directory goes."""
-    from dflash_dist.orchestration.ray_temp import ray_temp_base
-
-    job = f"stop{os.getpid()}"  # names this job's temp directories (dfray-<job>-w-*: the worker node's)
-    monkeypatch.setenv("SLURM_JOB_ID", job)
-    base = Path(ray_temp_base(f"{job}-w-"))
-    cluster = local_step_cluster([socket.gethostname(), "node-b"], tmp_path)
-    try:
-        cluster.start(timeout_s=240)
-        worker_dirs = set(base.glob(f"dfray-{job}-w-*"))
-        assert len(worker_dirs) == 1, worker_dirs
-    finally:
-        t0 = time.monotonic()
-        cluster.stop(keep_logs=False)
-        took = time.monotonic() - t0
-    step = cluster.procs[1]
-    assert step.returncode != -signal.SIGKILL and took < 15, (step.returncode, took)
-    named = [d for d in [os.path.dirname(cluster.temp_dir), *map(str, worker_dirs)] if processes_naming(d)]
-    assert not named, f"Ray processes of the stopped nodes still running: {named}"
-    time.sleep(3)  # a Ray process still exiting after its node's `ray start` returned wrote its logs there again
-    left = sorted(Path(ray_temp_base(job)).glob(f"dfray-{job}-*")) + sorted(base.glob(f"dfray-{job}-w-*"))
-    assert not left and worker_dirs, left  # the head's directory and the worker node's
 
 
 def test_master_addr_in_the_jobs_environment_chooses_the_network_of_a_multi_node_job(tmp_path, monkeypatch):

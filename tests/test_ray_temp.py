@@ -12,6 +12,7 @@ search permission for group or others, and it is removed when the cluster stops.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -80,26 +81,10 @@ def test_a_slurm_worker_node_is_private(tmp_path):
     """`python -m launcher.slurm_ray worker ARGS` (srun runs it on every other node) starts `ray
     start ARGS` with a private --temp-dir of its own. Here ARGS start a node of its own (`--head`:
     this host cannot join a second raylet to a head on 127.0.0.1 with multi-node clusters off),
-    which is what decides where the node keeps its files."""
-    from dflash_dist.actors.ports import free_ports
-    from launcher.slurm_ray import _HEAD_PORT_FLAGS
-
-    ports = free_ports(len(_HEAD_PORT_FLAGS), "127.0.0.1")
-    before = set(Path(ray_temp_base("x-w-")).glob("dfray-*"))
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "launcher.slurm_ray", "worker", "--head", "--block", "--node-ip-address", "127.0.0.1",
-         "--include-dashboard", "false", "--disable-usage-stats", "--num-cpus", "1",
-         *(a for flag, port in zip(_HEAD_PORT_FLAGS, ports) for a in (flag, str(port)))],
-        env=dict(os.environ, PYTHONPATH=str(REPO), RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0"), cwd=REPO,
-        start_new_session=True,
-    )  # fmt: skip
+    which is what decides where the node keeps its files. Stopped once it runs (_start_worker):
+    stopped while it starts, `ray start` waits a minute for its GCS before it exits."""
+    worker, found = _start_worker(log=tmp_path / "worker.log")
     try:
-
-        def session():
-            new = set(Path(ray_temp_base("x-w-")).glob("dfray-*")) - before
-            return next((s for d in new for s in (d / "ray").glob("session_2*") if (s / "sockets").is_dir()), None)
-
-        found = _wait_for(session, what="the worker node's session directory")
         assert not others_can_reach(found / "sockets"), f"{found}: other users can reach the node's sockets"
         os.killpg(worker.pid, signal.SIGTERM)
         worker.wait(timeout=120)
@@ -136,6 +121,8 @@ def _start_worker(*worker_args: str, log: Path) -> tuple[subprocess.Popen, Path]
             return False
 
     def session():
+        if worker.poll() is not None:  # it will never run: say why now, not when _wait_for gives up
+            raise AssertionError(f"the worker node exited ({worker.returncode}):\n{log.read_text()[-3000:]}")
         new = set(Path(ray_temp_base("x-w-")).glob("dfray-*")) - before
         found = [s for d in new for s in (d / "ray").glob("session_2*") if (s / "sockets" / "raylet").exists()
                  and any(ours(p) for p in _raylets(s))]  # fmt: skip
@@ -144,7 +131,8 @@ def _start_worker(*worker_args: str, log: Path) -> tuple[subprocess.Popen, Path]
     try:
         return worker, _wait_for(session, what="the worker node's raylet")
     except BaseException:
-        os.killpg(worker.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # its group may be gone with it
+            os.killpg(worker.pid, signal.SIGKILL)
         worker.wait()
         raise
 
@@ -279,12 +267,12 @@ def test_a_worker_node_of_a_multi_node_job_goes_on_to_join_its_head():
         assert one.env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
         assert two.env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "1"
         (port,) = free_ports(1, "127.0.0.1")
-        before = set(Path(ray_temp_base("x-w-")).glob("dfray-*"))
+        job = f"join{os.getpid()}"  # names the worker's temp dir (dfray-<job>-w-*): no other run's is touched
         worker = subprocess.Popen(
             [sys.executable, "-m", "launcher.slurm_ray", "worker", "--block", "--address", f"127.0.0.1:{port}",
              "--disable-usage-stats", "--num-cpus", "1"],
-            env=dict(two.env, PYTHONPATH=str(REPO)), cwd=REPO, start_new_session=True, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True,
+            env=dict(two.env, PYTHONPATH=str(REPO), SLURM_JOB_ID=job), cwd=REPO, start_new_session=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         lines: list[str] = []
         try:
@@ -300,7 +288,7 @@ def test_a_worker_node_of_a_multi_node_job_goes_on_to_join_its_head():
             if worker.poll() is None:  # still dialling a head that is not there (Ray waits for it ~30 s)
                 os.killpg(worker.pid, signal.SIGKILL)
                 worker.wait()
-            for d in set(Path(ray_temp_base("x-w-")).glob("dfray-*")) - before:  # its temp dir, left by the kill
+            for d in Path(ray_temp_base(f"{job}-w-")).glob(f"dfray-{job}-w-*"):  # its temp dir, left by the kill
                 shutil.rmtree(d, ignore_errors=True)
         text = "".join(lines)
         assert "Multi-node Ray clusters are not supported" not in text, text

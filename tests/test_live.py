@@ -73,7 +73,7 @@ def test_a_plain_kv_target_keeps_the_verifys_positions_and_equals_the_authors_lo
     with pytest.raises(ValueError, match="plain attention KV"):
         hybrid.keep(3, [0])
     partial = 0
-    for prompt in prompts[:4]:
+    for prompt in prompts[:2]:  # 17 partial accepts and a whole block accepted (prompts[:4]: 38)
         for budget in (None, 4):
             want, tokens = authors_loop(target, drafter, prompt, 20, (), budget)
             fast = live_decode(target, drafter, prompt, 20, (), budget, count="uncapped")

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 import torch
 
 from dflash_dist.model.replay import replay_sequence
 from dflash_dist.tools.demo import DemoConfig, drafter_for, evaluate, make_data, tiny_qwen35_target, train
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_training_raises_replay_tau():

@@ -235,12 +235,13 @@ def test_fp8_features_halve_the_bytes_per_token_on_both_write_paths(saved_target
     token at most 0.51x of bf16's; every decoded value within the scheme's bound of the bf16
     capture's (feature_codec.py); the writer processes' shards decode to the same values as the
     capture thread's; round_trip_features (for benches) gives exactly what a shard gives; the
-    provenance names the encoding."""
+    provenance names the encoding. The target's MLPs are 64 wide, not 2H: their width is in
+    neither the features' bytes nor their bounds, and CPU bf16 matmuls of 2H took a minute."""
     from data_pipeline.feature_codec import FP8, RAW, fp8_error_bound
     from data_pipeline.shard_reader import iter_shard_samples, read_manifest
     from data_pipeline.shard_writer import round_trip_features
 
-    target = make_capture_target(tmp_path / "wide", hidden=768)
+    target = make_capture_target(tmp_path / "wide", hidden=768, intermediate=64)
     dirs = {}
     for name, feature_dtype, writers in (("bf16", "bf16", 0), ("fp8", "fp8", 0), ("fp8_pool", "fp8", 2)):
         cfg = capture_config(tmp_path / name, target, saved_target["jsonl"], token_budget=600, shard_bytes=64 << 20,

@@ -31,14 +31,19 @@ def write_conversations(path, n: int, seed: int = 0) -> None:
             f.write(json.dumps({"messages": msgs}) + "\n")
 
 
-def make_capture_target(root, poison_token: int | None = None, hidden: int = 64):
+def make_capture_target(root, poison_token: int | None = None, hidden: int = 64, intermediate: int | None = None):
     """A tiny random Qwen3.5 target (4 layers, H=`hidden`) saved with a ChatML BPE tokenizer. With
-    `poison_token`, that token's embedding row is NaN: every sequence holding it captures NaN."""
+    `poison_token`, that token's embedding row is NaN: every sequence holding it captures NaN. With
+    `intermediate`, its MLPs are that wide instead of 2H (a wide H whose forward stays cheap on CPU)."""
     from dflash_dist.target.stdlib_corpus import iter_sources, list_stdlib_files
     from dflash_dist.target.tiny_tokenizer import train_tokenizer
 
     root.mkdir(parents=True, exist_ok=True)
     model = tiny_qwen35_target(DemoConfig(vocab_size=384, target_layers=4, target_hidden=hidden))
+    if intermediate is not None:
+        model.config.intermediate_size = intermediate
+        torch.manual_seed(0)
+        model = type(model)(model.config).eval()
     if poison_token is not None:
         with torch.no_grad():
             model.get_input_embeddings().weight[poison_token] = float("nan")

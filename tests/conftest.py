@@ -110,11 +110,11 @@ def _seed():
 RANK_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
-@pytest.fixture(autouse=True)
-def _rank_env():
-    """torch.distributed's rank environment as each test found it: tests that run a rank in this process
-    set it in os.environ (as the product's rank processes do), and a later test reading the job's
-    environment (a Slurm head honours MASTER_ADDR) must not see theirs."""
+def _restore_rank_env():
+    """torch.distributed's rank environment as each test (and module) found it: tests and module
+    fixtures that run a rank in this process set it in os.environ (as the product's rank processes
+    do), and a later test reading the job's environment (a Slurm head honours MASTER_ADDR) must not
+    see theirs. Module scope too: a module fixture runs before any test's save."""
     before = {k: os.environ.get(k) for k in RANK_ENV}
     yield
     for k, v in before.items():
@@ -122,6 +122,10 @@ def _rank_env():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+_rank_env = pytest.fixture(autouse=True)(_restore_rank_env)
+_rank_env_module = pytest.fixture(autouse=True, scope="module")(_restore_rank_env)
 
 
 @pytest.fixture(scope="module")

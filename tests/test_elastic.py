@@ -187,29 +187,19 @@ def run_in_process(cfg: Config, job: TrainJob, dump: Path):
     from dflash_dist.trainer.loop import Trainer
 
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
-    # put back when done: a module fixture calls this before conftest's per-test _rank_env saves the
-    # environment, and a later module's Slurm head would honour a leftover MASTER_ADDR
-    before = {k: os.environ.get(k) for k in (*env, "LOCAL_RANK")}
-    os.environ.update(env, LOCAL_RANK="0")
+    os.environ.update(env, LOCAL_RANK="0")  # put back after the module by conftest's _rank_env_module
+    join_group(dict(os.environ), on_gpu=False)  # the product's rendezvous: the store on MASTER_ADDR only
     try:
-        join_group(dict(os.environ), on_gpu=False)  # the product's rendezvous: the store on MASTER_ADDR only
-        try:
-            trainer = Trainer(cfg, job)
-            if job.resume is not None:
-                assert trainer.engine.load_universal_checkpoint()
-                dump_state(trainer.engine, dump.with_name(dump.name + "_resumed"))
-            result = trainer.run()
-            dump_state(trainer.engine, dump.with_name(dump.name + "_final"))
-            return result
-        finally:
-            dist.destroy_process_group()
-            reset_deepspeed_groups()
+        trainer = Trainer(cfg, job)
+        if job.resume is not None:
+            assert trainer.engine.load_universal_checkpoint()
+            dump_state(trainer.engine, dump.with_name(dump.name + "_resumed"))
+        result = trainer.run()
+        dump_state(trainer.engine, dump.with_name(dump.name + "_final"))
+        return result
     finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        dist.destroy_process_group()
+        reset_deepspeed_groups()
 
 
 def run_two_ranks(runs: list[tuple[Config, TrainJob, Path]], name: Path) -> list[list[dict]]:

@@ -10,56 +10,29 @@ by uninstall, exact resume; on CUDA (`-m gpu`) bf16 engines."""
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import warnings
-import weakref
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_dist.actors.local_ranks import run_ranks
 from dflash_dist.config import load_config
 from dflash_dist.trainer import zero_step
-from dflash_dist.trainer.ds_config import build_lr_schedule, build_optimizer, deepspeed_config
-from tests.helpers.zero_net import BUCKET, CLIP, Net, assert_bitwise, batches, cfg_for, state_of
-
-
-def make_engine(kind: str, fused: bool, cfg=None, device: str = "cpu"):
-    import deepspeed
-
-    cfg = cfg or cfg_for()
-    model = Net().to(device)
-    opt = build_optimizer(cfg, model, fused=fused)
-    engine, *_ = deepspeed.initialize(
-        model=model,
-        optimizer=opt,
-        lr_scheduler=build_lr_schedule(cfg, opt, 50),
-        config=deepspeed_config(cfg, 1, device != "cpu"),
-        dist_init_required=False,
-    )
-    assert zero_step.install(engine, kind, on_gpu=device != "cpu") == kind
-    return engine
-
-
-def train(engine, data) -> list[float]:
-    """engine(batch) -> backward -> step per micro-batch, as trainer/loop.py does."""
-    losses = []
-    for x, y in data:
-        x, y = x.to(engine.device), y.to(engine.device)
-        loss = engine(x.to(next(engine.module.parameters()).dtype), y.to(next(engine.module.parameters()).dtype))
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss.detach()))
-    return losses
-
-
-def weights(engine) -> dict[str, torch.Tensor]:
-    return {n: p.detach().float().cpu().clone() for n, p in engine.module.named_parameters()}
+from dflash_dist.trainer.ds_config import build_optimizer, deepspeed_config
+from tests.helpers.zero_engines import (
+    assert_nan_batch_skipped,
+    cut_engine,
+    make_engine,
+    run_and_inspect,
+    train,
+    two_rank_worker,
+    weights,
+)
+from tests.helpers.zero_net import CLIP, Net, assert_bitwise, batches, cfg_for, state_of
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_adamw", "foreach_adamw"])
@@ -355,58 +328,6 @@ def test_two_rank_zero2_run_with_the_lean_step_follows_the_pinned_curve(kind, cu
 # ---- the gradient path cuts (zero_step.cut_grad_path): bf16 engines as on a GPU, bitwise ----
 
 
-def cut_engine(cuts: bool, grad_accum: int, overlap: bool, world: int = 1, device: str = "cpu", kind: str = "lean",
-               wait: bool = False):  # fmt: skip
-    """A bf16 ZeRO-2 engine with the lean step (the trainer's GPU config), with or without the cuts
-    (and with `wait`, the end-of-backward synchronize as a device-side wait: zero_step.wait_on_device)."""
-    import deepspeed
-
-    cfg = cfg_for(grad_accum=grad_accum)
-    model = Net().to(device)
-    opt = build_optimizer(cfg, model, fused=True)
-    ds = deepspeed_config(cfg, world, True)
-    ds["zero_optimization"].update(overlap_comm=overlap, reduce_bucket_size=BUCKET)
-    engine, *_ = deepspeed.initialize(
-        model=model, optimizer=opt, lr_scheduler=build_lr_schedule(cfg, opt, 50), config=ds, dist_init_required=False
-    )
-    assert zero_step.install(engine, kind, on_gpu=True, grad_cuts=cuts, epilogue_wait=wait) == kind
-    return engine
-
-
-class _InplaceDivides(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func.overloadpacket is torch.ops.aten.div_
-        return func(*args, **(kwargs or {}))
-
-
-def run_and_inspect(engine, data, grad_accum: int) -> dict:
-    """Train on `data`; per optimizer step the grad norm, the in-place divides of the backward
-    passes, and the storages (bytes) the step's gradient partition reads from."""
-    out = {"losses": [], "norms": [], "divides": 0, "storages": [], "freed": []}
-    for n, (x, y) in enumerate(data):
-        loss = engine(x.bfloat16(), y.bfloat16())
-        with _InplaceDivides() as mode:
-            engine.backward(loss)
-        out["divides"] += mode.calls
-        if (n + 1) % grad_accum == 0:
-            grads = [t for g in engine.optimizer.averaged_gradients.values() for t in g]
-            out["storages"].append(sorted({t.untyped_storage().nbytes() for t in grads}))
-            big = weakref.ref(max(grads, key=lambda t: t.numel()))
-            del grads
-        engine.step()
-        if (n + 1) % grad_accum == 0:
-            gc.collect()
-            out["freed"].append(big() is None)  # the step released the largest gradient
-            assert all(p.grad is None for p in engine.module.parameters())
-            out["norms"].append(float(engine.get_global_grad_norm()))
-        out["losses"].append(float(loss.detach().float()))
-    return out
-
-
 @pytest.mark.parametrize("overlap", [False, True], ids=["no_overlap", "overlap_comm"])
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_grad_path_cuts_are_bitwise_and_skip_the_divide_and_the_copy(grad_accum, overlap, single_rank_gloo):
@@ -479,39 +400,6 @@ def test_grad_path_cuts_resume_exactly(tmp_path, single_rank_gloo):
     assert_bitwise(state_of(plain), state_of(first))
 
 
-def _two_rank_case(rank: int, world: int, grad_accum: int, overlap: bool) -> None:
-    """On one of two gloo ranks: the same run with and without the cuts (rank-dependent data, so the
-    reduction sums different gradients; ZeRO-2 cuts a.weight between the ranks' partitions)."""
-    data = [(x + rank, y - rank) for x, y in batches(3 * grad_accum)]
-    runs = {}
-    for cuts in (False, True):
-        engine = cut_engine(cuts, grad_accum, overlap, world=world)
-        runs[cuts] = run_and_inspect(engine, data, grad_accum), state_of(engine), engine.optimizer
-    (ref, ref_state, ref_opt), (cut, cut_state, cut_opt) = runs[False], runs[True]
-    assert_bitwise(cut_state, ref_state)
-    assert cut["losses"] == ref["losses"] and cut["norms"] == ref["norms"]
-    assert ref_opt.gradient_average and cut_opt.gradient_average  # (a) two ranks divide by 2: kept
-    assert ref["divides"] == cut["divides"] > 0
-    assert "copy_grads_in_partition" in vars(cut_opt)  # (b) applies
-    assert len(cut["storages"][0]) > len(ref["storages"][0])  # a.weight's part read in place
-
-
-def _two_rank_worker(rank: int, world: int, cases: list[tuple[int, bool]]) -> dict:
-    """One of two gloo ranks (run_ranks has joined it to the group): every (grad_accum, overlap) case
-    in turn, each case's outcome ("ok" or its failed assertion) by case. The checks follow every
-    collective of a case, so a case failing on one rank leaves both ranks at the next case."""
-    import traceback
-
-    out = {}
-    for grad_accum, overlap in cases:
-        try:
-            _two_rank_case(rank, world, grad_accum, overlap)
-            out[(grad_accum, overlap)] = "ok"
-        except AssertionError:
-            out[(grad_accum, overlap)] = traceback.format_exc()[-3000:]
-    return out
-
-
 TWO_RANK_CASES = [(1, True), (2, False)]
 
 
@@ -519,7 +407,7 @@ TWO_RANK_CASES = [(1, True), (2, False)]
 def two_rank_cuts() -> list[dict]:
     """Both cases on one group of two rank processes (a process start, imports and a gloo group
     per case otherwise); each test below reads its own case's outcome on both ranks."""
-    return run_ranks(_two_rank_worker, 2, (TWO_RANK_CASES,))
+    return run_ranks(two_rank_worker, 2, (TWO_RANK_CASES,))
 
 
 @pytest.mark.parametrize("grad_accum,overlap", TWO_RANK_CASES)
@@ -549,18 +437,6 @@ def single_rank_nccl(monkeypatch):
     yield
     dist.destroy_process_group()
     reset_deepspeed_groups()
-
-
-def assert_nan_batch_skipped(engine) -> None:
-    """One optimizer step (2 micro-batches) whose gradient is NaN: skipped on the device, counted in
-    dflash_skipped_steps, every weight bitwise unchanged."""
-    before = weights(engine)
-    x, y = batches(1)[0]
-    x[0, 0] = float("nan")
-    train(engine, [(x, y), (x, y)])
-    assert int(engine.optimizer.dflash_skipped_steps) == 1
-    for name, w in weights(engine).items():
-        assert torch.equal(w, before[name]), name
 
 
 @pytest.mark.gpu

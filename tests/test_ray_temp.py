@@ -7,7 +7,8 @@ alike; a worker node without --temp-dir made the head's path there. Here each of
 started for real (a local cluster through pipeline.ray_session, the Slurm head through
 SlurmRayCluster, and a worker node through `python -m launcher.slurm_ray worker`, joined to that
 head on this host) and its session directory checked: some directory above it is ours with no
-search permission for group or others, and it is removed when the cluster stops.
+search permission for group or others, and it is removed when the cluster stops. The local cluster
+also prestarts no idle workers (pipeline.LOCAL_SYSTEM_CONFIG).
 """
 
 from __future__ import annotations
@@ -50,17 +51,44 @@ def _wait_for(predicate, timeout_s: float = 180.0, what: str = ""):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_the_local_cluster_of_a_run_is_private(tmp_path):
+def _idle_workers(raylet_pid: int) -> list[int]:
+    """The idle Python workers (`ray::IDLE`) the raylet has started."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            title = (entry / "cmdline").read_bytes().split(b"\0")[0]
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == raylet_pid and title == b"ray::IDLE":
+            found.append(int(entry.name))
+    return found
+
+
+def test_the_local_cluster_of_a_run_is_private_and_prestarts_no_workers(tmp_path):
+    """Also: the local cluster starts Python workers only when asked (pipeline.LOCAL_SYSTEM_CONFIG). Ray's
+    default prestarts one per CPU with the first driver, which no actor of a run takes (each carries its own
+    runtime_env, compile_cache.actor_runtime_env): with 2 CPUs, 2 idle workers beside a run's actor."""
     import ray
 
+    from dflash_dist.compile_cache import actor_runtime_env
     from dflash_dist.orchestration.pipeline import ray_session
 
-    cfg = config_from({"target": {"kind": "tiny_stdlib"}, "ray": {"num_cpus": 1}, "run": {"out_dir": str(tmp_path)}})
+    cfg = config_from({"target": {"kind": "tiny_stdlib"}, "ray": {"num_cpus": 2}, "run": {"out_dir": str(tmp_path)}})
     with ray_session(cfg):
         session = Path(ray._private.worker.global_worker.node.get_session_dir_path())
         assert (session / "sockets").is_dir()
         assert not others_can_reach(session / "sockets"), f"{session}: other users can reach this run's Ray sockets"
+        (raylet,) = ray._private.worker.global_worker.node.all_processes["raylet"]
+        actor = ray.remote(num_cpus=1)(_Pid).options(runtime_env=actor_runtime_env()).remote()
+        assert ray.get(actor.pid.remote()) not in _idle_workers(raylet.process.pid)
+        assert _idle_workers(raylet.process.pid) == []  # Ray's default: 2 by now (started with the driver)
     assert not session.exists(), f"{session} outlived the cluster"
+
+
+class _Pid:
+    def pid(self) -> int:
+        return os.getpid()
 
 
 def test_the_slurm_head_is_private(tmp_path):

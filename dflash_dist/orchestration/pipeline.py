@@ -34,6 +34,10 @@ from dflash_dist.orchestration.run_plan import PLAN_NAME, PipelineError, RunPlan
 log = logging.getLogger(__name__)
 
 EVALUATOR_RESTART_TIMEOUT_S = 600.0  # a restarting evaluator unavailable for longer: the run fails
+# A local cluster starts no idle Python workers ahead of use: Ray prestarts up to one per CPU (as many as the node's
+# cores start at once) for the first driver, and every actor of a run carries its own runtime_env, so none of them
+# ever takes one (measured: 2 unused `ray::IDLE` processes on 2 cores; on a GPU node, one per core beside the target)
+LOCAL_SYSTEM_CONFIG = {"prestart_worker_first_driver": False, "enable_worker_prestart": False}
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: the trainers saved after a preemption notice; continue with --resume auto
 
 
@@ -85,7 +89,8 @@ def ray_session(cfg: Config):
     else:  # "local": a new cluster, never one that happens to run on this host (ray.init's default joins
         # the last one `ray start` or another process started, named in /tmp/ray/ray_current_cluster)
         kwargs.update(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.dashboard,
-                      dashboard_host=cfg.ray.dashboard_host, _node_ip_address="127.0.0.1")
+                      dashboard_host=cfg.ray.dashboard_host, _node_ip_address="127.0.0.1",
+                      _system_config=LOCAL_SYSTEM_CONFIG)
         auth = local_cluster_auth()  # its token in this process's environment, not in ~/.ray/auth_token
         temp = private_ray_temp()  # its sockets and logs where no other user reaches (ray_temp.py)
     with auth as token, temp as temp_dir:

@@ -1,7 +1,7 @@
 """One gloo group of N ranks as spawned processes on this machine, each running one function, for the
 checks and benches that need real multi-rank DeepSpeed engines without Ray (bench/measure_comm.py,
 tests/test_grad_reduce.py, tests/test_zero_step.py). The ranks join through the trainers' own
-rendezvous (trainer_group.join_group: its store listens on 127.0.0.1 only, never on every interface
+rendezvous (rendezvous.join_group: its store listens on 127.0.0.1 only, never on every interface
 as torch's env:// store does), and a failing rank stops the group at once, named, instead of leaving
 its peers in a collective until gloo's timeout. Peers are stopped with SIGTERM, which a rank turns
 into an exception: a rank inside DeepSpeed's JIT build (torch's cpp_extension, on every
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_dist.actors.ports import free_ports
-from dflash_dist.actors.trainer_group import interpreter_bin_first, join_group
+from dflash_dist.actors.rendezvous import interpreter_bin_first, join_group
 
 HOST = "127.0.0.1"  # the store, and so gloo's connections, on loopback only
 STOP_GRACE_S = 10.0  # after SIGTERM, how long a rank gets to unwind before SIGKILL

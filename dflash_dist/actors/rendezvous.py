@@ -20,7 +20,9 @@ import datetime
 import logging
 import os
 import socket
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 from dflash_dist.node_address import LOOPBACK_IFNAME, interface_of, is_loopback, network_address, resolve, route_source
 
@@ -124,3 +126,25 @@ def init_process_group(env: dict[str, str], backend: str, timeout: datetime.time
         extra["device_id"] = torch.device("cuda", int(env.get("LOCAL_RANK", "0")))
     store = rendezvous_store(env, timeout)
     dist.init_process_group(backend, store=store, rank=int(env["RANK"]), world_size=world, timeout=timeout, **extra)
+
+
+def interpreter_bin_first() -> None:
+    """Put this interpreter's bin directory first on PATH, as an activated venv does. DeepSpeed
+    JIT-builds its ops with the first `ninja` on PATH, and pip's (a DeepSpeed dependency, in the
+    venv) and the system's do not accept each other's build log: a Ray run from a venv that is not
+    activated and a Slurm job (which puts the venv on PATH) rebuilt the op at every switch."""
+    bin_dir = str(Path(sys.executable).parent)
+    parts = os.environ.get("PATH", "").split(os.pathsep)
+    if parts[0] != bin_dir:
+        os.environ["PATH"] = os.pathsep.join([bin_dir, *[x for x in parts if x and x != bin_dir]])
+
+
+def join_group(env: dict[str, str], on_gpu: bool) -> None:
+    """Join the ranks' process group (gloo on CPU, NCCL on GPU) through our own rendezvous, whose
+    store listens on MASTER_ADDR only (rendezvous.py), then let DeepSpeed adopt the group."""
+    import deepspeed
+    from deepspeed.constants import default_pg_timeout
+
+    backend = "nccl" if on_gpu else "gloo"
+    init_process_group(env, backend, default_pg_timeout)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)

@@ -20,6 +20,7 @@ import ray
 from data_pipeline.provenance import Provenance
 from dflash_dist.actors.faults import DIED, ERROR
 from dflash_dist.actors.ports import free_ports
+from dflash_dist.actors.rendezvous import interpreter_bin_first, join_group
 from dflash_dist.compile_cache import actor_runtime_env, use_private_cache_dirs
 from dflash_dist.config import Config, load_config_dict
 from dflash_dist.model.config import DrafterConfig
@@ -92,17 +93,6 @@ def default_extensions_dir() -> str:
     return os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path(sys.prefix) / "torch_extensions")
 
 
-def interpreter_bin_first() -> None:
-    """Put this interpreter's bin directory first on PATH, as an activated venv does. DeepSpeed
-    JIT-builds its ops with the first `ninja` on PATH, and pip's (a DeepSpeed dependency, in the
-    venv) and the system's do not accept each other's build log: a Ray run from a venv that is not
-    activated and a Slurm job (which puts the venv on PATH) rebuilt the op at every switch."""
-    bin_dir = str(Path(sys.executable).parent)
-    parts = os.environ.get("PATH", "").split(os.pathsep)
-    if parts[0] != bin_dir:
-        os.environ["PATH"] = os.pathsep.join([bin_dir, *[x for x in parts if x and x != bin_dir]])
-
-
 @ray.remote
 class TrainerWorker:
     """One rank. Ray schedules it with train.cpus_per_rank / train.gpus_per_rank."""
@@ -157,19 +147,6 @@ def run_rank(cfg_dict: dict, job: TrainJob, env: dict[str, str], extensions_dir:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def join_group(env: dict[str, str], on_gpu: bool) -> None:
-    """Join the ranks' process group (gloo on CPU, NCCL on GPU) through our own rendezvous, whose
-    store listens on MASTER_ADDR only (rendezvous.py), then let DeepSpeed adopt the group."""
-    import deepspeed
-    from deepspeed.constants import default_pg_timeout
-
-    from dflash_dist.actors.rendezvous import init_process_group
-
-    backend = "nccl" if on_gpu else "gloo"
-    init_process_group(env, backend, default_pg_timeout)
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
 
 class TrainerGroupError(RuntimeError):

@@ -74,6 +74,7 @@ class EvaluatorActor:
         self._lock = threading.Lock()
         self._finished: bool = False
         self._final_step: int | None = None
+        self._wake = threading.Event()  # set with _finished: the evaluator stops waiting out its poll
         self._evaluator = None
         self._thread: threading.Thread | None = None
         self._started = threading.Event()  # calls of a threaded actor may run out of order
@@ -96,6 +97,7 @@ class EvaluatorActor:
         """The trainer is done; `final_step` is its last export (None if it wrote none)."""
         with self._lock:
             self._finished, self._final_step = True, final_step
+        self._wake.set()
 
     def status(self) -> dict:
         ev = self._evaluator
@@ -150,7 +152,7 @@ class EvaluatorActor:
                 self._evaluator = Evaluator(self.cfg, self.cfg.out, task.target_dir,
                                             [list(p) for p in task.eval_prompts], task.expected,
                                             shard_dir=task.shard_dir, identity=task.identity, weights=task.weights)
-                self._evaluator.run_until(self._stop, e.poll_s, e.max_backlog, e.backlog_stride)
+                self._evaluator.run_until(self._stop, e.poll_s, e.max_backlog, e.backlog_stride, wake=self._wake)
         except BaseException as e:  # kept for wait(); the thread itself has no caller to raise to
             self._error, self._error_text = e, "".join(traceback.format_exception_only(type(e), e)).strip()
             # its traceback in its own log, the file the driver's line (eval_watch.py) and `status` name

@@ -48,6 +48,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -531,12 +532,15 @@ class Evaluator:
         return EvalRequest(todo[0], str(available[todo[0]])) if todo else None
 
     def run_until(self, stop: Callable[[], tuple[bool, int | None]], poll_s: float = 5.0, max_backlog: int = 4,
-                  stride: int = 2, final_export_timeout_s: float = 600.0) -> list[EvalResult]:
+                  stride: int = 2, final_export_timeout_s: float = 600.0,
+                  wake: threading.Event | None = None) -> list[EvalResult]:
         """Evaluate exports as they appear until policy.should_stop; returns this call's results.
 
         `stop()` returns (trainer finished, its final step). The trainer reports its final step
         only after that export exists; if it is still missing `final_export_timeout_s` later,
-        this raises instead of waiting forever.
+        this raises instead of waiting forever. `wake`, set when the trainer's end is reported,
+        ends a wait between looks at once: the final export is evaluated then, not up to `poll_s`
+        later (every run's end waited out the poll).
         """
         evaluated: list[EvalResult] = []
         missing_since: float | None = None
@@ -565,4 +569,7 @@ class Evaluator:
                         f"the trainer finished at step {final_step} but {self.export_root}/step_{final_step} "
                         f"(with {' and '.join(EXPORT_FILES)}) did not appear within {final_export_timeout_s:.0f}s"
                     )
-            time.sleep(poll_s)
+            if wake is None:
+                time.sleep(poll_s)
+            elif wake.wait(poll_s):
+                wake.clear()  # stop() is read again before the next wait: a later set is not lost

@@ -60,10 +60,16 @@ def multinode_cfg(out: Path, target_dir: Path) -> Config:
                     checkpoint_every=2, log_sample_keys=True, max_restarts=1)  # fmt: skip
 
 
-@ray.remote(num_cpus=0.5)
-class NodeOf:
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
+def node_of():
+    """An actor that says its node. Defined inside a function, so Ray ships the class itself: its
+    process imports Ray alone, not this module (torch, transformers, the tiny target's helpers)."""
+
+    @ray.remote(num_cpus=0.5)
+    class NodeOf:
+        def node_id(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
+    return NodeOf
 
 
 @pytest.fixture
@@ -83,7 +89,7 @@ def test_target_and_evaluator_actors_run_on_their_nodes(cluster, placed):
 
     cfg, where = placed
     assert len(set(cluster.values())) == 3
-    target = NodeOf.options(**where("target", 0)).remote()
+    target = node_of().options(**where("target", 0)).remote()
     evaluator = EvaluatorActor.options(**evaluator_actor_options(cfg), **where("evaluator", 0)).remote(
         EvaluatorTask(cfg.to_dict(), cfg.target.path, ((1, 2, 3),)))  # not started: only asked where it runs
     assert ray.get(target.node_id.remote(), timeout=120) == cluster["target"]

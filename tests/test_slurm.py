@@ -26,7 +26,7 @@ from tests.conftest import REPO
 from tests.slurm_cluster import INSTALL_HINT, SlurmCluster, missing_programs
 
 VENV_BIN = Path(sys.executable).parent
-NUM = 24  # prompts captured: 12 per array task
+NUM = 16  # prompts captured: 8 per array task (2 steps of 2 ranks x 4 per epoch for the trainer job)
 # the tiny config, small: short regenerations, every step logged, one eval prompt
 SMALL = [
     f"data.max_train_samples={NUM}",
@@ -160,8 +160,8 @@ def test_pipeline_script_runs_the_tiny_config_on_a_ray_cluster_inside_the_job(sl
     out = tmp_path / "run"
     log = tmp_path / "pipeline.out"
     job = sbatch(slurm, log, "pipeline.sbatch", "configs/tiny.yaml", "--out", str(out), *SMALL,
-                 "data.max_train_samples=16", "train.epochs=1", "train.checkpoint_every=2",
-                 opts=("--cpus-per-task=2",))
+                 "data.max_train_samples=8", "train.epochs=1", "train.checkpoint_every=2",
+                 "eval.poll_s=0.2", opts=("--cpus-per-task=2",))  # one step; the evaluator sees its export at once
     wait_job(slurm, job, 900, log=log)
     text = log.read_text()
     fields = job_fields(slurm, job)

@@ -1,15 +1,15 @@
-"""bench/bench_quality_run.py on the README's tiny run (the session's `readme_run`). One
-invocation end to end (2 variants x 2 seeds in worker processes, the budget sized by calibration
-and capped at 32 samples a run): its results, table and figure; the all-layers and drop-top
-drafters differ in fc's input width; seeds differ; the run's own exports measure exactly as the
-run's evaluator measured them. In this process, with the bench's own pieces: the same seed
-reproduces the invocation's run point for point, and a stop (the time budget's, or a signal's)
-ends a run at a step boundary with a last measurement. And on a one-rank product run (the mid
-config at CPU size), the bench's default variant makes the product trainer's steps, loss and LR
-step for step."""
+"""bench/bench_quality_run.py on the README's tiny run (the session's `readme_run`). One invocation end
+to end (2 variants x 2 seeds in worker processes, the budget sized by calibration and capped at 16
+samples a run: two steps of the run's 8 samples): its results, table and figure; the all-layers and
+drop-top drafters differ in fc's input width; seeds differ; the run's own exports measure exactly as
+the run's evaluator measured them. In this process, with the bench's own pieces: the same seed
+reproduces the invocation's run point for point, and a stop (the time budget's, or a signal's) ends
+a run at a step boundary with a last measurement. And on a one-rank product run (the mid config at
+CPU size), the bench's default variant makes the product trainer's steps, loss and LR step for step."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -34,8 +34,8 @@ import quality_variants  # noqa: E402
 from dflash_dist.config import load_config_dict  # noqa: E402
 
 BENCH = REPO / "bench" / "bench_quality_run.py"
-ARGS = "--variants default,drop_top --seeds 0,1 --samples auto --max-samples 32 --checkpoints 2 --eval-prompts 4 "
-ARGS += "--workers 2 --calibrate-steps 3 --device cpu"
+ARGS = "--variants default,drop_top --seeds 0,1 --samples auto --max-samples 16 --checkpoints 2 --eval-prompts 4 "
+ARGS += "--workers 2 --calibrate-steps 2 --device cpu"  # 2: the first step compiles, one is timed
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # as each of the bench's 2 workers on 2 cores
 
@@ -80,8 +80,8 @@ def test_variants_seeds_points_and_table(bench):
     assert r["held_out"]["prompts"] == 4 and r["budgets"] == [8]
     assert [v["name"] for v in r["variants"]] == ["default", "drop_top"]
     b = r["budget"]
-    assert b["how"] == "auto" and len(b["calibration"]) == 2 and b["samples_fitting"] >= 32  # every worker timed
-    assert b["samples_per_run"] == 32 and b["marks"] == [16, 32]  # capped by --max-samples
+    assert b["how"] == "auto" and len(b["calibration"]) == 2 and b["samples_fitting"] >= 16  # every worker timed
+    assert b["samples_per_run"] == 16 and b["marks"] == [8, 16]  # capped by --max-samples: 2 steps of 8
     assert len(r["runs"]) == 4 and {x["status"] for x in r["runs"]} == {"done"}
     h, layers = r["target"]["hidden_size"], r["target"]["layer_ids"]
     for seed in (0, 1):
@@ -89,7 +89,7 @@ def test_variants_seeds_points_and_table(bench):
         assert full["fc_in_features"] == len(layers) * h and full["target_layer_ids"] == layers
         assert top["fc_in_features"] == (len(layers) - 1) * h and top["target_layer_ids"] == layers[:-1]
         for run in (full, top):
-            assert [p["samples"] for p in run["points"]] == [16, 32]
+            assert [p["samples"] for p in run["points"]] == [8, 16]
             for p in run["points"]:
                 assert 1.0 <= p["tau_chain"] <= run["block_size"] and 1.0 <= p["tau_ddtree"]["8"] <= 9.0
                 assert p["gpu_s"] > 0 and p["loss"] > 0 and p["mark"] is True
@@ -177,15 +177,18 @@ def test_a_seed_reproduces_the_invocations_run_point_for_point(here):
 def test_a_stop_ends_the_run_at_a_step_boundary_with_a_last_measurement(here):
     """What the time budget (or SIGINT/SIGTERM) does to a running run: the step in progress
     finishes, tau is measured where it stopped, the run is marked stopped (the orchestration:
-    tests/test_bench_quality_parts.py)."""
+    tests/test_bench_quality_parts.py). Its only mark is the run's end: the first step's 8 samples
+    are the invocation's first mark, and the stop must land between marks."""
     sh, default, r = here
+    spec = _spec(sh, default, r, 0)
+    spec = dataclasses.replace(spec, marks=spec.marks[-1:])
     sh.stop.set()
     try:
-        res = quality_train.train_run(sh, _spec(sh, default, r, 0), worker=0)
+        res = quality_train.train_run(sh, spec, worker=0)
     finally:
         sh.stop.clear()
     assert res["status"] == "stopped" and res["steps"] == 1
-    assert [p["samples"] for p in res["points"]] == [res["samples"]] and res["samples"] < 32
+    assert [p["samples"] for p in res["points"]] == [res["samples"]] and res["samples"] < 16
     assert res["points"][-1]["mark"] is False  # measured where it stopped, not at a mark: the report's tables skip it
 
 
@@ -207,10 +210,10 @@ def test_the_gpu_precision_trains_on_the_cpu_too(here):
 
 # ---- the bench's default trains as the product trains ----------------------------------------------
 
-SOLO = [  # configs/mid_gpu.yaml at CPU size (tests/test_mid_config.py), one rank, packed rows, 12 steps
-    "data.max_train_samples=48", "data.max_length=1024", "capture.max_new_tokens=24", "eval.mode=replay",
-    "eval.num_prompts=4", "train.packing=true", "train.micro_batch_tokens=2048", "train.max_steps=12",
-    "train.checkpoint_every=4",
+SOLO = [  # configs/mid_gpu.yaml at CPU size (tests/test_mid_config.py), one rank, packed rows, 6 steps
+    "data.max_train_samples=24", "data.max_length=1024", "capture.max_new_tokens=24", "eval.mode=replay",
+    "eval.num_prompts=4", "train.packing=true", "train.micro_batch_tokens=2048", "train.max_steps=6",
+    "train.checkpoint_every=2",
     "ray.address=local",  # a cluster of its own even when another test's Ray cluster runs on this machine
 ]  # fmt: skip
 
@@ -238,26 +241,26 @@ def test_the_default_variant_is_the_products_training(solo_run, tmp_path):
     train_log.jsonl), on a packed, max_steps-scheduled run of the code_lm target."""
     steps = [json.loads(line) for line in (solo_run / "train_log.jsonl").read_text().splitlines()]
     n = steps[-1]["samples"]
-    assert len(steps) == 12 and n > 12  # packed rows: more than one sample a step
+    assert len(steps) == 6 and n > 6  # packed rows: more than one sample a step
     out = tmp_path / "bench"
     cmd = [sys.executable, str(BENCH), "--run", str(solo_run), "--out", str(out), "--device", "cpu", "--variants",
            "default", "--seeds", "0", "--samples", str(n), "--checkpoints", str(n), "--workers", "0"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     (run,) = json.loads((out / "results.json").read_text())["runs"]
-    assert run["status"] == "done" and run["steps"] == 12
+    assert run["status"] == "done" and run["steps"] == 6
     got = [(p["step"], p["samples"], p["lr"], p["loss"]) for p in run["points"]]  # a point after every step
     want = [(s["step"], s["samples"], s["lr"], s["loss"]) for s in steps]
     assert [g[:2] for g in got] == [w[:2] for w in want]
     for g, w in zip(got, want):
         assert g[2] == pytest.approx(w[2], rel=1e-9) and g[3] == pytest.approx(w[3], rel=1e-5), (g, w)
-    # the product's exports (every 4 steps) are measured by the bench at equal samples: the default
+    # the product's exports (every 2 steps) are measured by the bench at equal samples: the default
     # at the run's seed is the product's training, so their tau agree (item 5's check, in the report)
     results = json.loads((out / "results.json").read_text())
     assert results["budget"]["marks_from"] == "evenly spaced and product checkpoints"
     compared = quality_report.product_vs_bench(results)
-    assert [c["step"] for c in compared] == [4, 8, 12] and [c["samples"] for c in compared] == [
-        s["samples"] for s in steps if s["step"] in (4, 8, 12)
+    assert [c["step"] for c in compared] == [2, 4, 6] and [c["samples"] for c in compared] == [
+        s["samples"] for s in steps if s["step"] in (2, 4, 6)
     ]
     assert all(abs(c["vs_default_pct"]) < 0.5 for c in compared), compared
     assert "the product's DDTree-8 is" in (out / "table.md").read_text()

@@ -378,6 +378,13 @@ def test_evaluator_actor_follows_exports_as_they_appear(tiny, tmp_path):
     try:
         task = EvaluatorTask(cfg.to_dict(), str(target_dir), prompts, expected=expected)
         actor = EvaluatorActor.options(**evaluator_actor_options(cfg)).remote(task)
+        # an actor whose target refuses the expected provenance, started now (its process's start overlaps the
+        # first actor's work): a refusal inside the actor reaches the caller of wait(), checked at the end
+        tree = cfg.to_dict()
+        tree["run"]["out_dir"] = str(tmp_path / "run2")
+        refusing = EvaluatorActor.options(**evaluator_actor_options(cfg)).remote(
+            EvaluatorTask(tree, str(target_dir), prompts, expected=replace(expected, target_hash="0" * 64)))
+        refused = refusing.start.remote()
         ray.get(actor.start.remote())
         publish(tiny, out, "random", 10)
         deadline = time.time() + 90
@@ -399,10 +406,7 @@ def test_evaluator_actor_follows_exports_as_they_appear(tiny, tmp_path):
         ray.kill(actor)
 
         # a refusal inside the actor reaches the caller of wait() with its type name and message
-        cfg.run.out_dir = str(tmp_path / "run2")
-        refusing = EvaluatorActor.options(**evaluator_actor_options(cfg)).remote(
-            EvaluatorTask(cfg.to_dict(), str(target_dir), prompts, expected=replace(expected, target_hash="0" * 64)))
-        ray.get(refusing.start.remote())
+        ray.get(refused)
         with pytest.raises(Exception, match=r"(?s)ProvenanceMismatch.*target_hash: expected '0+', found"):
             ray.get(refusing.wait.remote(timeout_s=90))
     finally:

@@ -289,14 +289,20 @@ def _plan(capture_target, target: Path, out: Path):
     return cfg, make_plan(cfg, ("extract",), "never")
 
 
-def _capture(ray, cfg, plan):
-    """The pipeline's capture of `plan` (_start_capture, one target actor) and its results."""
-    from dflash_dist.orchestration.pipeline import _finish_capture, _start_capture
+def _start(cfg, plan):
+    """The pipeline's capture of `plan` started (_start_capture, one target actor): its actors and calls."""
+    from dflash_dist.orchestration.pipeline import _start_capture
 
     shards = cfg.out / "shards"
     shards.mkdir(parents=True, exist_ok=True)  # as the pipeline's _layout leaves it
-    _, refs = _start_capture(cfg, plan, {"shards": shards}, lambda role, i: {})
-    return _finish_capture(ray, refs, [shards])
+    return _start_capture(cfg, plan, {"shards": shards}, lambda role, i: {})
+
+
+def _finish(ray, cfg, started):
+    """The results of a capture _start started (_finish_capture)."""
+    from dflash_dist.orchestration.pipeline import _finish_capture
+
+    return _finish_capture(ray, started[1], [cfg.out / "shards"])
 
 
 def test_capture_actors_given_the_plans_check_hash_only_files_without_its_stamp(capture_target, ray_cluster, tmp_path):
@@ -320,22 +326,27 @@ def test_capture_actors_given_the_plans_check_hash_only_files_without_its_stamp(
     forged = {**json.loads(text), "weights": dataclasses.asdict(plan.weights)}
     assert RunPlan.from_json(json.dumps(forged), "x").weights is None
 
-    (result,) = _capture(ray_cluster, cfg, plan)
+    copy = tmp_path / "node2" / "target"
+    shutil.copytree(here, copy)  # the same bytes: another path, inode and ctime
+    cfg2 = capture_config(tmp_path / "run2", copy, capture_target["jsonl"], cpus_per_actor=0.5, max_restarts=0)
+    other = other_target(here, tmp_path / "node3" / "target")
+    cfg3 = capture_config(tmp_path / "run3", other, capture_target["jsonl"], cpus_per_actor=0.5, max_restarts=0)
+    # the three captures' actors (each a process of its own, 0.5 CPU) start at once: their imports overlap
+    started = [_start(cfg, plan), _start(cfg2, dataclasses.replace(plan, target_dir=str(copy))),
+               _start(cfg3, dataclasses.replace(plan, target_dir=str(other)))]  # fmt: skip
+    assert [len(actors) for actors, _ in started] == [1, 1, 1]
+
+    (result,) = _finish(ray_cluster, cfg, started[0])
     assert result.samples == 8 and result.weights_hashed == 0  # the driver's node: its stamp, no hash
     from data_pipeline.shard_reader import read_manifest
 
     assert {r.provenance.target_hash for r in read_manifest(cfg.out / "shards")} == {plan.identity.target_hash}
 
-    copy = tmp_path / "node2" / "target"
-    shutil.copytree(here, copy)  # the same bytes: another path, inode and ctime
-    cfg2 = capture_config(tmp_path / "run2", copy, capture_target["jsonl"], cpus_per_actor=0.5, max_restarts=0)
-    (result,) = _capture(ray_cluster, cfg2, dataclasses.replace(plan, target_dir=str(copy)))
+    (result,) = _finish(ray_cluster, cfg2, started[1])
     assert result.samples == 8 and result.weights_hashed == 1  # hashed there, and accepted
 
-    other = other_target(here, tmp_path / "node3" / "target")
-    cfg3 = capture_config(tmp_path / "run3", other, capture_target["jsonl"], cpus_per_actor=0.5, max_restarts=0)
     with pytest.raises(PipelineError) as info:
-        _capture(ray_cluster, cfg3, dataclasses.replace(plan, target_dir=str(other)))
+        _finish(ray_cluster, cfg3, started[2])
     cause = info.value.__cause__
     assert isinstance(cause, TargetWeightsMismatch) and cause.recorded == plan.identity.target_hash
     assert cause.found == provenance.hash_weight_files(other)

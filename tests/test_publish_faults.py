@@ -140,7 +140,8 @@ def assert_peer_error(e1: dict, where: str, e0: dict) -> None:
 def zygote(tmp_path_factory):
     """The rank processes' zygote: torch, DeepSpeed, the trainer and this module imported once."""
     z = Zygote(["torch", "torch.distributed", "deepspeed", "dflash_dist.trainer.loop", "dflash_dist.trainer.engine",
-                "dflash_dist.actors.trainer_group", "data_pipeline.durable_files", "tests.test_publish_faults"],
+                "dflash_dist.actors.trainer_group", "data_pipeline.durable_files", "tests.test_publish_faults",
+                "torch._dynamo", "torch.utils.tensorboard"],  # what DeepSpeed's engine and the metrics import late
                tmp_path_factory.mktemp("zygote") / "zygote.log")  # fmt: skip
     yield z
     z.close()

@@ -494,7 +494,7 @@ def test_step_slots_gradient_is_the_slot_weighted_mean_over_step_and_ranks(tiny,
     port = str(free_port())
     # both ranks forked from one process that imported torch, DeepSpeed and the trainer once
     preload = ["torch", "torch.distributed", "deepspeed", "dflash_dist.trainer.loop", "dflash_dist.trainer.engine",
-               "dflash_dist.actors.trainer_group", "tests.test_trainer"]  # fmt: skip
+               "dflash_dist.actors.trainer_group", "tests.test_trainer", "torch._dynamo", "torch.utils.tensorboard"]
     zygote = Zygote(preload, tmp_path / "zygote.log")
     logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]
     try:

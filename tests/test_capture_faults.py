@@ -346,6 +346,7 @@ def test_target_actor_killed_mid_shard_is_restarted_and_resumes(saved, ray_clust
 
     cfg = capture_config(tmp_path / "run", saved["dir"], saved["jsonl"], shard_bytes=200_000, regenerate=True,
                          max_new_tokens=12, batch_size=2)
+    cfg.data.max_train_samples = n = 16  # ~8 shards of 1-2 samples: the kill lands in the second or third
     shards = cfg.out / "shards"
     ident = target_identity(cfg, saved["dir"])
     worker = TargetWorker.options(num_cpus=0.5, max_restarts=2, max_task_retries=2).remote()
@@ -368,15 +369,27 @@ def test_target_actor_killed_mid_shard_is_restarted_and_resumes(saved, ray_clust
     assert killed is not None, "never saw a shard in progress"
     result = ray_cluster.get(ref, timeout=240)  # a frozen CaptureResult
     assert result.resumed >= sum(r.n_samples for r in complete_before) > 0  # the retry read the ledger
-    assert result.resumed + result.samples == N and result.skipped == 0
-    assert_each_sample_once_and_complete(shards, saved["keys"])
+    assert result.resumed + result.samples == n and result.skipped == 0
+    assert_each_sample_once_and_complete(shards, saved["keys"][:n])
     assert sorted(p.name for p in shards.glob("*.tar")) == sorted(r.name for r in read_manifest(shards))
     beat = json.loads((cfg.out / "heartbeat" / "target-0.json").read_text())
     assert beat["state"] == "finished" and beat["pid"] != killed  # a restarted process finished the work
     print(f"\nkill test: killed pid {killed} after {len(complete_before)} shard(s); {time.monotonic() - t0:.1f}s")
 
 
-def test_a_target_actor_with_other_weights_fails_the_capture_naming_both_hashes(saved, ray_cluster, tmp_path):
+@pytest.fixture(scope="module")
+def failing_worker(ray_cluster):
+    """One target actor for the captures that fail in it (an error its code raises, not a lost
+    process: it stays up, and holds nothing of one call for the next). One process start, not two."""
+    from dflash_dist.actors.target_worker import TargetWorker
+
+    worker = TargetWorker.options(num_cpus=0.5, max_restarts=2, max_task_retries=2).remote()
+    yield worker
+    ray_cluster.kill(worker)
+
+
+def test_a_target_actor_with_other_weights_fails_the_capture_naming_both_hashes(saved, failing_worker, ray_cluster,
+                                                                                tmp_path):
     """A node whose target.path holds other weights than the plan hashed (here: the task's
     target_dir, on this one machine): its actor's TargetWeightsMismatch reaches the driver with
     its message, through Ray (not retried: max_task_retries is for dead processes) and the
@@ -389,7 +402,7 @@ def test_a_target_actor_with_other_weights_fails_the_capture_naming_both_hashes(
     ident = target_identity(cfg, saved["dir"])  # the run plan's
     other = other_target(saved["dir"], tmp_path / "node2_target")
     shards = cfg.out / "shards"
-    info = _capture_failing_on(cfg, other, ident, saved, ray_cluster)
+    info = _capture_failing_on(cfg, other, ident, saved, failing_worker, ray_cluster)
     cause = info.value.__cause__
     assert isinstance(cause, TargetWeightsMismatch) and cause.recorded == ident.target_hash
     text = str(info.value)
@@ -402,16 +415,15 @@ def test_a_target_actor_with_other_weights_fails_the_capture_naming_both_hashes(
     assert beat["state"] == "failed" and "TargetWeightsMismatch" in beat["error"] and ident.target_hash in beat["error"]
 
 
-def _capture_failing_on(cfg, target_dir, ident, saved, ray_cluster):
-    """One target actor capturing from `target_dir` with the run plan's identity `ident`: the pipeline's
-    PipelineError it ends in (pytest's ExceptionInfo)."""
-    from dflash_dist.actors.target_worker import CaptureTask, TargetWorker
+def _capture_failing_on(cfg, target_dir, ident, saved, worker, ray_cluster):
+    """The target actor `worker` capturing from `target_dir` with the run plan's identity `ident`: the
+    pipeline's PipelineError it ends in (pytest's ExceptionInfo)."""
+    from dflash_dist.actors.target_worker import CaptureTask
     from dflash_dist.capture.data_prep import capture_data
     from dflash_dist.orchestration.pipeline import _finish_capture
     from dflash_dist.orchestration.run_plan import PipelineError
 
     shards = cfg.out / "shards"
-    worker = TargetWorker.options(num_cpus=0.5, max_restarts=2, max_task_retries=2).remote()
     ref = worker.capture.remote(CaptureTask(cfg.to_dict(), str(target_dir), ident, str(saved["jsonl"]),
                                             capture_data(cfg, saved["jsonl"]), str(shards), 0, 1))
     with pytest.raises(PipelineError, match="target capture failed") as info:
@@ -419,7 +431,8 @@ def _capture_failing_on(cfg, target_dir, ident, saved, ray_cluster):
     return info
 
 
-def test_a_target_actor_on_a_node_without_the_target_fails_naming_the_node(saved, ray_cluster, tmp_path):
+def test_a_target_actor_on_a_node_without_the_target_fails_naming_the_node(saved, failing_worker, ray_cluster,
+                                                                           tmp_path):
     """A node of a multi-node run lacks the target directory the driver resolved (not on shared
     storage, not copied there): its target actor's error reaches the driver through Ray and the
     pipeline's PipelineError naming the node (host name and address), the path and the fix, and nothing
@@ -433,7 +446,7 @@ def test_a_target_actor_on_a_node_without_the_target_fails_naming_the_node(saved
     ident = target_identity(cfg, saved["dir"])  # the run plan's, on the driver's node
     absent = tmp_path / "not_on_this_node" / "target"
     shards = cfg.out / "shards"
-    info = _capture_failing_on(cfg, absent, ident, saved, ray_cluster)
+    info = _capture_failing_on(cfg, absent, ident, saved, failing_worker, ray_cluster)
     assert isinstance(info.value.__cause__, TargetNotOnNode)
     host, text = socket.gethostname(), str(info.value)
     assert f"the target directory {absent} does not exist on node {host} ({network_address(host)})" in text, text

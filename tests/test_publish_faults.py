@@ -9,20 +9,18 @@ a released.json that is not one). Rank 0 must raise its own error and rank 1, wi
 PeerError naming rank 0 and carrying its message; a checkpoint whose publication failed is never
 named by `latest` unless it is complete.
 
-Real DeepSpeed (ZeRO-2) over gloo: 2 ranks as subprocesses of this module (`python -m
-tests.test_publish_faults SPEC`), on the tiny target of tests/helpers/tiny.py. A failed rank stays
-up until the test has every rank's outcome, so a peer left in a collective is found by
-the timeout, not by gloo noticing a closed connection.
+Real DeepSpeed (ZeRO-2) over gloo: 2 ranks as processes running this module's `main`, each a fresh
+fork of a zygote that has imported torch, DeepSpeed and the trainer once (tests/helpers/zygote.py),
+on the tiny target of tests/helpers/tiny.py. A failed rank stays up until the test has every rank's
+outcome, so a peer left in a collective is found by the timeout, not by gloo noticing a closed
+connection.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -34,10 +32,10 @@ from dflash_dist.trainer import checkpoint
 from dflash_dist.trainer.loop import TRAIN_LOG, TrainJob
 from dflash_dist.trainer.resume import decide
 from dflash_dist.trainer.state import STATE_VERSION
-from tests.conftest import REPO
 from tests.helpers.jobs import job_from_json
 from tests.helpers.procs import free_port
 from tests.helpers.tiny import make_cfg, write_shards
+from tests.helpers.zygote import Zygote
 
 NUM = 8  # 4 shards of 2 samples: 2 steps of 2x2 samples per epoch
 STEPS = 2  # one checkpoint, at step 2
@@ -54,7 +52,7 @@ def job_for(tiny, shards: Path, cfg: Config, resume_from: Path | None = None) ->
                     resume=decision, num_samples=NUM)  # fmt: skip
 
 
-def run_two_ranks(cfg: Config, job: TrainJob, dump: Path) -> list[dict]:
+def run_two_ranks(zygote: Zygote, cfg: Config, job: TrainJob, dump: Path) -> list[dict]:
     """Both ranks' outcomes ({"error": {type, text, at}} or {"result": ...}). Once one rank has
     reported, the other must within PEER_S; otherwise both are killed and the test fails naming
     the rank that was still waiting."""
@@ -66,39 +64,37 @@ def run_two_ranks(cfg: Config, job: TrainJob, dump: Path) -> list[dict]:
     logs = [dump.with_name(f"{dump.name}.rank{r}.log") for r in range(2)]
     port = str(free_port())
     procs = []
-    with contextlib.ExitStack() as stack:
+    try:
         for rank in range(2):
-            env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank),
-                                "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}  # fmt: skip
-            log = stack.enter_context(open(logs[rank], "w"))
-            cmd = [sys.executable, "-m", "tests.test_publish_faults", str(spec)]
-            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
-        try:
-            first = None
-            deadline = time.monotonic() + 240
-            while not all(o.exists() for o in outcomes) and time.monotonic() < deadline:
-                if first is None and any(o.exists() for o in outcomes):
-                    first = time.monotonic()
-                    deadline = min(deadline, first + PEER_S)
-                if any(p.poll() not in (None, 0) for p in procs):
-                    break  # a rank died without an outcome
-                time.sleep(0.1)
-            missing = [r for r, o in enumerate(outcomes) if not o.exists()]  # before a lingering rank leaves
-            release.touch()
-            codes = [p.wait(timeout=30) for p in procs] if not missing else None
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()  # our own children, by handle
-                    p.wait()
-    texts = "\n".join(f"--- rank {r}\n{log.read_text()[-3000:]}" for r, log in enumerate(logs))
+            env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                   "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}  # fmt: skip
+            procs.append(zygote.start("tests.test_publish_faults:main", [str(spec)], env, logs[rank]))
+        first = None
+        deadline = time.monotonic() + 240
+        while not all(o.exists() for o in outcomes) and time.monotonic() < deadline:
+            if first is None and any(o.exists() for o in outcomes):
+                first = time.monotonic()
+                deadline = min(deadline, first + PEER_S)
+            if any(p.poll() not in (None, 0) for p in procs):
+                break  # a rank died without an outcome
+            time.sleep(0.1)
+        missing = [r for r, o in enumerate(outcomes) if not o.exists()]  # before a lingering rank leaves
+        release.touch()
+        codes = [p.wait(timeout=30) for p in procs] if not missing else None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()  # the zygote's children, by pid
+                p.wait(timeout=30)
+    texts = "\n".join(f"--- rank {r}\n{log.read_text()[-3000:] if log.exists() else ''}" for r, log in enumerate(logs))
     assert not missing, f"rank(s) {missing}: no outcome {PEER_S} s after the peer's (waiting in a collective?)\n{texts}"
     assert codes == [0, 0], f"exit codes {codes}\n{texts}"
     return [json.loads(o.read_text()) for o in outcomes]
 
 
 def main(spec_path: str) -> None:
-    """A rank of run_two_ranks: its process group, the trainer, its outcome; a failed rank lingers
+    """A rank of run_two_ranks (forked from the zygote, its environment set): its process group, the
+    trainer, its outcome; a failed rank lingers
     (as a Ray actor's process outlives its failed task) until the test has every outcome."""
     import torch
     import torch.distributed as dist
@@ -141,13 +137,24 @@ def assert_peer_error(e1: dict, where: str, e0: dict) -> None:
 
 
 @pytest.fixture(scope="module")
+def zygote(tmp_path_factory):
+    """The rank processes' zygote: torch, DeepSpeed, the trainer and this module imported once."""
+    z = Zygote(["torch", "torch.distributed", "deepspeed", "dflash_dist.trainer.loop", "dflash_dist.trainer.engine",
+                "dflash_dist.actors.trainer_group", "data_pipeline.durable_files", "tests.test_publish_faults",
+                "torch._dynamo", "torch.utils.tensorboard"],  # what DeepSpeed's engine and the metrics import late
+               tmp_path_factory.mktemp("zygote") / "zygote.log")  # fmt: skip
+    yield z
+    z.close()
+
+
+@pytest.fixture(scope="module")
 def shards(tiny, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("publish_faults") / "shards"
     write_shards(path, tiny["prov"], tiny["samples"][:NUM], done=True)
     return path
 
 
-def test_a_commit_and_a_rewind_that_fail_on_rank_0_stop_both_ranks(tiny, shards, tmp_path):
+def test_a_commit_and_a_rewind_that_fail_on_rank_0_stop_both_ranks(zygote, tiny, shards, tmp_path):
     """`latest` is a directory: rank 0's commit writes the step's marker (every rank's files are
     durable by then), then cannot rename `latest` over it; rank 1 used to wait in the export's
     barrier. The tag is complete, so resuming from it works, until rank 0's rewind reads
@@ -157,19 +164,19 @@ def test_a_commit_and_a_rewind_that_fail_on_rank_0_stop_both_ranks(tiny, shards,
     (ckpt / checkpoint.LATEST).mkdir(parents=True)
     (ckpt / checkpoint.LATEST / "kept").write_text("a directory where the file `latest` belongs\n")
     cfg = cfg_for(out, tiny)
-    e0, e1 = errors(run_two_ranks(cfg, job_for(tiny, shards, cfg), tmp_path / "a"))
+    e0, e1 = errors(run_two_ranks(zygote, cfg, job_for(tiny, shards, cfg), tmp_path / "a"))
     assert e0["type"] == "IsADirectoryError" and str(ckpt / checkpoint.LATEST) in e0["text"], e0
     assert_peer_error(e1, "publishing step_2", e0)
     tag = ckpt / checkpoint.tag_name(STEPS)
     assert checkpoint.read_marker(tag) is not None  # the marker only after every rank's files
     assert not (out / "export" / tag.name).exists()
 
-    e0, e1 = errors(run_two_ranks(cfg, job_for(tiny, shards, cfg, tag), tmp_path / "b"))
+    e0, e1 = errors(run_two_ranks(zygote, cfg, job_for(tiny, shards, cfg, tag), tmp_path / "b"))
     assert e0["type"] == "IsADirectoryError" and str(ckpt / checkpoint.LATEST) in e0["text"], e0
     assert_peer_error(e1, f"resuming from {tag}", e0)
 
 
-def test_a_release_that_fails_on_rank_0_stops_both_ranks_after_the_commit(tiny, shards, tmp_path):
+def test_a_release_that_fails_on_rank_0_stops_both_ranks_after_the_commit(zygote, tiny, shards, tmp_path):
     """After the commit rank 0 releases the shards the checkpoint covers; a released.json that is
     not a record stops it with its own error naming the file, and rank 1 at the same point (it
     used to wait in the export's barrier). The checkpoint was complete and is `latest`."""
@@ -178,37 +185,35 @@ def test_a_release_that_fails_on_rank_0_stops_both_ranks_after_the_commit(tiny, 
     (shard_dir / RELEASED_NAME).write_text("{not json\n")
     out = tmp_path / "run"
     cfg = cfg_for(out, tiny, "capture.max_buffer_bytes=8000000000", "capture.consumed_shards=keep")
-    e0, e1 = errors(run_two_ranks(cfg, job_for(tiny, shard_dir, cfg), tmp_path / "a"))
+    e0, e1 = errors(run_two_ranks(zygote, cfg, job_for(tiny, shard_dir, cfg), tmp_path / "a"))
     assert e0["type"] == "ValueError" and f"{shard_dir / RELEASED_NAME}: not a released-shards record" in e0["text"]
     assert_peer_error(e1, "publishing step_2", e0)
     assert checkpoint.read_latest(out / "checkpoints") == "step_2"
     assert checkpoint.read_marker(out / "checkpoints" / "step_2") is not None
 
 
-def test_an_export_that_fails_on_rank_0_stops_both_ranks(tiny, shards, tmp_path):
+def test_an_export_that_fails_on_rank_0_stops_both_ranks(zygote, tiny, shards, tmp_path):
     """A file where the export directory belongs: rank 0's export raises, rank 1 used to wait in the
     barrier after it. The checkpoint was published before."""
     out = tmp_path / "run"
     out.mkdir()
     (out / "export").write_text("a file where the export directory belongs\n")
     cfg = cfg_for(out, tiny)
-    e0, e1 = errors(run_two_ranks(cfg, job_for(tiny, shards, cfg), tmp_path / "a"))
+    e0, e1 = errors(run_two_ranks(zygote, cfg, job_for(tiny, shards, cfg), tmp_path / "a"))
     assert e0["type"] == "FileExistsError" and str(out / "export") in e0["text"], e0
     assert_peer_error(e1, "exporting step_2", e0)
     assert checkpoint.read_latest(out / "checkpoints") == "step_2"
 
 
-def test_logs_rank_0_cannot_open_stop_both_ranks_before_training(tiny, shards, tmp_path):
+def test_logs_rank_0_cannot_open_stop_both_ranks_before_training(zygote, tiny, shards, tmp_path):
     """A directory where train_log.jsonl belongs: rank 0 cannot open the step logs, and rank 1
     used to wait in the first step's data agreement."""
     out = tmp_path / "run"
     (out / TRAIN_LOG).mkdir(parents=True)
     cfg = cfg_for(out, tiny)
-    e0, e1 = errors(run_two_ranks(cfg, job_for(tiny, shards, cfg), tmp_path / "a"))
+    e0, e1 = errors(run_two_ranks(zygote, cfg, job_for(tiny, shards, cfg), tmp_path / "a"))
     assert e0["type"] == "IsADirectoryError" and str(out / TRAIN_LOG) in e0["text"], e0
     assert_peer_error(e1, "opening the logs", e0)
     assert not (out / "checkpoints").exists()
 
 
-if __name__ == "__main__":
-    main(sys.argv[1])

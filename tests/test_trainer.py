@@ -11,8 +11,6 @@ import dataclasses
 import json
 import math
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -31,6 +29,7 @@ from tests.conftest import reset_deepspeed_groups
 from tests.helpers.procs import free_port
 from tests.helpers.tb import histograms, scalars
 from tests.helpers.tiny import NUM_SAMPLES, PER_SHARD, make_cfg, write_shards
+from tests.helpers.zygote import Zygote
 
 
 def trainable_count(drafter_cfg) -> int:
@@ -422,10 +421,10 @@ def _truncated(s: Sample, t: int) -> Sample:
 
 
 def _capture_step_grads(spec_path: str) -> None:
-    """One rank of test_step_slots_gradient_is_the_slot_weighted_mean_over_step_and_ranks (run as
-    `python -m tests.test_trainer SPEC`): for each loss_norm, one real Trainer step, with the
-    full gradient of every trainable parameter taken at the accumulation boundary, before the
-    step clips and applies it (rank 0 saves it)."""
+    """One rank of test_step_slots_gradient_is_the_slot_weighted_mean_over_step_and_ranks (a fork of
+    a zygote, tests/helpers/zygote.py, its rank environment set): for each loss_norm, one real
+    Trainer step, with the full gradient of every trainable parameter taken at the accumulation
+    boundary, before the step clips and applies it (rank 0 saves it)."""
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_grad
     from safetensors.torch import save_file
@@ -476,7 +475,6 @@ def test_step_slots_gradient_is_the_slot_weighted_mean_over_step_and_ranks(tiny,
     from dflash_dist.model.loss import dflash_loss
     from dflash_dist.trainer.batching import make_micro_batch
     from dflash_dist.trainer.loop import SAMPLE_LOG, TRAIN_LOG, TrainJob
-    from tests.conftest import REPO
 
     samples = [_truncated(s, 32 if i % 2 else 15) for i, s in enumerate(tiny["samples"][:8])]  # 3 or 14-20 supervised
     shards = tmp_path / "shards"
@@ -494,19 +492,20 @@ def test_step_slots_gradient_is_the_slot_weighted_mean_over_step_and_ranks(tiny,
     spec.write_text(json.dumps({"cfgs": {m: c.to_dict() for m, c in cfgs.items()}, "job": job_dict,
                                 "out": str(tmp_path)}))  # fmt: skip
     port = str(free_port())
-    procs = []
-    for rank in range(2):
-        env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank),
-                            "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}  # fmt: skip
-        cmd = [sys.executable, "-m", "tests.test_trainer", str(spec)]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    # both ranks forked from one process that imported torch, DeepSpeed and the trainer once
+    preload = ["torch", "torch.distributed", "deepspeed", "dflash_dist.trainer.loop", "dflash_dist.trainer.engine",
+               "dflash_dist.actors.trainer_group", "tests.test_trainer", "torch._dynamo", "torch.utils.tensorboard"]
+    zygote = Zygote(preload, tmp_path / "zygote.log")
+    logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]
     try:
-        outs = [p.communicate(timeout=400)[0].decode() for p in procs]
+        procs = [zygote.start("tests.test_trainer:_capture_step_grads", [str(spec)],
+                              {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank),
+                               "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}, logs[rank])
+                 for rank in range(2)]  # fmt: skip
+        codes = [p.wait(timeout=400) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-4000:] for o in outs)
+        zygote.close()  # kills a rank still running
+    assert codes == [0, 0], "\n".join(log.read_text()[-4000:] for log in logs)
 
     # the reference: the drafter as build_engine initialises it, the step's 4 micro-batches
     # rebuilt from the sample logs (anchors are seeded by (seed, epoch, key))
@@ -551,7 +550,3 @@ def test_step_slots_gradient_is_the_slot_weighted_mean_over_step_and_ranks(tiny,
         logged = json.loads((cfgs[mode].out / TRAIN_LOG).read_text().splitlines()[0])["loss"]
         assert logged == pytest.approx(ref[mode][1], rel=1e-5), mode  # the step's loss as each mode defines it
     assert rel(ref["micro_batch"][0], ref["step_slots"][0]) > 0.05  # the two objectives differ here
-
-
-if __name__ == "__main__":
-    _capture_step_grads(sys.argv[1])

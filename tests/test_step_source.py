@@ -8,18 +8,21 @@ epoch however the epochs, steps, notices and world sizes fall."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
-import sys
+import subprocess
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 
 from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance
 from data_pipeline.records import Sample
 from data_pipeline.shard_writer import ShardWriter, mark_done
+from tests.helpers.zygote import Zygote
 
 H, K = 8, 2
 PROV = Provenance(SHARD_SCHEMA_VERSION, "synthetic", "0" * 64, (1, 2), H, "float32", "torch", "t")
@@ -122,39 +125,19 @@ def rank_main(spec_path: str) -> None:
         dist.destroy_process_group()
 
 
-def _rank_process(spec_path: str, rank: int, world: int, log_path: str) -> None:
-    """A rank process forked from the fork server (which has imported this module, torch and the
-    source): its output to `log_path`, one torch thread, rank_main. An exception exits it with 1."""
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    rank_main(spec_path)
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory):
+    """The rank processes' zygote (tests/helpers/zygote.py): torch, torch.distributed, the step source and
+    this module imported once; each rank is a fresh fork of it. A rank started as `python -m
+    tests.test_step_source` imported them again (~3 s of a core each)."""
+    z = Zygote(["torch", "torch.distributed", "dflash_dist.config", "dflash_dist.trainer.step_source",
+                "tests.test_step_source"], tmp_path_factory.mktemp("zygote") / "zygote.log")  # fmt: skip
+    yield z
+    z.close()
 
 
-_FORK_SERVER = None
-
-
-def _fork_server():
-    """The rank processes' start method: a fork server that imports torch, torch.distributed, the step
-    source and this module once; each rank is a fresh fork of it (not of this test process, whose
-    threads make a fork unsafe, and not of another rank: rank_main's stand-ins stay in their own rank).
-    A rank started as `python -m tests.test_step_source` imported them again (~3 s of a core each)."""
-    global _FORK_SERVER
-    if _FORK_SERVER is None:
-        import multiprocessing as mp
-
-        _FORK_SERVER = mp.get_context("forkserver")
-        _FORK_SERVER.set_forkserver_preload(["torch", "torch.distributed", "dflash_dist.config",
-                                             "dflash_dist.trainer.step_source", "tests.test_step_source"])  # fmt: skip
-    return _FORK_SERVER
-
-
-def run_ranks(tmp: Path, name: str, world: int, cfg, shards: Path, planned: int, timeout_s: float = 240,
-              linger: bool = False, **extra) -> list[dict]:  # fmt: skip
+def run_ranks(zygote: Zygote, tmp: Path, name: str, world: int, cfg, shards: Path, planned: int,
+              timeout_s: float = 240, linger: bool = False, **extra) -> list[dict]:  # fmt: skip
     """Each rank's dump. `linger`: a rank that failed keeps its process (and gloo group) up until every
     rank has dumped, so a peer left waiting in a collective is found by the timeout, not by gloo
     noticing a closed connection."""
@@ -166,10 +149,9 @@ def run_ranks(tmp: Path, name: str, world: int, cfg, shards: Path, planned: int,
     spec_path = tmp / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
     logs = [tmp / f"{name}.{r}.log" for r in range(world)]
-    ctx = _fork_server()
-    procs = [ctx.Process(target=_rank_process, args=(str(spec_path), r, world, str(logs[r]))) for r in range(world)]
-    for p in procs:
-        p.start()
+    env = {"WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
+    procs = [zygote.start("tests.test_step_source:rank_main", [str(spec_path)], env | {"RANK": str(r)}, logs[r])
+             for r in range(world)]  # fmt: skip
     dumps = [tmp / f"{name}.{r}.json" for r in range(world)]
     deadline = time.monotonic() + timeout_s
     while linger and not all(d.exists() for d in dumps) and time.monotonic() < deadline:
@@ -178,17 +160,18 @@ def run_ranks(tmp: Path, name: str, world: int, cfg, shards: Path, planned: int,
     try:
         if not linger or all(d.exists() for d in dumps):
             for p in procs:
-                p.join(timeout=max(deadline - time.monotonic(), 1))
-        if any(p.exitcode is None for p in procs):
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=max(deadline - time.monotonic(), 1))
+        if any(p.poll() is None for p in procs):
             hung = [r for r, d in enumerate(dumps) if not d.exists()]
             raise AssertionError(f"rank(s) {hung} had no result after {timeout_s} s (waiting in a collective?)")
     finally:
         for p in procs:
-            if p.exitcode is None:
-                p.kill()  # our own children, by handle
-                p.join()
+            if p.poll() is None:
+                p.kill()  # the zygote's children, by pid
+                p.wait(timeout=30)
     outs = [log.read_text() if log.exists() else "" for log in logs]
-    assert [p.exitcode for p in procs] == [0] * world, "\n".join(o[-3000:] for o in outs)
+    assert [p.poll() for p in procs] == [0] * world, "\n".join(o[-3000:] for o in outs)
     return [json.loads(d.read_text()) for d in dumps]
 
 
@@ -201,14 +184,14 @@ def per_epoch(dumps: list[dict]) -> dict[int, Counter]:
     return seen
 
 
-def test_epochs_end_inside_steps_and_the_remainder_is_trained(tmp_path):
+def test_epochs_end_inside_steps_and_the_remainder_is_trained(zygote, tmp_path):
     """5 one-sample shards over 2 ranks (3 and 2) with 2 micro-batches a step: step 1 is whole;
     in step 2 rank 1 fills its first slot with an empty batch while rank 0 trains its third sample,
     then the epoch ends inside the step, which is handed out short (the final partial step of the
     epoch, trained); the next step begins the next epoch; the last halt reports the last epoch."""
     shards = tmp_path / "shards"
     keys = write_samples(shards, [1] * 5)
-    dumps = run_ranks(tmp_path, "a", 2, source_cfg(tmp_path / "out", epochs=2, grad_accum=2), shards, planned=5)
+    dumps = run_ranks(zygote, tmp_path, "a", 2, source_cfg(tmp_path / "out", epochs=2, grad_accum=2), shards, planned=5)
     for d in dumps:
         assert [s["epoch"] for s in d["steps"]] == [0, 0, 1, 1]
         assert [s["real_all"] for s in d["steps"]] == [4, 1, 4, 1]
@@ -224,21 +207,21 @@ def test_epochs_end_inside_steps_and_the_remainder_is_trained(tmp_path):
     assert r0["final"]["epoch"] == 2
 
 
-def test_a_notice_while_gathering_halts_every_rank_at_the_last_whole_step(tmp_path):
+def test_a_notice_while_gathering_halts_every_rank_at_the_last_whole_step(zygote, tmp_path):
     """Rank 1 gets SIGTERM while the second step is gathered: both ranks halt without handing it
     out, their position is the first step's, and a source loaded from it trains exactly the rest."""
     shards = tmp_path / "shards"
     keys = write_samples(shards, [2] * 4)
     cfg = source_cfg(tmp_path / "out", epochs=1, grad_accum=2)
-    first = run_ranks(tmp_path, "a", 2, cfg, shards, planned=8, notice_rank=1, notice_at=1)
+    first = run_ranks(zygote, tmp_path, "a", 2, cfg, shards, planned=8, notice_rank=1, notice_at=1)
     for d in first:
         assert len(d["steps"]) == 1 and d["halt"] == {"notice": "SIGTERM", "ends": []}
         assert d["final"] == d["states"][0]  # committed with the last whole step only
-    rest = run_ranks(tmp_path, "b", 2, cfg, shards, planned=8, state=[d["final"] for d in first])
+    rest = run_ranks(zygote, tmp_path, "b", 2, cfg, shards, planned=8, state=[d["final"] for d in first])
     assert per_epoch(first)[0] + per_epoch(rest)[0] == Counter(keys)
 
 
-def test_a_resume_at_another_world_size_goes_through_the_source(tmp_path):
+def test_a_resume_at_another_world_size_goes_through_the_source(zygote, tmp_path):
     """2 ranks stop after a step; 1 rank continues from StepSource.for_world of both states, and
     then 3 ranks from a 1-rank state: every sample once per epoch, the counts carried."""
     from dflash_dist.trainer.step_source import StepSource
@@ -246,13 +229,13 @@ def test_a_resume_at_another_world_size_goes_through_the_source(tmp_path):
     shards = tmp_path / "shards"
     keys = write_samples(shards, [3, 1, 2, 2, 1])
     cfg = source_cfg(tmp_path / "out", epochs=2, grad_accum=1)
-    first = run_ranks(tmp_path, "a", 2, cfg, shards, planned=9, notice_rank=0, notice_at=2)
+    first = run_ranks(zygote, tmp_path, "a", 2, cfg, shards, planned=9, notice_rank=0, notice_at=2)
     saved = [d["final"] for d in first]
     one = StepSource.for_world(saved, 0, 1)
     assert one["carried"] == 4 and one["trained"] == 0 and one["epoch"] == 0
-    second = run_ranks(tmp_path, "b", 1, cfg, shards, planned=9, state=[one], notice_rank=0, notice_at=4)
+    second = run_ranks(zygote, tmp_path, "b", 1, cfg, shards, planned=9, state=[one], notice_rank=0, notice_at=4)
     three = [StepSource.for_world([second[0]["final"]], r, 3) for r in range(3)]
-    third = run_ranks(tmp_path, "c", 3, cfg, shards, planned=9, state=three)
+    third = run_ranks(zygote, tmp_path, "c", 3, cfg, shards, planned=9, state=three)
     seen = per_epoch(first + second + third)
     assert seen == {0: Counter(keys), 1: Counter(keys)}
     assert third[0]["halt"]["ends"][-1] == {"epoch": 1, "trained": 9, "lost": 0, "total": 9}
@@ -260,7 +243,7 @@ def test_a_resume_at_another_world_size_goes_through_the_source(tmp_path):
     assert {"epoch": 0, "trained": 9, "lost": 0, "total": 9} in ends  # the carried count closes epoch 0 right
 
 
-def test_recaptured_epochs_are_read_from_their_own_growing_directories(tmp_path):
+def test_recaptured_epochs_are_read_from_their_own_growing_directories(zygote, tmp_path):
     """capture.later_epochs: recapture: epoch e >= 1 is read from shards/epoch_<e>/ in its manifest
     order as it grows (the rank assignment of epoch 0), not as a permutation of the root's shards;
     the trainers wait for a directory that does not exist yet. Every sample once per epoch."""
@@ -294,7 +277,7 @@ def test_recaptured_epochs_are_read_from_their_own_growing_directories(tmp_path)
     later.start()
     cfg = source_cfg(tmp_path / "out", epochs=3, grad_accum=1)
     cfg.train.shuffle = False
-    dumps = run_ranks(tmp_path, "a", 2, cfg, shards, planned=6, recapture=True)
+    dumps = run_ranks(zygote, tmp_path, "a", 2, cfg, shards, planned=6, recapture=True)
     later.join()
     assert per_epoch(dumps) == {e: Counter(keys) for e in range(3)}
     for e in (1, 2):  # manifest order, shard i to rank i % 2: not the root's permutation
@@ -304,7 +287,7 @@ def test_recaptured_epochs_are_read_from_their_own_growing_directories(tmp_path)
     assert dumps[0]["halt"]["ends"][-1] == {"epoch": 2, "trained": 6, "lost": 0, "total": 6}
 
 
-def test_samples_the_capture_skipped_and_unreadable_ones_count_against_one_budget(tmp_path):
+def test_samples_the_capture_skipped_and_unreadable_ones_count_against_one_budget(zygote, tmp_path):
     """8 one-sample shards of the 9 samples the capture was given (one skipped as non-finite), one
     shard truncated, 2 epochs re-reading them (keep): 2 samples lost per epoch, 4 of the 18 the
     run trains on. data.max_lost_fraction=0.2 allows 3: each part alone (2 of 18 unreadable, 1 of
@@ -322,7 +305,7 @@ def test_samples_the_capture_skipped_and_unreadable_ones_count_against_one_budge
     cfg = source_cfg(tmp_path / "out", epochs=2, grad_accum=1)
     cfg.data.max_lost_fraction = 0.2
     assert capture_loss_problem(shards, 0.2) is None  # the capture's own share is within the setting
-    failed = run_ranks(tmp_path, "a", 2, cfg, shards, planned=9)
+    failed = run_ranks(zygote, tmp_path, "a", 2, cfg, shards, planned=9)
     assert all(d["data_lost"] is not None and d["halt"] is None for d in failed), failed
     assert len({d["data_lost"]["at_step"] for d in failed}) == 1  # the same slot on both ranks
     msg = failed[0]["data_lost"]["error"]
@@ -332,14 +315,14 @@ def test_samples_the_capture_skipped_and_unreadable_ones_count_against_one_budge
     assert any(bad.name in d["data_lost"]["error"] for d in failed)  # the rank that read it names it
 
     cfg.data.max_lost_fraction = 0.25
-    dumps = run_ranks(tmp_path, "b", 2, cfg, shards, planned=9)
+    dumps = run_ranks(zygote, tmp_path, "b", 2, cfg, shards, planned=9)
     assert all(d["data_lost"] is None for d in dumps)
     readable = Counter(k for k in keys if k != read_manifest(shards)[3].keys[0])
     assert per_epoch(dumps) == {0: readable, 1: readable}
     assert dumps[0]["halt"]["ends"][-1] == {"epoch": 1, "trained": 7, "lost": 1, "total": 8}
 
 
-def test_a_malformed_skipped_line_stops_every_rank_with_its_file_and_line(tmp_path):
+def test_a_malformed_skipped_line_stops_every_rank_with_its_file_and_line(zygote, tmp_path):
     """Rank 0 alone reads the capture's skipped.jsonl, at every slot; a malformed line there used to
     raise on rank 0 before the slot's all-reduce, and rank 1 waited in it for as long as rank 0's
     process lived (a Ray actor's outlives its failed task). Now the failure rides in the all-reduce: rank 0 raises its
@@ -354,7 +337,7 @@ def test_a_malformed_skipped_line_stops_every_rank_with_its_file_and_line(tmp_pa
         f.write(b'{"key": "k-torn", "reas\n')  # a damaged line (the capture appends whole lines only)
     cfg = source_cfg(tmp_path / "out", epochs=1, grad_accum=1)
     cfg.data.max_lost_fraction = 0.5
-    dumps = run_ranks(tmp_path, "a", 2, cfg, shards, planned=5, timeout_s=60, linger=True)
+    dumps = run_ranks(zygote, tmp_path, "a", 2, cfg, shards, planned=5, timeout_s=60, linger=True)
     r0, r1 = (d["error"] for d in dumps)
     assert r0 is not None and r1 is not None, dumps
     assert r0["type"] == "ValueError" and r1["type"] == "PeerDataError", (r0, r1)
@@ -365,24 +348,24 @@ def test_a_malformed_skipped_line_stops_every_rank_with_its_file_and_line(tmp_pa
     assert "rank 1 stops at epoch 0 because another rank could not read its data (rank 0: ValueError: " in r1["error"]
 
 
-def test_a_position_one_rank_cannot_load_stops_its_peers_at_the_same_slot(tmp_path):
+def test_a_position_one_rank_cannot_load_stops_its_peers_at_the_same_slot(zygote, tmp_path):
     """The same for an error of one rank alone while its stream opens (a resumed position it cannot
     load; its reader thread's errors take the same path): rank 1 is handed rank 0's position of a
     2-rank run and raises naming it, rank 0 a PeerDataError carrying that text, at one slot."""
     shards = tmp_path / "shards"
     write_samples(shards, [1] * 6)
     cfg = source_cfg(tmp_path / "out", epochs=1, grad_accum=1)
-    first = run_ranks(tmp_path, "a", 2, cfg, shards, planned=6, notice_rank=0, notice_at=1)
+    first = run_ranks(zygote, tmp_path, "a", 2, cfg, shards, planned=6, notice_rank=0, notice_at=1)
     swapped = [first[0]["final"], first[0]["final"]]  # rank 1 gets rank 0's share
-    r0, r1 = (d["error"] for d in run_ranks(tmp_path, "b", 2, cfg, shards, planned=6, state=swapped, timeout_s=60,
-                                            linger=True))  # fmt: skip
+    r0, r1 = (d["error"] for d in run_ranks(zygote, tmp_path, "b", 2, cfg, shards, planned=6, state=swapped,
+                                            timeout_s=60, linger=True))  # fmt: skip
     assert r1 is not None and r1["type"] == "ValueError" and "was saved by rank 0 of 2" in r1["error"], r1
     assert r0 is not None and r0["type"] == "PeerDataError", r0
     assert "(rank 1: ValueError: ShardStream state was saved by rank 0 of 2" in r0["error"], r0
     assert r0["at_step"] == r1["at_step"] == 0
 
 
-def test_a_manifest_one_rank_cannot_read_at_an_epoch_end_stops_every_rank(tmp_path):
+def test_a_manifest_one_rank_cannot_read_at_an_epoch_end_stops_every_rank(zygote, tmp_path):
     """At an epoch's end each rank reads the finished manifest for the epoch's total, after the
     counts' all-reduce: an error there (one node's I/O error) raised on that rank alone, and its
     peers went on into the next epoch's first slot and waited in its all-reduce for as long as the
@@ -391,7 +374,7 @@ def test_a_manifest_one_rank_cannot_read_at_an_epoch_end_stops_every_rank(tmp_pa
     shards = tmp_path / "shards"
     write_samples(shards, [1] * 4)
     cfg = source_cfg(tmp_path / "out", epochs=2, grad_accum=1)
-    dumps = run_ranks(tmp_path, "a", 2, cfg, shards, planned=4, timeout_s=60, linger=True, manifest_fails_on=1)
+    dumps = run_ranks(zygote, tmp_path, "a", 2, cfg, shards, planned=4, timeout_s=60, linger=True, manifest_fails_on=1)
     r0, r1 = (d["error"] for d in dumps)
     assert r1 is not None and r1["type"] == "OSError" and "Stale file handle" in r1["error"], dumps
     assert r0 is not None and r0["type"] == "PeerDataError", r0
@@ -399,7 +382,7 @@ def test_a_manifest_one_rank_cannot_read_at_an_epoch_end_stops_every_rank(tmp_pa
     assert r0["at_step"] == r1["at_step"] == 2  # epoch 0's two steps, then its end
 
 
-def test_unreadable_samples_found_as_a_rank_runs_dry_count_in_that_slot(tmp_path):
+def test_unreadable_samples_found_as_a_rank_runs_dry_count_in_that_slot(zygote, tmp_path):
     """A rank's reader thread may skip its last (corrupt, missing) shard and end while the slot is
     read. A slot that read the unreadable count before the status took the stale count with DRY,
     and the last epoch's last slot (every rank dry) is the budget's last check: the run ended
@@ -415,11 +398,8 @@ def test_unreadable_samples_found_as_a_rank_runs_dry_count_in_that_slot(tmp_path
         bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
     cfg = source_cfg(tmp_path / "out", epochs=1, grad_accum=1)
     cfg.data.max_lost_fraction = 0.5
-    dumps = run_ranks(tmp_path, "a", 2, cfg, shards, planned=4, reader_ends_between_reads=True)
+    dumps = run_ranks(zygote, tmp_path, "a", 2, cfg, shards, planned=4, reader_ends_between_reads=True)
     for d in dumps:
         assert d["data_lost"] is not None and d["halt"] is None, d
         assert d["data_lost"]["at_step"] == 0 and "4 sample(s) could not be read" in d["data_lost"]["error"], d
 
-
-if __name__ == "__main__":
-    rank_main(sys.argv[1])

@@ -35,7 +35,7 @@ from dflash_dist.trainer.state import STATE_VERSION
 from tests.helpers.jobs import job_from_json
 from tests.helpers.procs import free_port
 from tests.helpers.tiny import make_cfg, write_shards
-from tests.helpers.zygote import Zygote
+from tests.helpers.zygote import TRAINER_MODULES, Zygote
 
 NUM = 8  # 4 shards of 2 samples: 2 steps of 2x2 samples per epoch
 STEPS = 2  # one checkpoint, at step 2
@@ -139,9 +139,7 @@ def assert_peer_error(e1: dict, where: str, e0: dict) -> None:
 @pytest.fixture(scope="module")
 def zygote(tmp_path_factory):
     """The rank processes' zygote: torch, DeepSpeed, the trainer and this module imported once."""
-    z = Zygote(["torch", "torch.distributed", "deepspeed", "dflash_dist.trainer.loop", "dflash_dist.trainer.engine",
-                "dflash_dist.actors.trainer_group", "data_pipeline.durable_files", "tests.test_publish_faults",
-                "torch._dynamo", "torch.utils.tensorboard"],  # what DeepSpeed's engine and the metrics import late
+    z = Zygote([*TRAINER_MODULES, "data_pipeline.durable_files", "tests.test_publish_faults"],
                tmp_path_factory.mktemp("zygote") / "zygote.log")  # fmt: skip
     yield z
     z.close()

@@ -29,7 +29,7 @@ from tests.conftest import reset_deepspeed_groups
 from tests.helpers.procs import free_port
 from tests.helpers.tb import histograms, scalars
 from tests.helpers.tiny import NUM_SAMPLES, PER_SHARD, make_cfg, write_shards
-from tests.helpers.zygote import Zygote
+from tests.helpers.zygote import TRAINER_MODULES, Zygote
 
 
 def trainable_count(drafter_cfg) -> int:
@@ -493,9 +493,7 @@ def test_step_slots_gradient_is_the_slot_weighted_mean_over_step_and_ranks(tiny,
                                 "out": str(tmp_path)}))  # fmt: skip
     port = str(free_port())
     # both ranks forked from one process that imported torch, DeepSpeed and the trainer once
-    preload = ["torch", "torch.distributed", "deepspeed", "dflash_dist.trainer.loop", "dflash_dist.trainer.engine",
-               "dflash_dist.actors.trainer_group", "tests.test_trainer", "torch._dynamo", "torch.utils.tensorboard"]
-    zygote = Zygote(preload, tmp_path / "zygote.log")
+    zygote = Zygote([*TRAINER_MODULES, "tests.test_trainer"], tmp_path / "zygote.log")
     logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]
     try:
         procs = [zygote.start("tests.test_trainer:_capture_step_grads", [str(spec)],

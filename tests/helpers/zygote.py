@@ -27,6 +27,10 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+# what a trainer rank imports (torch._dynamo and torch.utils.tensorboard: late, through DeepSpeed's engine and the
+# metrics), for a zygote whose ranks run the Trainer
+TRAINER_MODULES = ("torch", "torch.distributed", "deepspeed", "dflash_dist.trainer.loop", "dflash_dist.trainer.engine",
+                   "dflash_dist.actors.trainer_group", "torch._dynamo", "torch.utils.tensorboard")
 
 
 class Forked:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from dflash_dist.model import loss as loss_mod
+from dflash_dist.model import vocab_loss
 from dflash_dist.model.attention import set_flex_tuning
 from dflash_dist.model.fused import set_rms_norm_in_place, set_rope_layout
 from dflash_dist.model.vocab_loss import lm_head_cross_entropy
@@ -21,6 +22,9 @@ SWITCHES = {  # --settings vocabulary: each word sets one switch on the running 
     "episync": ("epi", "sync"), "epiwait": ("epi", "wait"),
     # before 2026-12-06 (default: after): DeepSpeed's throughput timer on and synchronized (its default: a device
     # synchronize in every forward and step()), and the loss's supervised rows found on the device (a nonzero)
+    # the one-kernel step's norm: of the gathered flat partitions (the default since 2026-12-06, one reduction a
+    # group) or of the gradient list before the gather (the multi-tensor norm, as before)
+    "gnormflat": ("gnorm", "flat"), "gnormlist": ("gnorm", "list"),
     "dstimer": ("timer", True), "notimer": ("timer", False),
     "devrows": ("rows", "device"), "hostrows": ("rows", "host"),
     "ovf": ("ovf", True), "noovf": ("ovf", False),  # DeepSpeed's inf/nan pass (bf16 check_grad_overflow)
@@ -33,7 +37,12 @@ SWITCHES = {  # --settings vocabulary: each word sets one switch on the running 
     "ropebthd": ("rope", "bthd"), "ropebhtd": ("rope", "bhtd"), "rmsinplace": ("rms", True), "rmscopy": ("rms", False),
     # the compiled flex kernels' tiles (attention.set_flex_tuning): torch's choice, a FLEX_PRESETS entry, or
     # inductor's autotuning of the forward and backward kernels at this shape (its timing table on stderr)
-    **{f"fa{name}": ("flex", name) for name in ("torch", "m64n64", "m32n128", "stages2", "autotune")},
+    # the head's chunks (vocab_loss.py): logits bytes a chunk (1 GiB the default; 4 GiB: the 27B shape's 7680 rows
+    # in one chunk) and how the rows are cut (greedy: full chunks then the rest, the default; balanced)
+    "ce1g": ("ce_bytes", 2**30), "ce2g": ("ce_bytes", 2**31), "ce4g": ("ce_bytes", 2**32),
+    "cegreedy": ("ce_split", "greedy"), "cebal": ("ce_split", "balanced"),
+    **{f"fa{name}": ("flex", name)
+       for name in ("torch", "m64n64", "m32n128", "stages2", "m32n64", "tma", "m32n64tma", "autotune")},
 }
 # Backward tiles (BLOCK_M1 x BLOCK_N1 for dK/dV, BLOCK_M2 x BLOCK_N2 for dQ) against torch's choice on an
 # H100/H200 at head_dim 128 (64 x 128, 128 x 64, 8 warps, 3 stages): the profile of 2026-12-04 put the
@@ -50,7 +59,18 @@ FLEX_PRESETS = {
                 "bwd_num_warps": 8, "bwd_num_stages": 3},
     "stages2": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
                 "bwd_num_warps": 8, "bwd_num_stages": 2},
+    # inductor's autotuning picked these on the H200 (eighth lease, docs/BENCHMARKS.md): forward 64 x 64 (8.24
+    # against 8.96 for torch's 128 x 128 in its table), backward 32 x 64 / 64 x 32 (24.7 against 26.4); the
+    # whole step under autotuning was not faster, inside the step's spread: bench_flex.py times them alone
+    "m32n64": {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_warps": 4, "fwd_num_stages": 3,
+               "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
+               "bwd_num_warps": 4, "bwd_num_stages": 3},
+    # Hopper's tensor memory accelerator for the q/k/v/dO tile loads (torch's templates have it, off by default
+    # on CUDA): the same tiles and sums, loaded by TMA
+    "tma": {"USE_TMA": True},
 }
+FLEX_PRESETS["m32n64tma"] = {**FLEX_PRESETS["m32n64"], "USE_TMA": True}
+CHUNKS = (vocab_loss.CHUNK_BYTES, vocab_loss.CHUNK_SPLIT)  # the defaults, for settings without ce words
 BEFORE = {"mask": "create", "step": "deepspeed", "ovf": True, "kv": False, "grads": "ds"}  # before issue 24
 
 
@@ -96,10 +116,13 @@ def apply_setting(engine, setting: dict) -> None:
     timer.enabled = timer.synchronized = setting.get("timer", False)
     engine.module.host_rows = setting.get("rows", "host") == "host"
     zero_step.uninstall(engine)  # DeepSpeed's step and gradient path, then the setting's
+    # a setting without epiwait: DeepSpeed's sync; without gnormlist: the norm of the gathered partitions
     zero_step.install(engine, setting["step"], on_gpu=True, grad_cuts=setting["grads"] == "lean",
-                      epilogue_wait=setting.get("epi") == "wait")  # a setting without the word: DeepSpeed's sync
+                      epilogue_wait=setting.get("epi") == "wait", norm_of_flat=setting.get("gnorm", "flat") == "flat")
     set_rope_layout(setting.get("rope", "bthd"))  # a setting without these words: the defaults (after issue 24)
     set_rms_norm_in_place(setting.get("rms", True))
+    vocab_loss.CHUNK_BYTES = setting.get("ce_bytes", CHUNKS[0])
+    vocab_loss.CHUNK_SPLIT = setting.get("ce_split", CHUNKS[1])
     flex = setting.get("flex", "torch")
     set_flex_tuning(FLEX_PRESETS.get(flex), autotune=flex == "autotune")
 

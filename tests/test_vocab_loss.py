@@ -202,3 +202,42 @@ def test_gradcheck_float64():
 def test_default_chunk_rows():
     assert default_chunk_rows(248320) == 1081  # 1 GiB of fp32 logits at the 27B vocabulary
     assert default_chunk_rows(10**12) == 1
+
+
+def test_balanced_chunks_cut_as_few_equal_aligned_chunks_and_change_no_row(monkeypatch):
+    """vocab_loss.CHUNK_SPLIT "balanced" cuts the rows into as many chunks as "greedy" (so no chunk
+    holds more logits than the budget), of equal sizes rounded up to CHUNK_ALIGN rows: the 27B shape's
+    7680 rows at 2162 a chunk are 4 x 1920 instead of 3 x 2162 + 1194. Which chunk a row is in changes
+    nothing of it: the loss, each row's CE and argmax, and dL/dh are the same under either cut, and each
+    chunk's logits are formed once."""
+    from dflash_dist.model import vocab_loss
+    from dflash_dist.model.vocab_loss import chunk_bounds
+
+    assert chunk_bounds(7680, 2162, "greedy") == [(0, 2162), (2162, 4324), (4324, 6486), (6486, 7680)]
+    assert chunk_bounds(7680, 2162, "balanced") == [(0, 1920), (1920, 3840), (3840, 5760), (5760, 7680)]
+    assert chunk_bounds(7000, 2162, "balanced") == [(0, 1792), (1792, 3584), (3584, 5376), (5376, 7000)]
+    assert chunk_bounds(300, 128, "balanced") == [(0, 128), (128, 256), (256, 300)]  # the alignment caps
+    assert chunk_bounds(5, 2, "balanced") == [(0, 2), (2, 4), (4, 5)] and chunk_bounds(0, 4, "balanced") == []
+    with pytest.raises(ValueError, match="chunk split 'even'"):
+        chunk_bounds(10, 4, "even")
+
+    torch.manual_seed(0)
+    n, h, v = 300, 32, 97
+    weight = torch.randn(v, h)
+    labels = torch.randint(0, v, (n,))
+    row_weights = torch.rand(n)
+    shapes = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(vocab_loss.F, "linear", lambda x, w: shapes.append(x.shape[0]) or linear(x, w))
+    out = {}
+    for split in ("greedy", "balanced"):
+        monkeypatch.setattr(vocab_loss, "CHUNK_SPLIT", split)
+        monkeypatch.setattr(vocab_loss, "CHUNK_ALIGN", 16)
+        shapes.clear()
+        hidden = torch.randn(n, h, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        loss, ce, argmax = lm_head_cross_entropy(hidden, weight, labels, row_weights, chunk_rows=120)
+        loss.backward()
+        out[split] = (loss.detach(), ce, argmax, hidden.grad)
+        assert shapes == {"greedy": [120, 120, 60], "balanced": [112, 112, 76]}[split]
+    for a, b in zip(out["greedy"], out["balanced"]):
+        assert torch.equal(a, b)

@@ -18,6 +18,8 @@ by about one bf16 rounding.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -28,12 +30,33 @@ from dflash_dist.model.fused import ce_chunk_fn, ce_logits_bytes, check_kernels
 # forward+backward took 78.9 / 75.5 / 74.1 / 73.6 ms at 256 MiB / 512 MiB / 1 GiB / 2 GiB chunks
 # (peak 0.8 / 1.6 / 3.1 / 6.1 GiB) against 75.6 ms and 21.3 GiB for the full logits.
 CHUNK_BYTES = 2**30
+# How the rows are cut into chunks of at most chunk_rows: "greedy" (full chunks, then the rest: 7680 rows at 2162
+# a chunk are 3 x 2162 + 1194) or "balanced" (as few chunks, of equal size rounded up to CHUNK_ALIGN rows, the
+# last one shorter: 4 x 1920). The cut decides the head GEMMs' shapes, and with them cuBLAS's tiles and waves.
+# A row's logits, CE and dL/dh do not depend on the cut on the CPU (tests/test_vocab_loss.py); on CUDA another
+# GEMM shape may sum in another order (last bits). bench/bench_loss.py times the cuts.
+CHUNK_SPLITS = ("greedy", "balanced")
+CHUNK_SPLIT = "greedy"
+CHUNK_ALIGN = 128
 
 
-def default_chunk_rows(vocab_size: int, chunk_bytes: int = CHUNK_BYTES, logit_bytes: int = 4) -> int:
-    """Rows whose logits fit in `chunk_bytes` (1081 fp32 rows at V = 248320 and 1 GiB; the fused
-    kernels hold only bf16 logits, `logit_bytes` 2: 2162 rows)."""
-    return max(1, chunk_bytes // (logit_bytes * vocab_size))
+def default_chunk_rows(vocab_size: int, chunk_bytes: int | None = None, logit_bytes: int = 4) -> int:
+    """Rows whose logits fit in `chunk_bytes` (default CHUNK_BYTES: 1081 fp32 rows at V = 248320 and
+    1 GiB; the fused kernels hold only bf16 logits, `logit_bytes` 2: 2162 rows)."""
+    return max(1, (CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // (logit_bytes * vocab_size))
+
+
+def chunk_bounds(n: int, chunk_rows: int, split: str | None = None) -> list[tuple[int, int]]:
+    """[(lo, hi)] covering rows 0..n in order, each at most `chunk_rows` long, cut as `split` says
+    (default CHUNK_SPLIT; see CHUNK_SPLITS)."""
+    split = CHUNK_SPLIT if split is None else split
+    if split not in CHUNK_SPLITS:
+        raise ValueError(f"chunk split {split!r}; expected one of {CHUNK_SPLITS}")
+    size = chunk_rows
+    if split == "balanced" and n > 0:
+        count = math.ceil(n / chunk_rows)
+        size = min(chunk_rows, math.ceil(math.ceil(n / count) / CHUNK_ALIGN) * CHUNK_ALIGN)
+    return [(lo, min(lo + size, n)) for lo in range(0, n, size)]
 
 
 class ChunkedLMHeadCE(torch.autograd.Function):
@@ -71,8 +94,7 @@ class ChunkedLMHeadCE(torch.autograd.Function):
             else:
                 torch.mul(g @ weight, row_weights[lo:hi, None], out=grad_hidden[lo:hi])
 
-        for lo in range(0, n, chunk_rows):
-            hi = min(lo + chunk_rows, n)
+        for lo, hi in chunk_bounds(n, chunk_rows):
             rows, y = torch.arange(hi - lo, device=hidden.device), labels[lo:hi]
             logits = F.linear(hidden[lo:hi], weight)  # the input dtype
             if fused_ce is not None:

@@ -2,7 +2,8 @@
 master weights and both moments are updated in place from the bf16 gradients, and the bf16
 parameter partition is written in the same pass, with the clip divisor and the non-finite skip
 inside it. One compiled call per partition group: the gradients are first gathered into one flat
-bf16 tensor (one multi-tensor copy; none when the partition already is one tensor).
+bf16 tensor (one multi-tensor copy; none when the partition already is one tensor), and the clip's
+norm is one reduction over each gathered partition (zero_step.lean_step).
 
 Why: the lean step with torch's fused AdamW moves ~46 bytes per parameter: the bf16 gradients
 copied into an fp32 flat partition (6 B), torch's kernel (32 B: with `grad_scale` it also writes

@@ -87,7 +87,8 @@ def unsupported(opt) -> str | None:
     return ", ".join(found) if found else None
 
 
-def install(engine, kind: str, on_gpu: bool, grad_cuts: bool = True, epilogue_wait: bool = False) -> str:
+def install(engine, kind: str, on_gpu: bool, grad_cuts: bool = True, epilogue_wait: bool = False,
+            norm_of_flat: bool = True) -> str:
     """Give `engine`'s ZeRO optimizer the lean step when train.optimizer_step `kind` asks for it;
     returns the step in use. "lean" that cannot apply is an error naming why; "auto" then keeps
     DeepSpeed's step (ZeRO-3, offload, another DeepSpeed version). With the lean step and
@@ -114,6 +115,7 @@ def install(engine, kind: str, on_gpu: bool, grad_cuts: bool = True, epilogue_wa
             if len(group["params"]) != 1 or group["params"][0] is not opt.single_partition_of_fp32_groups[i]:
                 raise RuntimeError(f"optimizer param group {i} is not DeepSpeed's flat fp32 partition")
     opt.dflash_one_kernel = kernel
+    opt.dflash_norm_of_flat = norm_of_flat  # the one-kernel step: the norm of the gathered partitions
     opt.step = types.MethodType(lean_step, opt)
     opt.dflash_skipped_steps = torch.zeros((), dtype=torch.int64, device=opt.device)
     if grad_cuts:
@@ -130,6 +132,7 @@ def uninstall(engine) -> None:
     vars(opt).pop("copy_grads_in_partition", None)
     vars(opt).pop("independent_gradient_partition_epilogue", None)
     vars(opt).pop("dflash_one_kernel", None)
+    vars(opt).pop("dflash_norm_of_flat", None)
     if "dflash_gradient_average" in vars(opt):
         opt.gradient_average = vars(opt).pop("dflash_gradient_average")
 
@@ -240,15 +243,21 @@ def _grad_tensors(opt, i: int) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def global_norm(opt, grads: list[list[torch.Tensor]]) -> torch.Tensor:
+def global_norm(opt, grads: list[list[torch.Tensor]], flat: bool = False) -> torch.Tensor:
     """L2 norm of all groups' gradient partitions over the data-parallel ranks, fp32, on the
-    device (DeepSpeed's get_grad_norm_direct without the fp64 copies and the -1 sentinel)."""
+    device (DeepSpeed's get_grad_norm_direct without the fp64 copies and the -1 sentinel).
+    `flat`: each group is one flat partition (the one-kernel step's gather), reduced by one
+    vector_norm each instead of the multi-tensor norm over the gradient list (the same sum in
+    another order: the norm differs in the last bits)."""
     import deepspeed.comm as dist
 
-    flat = [g for group in grads for g in group if g.numel()]
+    tensors = [g for group in grads for g in group if g.numel()]
     sq = torch.zeros((), dtype=torch.float32, device=opt.device)
-    if flat:
-        norms = torch._foreach_norm(flat, 2, dtype=torch.float32)
+    if tensors and flat:
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in tensors]
+        sq = torch.linalg.vector_norm(torch.stack(norms)).square()
+    elif tensors:
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
         sq = torch.linalg.vector_norm(torch.stack(norms)).square()
     dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=opt.dp_process_group)
     return sq.sqrt()
@@ -283,6 +292,15 @@ def _flat(opt, i: int, grads: list[torch.Tensor], dtype: torch.dtype) -> torch.T
     return flat
 
 
+def _gather(opt, i: int, grads: list[torch.Tensor]) -> torch.Tensor:
+    """Group i's gradient partition as the one flat tensor the one-kernel AdamW reads: the partition
+    itself when it already is one (no copy), else one copy in the gradients' dtype (bf16)."""
+    master = opt.single_partition_of_fp32_groups[i]
+    if len(grads) == 1 and grads[0].is_contiguous() and grads[0].numel() == master.numel():
+        return grads[0].reshape(-1)
+    return _flat(opt, i, grads, opt.parallel_partitioned_bit16_groups[i][0].dtype)
+
+
 def lean_step(self, closure=None) -> None:
     """DeepSpeedZeroOptimizer.step (0.19.8, no offload) with the norm, cast, clip and overflow
     handling of the module docstring; bound to the optimizer instance by `install`."""
@@ -295,10 +313,13 @@ def lean_step(self, closure=None) -> None:
     self.overflow = False
     groups = range(len(self.bit16_groups))
     grads = [_grad_tensors(self, i) for i in groups]
-    norm = global_norm(self, grads)
+    one_kernel = getattr(self, "dflash_one_kernel", False)
+    of_flat = one_kernel and getattr(self, "dflash_norm_of_flat", True)
+    if of_flat:  # the flat bf16 partitions the kernel reads, gathered first: the norm reads them, not the list
+        grads = [[_gather(self, i, g)] for i, g in enumerate(grads)]
+    norm = global_norm(self, grads, flat=of_flat)
     scale = clip_scale(self, norm)
     found_inf = (~torch.isfinite(norm)).to(torch.float32)
-    one_kernel = getattr(self, "dflash_one_kernel", False)
     fused = one_kernel or _fused(self)  # the clip and the skip happen inside the kernel
     if not fused and bool(found_inf):  # host read: the non-fused (CPU) path only
         self.overflow = True
@@ -318,10 +339,7 @@ def lean_step(self, closure=None) -> None:
         low = self.parallel_partitioned_bit16_groups[i][partition_id]
         self.free_grad_in_param_list(self.params_not_in_partition[i])
         g = grads[i]
-        if one_kernel and len(g) == 1 and g[0].is_contiguous() and g[0].numel() == master.numel():
-            flat = g[0].reshape(-1)  # the partition already is one tensor: the kernel reads it as it is
-        else:  # one copy: bf16 for the one-kernel AdamW, fp32 for torch's
-            flat = _flat(self, i, g, low.dtype if one_kernel else master.dtype)
+        flat = _gather(self, i, g) if one_kernel else _flat(self, i, g, master.dtype)  # fp32 for torch's AdamW
         grads[i] = g = None
         self.free_grad_in_param_list(self.params_in_partition[i])
         self._release_preflattened_grad_buffers(i)

@@ -221,3 +221,13 @@ def readme_run(tmp_path_factory):
     if run.proc.returncode != 0:
         pytest.fail(f"ray job submit failed ({run.proc.returncode}) after {run.took_s:.0f}s:\n{run.logs}")
     return run
+
+
+@pytest.fixture(scope="session")
+def mid_cpu_run(tmp_path_factory):
+    """configs/mid_gpu.yaml at CPU size run once (tests/helpers/mid.py): (run dir, target). Read by
+    test_mid_config (the product path end to end) and test_bench_quality_run (the bench's default
+    trains as its trainer did); neither writes into it."""
+    from tests.helpers.mid import run_mid_cpu
+
+    return run_mid_cpu(tmp_path_factory.mktemp("mid"))

@@ -168,22 +168,83 @@ def single_rank_gloo(monkeypatch):
     reset_deepspeed_groups()
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """The trainer tests' tiny target: saved, its captured samples, provenance and drafter shape
-    (tests/helpers/tiny.py). One per test module."""
+class _SharedBuild:
+    """A tiny fixture built once per session and handed to each module as a view (`view`): the build runs
+    on one intra-op thread (bitwise what 1 and 2 threads build; tiny_eval's trained export differs at 4),
+    and after each module a check that it left every file under the root (path, size, mtime) and every
+    sample's tensors as built. A module that changed them fails, naming what it changed, and the next
+    module gets a fresh build: a test that must change the target copies it to its tmp_path first."""
+
+    def __init__(self, name: str, build, tmp_path_factory, dirname: str):
+        self.name, self.build, self.factory, self.dirname = name, build, tmp_path_factory, dirname
+        self.built = None
+
+    def _files(self, root: Path) -> dict:
+        return {p.relative_to(root): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
+
+    @staticmethod
+    def _tensors(built: dict) -> list:
+        return [(s.input_ids, s.loss_mask, s.features, s.target_argmax) for s in built.get("samples", ())]
+
+    def view(self, request):
+        import copy
+
+        if self.built is None:
+            before = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                built = self.build(self.factory.mktemp(self.dirname))
+            finally:
+                torch.set_num_threads(before)
+            tensors = [[t.clone() for t in ts] for ts in self._tensors(built)]
+            self.built = (built, self._files(built["root"]), tensors)
+        built, files, tensors = self.built
+        view = dict(built)  # the module's own dict, samples list, config and prompts; the files are shared
+        if "samples" in view:
+            view["samples"] = list(view["samples"])
+        if "cfg" in view:
+            view["cfg"] = view["cfg"].model_copy(deep=True)
+        if "prompts" in view:
+            view["prompts"] = copy.deepcopy(view["prompts"])
+        yield view
+        now = self._files(built["root"])
+        changed = sorted(str(p) for p in set(now) | set(files) if now.get(p) != files.get(p))
+        samples = [s.key for s, ts, was in zip(built.get("samples", ()), self._tensors(built), tensors)
+                   if not all(torch.equal(a, b) for a, b in zip(ts, was))]  # fmt: skip
+        if changed or samples:
+            self.built = None  # the next module builds its own
+            pytest.fail(f"{request.module.__name__} changed the session's `{self.name}` fixture, which other modules "
+                        f"share: files under {built['root']}: {changed}; samples: {samples}. A test that changes "
+                        "the target copies it to its tmp_path first.")
+
+
+@pytest.fixture(scope="session")
+def _tiny_shared(tmp_path_factory):
     from tests.helpers.tiny import make_tiny
 
-    return make_tiny(tmp_path_factory.mktemp("trainer"))
+    return _SharedBuild("tiny", make_tiny, tmp_path_factory, "trainer")
+
+
+@pytest.fixture(scope="session")
+def _tiny_eval_shared(tmp_path_factory):
+    from tests.helpers.eval_target import make_tiny_eval
+
+    return _SharedBuild("tiny_eval", make_tiny_eval, tmp_path_factory, "tiny")
 
 
 @pytest.fixture(scope="module")
-def tiny_eval(tmp_path_factory):
-    """The evaluator tests' tiny target with a tokenizer, two drafter exports (random, trained)
-    and the eval config (tests/helpers/eval_target.py). One per test module."""
-    from tests.helpers.eval_target import make_tiny_eval
+def tiny(_tiny_shared, request):
+    """The trainer tests' tiny target: saved, its captured samples, provenance and drafter shape
+    (tests/helpers/tiny.py). Built once per session (3.5 s of CPU a build), shared read-only."""
+    yield from _tiny_shared.view(request)
 
-    return make_tiny_eval(tmp_path_factory.mktemp("tiny"))
+
+@pytest.fixture(scope="module")
+def tiny_eval(_tiny_eval_shared, request):
+    """The evaluator tests' tiny target with a tokenizer, two drafter exports (random, trained)
+    and the eval config (tests/helpers/eval_target.py). Built once per session (4.5 s of CPU a
+    build), shared read-only; each module gets its own copy of the config and prompts."""
+    yield from _tiny_eval_shared.view(request)
 
 
 @pytest.fixture(scope="module")
@@ -221,3 +282,13 @@ def readme_run(tmp_path_factory):
     if run.proc.returncode != 0:
         pytest.fail(f"ray job submit failed ({run.proc.returncode}) after {run.took_s:.0f}s:\n{run.logs}")
     return run
+
+
+@pytest.fixture(scope="session")
+def mid_cpu_run(tmp_path_factory):
+    """configs/mid_gpu.yaml at CPU size run once (tests/helpers/mid.py): (run dir, target). Read by
+    test_mid_config (the product path end to end) and test_bench_quality_run (the bench's default
+    trains as its trainer did); neither writes into it."""
+    from tests.helpers.mid import run_mid_cpu
+
+    return run_mid_cpu(tmp_path_factory.mktemp("mid"))

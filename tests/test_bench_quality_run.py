@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -210,35 +209,13 @@ def test_the_gpu_precision_trains_on_the_cpu_too(here):
 
 # ---- the bench's default trains as the product trains ----------------------------------------------
 
-SOLO = [  # configs/mid_gpu.yaml at CPU size (tests/test_mid_config.py), one rank, packed rows, 6 steps
-    "data.max_train_samples=24", "data.max_length=1024", "capture.max_new_tokens=24", "eval.mode=replay",
-    "eval.num_prompts=4", "train.packing=true", "train.micro_batch_tokens=2048", "train.max_steps=6",
-    "train.checkpoint_every=2",
-    "ray.address=local",  # a cluster of its own even when another test's Ray cluster runs on this machine
-]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def solo_run(tmp_path_factory) -> Path:
-    """The product path on one DeepSpeed rank (the bench emulates one rank exactly): the mid config
-    at CPU size on the test-size code_lm target, packed rows, the LR schedule over train.max_steps."""
-    from dflash_dist.target.code_target import build_code_target
-    from tests.helpers.mid import CPU_SIZE, MID_CONFIG
-
-    root = tmp_path_factory.mktemp("solo")
-    target = build_code_target(root / "target", "test", log=lambda _: None)
-    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "run", str(MID_CONFIG), "--out", str(root / "run"),
-                           f"target.path={target}", *CPU_SIZE, *SOLO], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=900)  # fmt: skip
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return root / "run"
-
-
-def test_the_default_variant_is_the_products_training(solo_run, tmp_path):
+def test_the_default_variant_is_the_products_training(mid_cpu_run, tmp_path):
     """At the run's seed and sample count the bench's default variant (no DeepSpeed) makes the
     product trainer's steps: the same samples per step, LR and loss at every step (its
-    train_log.jsonl), on a packed, max_steps-scheduled run of the code_lm target."""
+    train_log.jsonl), on a packed, max_steps-scheduled run of the code_lm target: the mid config at
+    CPU size on one DeepSpeed rank (the bench emulates one rank exactly), the session's `mid_cpu_run`
+    (tests/helpers/mid.py), whose product path test_mid_config checks."""
+    solo_run, _ = mid_cpu_run
     steps = [json.loads(line) for line in (solo_run / "train_log.jsonl").read_text().splitlines()]
     n = steps[-1]["samples"]
     assert len(steps) == 6 and n > 6  # packed rows: more than one sample a step

@@ -6,9 +6,6 @@ target: regenerate, capture, DeepSpeed training, replay + live evaluation."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,12 +17,11 @@ from data_pipeline.shard_reader import read_manifest
 from dflash_dist.config import load_config
 from dflash_dist.model.config import build_target_layer_ids
 from dflash_dist.model.drafter import DFlashDrafter
-from dflash_dist.target.code_target import PRESETS, build_code_target
+from dflash_dist.target.code_target import PRESETS
 from dflash_dist.target.lm_config import text_config
 from dflash_dist.target.loading import drafter_config_for
 from dflash_dist.target.stdlib_corpus import split_of
 from tests.conftest import REPO
-from tests.helpers.mid import CPU_SIZE
 
 CONFIG = REPO / "configs" / "mid_gpu.yaml"
 
@@ -66,15 +62,10 @@ def test_mid_gpu_loads_and_its_drafter_is_the_scaled_z_lab_shape(tmp_path: Path)
 
 
 @pytest.mark.slow
-def test_mid_gpu_at_cpu_size_runs_the_product_path(tmp_path: Path) -> None:
-    """mid_gpu.yaml with only sizes and devices overridden (the eval schedule is the config's)."""
-    target = build_code_target(tmp_path / "target", "test", log=lambda _: None)
-    out = tmp_path / "run"
-    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "launcher.cli", "run", str(CONFIG), "--out", str(out), f"target.path={target}",
-         *CPU_SIZE], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+def test_mid_gpu_at_cpu_size_runs_the_product_path(mid_cpu_run) -> None:
+    """mid_gpu.yaml with only sizes and devices overridden (the eval schedule is the config's): the
+    session's run (tests/conftest.py `mid_cpu_run`, also the quality bench test's)."""
+    out, target = mid_cpu_run
     plan = json.loads((out / "run_plan.json").read_text())
     assert plan["target_dir"] == str(target) and plan["identity"]["target_id"] == "code_lm:target"
     records = read_manifest(out / "shards")
@@ -83,13 +74,13 @@ def test_mid_gpu_at_cpu_size_runs_the_product_path(tmp_path: Path) -> None:
         ("torch", (1, 2), "code_lm:target")}
     train = read_chat_jsonl(out / "data" / "train.ingested.jsonl")
     held = read_chat_jsonl(out / "data" / "eval.ingested.jsonl")
-    assert len(train) == 8 and len(held) == 3
+    assert len(train) == 24 and len(held) == 4
     assert all(split_of(json.loads(line)["source"]) == "heldout"
                for line in (out / "data" / "eval.jsonl").read_text().splitlines())  # fmt: skip
     evals = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in (out / "eval").glob("step_*.json")}
-    assert sorted(evals) == [2, 4]
-    assert [s for s, r in sorted(evals.items()) if r["live"]] == [4]  # the config's: live at the last export only
-    assert all(r["mode"] == "live" and r["prompts"] == 3 and "8" in r["tau_ddtree"] for r in evals.values())
-    assert "8" in evals[4]["live"]["tau_ddtree"] and evals[4]["live"]["prompts"] == 3
+    assert sorted(evals) == [2, 4, 6]
+    assert [s for s, r in sorted(evals.items()) if r["live"]] == [6]  # the config's: live at the last export only
+    assert all(r["mode"] == "live" and r["prompts"] == 4 and "8" in r["tau_ddtree"] for r in evals.values())
+    assert "8" in evals[6]["live"]["tau_ddtree"] and evals[6]["live"]["prompts"] == 4
     # live decoded in the config's worker processes (two here), with replay over live's own continuations
-    assert evals[4]["live"]["replay_own"]["prompts"] >= 1
+    assert evals[6]["live"]["replay_own"]["prompts"] >= 1

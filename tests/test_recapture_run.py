@@ -12,8 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -61,9 +59,12 @@ def complete_lines(path: Path) -> list[dict]:
 
 
 def run(out: Path, kill: bool = False) -> dict:
-    """`dflash-dist run configs/tiny.yaml` with RUN; the shard tree sampled throughout; with `kill`,
-    the target actor SIGKILLed once it has listed a shard of epoch 2 and trainer rank 1 once two
-    steps of epoch 2 are logged."""
+    """`dflash-dist run configs/tiny.yaml` with RUN (the CLI's main, in this process, on the module's Ray
+    cluster: the product joins a cluster its process has already joined); the shard tree sampled
+    throughout; with `kill`, the target actor SIGKILLed once it has listed a shard of epoch 2 and
+    trainer rank 1 once two steps of epoch 2 are logged."""
+    from launcher import cli
+
     shards, beats = out / "shards", out / "heartbeat"
     peak, samples, stop = [0], [0], threading.Event()
 
@@ -76,31 +77,44 @@ def run(out: Path, kill: bool = False) -> dict:
     watcher.start()
     log = out.parent / f"{out.name}.log"
     killed: dict[str, int] = {}
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "run", "configs/tiny.yaml", "--out", str(out),
-                                 *RUN], cwd=REPO, stdout=f, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
-    try:
-        deadline = time.time() + 1500
-        epoch2 = epoch_dir(shards, 2, recapture=True)
-        while proc.poll() is None:
-            assert time.time() < deadline, "the run did not finish in time"
-            if kill and "target" not in killed and (epoch2 / MANIFEST_NAME).exists():
-                assert not (epoch2 / DONE_NAME).exists(), "epoch 2 was captured before the actor could be killed"
-                killed["target"] = json.loads((beats / "target-0.json").read_text())["pid"]
-                os.kill(killed["target"], signal.SIGKILL)
-            logged = complete_lines(out / TRAIN_LOG) if kill and (out / TRAIN_LOG).exists() else []
-            if "trainer" not in killed and sum(r["epoch"] == 2 for r in logged) >= 2:
-                killed["trainer"] = json.loads((beats / "trainer-1.json").read_text())["pid"]
-                os.kill(killed["trainer"], signal.SIGKILL)
-            time.sleep(0.05)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        stop.set()
-        watcher.join()
+    code: list = []
+
+    def main() -> None:
+        try:
+            code.append(cli.main(["run", str(REPO / "configs" / "tiny.yaml"), "--out", str(out), *RUN]))
+        except BaseException as e:  # noqa: BLE001 (handed to the test's thread)
+            code.append(e)
+
+    with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+        driver = threading.Thread(target=main, name="dflash-dist run", daemon=True)
+        driver.start()
+        try:
+            deadline = time.time() + 1500
+            epoch2 = epoch_dir(shards, 2, recapture=True)
+            while driver.is_alive():
+                assert time.time() < deadline, "the run did not finish in time"
+                if kill and "target" not in killed and (epoch2 / MANIFEST_NAME).exists():
+                    assert not (epoch2 / DONE_NAME).exists(), "epoch 2 was captured before the actor could be killed"
+                    killed["target"] = json.loads((beats / "target-0.json").read_text())["pid"]
+                    os.kill(killed["target"], signal.SIGKILL)
+                logged = complete_lines(out / TRAIN_LOG) if kill and (out / TRAIN_LOG).exists() else []
+                if "trainer" not in killed and sum(r["epoch"] == 2 for r in logged) >= 2:
+                    killed["trainer"] = json.loads((beats / "trainer-1.json").read_text())["pid"]
+                    os.kill(killed["trainer"], signal.SIGKILL)
+                time.sleep(0.05)
+        finally:
+            stop.set()
+            watcher.join()
     printed = log.read_text()
-    assert proc.returncode == 0, printed[-6000:]
+    if isinstance(code[0], BaseException):
+        raise AssertionError(printed[-6000:]) from code[0]
+    assert code == [0], printed[-6000:]
+    import ray
+
+    # the run joined this module's cluster: it must leave no actor of its own alive there (the GCS's table;
+    # Ray's state API needs the dashboard, which this cluster does not start)
+    alive = [a["ActorClassName"] for a in ray._private.state.actors().values() if a["State"] != "DEAD"]
+    assert not alive, alive
     return {"peak": peak[0], "samples": samples[0], "killed": killed, "printed": printed}
 
 
@@ -131,7 +145,7 @@ def check_run(out: Path, result: dict) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> list[float]:
+def uninterrupted(ray_cluster, tmp_path_factory) -> list[float]:
     out = tmp_path_factory.mktemp("recapture") / "whole"
     return check_run(out, run(out))
 

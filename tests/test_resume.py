@@ -318,8 +318,10 @@ def test_a_run_planned_over_the_written_samples_alone_resumes_on_that_base(tmp_p
         decide_training(cfg, ("train",), "auto", samples)
 
 
-def test_cli_never_refuses_a_directory_holding_a_run(tmp_path):
+def test_cli_never_refuses_a_directory_holding_a_run(tmp_path, capsys):
+    """`dflash-dist train` (the CLI's main, in this process) with the default --resume never."""
     from dflash_dist.config import load_config
+    from launcher import cli
 
     out = tmp_path / "run"
     cfg = load_config(REPO / "configs" / "tiny.yaml", out_dir=str(out))
@@ -327,15 +329,10 @@ def test_cli_never_refuses_a_directory_holding_a_run(tmp_path):
     (out / "shards" / "manifest.jsonl").write_text("")
     fake_tag(out / "checkpoints", 50, cfg)
     (out / "config.yaml").write_text("kept")
-    proc = subprocess.run(
-        [sys.executable, "-m", "launcher.cli", "train", "configs/tiny.yaml", "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 1, proc.stderr
-    assert "already has checkpoints" in proc.stderr and "--resume auto" in proc.stderr
+    code = cli.main(["train", str(REPO / "configs" / "tiny.yaml"), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "already has checkpoints" in err and "--resume auto" in err
     assert (out / "config.yaml").read_text() == "kept"  # refused before anything was written
 
 

@@ -185,8 +185,8 @@ def test_a_failed_evaluator_is_said_when_it_fails_and_training_goes_on(tmp_path,
     error; the evaluator's log, with its traceback, is kept (the run failed). Before: nothing was
     said until training had finished, and the log was removed with the run's Ray directory.
     Real `dflash-dist run` on configs/tiny.yaml's target (smaller), Ray, DeepSpeed, the evaluator.
-    The watch asks every 0.2 s (not every 5 s): the failure is said ~2 s after the step-20 export,
-    near step 30 of 160 (20 epochs), with most steps still ahead."""
+    The watch asks every 0.2 s (not every 5 s): the failure is said ~3 s after the step-10 export (the
+    evaluator is ready near then too), near step 13 of 80 (10 epochs), with most steps still ahead."""
     import functools
     import logging
 
@@ -201,10 +201,10 @@ def test_a_failed_evaluator_is_said_when_it_fails_and_training_goes_on(tmp_path,
     from launcher.status import collect, render
 
     monkeypatch.setattr(pipeline, "EvaluatorWatch", functools.partial(EvaluatorWatch, interval_s=0.2))
-    epochs = 20
+    epochs = 10
     out, config, reference = tmp_path / "run", str(REPO / "configs" / "tiny.yaml"), tmp_path / "reference"
     overrides = ["data.max_train_samples=32", "capture.regenerate=false", "train.world_size=1",
-                 f"train.epochs={epochs}", "train.checkpoint_every=20", "train.keep_checkpoints=1",
+                 f"train.epochs={epochs}", "train.checkpoint_every=10", "train.keep_checkpoints=1",
                  "eval.num_prompts=2", "eval.max_new_tokens=8", "eval.poll_s=0.1",
                  f"eval.reference_drafter={reference}"]  # fmt: skip
     cfg = load_config(config, overrides[:-1], out_dir=str(out))

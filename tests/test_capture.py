@@ -13,6 +13,14 @@ from dflash_dist.model.capture import capture_features, check_kernel_path, decod
 from dflash_dist.model.config import build_target_layer_ids
 from dflash_dist.tools.demo import DemoConfig, tiny_qwen35_target
 from tests.helpers.capture import capture_config, make_capture_target, run_capture, write_conversations
+from tests.helpers.writer_pool import (
+    claim_and_wait,
+    fail_unasked,
+    pool_at_a_full_gate,
+    pool_config,
+    pool_pass,
+    writer_pool,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -242,12 +250,14 @@ def test_fp8_features_halve_the_bytes_per_token_on_both_write_paths(saved_target
     from data_pipeline.shard_writer import round_trip_features
 
     target = make_capture_target(tmp_path / "wide", hidden=768, intermediate=64)
+    jsonl = tmp_path / "train.jsonl"  # 8 of the 24 conversations: the bytes per token and bounds are per token
+    jsonl.write_text("".join(saved_target["jsonl"].read_text().splitlines(keepends=True)[:8]))
     dirs = {}
     for name, feature_dtype, writers in (("bf16", "bf16", 0), ("fp8", "fp8", 0), ("fp8_pool", "fp8", 2)):
-        cfg = capture_config(tmp_path / name, target, saved_target["jsonl"], token_budget=600, shard_bytes=64 << 20,
+        cfg = capture_config(tmp_path / name, target, jsonl, token_budget=600, shard_bytes=64 << 20,
                              layer_ids=[0, 1, 2], feature_dtype=feature_dtype, writers=writers)  # fmt: skip
         cfg.target.dtype = "bfloat16"
-        assert run_capture(cfg).samples == 24
+        assert run_capture(cfg).samples == 8
         dirs[name] = cfg.out / "shards"
 
     def per_token(shards):
@@ -284,41 +294,6 @@ def test_split_rows_cuts_contiguous_groups_with_the_least_largest_group():
     assert split_rows([300, 300, 300], 4, 656) == [(0, 3)]  # a small pass stays one job
     assert split_rows([700, 700, 700], 4, 656) == [(0, 1), (1, 2), (2, 3)]  # no more groups than rows
     assert split_rows([], 4, 1) == [(0, 0)]
-
-
-def pool_pass(rng: torch.Generator, keys: list[str], lengths: list[int], width: int):
-    """One pass as capture hands it to WriterPool.submit: padded features/argmax, attention, items."""
-    b, t = len(lengths), max(lengths)
-    features = torch.randn(b, t, width, generator=rng).to(torch.bfloat16)
-    argmax = torch.randint(0, 500, (b, t), generator=rng)  # int64, as the capture returns it
-    attention = torch.zeros(b, t, dtype=torch.long)
-    items = []
-    for r, (key, n) in enumerate(zip(keys, lengths)):
-        attention[r, :n] = 1
-        ids = torch.randint(0, 500, (n,), generator=rng).tolist()
-        mask = torch.randint(0, 2, (n,), generator=rng).tolist()
-        items.append((key, ids, mask, {"row": r}))
-    return features, argmax, attention, items
-
-
-def pool_config(shard_bytes: int, **capture):
-    """(config, provenance) of the writer pools below: 2 layers of H 16 in bf16."""
-    from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance
-    from tests.helpers.config import config_from
-
-    cfg = config_from({"target": {"kind": "tiny_stdlib"}, "capture": {"shard_bytes": shard_bytes, **capture}})
-    prov = Provenance(schema_version=SHARD_SCHEMA_VERSION, target_id="test:pool", target_hash="h", layer_ids=(1, 2),
-                      hidden_size=16, dtype="bfloat16", kernel_path="torch", template_hash="none")
-    return cfg, prov
-
-
-def writer_pool(shard_dir, writers: int, min_group_tokens: int | None, shard_bytes: int, writeback_idle: bool = True,
-                prefix: str = "t000", tokens_hint: int = 0, **capture):
-    from dflash_dist.capture.host_sink import WriterPool
-
-    cfg, prov = pool_config(shard_bytes, writeback_idle=writeback_idle, **capture)
-    return WriterPool(cfg, shard_dir, prov, prefix, 0, writers, min_group_tokens=min_group_tokens,
-                      tokens_hint=tokens_hint)
 
 
 def test_writer_pool_splits_each_pass_over_the_writers_and_writes_every_sample_once(tmp_path):
@@ -448,15 +423,6 @@ def test_host_buffers_that_do_not_fit_their_shared_memory_are_refused_with_the_f
     assert not path.exists()
 
 
-def _claim_and_wait(parent: str, ready) -> None:  # a capture process holding its buffer directory, until killed
-    from dflash_dist.capture.host_sink import claim_buffer_dir
-
-    path, _ = claim_buffer_dir(Path(parent), "t001", sweep=True)
-    (path / "buf0-1").write_bytes(b"x" * 4096)
-    ready.set()
-    time.sleep(600)
-
-
 def test_host_buffers_of_a_killed_capture_are_removed_by_the_next_one_and_no_others(tmp_path):
     """A capture process killed with its host buffers in /dev/shm (SIGKILL, OOM) leaves them
     behind; the next pool on the machine removes them (their owner lock is free), and leaves those
@@ -468,7 +434,7 @@ def test_host_buffers_of_a_killed_capture_are_removed_by_the_next_one_and_no_oth
 
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    dead = ctx.Process(target=_claim_and_wait, args=(str(tmp_path), ready))
+    dead = ctx.Process(target=claim_and_wait, args=(str(tmp_path), ready))
     dead.start()
     assert ready.wait(60)
     (orphan,) = tmp_path.glob("dflash-capture-t001-*")
@@ -493,14 +459,6 @@ def test_host_buffers_of_a_killed_capture_are_removed_by_the_next_one_and_no_oth
     os.close(fd)
 
 
-def _pool_at_a_full_gate(shard_dir: str, pids) -> None:  # a capture process whose writer waits at the disk gate
-    pool = writer_pool(Path(shard_dir), writers=1, min_group_tokens=8, shard_bytes=1024, writeback_idle=False,
-                       max_buffer_bytes=4096, buffer_stall_s=600)
-    pool.submit(*pool_pass(torch.Generator().manual_seed(0), ["a", "b"], [12, 9], 2 * 16))
-    pids.put(pool.procs[0].pid)
-    time.sleep(600)
-
-
 def _exited(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] in ("Z", "X")
@@ -517,7 +475,7 @@ def test_a_writer_waiting_at_the_disk_gate_stops_when_its_capture_process_is_kil
     import multiprocessing as mp
     import signal
 
-    from data_pipeline.records import Sample
+    from data_pipeline.records import BUFFER_NAME, Sample
     from data_pipeline.shard_reader import read_manifest
     from data_pipeline.shard_writer import ShardWriter
 
@@ -528,12 +486,15 @@ def test_a_writer_waiting_at_the_disk_gate_stops_when_its_capture_process_is_kil
     assert read_manifest(shards)[0].n_bytes > 4096
     ctx = mp.get_context("spawn")
     pids = ctx.Queue()
-    capture = ctx.Process(target=_pool_at_a_full_gate, args=(str(shards), pids))
+    capture = ctx.Process(target=pool_at_a_full_gate, args=(str(shards), pids))
     capture.start()
     writer = pids.get(timeout=120)
     try:
-        time.sleep(2)  # the writer took the job and waits at the gate (it polls every 0.5 s)
-        assert not _exited(writer)
+        # the writer took the job and waits at the gate: the gate writes buffer.json as it is entered, then polls
+        deadline = time.time() + 120
+        while not (shards / BUFFER_NAME).exists() and not _exited(writer) and time.time() < deadline:
+            time.sleep(0.05)
+        assert (shards / BUFFER_NAME).exists() and not _exited(writer)
         os.kill(capture.pid, signal.SIGKILL)
         capture.join(30)
         deadline = time.time() + 20
@@ -546,10 +507,6 @@ def test_a_writer_waiting_at_the_disk_gate_stops_when_its_capture_process_is_kil
     assert [r.name for r in read_manifest(shards)] == ["t009-000000.tar"]  # it wrote nothing
 
 
-def _fail_unasked(conn) -> None:  # a writer whose idle write-back failed: its error, unasked, then exit 0
-    conn.send_bytes(b'{"error": "OSError: [Errno 122] Disk quota exceeded"}')
-
-
 def test_a_writer_that_failed_while_idle_is_reported_with_its_own_error():
     """A writer process that sent an error nobody asked for (it failed between jobs) and exited:
     the parent's next send finds the pipe closed and reports that error, not a killed process."""
@@ -559,7 +516,7 @@ def test_a_writer_that_failed_while_idle_is_reported_with_its_own_error():
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_fail_unasked, args=(child,))
+    proc = ctx.Process(target=fail_unasked, args=(child,))
     proc.start()
     proc.join(timeout=60)
     child.close()

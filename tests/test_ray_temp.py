@@ -65,27 +65,6 @@ def _idle_workers(raylet_pid: int) -> list[int]:
     return found
 
 
-def test_the_local_cluster_of_a_run_is_private_and_prestarts_no_workers(tmp_path):
-    """Also: the local cluster starts Python workers only when asked (pipeline.LOCAL_SYSTEM_CONFIG). Ray's
-    default prestarts one per CPU with the first driver, which no actor of a run takes (each carries its own
-    runtime_env, compile_cache.actor_runtime_env): with 2 CPUs, 2 idle workers beside a run's actor."""
-    import ray
-
-    from dflash_dist.compile_cache import actor_runtime_env
-    from dflash_dist.orchestration.pipeline import ray_session
-
-    cfg = config_from({"target": {"kind": "tiny_stdlib"}, "ray": {"num_cpus": 2}, "run": {"out_dir": str(tmp_path)}})
-    with ray_session(cfg):
-        session = Path(ray._private.worker.global_worker.node.get_session_dir_path())
-        assert (session / "sockets").is_dir()
-        assert not others_can_reach(session / "sockets"), f"{session}: other users can reach this run's Ray sockets"
-        (raylet,) = ray._private.worker.global_worker.node.all_processes["raylet"]
-        actor = ray.remote(num_cpus=1)(_Pid).options(runtime_env=actor_runtime_env()).remote()
-        ray.get(actor.pid.remote())  # the actor runs: its own worker, never an idle one
-        assert _idle_workers(raylet.process.pid) == []  # Ray's default: 2 by now (started with the driver)
-    assert not session.exists(), f"{session} outlived the cluster"
-
-
 class _Pid:
     def pid(self) -> int:
         return os.getpid()
@@ -373,23 +352,37 @@ def test_a_temp_base_too_long_for_rays_sockets_falls_back_to_tmp(monkeypatch):
         shutil.rmtree(long.parent)
 
 
-def test_a_local_cluster_starts_under_the_longest_ray_tmpdir_kept(tmp_path, monkeypatch):
-    """RAY_TMPDIR of the longest length ray_temp_base keeps (one byte more goes to /tmp): Ray's real
-    socket paths there fit, the cluster starts, and its session lies under it."""
+def test_the_local_cluster_of_a_run_is_private_prestarts_no_workers_and_fits_the_longest_ray_tmpdir(
+    tmp_path, monkeypatch
+):
+    """The local cluster of a run (pipeline.ray_session), started once for three checks. Its session's
+    sockets are private: the only directory above them others cannot pass is the run's own (the test's
+    RAY_TMPDIR is opened to them, as /tmp is), and it is removed when the cluster stops.
+
+    It starts Python workers only when asked (pipeline.LOCAL_SYSTEM_CONFIG). Ray's default prestarts one
+    per CPU with the first driver, which no actor of a run takes (each carries its own runtime_env,
+    compile_cache.actor_runtime_env): with 2 CPUs, 2 idle workers beside a run's actor.
+
+    RAY_TMPDIR is of the longest length ray_temp_base keeps (one byte more goes to /tmp): Ray's real socket
+    paths there fit, the cluster starts, and its session lies under it."""
     import ray
 
+    from dflash_dist.compile_cache import actor_runtime_env
     from dflash_dist.orchestration.pipeline import ray_session
     from dflash_dist.orchestration.ray_temp import _SOCKET_TAIL, RAY_DIR, SOCKET_PATH_MAX, ray_temp_base
 
     length = SOCKET_PATH_MAX - _SOCKET_TAIL - len(f"/dfray-XXXXXXXX/{RAY_DIR}")
     base = _short_dir(length)
     try:
+        for d in (base.parent, base):  # others pass through the test's directories (mkdtemp made the top 0700)
+            d.chmod(0o755)
+        assert others_can_reach(base)
         monkeypatch.setenv("RAY_TMPDIR", str(base))
         assert ray_temp_base() == str(base)
         monkeypatch.setenv("RAY_TMPDIR", str(base) + "q")
         assert ray_temp_base() == "/tmp"
         monkeypatch.setenv("RAY_TMPDIR", str(base))
-        cfg = config_from({"target": {"kind": "tiny_stdlib"}, "ray": {"num_cpus": 1},
+        cfg = config_from({"target": {"kind": "tiny_stdlib"}, "ray": {"num_cpus": 2},
                            "run": {"out_dir": str(tmp_path)}})  # fmt: skip
         with ray_session(cfg):
             node = ray._private.worker.global_worker.node
@@ -397,7 +390,12 @@ def test_a_local_cluster_starts_under_the_longest_ray_tmpdir_kept(tmp_path, monk
             assert session.parent.parent.parent == base
             sockets = [p for p in (session / "sockets").iterdir() if p.is_socket()]
             assert sockets and all(len(str(p)) <= SOCKET_PATH_MAX for p in sockets), sockets
-        assert not session.parent.parent.exists()
+            assert not others_can_reach(session / "sockets"), f"{session}: other users can reach this run's Ray sockets"
+            (raylet,) = node.all_processes["raylet"]
+            actor = ray.remote(num_cpus=1)(_Pid).options(runtime_env=actor_runtime_env()).remote()
+            ray.get(actor.pid.remote())  # the actor runs: its own worker, never an idle one
+            assert _idle_workers(raylet.process.pid) == []  # Ray's default: 2 by now (started with the driver)
+        assert not session.parent.parent.exists(), f"{session} outlived the cluster"
     finally:
         shutil.rmtree(base.parent)
 

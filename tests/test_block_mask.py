@@ -98,7 +98,7 @@ def test_cuda_compiled_flex_is_identical_with_both_builds(window, packed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["m64n64", "m32n128", "stages2", "autotune"])
+@pytest.mark.parametrize("preset", ["m64n64", "m32n128", "stages2", "m32n64", "tma", "m32n64tma", "autotune"])
 def test_cuda_flex_tilings_stay_as_close_to_fp32_as_torchs_own(preset):
     """Each tiling bench_train_step.py's fa* words time (attention.set_flex_tuning) sums the keys in another
     order: its bf16 output and q/k/v gradients stay within 2x torch's own tiling's error against an fp32

@@ -204,9 +204,11 @@ class HostReads(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._device.add(t.untyped_storage())
-        for arg, value in zip(func._schema.arguments, args):  # in-place and out= writes
-            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor):
-                self._device.add(value.untyped_storage())
+        for arg, value in zip(func._schema.arguments, args):  # in-place and out= writes (one tensor or a list:
+            if arg.alias_info is not None and arg.alias_info.is_write:  # _foreach_copy_ into a flat partition's views)
+                for t in value if isinstance(value, (list, tuple)) else [value]:
+                    if isinstance(t, torch.Tensor):
+                        self._device.add(t.untyped_storage())
         return out
 
     # -------------------------------------------------------------- reads that dispatch no op

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_loss import timed  # noqa: E402
 from train_step_settings import FLEX_PRESETS  # noqa: E402
 
 from dflash_dist.model.attention import attend, block_mask_flex, set_flex_tuning  # noqa: E402
@@ -53,23 +54,6 @@ def inputs(a, dev):
     mask = block_mask_flex(pos, keep, a.seq, a.block)
     used = int(block_mask_dense(pos.cpu(), keep.cpu(), a.seq, a.block).sum())
     return [t.requires_grad_(dev.type == "cuda") for t in (q, k, v)], mask, grad_out, used
-
-
-def timed(fn, iters: int, cuda: bool) -> float:
-    """ms per call of fn over `iters` calls (after the caller's warm-up)."""
-    if cuda:
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / iters
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) * 1e3 / iters
 
 
 def run_preset(name: str, qkv, mask, grad_out, scale: float, a, cuda: bool) -> dict:

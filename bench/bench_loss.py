@@ -41,6 +41,24 @@ def _with_split(split: str, fn, *args):
         vocab_loss.CHUNK_SPLIT = before
 
 
+def timed(fn, iters: int, cuda: bool) -> float:
+    """ms per call of fn over `iters` calls (after the caller's warm-up): CUDA events on a device,
+    the host clock on the CPU. Also bench_flex.py's timer."""
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
 def measure(fn, hidden, iters: int, warmup: int) -> tuple[float, float | None]:
     """(seconds per forward+backward, peak bytes above what was allocated before)."""
     cuda = hidden.is_cuda
@@ -56,17 +74,8 @@ def measure(fn, hidden, iters: int, warmup: int) -> tuple[float, float | None]:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            step()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3 / iters, torch.cuda.max_memory_allocated() - base
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        step()
-    return (time.perf_counter() - t0) / iters, None
+    secs = timed(step, iters, cuda) / 1e3
+    return secs, (torch.cuda.max_memory_allocated() - base) if cuda else None
 
 
 def main() -> None:

@@ -253,11 +253,11 @@ def global_norm(opt, grads: list[list[torch.Tensor]], flat: bool = False) -> tor
 
     tensors = [g for group in grads for g in group if g.numel()]
     sq = torch.zeros((), dtype=torch.float32, device=opt.device)
-    if tensors and flat:
-        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in tensors]
-        sq = torch.linalg.vector_norm(torch.stack(norms)).square()
-    elif tensors:
-        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    if tensors:
+        if flat:
+            norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in tensors]
+        else:
+            norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
         sq = torch.linalg.vector_norm(torch.stack(norms)).square()
     dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=opt.dp_process_group)
     return sq.sqrt()

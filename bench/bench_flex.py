@@ -78,7 +78,8 @@ def run_preset(name: str, qkv, mask, grad_out, scale: float, a, cuda: bool) -> d
         fwd_bwd()
     fwd_ms = timed(fwd, a.iters, cuda)
     both_ms = timed(fwd_bwd, a.iters, cuda)
-    return {"name": name, "fwd_ms": fwd_ms, "bwd_ms": both_ms - fwd_ms, "fwd_bwd_ms": both_ms,
+    # on the CPU fwd_bwd is the forward alone (no CPU backward): no backward time to report
+    return {"name": name, "fwd_ms": fwd_ms, "bwd_ms": both_ms - fwd_ms if cuda else None, "fwd_bwd_ms": both_ms,
             "compile_s": compile_s, "out": got}
 
 
@@ -132,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
                 same = compare(r.pop("out"), ref)
                 r["round"], r["vs_first"] = rnd, same
                 results.append(r)
-                print(f"{name:10s} round {rnd}: fwd {r['fwd_ms']:7.3f} ms  bwd {r['bwd_ms']:7.3f} ms  "
-                      f"({flops / r['fwd_ms'] / 1e9:4.0f} / {2.5 * flops / r['bwd_ms'] / 1e9:4.0f} TFLOP/s used)  "
+                bwd = (f"bwd {r['bwd_ms']:7.3f} ms  ({flops / r['fwd_ms'] / 1e9:4.0f} / "
+                       f"{2.5 * flops / r['bwd_ms'] / 1e9:4.0f} TFLOP/s used)") if cuda else "bwd n/a (CPU)"
+                print(f"{name:10s} round {rnd}: fwd {r['fwd_ms']:7.3f} ms  {bwd}  "
                       f"x{a.layers}: {a.layers * r['fwd_bwd_ms']:7.2f} ms a step  compile {r['compile_s']:5.1f} s  "
                       f"vs {names[0]}: {same}")
     finally:

@@ -29,6 +29,7 @@ import stat
 import sys
 from pathlib import Path
 
+from dflash_dist.orchestration.ray_system import head_start_args
 from dflash_dist.orchestration.ray_token import new_token, with_auth
 
 REMOTE_TOKEN = "~/dflash-ray-token"  # the token on every node of a launcher-made cluster
@@ -132,5 +133,5 @@ def ray_start_main(argv: list[str]) -> int:
         return 2
     ray = str(Path(sys.executable).with_name("ray"))
     env = with_auth(dict(os.environ), token_path=path)
-    os.execve(ray, [ray, "start", *argv], env)
+    os.execve(ray, [ray, "start", *argv, *head_start_args(argv)], env)  # a head: no idle workers prestarted
     return 1  # not reached

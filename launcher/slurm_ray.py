@@ -31,6 +31,7 @@ from data_pipeline.durable_files import write_text_atomic
 from dflash_dist.actors.ports import free_ports
 from dflash_dist.config import Config, ConfigError
 from dflash_dist.node_address import network_address
+from dflash_dist.orchestration.ray_system import head_start_args
 from dflash_dist.orchestration.ray_temp import make_private_ray_temp, release_ray_temp
 from launcher.ray_auth import new_token, with_auth
 from launcher.slurm_train import given_master_addr, step_hostnames, tasks_per_node
@@ -116,6 +117,7 @@ class SlurmRayCluster:
         head = [_ray_bin(), "start", "--head", "--block", "--node-ip-address", self.address_ip,
                 "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", self.temp_dir, *res,
                 *(a for flag, port in zip(_HEAD_PORT_FLAGS, self.ports) for a in (flag, str(port)))]
+        head += head_start_args(head)  # no idle workers prestarted for the drivers (the node wait's, the pipeline's)
         proc = subprocess.Popen(head, env=self.env, start_new_session=True, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         self.procs.append(proc)

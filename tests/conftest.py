@@ -253,11 +253,13 @@ def ray_cluster():
     import ray
 
     from dflash_dist.actors.trainer_group import default_extensions_dir
+    from dflash_dist.orchestration.ray_system import NO_PRESTART
 
     ray.init(
         address="local",
         num_cpus=2,
         include_dashboard=False,
+        _system_config=NO_PRESTART,  # as a run's own local cluster: no idle workers that no actor takes
         _node_ip_address="127.0.0.1",  # every agent of the node on loopback, whatever ray read at import
         log_to_driver=True,
         runtime_env={

@@ -92,7 +92,13 @@ class LocalHead:
             env=self.env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         self.sid = proc.pid
-        out, _ = proc.communicate(timeout=120)
+        try:
+            out, _ = proc.communicate(timeout=300)  # a loaded 2-core host has taken over 120 s
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            self.stop()  # what it started so far (gcs, dashboard, monitor) in its session: none left running
+            pytest.fail(f"ray start did not return in 300 s:\n{out[-4000:]}")
         if proc.returncode != 0:
             self.stop()
             pytest.fail(f"ray start failed ({proc.returncode}):\n{out[-4000:]}")

@@ -70,7 +70,35 @@ class _Pid:
         return os.getpid()
 
 
-def test_the_slurm_head_is_private(tmp_path):
+# a driver that joins RAY_ADDRESS, runs an actor with a runtime_env of its own (as every actor of a run does),
+# says so and stays connected until its stdin closes: Ray's default prestarts idle workers for it by then
+_DRIVER = """import sys
+import ray
+ray.init(logging_level="ERROR", log_to_driver=False)
+a = ray.remote(num_cpus=1)(type("Pid", (), {"pid": lambda self: __import__("os").getpid()}))
+print("ACTOR", ray.get(a.options(runtime_env={"env_vars": {"DFLASH_TEST": "1"}}).remote().pid.remote()), flush=True)
+sys.stdin.read()
+"""
+
+
+def _idle_beside_a_driver(env: dict, raylet_pid: int) -> list[int]:
+    """The idle workers of `raylet_pid` while _DRIVER is connected (`env` reaches the cluster) and its actor runs."""
+    driver = subprocess.Popen([sys.executable, "-c", _DRIVER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        line = driver.stdout.readline()
+        assert line.startswith("ACTOR "), line + driver.stdout.read()
+        return _idle_workers(raylet_pid)
+    finally:
+        driver.stdin.close()
+        driver.wait(timeout=60)
+
+
+def test_the_slurm_head_is_private_and_prestarts_no_workers(tmp_path):
+    """The head's sockets are private and removed with it. It starts Python workers only when asked
+    (ray_system.NO_PRESTART, given to `ray start --head`, the whole cluster's config): Ray's default
+    prestarts one per CPU with the first driver (the node wait's or the pipeline's), which no actor of
+    a run takes."""
     from launcher.slurm_ray import SlurmRayCluster
 
     cluster = SlurmRayCluster([socket.gethostname()])
@@ -79,6 +107,8 @@ def test_the_slurm_head_is_private(tmp_path):
         head = Path(cluster.temp_dir)
         session = _wait_for(lambda: next(head.glob("session_2*"), None), what="the head's session directory")
         assert not others_can_reach(session / "sockets"), f"{session}: other users can reach the head's sockets"
+        (raylet,) = _raylets(session)
+        assert _idle_beside_a_driver(dict(cluster.env, RAY_ADDRESS=cluster.address), raylet) == []
     finally:
         cluster.stop()
     assert not head.parent.exists(), f"{head.parent} outlived the cluster"

@@ -26,6 +26,7 @@ from dflash_dist.config import Config
 from dflash_dist.evaluator.policy import EvalResult
 from dflash_dist.orchestration import placement
 from dflash_dist.orchestration.eval_watch import EvaluatorWatch
+from dflash_dist.orchestration.ray_system import NO_PRESTART
 from dflash_dist.orchestration.ray_temp import private_ray_temp
 from dflash_dist.orchestration.ray_token import local_cluster_auth, reach_hint
 from dflash_dist.orchestration.run_lock import RunLock, RunLocked
@@ -34,10 +35,7 @@ from dflash_dist.orchestration.run_plan import PLAN_NAME, PipelineError, RunPlan
 log = logging.getLogger(__name__)
 
 EVALUATOR_RESTART_TIMEOUT_S = 600.0  # a restarting evaluator unavailable for longer: the run fails
-# A local cluster starts no idle Python workers ahead of use: Ray prestarts up to one per CPU (as many as the node's
-# cores start at once) for the first driver, and every actor of a run carries its own runtime_env, so none of them
-# ever takes one (measured: 2 unused `ray::IDLE` processes on 2 cores; on a GPU node, one per core beside the target)
-LOCAL_SYSTEM_CONFIG = {"prestart_worker_first_driver": False, "enable_worker_prestart": False}
+LOCAL_SYSTEM_CONFIG = NO_PRESTART  # a local cluster starts no idle Python workers ahead of use (ray_system.py)
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: the trainers saved after a preemption notice; continue with --resume auto
 
 

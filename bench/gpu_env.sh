@@ -18,3 +18,14 @@ left() { echo $((end - $(date +%s))); }
 # a step's time limit: its own ($1 s) or what the deadline leaves less $2 s (default 10), whichever is
 # smaller, and at least 1 s (timeout 0 would mean no limit at all)
 cap() { local t=$(($(left) - ${2:-10})); t=$((t < $1 ? t : $1)); echo $((t > 0 ? t : 1)); }
+# the device tool returns at most 8 files of $OUT a call (the rest are left out, named by count): at the
+# script's exit, more than 8 files there go back as the JSON results, gpu.txt and one logs.tgz of every log
+_pack_logs() {
+    local n
+    n=$(find "$out" -type f | wc -l)
+    if [ "$n" -gt 8 ]; then
+        (cd "$out" && find . -type f -name '*.log' -print0 | tar --null -czf logs.tgz -T - && find . -type f -name '*.log' -delete)
+        echo "gpu_env: $n files under $out, more than the 8 the tool returns: every .log is in logs.tgz"
+    fi
+}
+trap _pack_logs EXIT

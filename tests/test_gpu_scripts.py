@@ -43,3 +43,22 @@ def test_gpu_speed_steps_stop_at_the_deadline(tmp_path):
     assert took < 15, (took, done.stdout, done.stderr)
     assert "train_step rc=124" in done.stdout and "cost rc=124" in done.stdout, done.stdout
     assert "gpu_tests rc=" not in done.stdout  # nothing else starts with under 60 s left
+
+
+def test_a_call_that_writes_more_than_eight_files_sends_its_logs_as_one_archive(tmp_path):
+    """The device tool returns at most 8 files of $OUT a call: gpu_kernels.sh writes 9 here (gpu.txt, install.log,
+    its benches' logs and one log per gpu test group), so at its exit gpu_env.sh packs every .log into logs.tgz
+    (the thirteenth lease lost loss.log and the train step's files to the limit)."""
+    import tarfile
+
+    env = stand_ins(tmp_path)
+    out = tmp_path / "out"
+    env.update(OUT=str(out))
+    done = subprocess.run(["bash", str(REPO / "bench" / "gpu_kernels.sh"), "60"], env=env, capture_output=True,
+                          text=True, timeout=HANG - 10, cwd=tmp_path)  # fmt: skip
+    assert "every .log is in logs.tgz" in done.stdout, done.stdout + done.stderr
+    files = sorted(p.name for p in out.rglob("*") if p.is_file())
+    assert len(files) <= 8 and "logs.tgz" in files and not [f for f in files if f.endswith(".log")], files
+    with tarfile.open(out / "logs.tgz") as tar:
+        names = sorted(Path(n).name for n in tar.getnames())
+    assert {"install.log", "flex.log", "loss.log", "train_step.log", "gpu_tests_4.log"} <= set(names), names

@@ -6,14 +6,14 @@
 # preset only when it is >= 1% faster than torch's own tiling there, a chunking only when >= 0.5% faster than
 # the default. Everything is written under OUT (default $OUT).
 #   bench/gpu_kernels.sh [DEADLINE_S]      (seconds from the start the whole call must end by; default 570)
-# BASE (default direct+fused+leangrads+gnormlist: the one-kernel step's norm as before 2026-12-06) and NOW (default
+# BASE (default direct+fused+leangrads+gnormlist+fatorch: the norm and flex tiles as before 2026-12-06) and NOW (default
 # direct+fused+leangrads: the code's defaults) are the settings the picks are added to; FLEX_PRESETS_RUN the tilings.
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu_kernels}
 deadline_s=${1:-570}
 . bench/gpu_env.sh
-base=${BASE:-direct+fused+leangrads+gnormlist}
+base=${BASE:-direct+fused+leangrads+gnormlist+fatorch}
 now=${NOW:-direct+fused+leangrads}
 t0=$(date +%s)
 timeout "$(cap 150)" python3 bench/bench_flex.py --presets "${FLEX_PRESETS_RUN:-torch,m32n64,tma,m32n64tma}" \

@@ -7,7 +7,7 @@ import torch
 
 from dflash_dist.model import loss as loss_mod
 from dflash_dist.model import vocab_loss
-from dflash_dist.model.attention import set_flex_tuning
+from dflash_dist.model.attention import HOPPER_D128_TILES, set_flex_tuning
 from dflash_dist.model.fused import set_rms_norm_in_place, set_rope_layout
 from dflash_dist.model.vocab_loss import lm_head_cross_entropy
 
@@ -35,8 +35,9 @@ SWITCHES = {  # --settings vocabulary: each word sets one switch on the running 
     "onepass": ("passes", 1), "twopass": ("passes", 2),
     # fused.py (liger/compile): q/k RoPE before the transpose or after it; liger RMSNorm dX over dY or into zeros
     "ropebthd": ("rope", "bthd"), "ropebhtd": ("rope", "bhtd"), "rmsinplace": ("rms", True), "rmscopy": ("rms", False),
-    # the compiled flex kernels' tiles (attention.set_flex_tuning): torch's choice, a FLEX_PRESETS entry, or
-    # inductor's autotuning of the forward and backward kernels at this shape (its timing table on stderr)
+    # the compiled flex kernels' tiles (attention.set_flex_tuning): without an fa word the device's default (m32n64tma
+    # on sm90 at head_dim 128: attention.default_flex_options), fatorch torch's own choice, another FLEX_PRESETS
+    # entry, or inductor's autotuning of the forward and backward kernels at this shape (its timing table on stderr)
     # the head's chunks (vocab_loss.py): logits bytes a chunk (1 GiB the default; 4 GiB: the 27B shape's 7680 rows
     # in one chunk) and how the rows are cut (greedy: full chunks then the rest, the default; balanced)
     "ce1g": ("ce_bytes", 2**30), "ce2g": ("ce_bytes", 2**31), "ce4g": ("ce_bytes", 2**32),
@@ -62,14 +63,12 @@ FLEX_PRESETS = {
     # inductor's autotuning picked these on the H200 (eighth lease, docs/BENCHMARKS.md): forward 64 x 64 (8.24
     # against 8.96 for torch's 128 x 128 in its table), backward 32 x 64 / 64 x 32 (24.7 against 26.4); the
     # whole step under autotuning was not faster, inside the step's spread: bench_flex.py times them alone
-    "m32n64": {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_warps": 4, "fwd_num_stages": 3,
-               "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
-               "bwd_num_warps": 4, "bwd_num_stages": 3},
+    "m32n64": {k: v for k, v in HOPPER_D128_TILES.items() if k != "USE_TMA"},
     # Hopper's tensor memory accelerator for the q/k/v/dO tile loads (torch's templates have it, off by default
     # on CUDA): the same tiles and sums, loaded by TMA
     "tma": {"USE_TMA": True},
 }
-FLEX_PRESETS["m32n64tma"] = {**FLEX_PRESETS["m32n64"], "USE_TMA": True}
+FLEX_PRESETS["m32n64tma"] = dict(HOPPER_D128_TILES)  # the default on sm90 at head_dim 128 since 2026-12-06
 CHUNKS = (vocab_loss.CHUNK_BYTES, vocab_loss.CHUNK_SPLIT)  # the defaults, for settings without ce words
 BEFORE = {"mask": "create", "step": "deepspeed", "ovf": True, "kv": False, "grads": "ds"}  # before issue 24
 
@@ -123,7 +122,7 @@ def apply_setting(engine, setting: dict) -> None:
     set_rms_norm_in_place(setting.get("rms", True))
     vocab_loss.CHUNK_BYTES = setting.get("ce_bytes", CHUNKS[0])
     vocab_loss.CHUNK_SPLIT = setting.get("ce_split", CHUNKS[1])
-    flex = setting.get("flex", "torch")
+    flex = setting.get("flex")  # none: the device's default tiles (attention.default_flex_options)
     set_flex_tuning(FLEX_PRESETS.get(flex), autotune=flex == "autotune")
 
 

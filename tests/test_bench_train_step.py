@@ -150,8 +150,8 @@ def test_fused_words_switch_the_layout_and_a_setting_without_them_restores_the_d
 
 
 def test_flex_words_set_the_compiled_flex_tuning_and_reach_the_call(single_rank_gloo, monkeypatch):
-    """fa* words reach attention.set_flex_tuning (a FLEX_PRESETS tiling or inductor's autotuning); a setting
-    without one gets torch's choice back; the options reach flex_attention's call."""
+    """fa* words reach attention.set_flex_tuning (a FLEX_PRESETS tiling, torch's own, or inductor's autotuning);
+    a setting without one gets the device's default tiles back; the options reach flex_attention's call."""
     from dflash_dist.model import attention
 
     assert tss.parse_setting("direct+lean+fam32n128")["flex"] == "m32n128"
@@ -161,7 +161,7 @@ def test_flex_words_set_the_compiled_flex_tuning_and_reach_the_call(single_rank_
         assert attention.flex_tuning() == {"options": tss.FLEX_PRESETS["m32n128"], "autotune": False}
         assert attention.flex_tuning()["options"]["bwd_BLOCK_N1"] == 128
         tss.apply_setting(engine, tss.parse_setting("direct+lean+faautotune"))
-        assert attention.flex_tuning() == {"options": {}, "autotune": True}
+        assert attention.flex_tuning() == {"options": None, "autotune": True}
         tss.apply_setting(engine, tss.parse_setting("direct+lean+fam64n64"))
         seen = []
         real = attention.flex_attention
@@ -171,15 +171,19 @@ def test_flex_words_set_the_compiled_flex_tuning_and_reach_the_call(single_rank_
         q, k = torch.randn(1, 2, 8, 8), torch.randn(1, 1, 20, 8)
         attention.attend(q, k, k, mask, scale=0.3)
         assert seen[-1]["kernel_options"] == tss.FLEX_PRESETS["m64n64"]
-        tss.apply_setting(engine, tss.parse_setting("direct+lean"))
+        tss.apply_setting(engine, tss.parse_setting("direct+lean+fatorch"))
         assert attention.flex_tuning() == {"options": {}, "autotune": False}
         attention.attend(q, k, k, mask, scale=0.3)
-        assert seen[-1]["kernel_options"] is None  # torch's own choice, as before the switch existed
+        assert seen[-1]["kernel_options"] is None  # torch's own choice
+        tss.apply_setting(engine, tss.parse_setting("direct+lean"))
+        assert attention.flex_tuning() == {"options": None, "autotune": False}  # the device's default
+        attention.attend(q, k, k, mask, scale=0.3)
+        assert seen[-1]["kernel_options"] is None  # on the CPU: torch's own choice
     finally:
         attention.set_flex_tuning()
     with pytest.raises(ValueError, match=r"\['bwd_BLOCK_Q'\]: not torch's FlexKernelOptions"):
         attention.set_flex_tuning({"bwd_BLOCK_M1": 32, "bwd_BLOCK_Q": 64})
-    assert attention.flex_tuning() == {"options": {}, "autotune": False}  # a refused tuning changes nothing
+    assert attention.flex_tuning() == {"options": None, "autotune": False}  # a refused tuning changes nothing
 
 
 class _FailingBackward(torch.autograd.Function):

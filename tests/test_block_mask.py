@@ -135,3 +135,50 @@ def test_cuda_flex_tilings_stay_as_close_to_fp32_as_torchs_own(preset):
           f"{errors[preset]} vs {errors['torch']}")
     for mine, torchs in zip(errors[preset], errors["torch"]):
         assert mine <= 2 * torchs + 1e-4
+
+
+def test_the_default_flex_tiles_are_hoppers_at_head_dim_128_and_torchs_elsewhere():
+    """attention.default_flex_options: HOPPER_D128_TILES on sm90 at head_dim 128 only; `attend` uses them unless
+    set_flex_tuning gave options ({}: torch's own choice) or autotuning, and never on the CPU."""
+    from dflash_dist.model import attention
+
+    assert attention.default_flex_options((9, 0), 128) == attention.HOPPER_D128_TILES
+    for cap, d in (((9, 0), 64), ((9, 0), 256), ((8, 0), 128), ((10, 0), 128), ((12, 0), 128), (None, 128)):
+        assert attention.default_flex_options(cap, d) is None, (cap, d)
+    q = torch.zeros(1, 2, 16, 128)
+    try:
+        assert attention._flex_options(q) is None  # the CPU: torch's own
+        attention.set_flex_tuning({"fwd_BLOCK_M": 32})
+        assert attention._flex_options(q) == {"fwd_BLOCK_M": 32}
+        attention.set_flex_tuning({})
+        assert attention._flex_options(q) is None and attention.flex_tuning()["options"] == {}
+    finally:
+        attention.set_flex_tuning()
+    assert attention.flex_tuning() == {"options": None, "autotune": False}
+
+
+@pytest.mark.gpu
+def test_cuda_default_flex_tiles_sum_as_torchs_own_on_hopper():
+    """On sm90 at head_dim 128 `attend` runs HOPPER_D128_TILES by default: the same 64-key tiles as torch's own
+    choice, so the output and the q/k/v gradients are bitwise torch's own (the training block mask, GQA 4:1)."""
+    from dflash_dist.model import attention
+
+    assert torch.cuda.get_device_capability() == (9, 0), "the device machine is an H100 or H200"
+    torch.manual_seed(0)
+    b, s_len, n, blk, d = 1, 1536, 256, 16, 128
+    positions, keep, _ = (t if t is None else t.cuda() for t in anchors_for(b, s_len, n, False))
+    q = torch.randn(b, 8, n * blk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(b, 2, s_len + n * blk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    g = torch.randn(b, 8, n * blk, d, device="cuda", dtype=torch.bfloat16)
+    outs = {}
+    try:
+        for name, options in (("default", None), ("torch", {})):
+            attention.set_flex_tuning(options)
+            assert attention._flex_options(q) == (attention.HOPPER_D128_TILES if options is None else None)
+            out = attention.attend(q, k, v, block_mask_flex(positions, keep, s_len, blk), scale=d**-0.5)
+            outs[name] = (out.detach(), *torch.autograd.grad(out, (q, k, v), g))
+    finally:
+        attention.set_flex_tuning()
+    for x, y in zip(outs["default"], outs["torch"]):
+        assert torch.equal(x, y)

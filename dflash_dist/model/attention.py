@@ -200,13 +200,30 @@ def _compiled_flex(autotune: bool = False):
 
 # The compiled flex kernels' tuning (set_flex_tuning): torch's FlexKernelOptions (tile sizes, warps,
 # stages; a "fwd_"/"bwd_" prefix limits one to the forward or the backward kernels), or inductor's
-# autotuning. Default: none of them, torch's own choice for the device. Another tiling sums a row's
-# keys in another order, so the output and gradients change in the last bits (tests/test_block_mask.py).
+# autotuning. Default (options None): the device's tiles below, else torch's own choice ({} asks for
+# torch's own everywhere). Another tiling may sum a row's keys in another order, so the output and
+# gradients may change in the last bits (tests/test_block_mask.py bounds each against an fp32 reference).
 _FLEX_TUNING: dict = {"options": None, "autotune": False}
+
+# Hopper (sm90) at head_dim 128, the 27B drafter's heads: forward tiles of 64 queries x 64 keys loaded by the
+# TMA, backward 32 x 64 (dK/dV) and 64 x 32 (dQ), 4 warps, 3 stages (inductor's autotuning picked these tiles on
+# the H200). Each row's keys are summed in the same 64-key tiles as torch's own choice: output and q/k/v
+# gradients bitwise equal to it at the 27B shape, and 3.7% faster forward + backward (bench/bench_flex.py on an
+# H100, 2026-12-06: 16.30 against 16.92 ms a step; docs/BENCHMARKS.md).
+HOPPER_D128_TILES = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_warps": 4, "fwd_num_stages": 3,
+                     "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
+                     "bwd_num_warps": 4, "bwd_num_stages": 3, "USE_TMA": True}
+
+
+def default_flex_options(capability: tuple[int, int] | None, head_dim: int) -> dict | None:
+    """The flex tiles `attend` uses without set_flex_tuning's: HOPPER_D128_TILES on an sm90 GPU at head_dim
+    128, else None (torch's own choice; `capability` None: not a CUDA device)."""
+    return dict(HOPPER_D128_TILES) if capability == (9, 0) and head_dim == 128 else None
 
 
 def set_flex_tuning(options: dict | None = None, autotune: bool = False) -> None:
-    """Tile options and/or autotuning for the compiled flex kernels of every later `attend` call."""
+    """Tile options and/or autotuning for the compiled flex kernels of every later `attend` call.
+    `options` None: the device's default tiles (default_flex_options); {}: torch's own choice."""
     from torch.nn.attention.flex_attention import FlexKernelOptions
 
     known = set(FlexKernelOptions.__annotations__)
@@ -214,11 +231,19 @@ def set_flex_tuning(options: dict | None = None, autotune: bool = False) -> None
     if bad:
         raise ValueError(f"flex kernel options {bad}: not torch's FlexKernelOptions "
                          f"(known, optionally with a fwd_/bwd_ prefix: {sorted(known)})")
-    _FLEX_TUNING.update(options=dict(options) if options else None, autotune=bool(autotune))
+    _FLEX_TUNING.update(options=dict(options) if options is not None else None, autotune=bool(autotune))
 
 
 def flex_tuning() -> dict:
-    return {"options": dict(_FLEX_TUNING["options"] or {}), "autotune": _FLEX_TUNING["autotune"]}
+    options = _FLEX_TUNING["options"]
+    return {"options": None if options is None else dict(options), "autotune": _FLEX_TUNING["autotune"]}
+
+
+def _flex_options(q: torch.Tensor) -> dict | None:
+    options = _FLEX_TUNING["options"]
+    if options is None and not _FLEX_TUNING["autotune"] and q.is_cuda:
+        options = default_flex_options(torch.cuda.get_device_capability(q.device), q.shape[-1])
+    return options or None
 
 
 def attend(q, k, v, mask, scale: float) -> torch.Tensor:
@@ -231,7 +256,7 @@ def attend(q, k, v, mask, scale: float) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
     if BlockMask is not None and isinstance(mask, BlockMask):
         fn = _compiled_flex(_FLEX_TUNING["autotune"]) if q.is_cuda else flex_attention
-        return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, kernel_options=_FLEX_TUNING["options"])
+        return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, kernel_options=_flex_options(q))
     dense = mask[:, None]  # [b, 1, Q, K]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale, enable_gqa=True)
     empty = ~dense.any(-1, keepdim=True)

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from profile_gaps import gap_report, host_ops, idle_gaps, kernel_intervals
+from profile_gaps import gap_report, host_ops, host_stacks, idle_gaps, kernel_intervals
 from train_step_settings import BEFORE, SWITCHES, apply_setting, parse_setting, recover  # noqa: F401 (tests use bts.*)
 
 from data_pipeline.durable_files import write_text_atomic
@@ -354,7 +354,9 @@ def profile(engine, batches, path: str | None) -> None:
     busy = sum(e.device_time for e in kernels) / 1e3 / len(batches)  # ms of kernels per step (streams summed)
     wall = secs * 1e3 / len(batches)
     print(f"profiled: {wall:.1f} ms/step wall, {busy:.1f} ms of kernels per step (GPU idle >= {wall - busy:.1f} ms)")
-    print(gap_report(idle_gaps(kernel_intervals(prof), host_ops(prof)), steps=len(batches)))
+    ops = host_ops(prof)  # with --trace also the launching ops' Python frames (with_stack slows the host)
+    print(gap_report(idle_gaps(kernel_intervals(prof), ops), steps=len(batches), ops=ops,
+                     stacks=host_stacks(prof) if path else None))
     if path:
         prof.export_chrome_trace(path)
 

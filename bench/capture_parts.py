@@ -68,7 +68,7 @@ def profile_forward(model, batch, layer_ids: list[int], mask: str, capture) -> d
     return {
         "by_class_ms": dict(sorted(by_class.items(), key=lambda kv: -kv[1])),
         "top": [(e.key[:110], round(e.self_device_time_total / 1e3, 2), e.count) for e in top],
-        "gaps": gap_report(idle_gaps(kernel_intervals(prof), host_ops(prof)), steps=1),
+        "gaps": gap_report(idle_gaps(kernel_intervals(prof), ops := host_ops(prof)), steps=1, ops=ops),
     }
 
 

@@ -6,7 +6,12 @@ a step with no kernel running, more than the 10 ms between 4.49 and 4.7 samples/
 busy figure cannot say where; this does, from the profiler's own events:
 
     gaps = idle_gaps(kernel_intervals(prof), host_ops(prof))
-    print(gap_report(gaps, steps=2))
+    print(gap_report(gaps, steps=2, ops=host_ops(prof), stacks=host_stacks(prof)))
+
+The gap's end says which host op the GPU waited for; `ops` adds why the host was behind: the last
+synchronizing runtime call before it (the host waited for the GPU to drain its queue, then had to
+launch from an empty one) and the outermost host ops running during the gap; `stacks` (a profile
+taken with_stack=True) the Python frames of the op that launched the kernel ending the gap.
 """
 
 from __future__ import annotations
@@ -49,6 +54,83 @@ def host_ops(prof) -> list[tuple[float, float, str]]:
     return sorted((e.time_range.start, e.time_range.end, e.name) for e in cpu if main is None or e.thread == main)
 
 
+# runtime calls after which the host has waited for the device (cudaMemcpy without Async waits too)
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+_OUR_FRAMES = ("dflash_dist", "deepspeed", "bench/", "liger_kernel", "torch/nn/modules")
+
+
+def host_stacks(prof) -> dict[tuple[float, str], tuple[str, ...]]:
+    """(start us, name) of each host op -> its Python frames (innermost first) of this project, DeepSpeed,
+    liger and torch's modules; empty unless the profile was taken with_stack=True (the frames are the op's
+    `stack`, or, as torch records them since 2.x, the enclosing python_function events)."""
+    out = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU or "): " in e.name:
+            continue
+        frames = list(e.stack or ())
+        parent = e.cpu_parent
+        while not frames and parent is not None:  # collect the enclosing Python frames, innermost first
+            if "): " in parent.name:
+                frames += [parent.name] + _python_parents(parent)
+                break
+            parent = parent.cpu_parent
+        ours = tuple(f for f in frames if any(k in f for k in _OUR_FRAMES))
+        if ours:
+            out[(e.time_range.start, e.name)] = ours
+    return out
+
+
+def _python_parents(e) -> list[str]:
+    names, parent = [], e.cpu_parent
+    while parent is not None:
+        if "): " in parent.name:
+            names.append(parent.name)
+        parent = parent.cpu_parent
+    return names
+
+
+def _outermost(ops: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+    """The ops no other op of `ops` (sorted by start) encloses."""
+    top: list[tuple[float, float, str]] = []
+    for op in ops:
+        if not top or op[0] >= top[-1][1]:
+            top.append(op)
+    return top
+
+
+def gap_context(gap: Gap, ops: list[tuple[float, float, str]], top: list[tuple[float, float, str]] | None = None,
+                stacks: dict | None = None) -> list[str]:  # fmt: skip
+    """Why the host was behind at `gap`: the last synchronizing call that ended before the gap did (and the
+    op it ran in), how much of the gap the host spent in no op (Python between ops: `top`, the outermost ops,
+    by default computed from `ops`) and which ops it started in it, and the launching op's frames."""
+    lines = []
+    sync = None
+    for start, end, name in ops:
+        if start >= gap.end_us:
+            break
+        if (name in SYNC_CALLS or name.startswith(SYNC_CALLS[:3])) and end <= gap.end_us:
+            sync = (start, end, name)
+    if sync is not None:
+        within = [o for o in ops if o[0] <= sync[0] and o[1] >= sync[1] and not o[2].startswith(("cuda", "cu"))]
+        inner = max(within, key=lambda o: o[0])[2] if within else "?"
+        lines.append(f"last sync: {sync[2]} in {inner}, {sync[1] - sync[0]:.0f} us long, ended "
+                     f"{gap.end_us - sync[1]:.0f} us before the gap's end")  # fmt: skip
+    covered = sum(max(0.0, min(end, gap.end_us) - max(start, gap.start_us))
+                  for start, end, _ in (top if top is not None else _outermost(ops)))  # fmt: skip
+    started: dict[str, int] = {}
+    for start, _, name in ops:
+        if gap.start_us <= start < gap.end_us and not name.startswith(("cuda", "cu")):
+            started[name] = started.get(name, 0) + 1
+    ranked = sorted(started.items(), key=lambda kv: -kv[1])[:4]
+    lines.append(f"host in no op for {gap.us - covered:.0f} us of it (Python); started {sum(started.values())} ops"
+                 + (": " + ", ".join(f"{k[:40]} x{n}" for k, n in ranked) if ranked else ""))  # fmt: skip
+    if stacks:
+        cands = [(start, f) for (start, name), f in stacks.items() if name == gap.launched_by and start <= gap.end_us]
+        if cands:
+            lines.append("launched from: " + " <- ".join(max(cands)[1][:3]))
+    return lines
+
+
 def _launcher(ops: list[tuple[float, float, str]], starts: list[float], t: float, lead_us: float) -> str:
     """The innermost (latest-starting) op that encloses t - lead_us, skipping the runtime's launch calls."""
     probe = t - lead_us
@@ -79,8 +161,9 @@ def idle_gaps(kernels: list[tuple[float, float, str]], ops: list[tuple[float, fl
     return gaps
 
 
-def gap_report(gaps: list[Gap], steps: int, top: int = 15, width: int = 60) -> str:
-    """Idle per step in all, by size class, and the `top` largest gaps with their neighbours."""
+def gap_report(gaps: list[Gap], steps: int, top: int = 15, width: int = 60, ops=None, stacks=None) -> str:
+    """Idle per step in all, by size class, and the `top` largest gaps with their neighbours (with `ops`, the
+    host ops, and `stacks`, host_stacks: gap_context's lines under each)."""
     total = sum(g.us for g in gaps)
     lines = [f"idle between kernels: {total / 1e3 / steps:.2f} ms a step in {len(gaps) / steps:.0f} gaps"]
     classes = ((0, 10), (10, 100), (100, 1000), (1000, float("inf")))
@@ -97,7 +180,10 @@ def gap_report(gaps: list[Gap], steps: int, top: int = 15, width: int = 60) -> s
     lines.append("  by the host op launching the next kernel (ms a step): "
                  + "; ".join(f"{k[:40]} {v / 1e3 / steps:.2f}" for k, v in ranked))  # fmt: skip
     lines.append(f"  the {min(top, len(gaps))} largest:")
+    outer = _outermost(sorted(ops)) if ops else None
     for g in sorted(gaps, key=lambda g: -g.us)[:top]:
         lines.append(f"  {g.us:9.1f} us  after {g.before[:width]!r} before {g.after[:width]!r}"
                      f" (launched in {g.launched_by[:40] or '?'})")  # fmt: skip
+        if ops:
+            lines += [f"               {line}" for line in gap_context(g, sorted(ops), outer, stacks)]
     return "\n".join(lines)

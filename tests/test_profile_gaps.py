@@ -52,3 +52,46 @@ def test_a_real_profile_gives_host_ops_and_no_kernels_on_cpu():
     assert all(start <= end for start, end, _ in ops) and ops == sorted(ops)
     assert pg.kernel_intervals(prof) == []
     assert pg.gap_report(pg.idle_gaps([], ops), steps=1).startswith("idle between kernels: 0.00 ms a step in 0 gaps")
+
+
+def test_the_context_of_a_gap_says_why_the_host_was_behind():
+    """gap_context: the last synchronizing runtime call before the gap's end and the op it ran in (the host
+    waited for the GPU to drain, then launched from an empty queue), the part of the gap the host spent in no
+    op (Python) and the ops it started in it; a later sync or one that ends after the gap is not it."""
+    kernels = [(0.0, 100.0, "gemm"), (400.0, 450.0, "adamw")]
+    ops = [
+        (60.0, 105.0, "aten::item"),  # ends inside the gap: the sync's op
+        (61.0, 104.0, "cudaStreamSynchronize"),
+        (120.0, 160.0, "aten::zeros"),
+        (125.0, 130.0, "aten::fill_"),
+        (200.0, 240.0, "aten::zeros"),
+        (300.0, 398.0, "aten::_foreach_copy_"),  # launches adamw's kernel... after 2 us more
+        (380.0, 395.0, "cudaLaunchKernel"),
+        (500.0, 510.0, "cudaDeviceSynchronize"),  # after the gap: not it
+    ]
+    (gap,) = pg.idle_gaps(kernels, ops)
+    assert (gap.start_us, gap.end_us, gap.launched_by) == (100.0, 400.0, "aten::_foreach_copy_")
+    lines = pg.gap_context(gap, sorted(ops))
+    assert lines[0] == "last sync: cudaStreamSynchronize in aten::item, 43 us long, ended 296 us before the gap's end"
+    # in ops: 100-105 (item), 120-160, 200-240, 300-398 -> 183 of 300 us; no op: 117 us
+    assert lines[1] == "host in no op for 117 us of it (Python); started 4 ops: aten::zeros x2, aten::fill_ x1, " \
+                       "aten::_foreach_copy_ x1"
+    report = pg.gap_report([gap], steps=1, ops=ops)
+    assert "               last sync: cudaStreamSynchronize in aten::item" in report
+    assert "last sync" not in pg.gap_report([gap], steps=1)  # without ops: the gap alone, as before
+
+
+def test_host_stacks_name_the_projects_frames_of_each_op():
+    from torch.profiler import ProfilerActivity, profile
+
+    from dflash_dist.model.attention import attend
+
+    q = torch.randn(1, 2, 8, 16)
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        attend(q, q, q, None, scale=0.25)
+    stacks = pg.host_stacks(prof)
+    sdpa = [f for (_, name), f in stacks.items() if name == "aten::scaled_dot_product_attention"]
+    assert sdpa and "dflash_dist/model/attention.py" in sdpa[0][0], sdpa
+    with profile(activities=[ProfilerActivity.CPU]) as plain:
+        attend(q, q, q, None, scale=0.25)
+    assert pg.host_stacks(plain) == {}

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device call (<= 600 s, fresh machine) for issue 24 after the thirteenth lease: the gpu test of the default flex
+# tiles (bitwise torch's own on sm90 at head_dim 128), then the 27B trainer step with torch's own tiles (fatorch),
+# the balanced 2 GiB head chunks (ce2g+cebal) and the defaults, twice each in turn on one engine, and a profile
+# under the defaults whose largest gaps say why the host was behind (bench/profile_gaps.py). Everything is written
+# under OUT (default $OUT).   bench/gpu_step.sh [DEADLINE_S]   (default 480; SETTINGS overrides the settings)
+set -u
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/gpu_step}
+deadline_s=${1:-480}
+. bench/gpu_env.sh
+d=direct+fused+leangrads
+settings=${SETTINGS:-$d+fatorch,$d+ce2g+cebal,$d,$d+fatorch,$d+ce2g+cebal,$d}
+t0=$(date +%s)
+timeout "$(cap 120)" python3 -m pytest -m gpu -v -s -rA -p no:cacheprovider tests/test_block_mask.py \
+    -k "default_flex or (tilings and m32n64tma)" >"$out/gpu_flex.log" 2>&1
+echo "gpu_flex rc=$? s=$(($(date +%s) - t0))"
+grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/gpu_flex.log" | tail -6
+t0=$(date +%s)
+timeout "$(cap 330)" python3 bench/bench_train_step.py --loss chunked --kernels liger --steps "${STEPS:-8}" --warmup 2 \
+    --settings "$settings" --profile 2 --json "$out/train_step.json" >"$out/train_step.log" 2>&1
+echo "train_step rc=$? s=$(($(date +%s) - t0))"
+grep -E "ms/step|FAILED|Error|^profiled|idle between|by size|by the host op|  [0-9. ]+ us  after|last sync|host in no op" \
+    "$out/train_step.log" | tail -60

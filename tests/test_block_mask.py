@@ -160,7 +160,8 @@ def test_the_default_flex_tiles_are_hoppers_at_head_dim_128_and_torchs_elsewhere
 @pytest.mark.gpu
 def test_cuda_default_flex_tilings_sum_as_torchs_own_on_hopper():
     """On sm90 at head_dim 128 `attend` runs HOPPER_D128_TILES by default: the same 64-key tiles as torch's own
-    choice, so the output and the q/k/v gradients are bitwise torch's own (the training block mask, GQA 4:1)."""
+    choice, so the output and the q/k/v gradients are bitwise torch's own (the training block mask, GQA 4:1), and so
+    is the output at a decoding shape (one block of 16 queries over a context no multiple of a tile)."""
     from dflash_dist.model import attention
 
     assert torch.cuda.get_device_capability() == (9, 0), "the device machine is an H100 or H200"
@@ -178,7 +179,14 @@ def test_cuda_default_flex_tilings_sum_as_torchs_own_on_hopper():
             assert attention._flex_options(q) == (attention.HOPPER_D128_TILES if options is None else None)
             out = attention.attend(q, k, v, block_mask_flex(positions, keep, s_len, blk), scale=d**-0.5)
             outs[name] = (out.detach(), *torch.autograd.grad(out, (q, k, v), g))
+        positions, keep, _ = (t if t is None else t.cuda() for t in anchors_for(1, 700, 1, False))
+        q1, k1 = q[:, :, :blk].detach(), k[:, :, : 700 + blk].detach()
+        for name, options in (("decode default", None), ("decode torch", {})):
+            attention.set_flex_tuning(options)
+            with torch.no_grad():
+                outs[name] = (attention.attend(q1, k1, k1, block_mask_flex(positions, keep, 700, blk), scale=d**-0.5),)
     finally:
         attention.set_flex_tuning()
-    for x, y in zip(outs["default"], outs["torch"]):
-        assert torch.equal(x, y)
+    for a, b in (("default", "torch"), ("decode default", "decode torch")):
+        for x, y in zip(outs[a], outs[b]):
+            assert torch.equal(x, y), a

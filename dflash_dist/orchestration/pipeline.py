@@ -177,6 +177,10 @@ def _run(cfg: Config, stages: tuple[str, ...], resume: str) -> PipelineResult:
                 prompts = eval_prompt_ids(Path(plan.data.eval_jsonl), tokenizer, cfg.eval.num_prompts,
                                           cfg.data.enable_thinking)
                 evaluator = _start_evaluator(cfg, plan, prompts, paths["shards"], where("evaluator", 0))
+                # ended before the placement group's release: a restartable actor (eval.max_restarts) killed by
+                # that release was restarted by Ray into the removed group, RESTARTING for as long as the driver
+                # lived (a run joined to a cluster from a longer-lived process left it there)
+                watching.callback(ray.kill, evaluator, no_restart=True)
                 # its failure said when it happens (eval_watch.py); the trainers go on
                 watch = EvaluatorWatch(ray, evaluator, cfg.eval.max_restarts, str(cfg.out))
                 watching.callback(watch.stop)

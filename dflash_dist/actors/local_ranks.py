@@ -8,13 +8,13 @@ into an exception: a rank inside DeepSpeed's JIT build (torch's cpp_extension, o
 deepspeed.init_distributed) releases the build's lock file on the way out; killed outright, it left
 the lock behind and every later process on this venv's TORCH_EXTENSIONS_DIR waited on it forever.
 
-The ranks are forks of multiprocessing's fork server, which imports torch and DeepSpeed once (PRELOAD)
-and forks each rank of every later call from that single-threaded process: a spawned rank imported
-them again (~4.5 s of a core per rank on a 2-core EPYC; a check of 2 + 3 ranks spent most of its time
-there). Forked, a rank still runs its own interpreter state from there on: the function's module
-imported in it, this process's sys.path and working directory (multiprocessing's preparation data,
-as for spawn) and this process's current environment (passed along: the fork server's own is that
-of its start)."""
+The ranks are forks of multiprocessing's fork server, which imports torch once (PRELOAD) and forks
+each rank of every later call from that single-threaded process: a spawned rank imported torch and
+DeepSpeed again (~4.5 s of a core per rank on a 2-core EPYC; a check of 2 + 3 ranks spent most of
+its time there). Forked, a rank still runs its own interpreter state from there on: the function's
+module imported in it, this process's sys.path and working directory (multiprocessing's preparation
+data, as for spawn) and this process's current environment (passed along: the fork server's own is
+that of its start)."""
 
 from __future__ import annotations
 
@@ -35,16 +35,18 @@ from dflash_dist.actors.rendezvous import interpreter_bin_first, join_group
 
 HOST = "127.0.0.1"  # the store, and so gloo's connections, on loopback only
 STOP_GRACE_S = 10.0  # after SIGTERM, how long a rank gets to unwind before SIGKILL
-# what the fork server imports once, before any rank forks (a module that fails to import is left to the rank)
-PRELOAD = ("torch", "torch.distributed", "deepspeed", "dflash_dist.actors.local_ranks")
+# what the fork server imports once, before any rank forks (a module that fails to import is left to the rank). Not
+# DeepSpeed: its import picks the accelerator with torch.cuda.is_available(), which initialises the CUDA driver on a
+# GPU host, and a fork of a process that did cannot use CUDA; each rank imports it (~0.5 s of a core)
+PRELOAD = ("torch", "torch.distributed", "dflash_dist.actors.local_ranks")
 
 
 def run_ranks(fn: Callable[..., Any], world: int, args: tuple = (), timeout_s: float = 300.0) -> list:
     """fn(rank, world, *args) on each of `world` gloo ranks; their results in rank order. Each rank is
     a fork of the fork server (never of this process: fork is unsafe once torch runs threads) with one
-    torch thread, so `fn` must be a module-level function and its arguments and result picklable. Raises RuntimeError naming the
-    rank when one raises (its traceback), exits without a result, or no results come within
-    `timeout_s`; the ranks still running are then stopped (module docstring)."""
+    torch thread, so `fn` must be a module-level function and its arguments and result picklable. Raises
+    RuntimeError naming the rank when one raises (its traceback), exits without a result, or no results
+    come within `timeout_s`; the ranks still running are then stopped (module docstring)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts (the first call of a process)
     results = ctx.Queue()

@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from dflash_dist.actors.local_ranks import run_ranks
-from dflash_dist.actors.trainer_group import default_extensions_dir
 from dflash_dist.trainer.collectives import (
     CollectiveJsonError,
     PeerError,
@@ -28,7 +27,12 @@ from dflash_dist.trainer.collectives import (
     run_or_stop,
 )
 
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())  # DeepSpeed's shm op compiles once
+if "TORCH_EXTENSIONS_DIR" not in os.environ:  # DeepSpeed's shm op compiles once
+    # asked only here: the ranks, which import this module for their functions, inherit the value (run_ranks passes
+    # this process's environment), so none of the 10 imports Ray with trainer_group (0.6 s of a core each)
+    from dflash_dist.actors.trainer_group import default_extensions_dir
+
+    os.environ["TORCH_EXTENSIONS_DIR"] = default_extensions_dir()
 
 NESTED = {
     "text": 'ascii, ü, €, 😀, a "quote", a \\ and a\nnewline',

@@ -434,6 +434,11 @@ def test_run_until_computes_the_references_while_waiting_for_the_first_export(ti
 # ---- modes: live, server, the count convention, a reference drafter, images, status --------------
 
 
+# the live-mode tests whose proof is about bookkeeping or side-by-side workers, not tau's size: 12 new tokens a
+# prompt instead of the setting's 24 (live decoding is most of their time)
+SHORT = 12
+
+
 def _cfg(tiny, **eval_fields):
     tree = tiny["cfg"].to_dict()
     tree["eval"].update(eval_fields)
@@ -524,7 +529,7 @@ def test_live_workers_decode_the_prompts_side_by_side_with_the_same_rounds(tiny,
     for workers in (1, 2):
         out = tmp_path / f"run{workers}"
         (out / "export").mkdir(parents=True)
-        cfg = _cfg(tiny, mode="live", live_workers=workers, reference_batch=2)
+        cfg = _cfg(tiny, mode="live", live_workers=workers, reference_batch=2, max_new_tokens=SHORT)
         ev = Evaluator(cfg, out, tiny["target_dir"], tiny["prompts"], expected=None)
         publish(tiny, out, "trained", 10)
         (result,) = ev.run_until(lambda: (True, 10), poll_s=0.05)
@@ -621,9 +626,10 @@ def test_asking_for_another_mode_measures_it_for_every_evaluated_export(tiny, tm
         ev.close()
         return ev, got
 
-    _, replayed = evaluate(tiny["cfg"])
+    replay_cfg = _cfg(tiny, max_new_tokens=SHORT)
+    _, replayed = evaluate(replay_cfg)
     assert [r.live for r in replayed] == [None, None]
-    ev, lived = evaluate(_cfg(tiny, mode="live"))
+    ev, lived = evaluate(_cfg(tiny, mode="live", max_new_tokens=SHORT))
     assert [r.step for r in lived] == [5, 10]
     for before, after in zip(replayed, lived):
         assert after.mode == "live" and after.live["tau_chain"] == pytest.approx(after.tau_chain, rel=0.05)
@@ -643,14 +649,15 @@ def test_asking_for_another_mode_measures_it_for_every_evaluated_export(tiny, tm
     assert [e.step for e in acc.Images("eval/accept_hist")] == [5, 10]
 
     # replay asked again: every result holds it, nothing is measured
-    again, nothing = evaluate(tiny["cfg"])
+    again, nothing = evaluate(replay_cfg)
     assert nothing == [] and again.done == {5, 10} and again.results == {r.step: r for r in lived}
 
     # server: added beside live; a failed measurement is tried again on the next call
     srv = FakeEngine("sglang")
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
-        server_cfg = _cfg(tiny, mode="server", server_url=srv.url, server_max_retries=0, server_timeout_s=5)
+        server_cfg = _cfg(tiny, mode="server", server_url=srv.url, server_max_retries=0, server_timeout_s=5,
+                          max_new_tokens=SHORT)
         srv.raw = b'{"meta_info": {"spec_accept_length": -5}}'
         _, failed = evaluate(server_cfg)
         assert all(r.server_error and r.live for r in failed) and all(lacks_mode(r, "server") for r in failed)
@@ -666,7 +673,8 @@ def test_asking_for_another_mode_measures_it_for_every_evaluated_export(tiny, tm
 
     with pytest.raises(ValueError, match=r"step_5\.json \(and 1 more\) counts tau with eval\.count=capped, this run "
                                          r"asks eval\.count=uncapped: pass eval\.count=capped .* move .*eval and"):
-        Evaluator(_cfg(tiny, count="uncapped"), out, tiny["target_dir"], tiny["prompts"], expected=None)
+        Evaluator(_cfg(tiny, count="uncapped", max_new_tokens=SHORT), out, tiny["target_dir"], tiny["prompts"],
+                  expected=None)
 
 
 def test_server_mode_logs_the_engines_tau(tiny, tmp_path):

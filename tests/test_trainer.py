@@ -356,27 +356,18 @@ def test_zero3_group_exports_the_gathered_drafter_and_resumes(tiny, ray_cluster,
     assert all(lo > 0 for _, _, lo, _ in grads)
 
 
-def _rank_raises_data_lost(delay_s: float, own: str) -> None:  # a trainer rank at the slot where data is lost
-    import time as _time
-
-    from dflash_dist.trainer.step_source import DataLost
-
-    _time.sleep(delay_s)
-    err = DataLost(f"2 sample(s) could not be read. Rank could not read: {own or 'none here'}")
-    err.names_nothing = not own
-    raise err
-
-
-def test_the_group_reports_the_rank_that_names_the_lost_samples(ray_cluster):
+def test_the_group_reports_the_rank_that_names_the_lost_samples(ray_cluster, tmp_path):
     """Every rank raises DataLost at the same slot, and only the ranks that hit the unreadable
     samples can name them: when a rank that names nothing finishes first, the group still reports
     a rank that names them (before, whichever finished first was reported: 'none here')."""
     import ray
 
     from dflash_dist.actors.trainer_group import TrainerGroup, TrainerGroupError
+    from tests.helpers.lost_rank import rank_raises_data_lost
 
-    task = ray.remote(num_cpus=0)(_rank_raises_data_lost)
-    refs = [task.remote(1.0, "cap-000000.tar: truncated"), task.remote(0.0, "")]  # rank 1 first
+    task = ray.remote(num_cpus=0)(rank_raises_data_lost)
+    flag = str(tmp_path / "rank1_raising")
+    refs = [task.remote("cap-000000.tar: truncated", flag), task.remote("", flag)]  # rank 1 first
     with pytest.raises(TrainerGroupError, match=r"DataLost: .*cap-000000.tar: truncated") as err:
         TrainerGroup([], refs, []).wait(timeout_s=60)
     assert err.value.rank == 0

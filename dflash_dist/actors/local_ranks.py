@@ -6,7 +6,15 @@ as torch's env:// store does), and a failing rank stops the group at once, named
 its peers in a collective until gloo's timeout. Peers are stopped with SIGTERM, which a rank turns
 into an exception: a rank inside DeepSpeed's JIT build (torch's cpp_extension, on every
 deepspeed.init_distributed) releases the build's lock file on the way out; killed outright, it left
-the lock behind and every later process on this venv's TORCH_EXTENSIONS_DIR waited on it forever."""
+the lock behind and every later process on this venv's TORCH_EXTENSIONS_DIR waited on it forever.
+
+The ranks are forks of multiprocessing's fork server, which imports torch once (PRELOAD) and forks
+each rank of every later call from that single-threaded process: a spawned rank imported torch and
+DeepSpeed again (~4.5 s of a core per rank on a 2-core EPYC; a check of 2 + 3 ranks spent most of
+its time there). Forked, a rank still runs its own interpreter state from there on: the function's
+module imported in it, this process's sys.path and working directory (multiprocessing's preparation
+data, as for spawn) and this process's current environment (passed along: the fork server's own is
+that of its start)."""
 
 from __future__ import annotations
 
@@ -27,19 +35,25 @@ from dflash_dist.actors.rendezvous import interpreter_bin_first, join_group
 
 HOST = "127.0.0.1"  # the store, and so gloo's connections, on loopback only
 STOP_GRACE_S = 10.0  # after SIGTERM, how long a rank gets to unwind before SIGKILL
+# what the fork server imports once, before any rank forks (a module that fails to import is left to the rank). Not
+# DeepSpeed: its import picks the accelerator with torch.cuda.is_available(), which initialises the CUDA driver on a
+# GPU host, and a fork of a process that did cannot use CUDA; each rank imports it (~0.5 s of a core)
+PRELOAD = ("torch", "torch.distributed", "dflash_dist.actors.local_ranks")
 
 
 def run_ranks(fn: Callable[..., Any], world: int, args: tuple = (), timeout_s: float = 300.0) -> list:
     """fn(rank, world, *args) on each of `world` gloo ranks; their results in rank order. Each rank is
-    a spawned process (fork is unsafe once torch runs threads) with one torch thread, so `fn` must be
-    a module-level function and its arguments and result picklable. Raises RuntimeError naming the
-    rank when one raises (its traceback), exits without a result, or no results come within
-    `timeout_s`; the ranks still running are then stopped (module docstring)."""
-    ctx = mp.get_context("spawn")
+    a fork of the fork server (never of this process: fork is unsafe once torch runs threads) with one
+    torch thread, so `fn` must be a module-level function and its arguments and result picklable. Raises
+    RuntimeError naming the rank when one raises (its traceback), exits without a result, or no results
+    come within `timeout_s`; the ranks still running are then stopped (module docstring)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts (the first call of a process)
     results = ctx.Queue()
     port = free_ports(1, HOST)[0]
     procs = [
-        ctx.Process(target=_rank_main, args=(fn, rank, world, port, results, args), daemon=True)
+        ctx.Process(target=_rank_main, args=(fn, rank, world, port, results, args, dict(os.environ)),
+                    daemon=True)
         for rank in range(world)
     ]
     for p in procs:
@@ -86,10 +100,13 @@ def _stop(signum: int, _frame) -> None:
     raise _Stopped(signum)
 
 
-def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, results, args: tuple) -> None:
-    """One rank: the trainers' rank environment on loopback, join_group, fn; its result or its error
-    to the parent."""
+def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, results, args: tuple,
+               env: dict[str, str]) -> None:
+    """One rank: the caller's environment, the trainers' rank environment on loopback, join_group, fn;
+    its result or its error to the parent."""
     signal.signal(signal.SIGTERM, _stop)
+    os.environ.clear()
+    os.environ.update(env)  # the caller's, as a spawned rank inherited it (the fork server's is older)
     interpreter_bin_first()  # as run_rank: DeepSpeed's JIT ops built by this venv's ninja, not rebuilt by another
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),

@@ -29,6 +29,7 @@ import pytest
 from dflash_dist.orchestration.ray_temp import ray_temp_base
 from tests.conftest import REPO
 from tests.helpers.config import config_from
+from tests.helpers.ray_workers import idle_beside_a_driver, idle_workers, raylets
 
 
 def others_can_reach(path: Path) -> bool:
@@ -51,47 +52,9 @@ def _wait_for(predicate, timeout_s: float = 180.0, what: str = ""):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _idle_workers(raylet_pid: int) -> list[int]:
-    """The idle Python workers (`ray::IDLE`) the raylet has started."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            title = (entry / "cmdline").read_bytes().split(b"\0")[0]
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == raylet_pid and title == b"ray::IDLE":
-            found.append(int(entry.name))
-    return found
-
-
 class _Pid:
     def pid(self) -> int:
         return os.getpid()
-
-
-# a driver that joins RAY_ADDRESS, runs an actor with a runtime_env of its own (as every actor of a run does),
-# says so and stays connected until its stdin closes: Ray's default prestarts idle workers for it by then
-_DRIVER = """import sys
-import ray
-ray.init(logging_level="ERROR", log_to_driver=False)
-a = ray.remote(num_cpus=1)(type("Pid", (), {"pid": lambda self: __import__("os").getpid()}))
-print("ACTOR", ray.get(a.options(runtime_env={"env_vars": {"DFLASH_TEST": "1"}}).remote().pid.remote()), flush=True)
-sys.stdin.read()
-"""
-
-
-def _idle_beside_a_driver(env: dict, raylet_pid: int) -> list[int]:
-    """The idle workers of `raylet_pid` while _DRIVER is connected (`env` reaches the cluster) and its actor runs."""
-    driver = subprocess.Popen([sys.executable, "-c", _DRIVER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    try:
-        line = driver.stdout.readline()
-        assert line.startswith("ACTOR "), line + driver.stdout.read()
-        return _idle_workers(raylet_pid)
-    finally:
-        driver.stdin.close()
-        driver.wait(timeout=60)
 
 
 def test_the_slurm_head_is_private_and_prestarts_no_workers(tmp_path):
@@ -107,8 +70,8 @@ def test_the_slurm_head_is_private_and_prestarts_no_workers(tmp_path):
         head = Path(cluster.temp_dir)
         session = _wait_for(lambda: next(head.glob("session_2*"), None), what="the head's session directory")
         assert not others_can_reach(session / "sockets"), f"{session}: other users can reach the head's sockets"
-        (raylet,) = _raylets(session)
-        assert _idle_beside_a_driver(dict(cluster.env, RAY_ADDRESS=cluster.address), raylet) == []
+        (raylet,) = raylets(session)
+        assert idle_beside_a_driver(dict(cluster.env, RAY_ADDRESS=cluster.address), raylet) == []
     finally:
         cluster.stop()
     assert not head.parent.exists(), f"{head.parent} outlived the cluster"
@@ -162,7 +125,7 @@ def _start_worker(*worker_args: str, log: Path) -> tuple[subprocess.Popen, Path]
             raise AssertionError(f"the worker node exited ({worker.returncode}):\n{log.read_text()[-3000:]}")
         new = set(Path(ray_temp_base("x-w-")).glob("dfray-*")) - before
         found = [s for d in new for s in (d / "ray").glob("session_2*") if (s / "sockets" / "raylet").exists()
-                 and any(ours(p) for p in _raylets(s))]  # fmt: skip
+                 and any(ours(p) for p in raylets(s))]  # fmt: skip
         return found[0] if found and "Ray runtime started" in log.read_text() else None
 
     try:
@@ -172,19 +135,6 @@ def _start_worker(*worker_args: str, log: Path) -> tuple[subprocess.Popen, Path]
             os.killpg(worker.pid, signal.SIGKILL)
         worker.wait()
         raise
-
-
-def _raylets(session: Path) -> list[int]:
-    """The pids of the raylets whose command line names `session` (only the test's own node)."""
-    pids = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv and Path(os.fsdecode(argv[0])).name == "raylet" and os.fsencode(session) in b" ".join(argv):
-            pids.append(int(proc.name))
-    return pids
 
 
 def _stopped(worker: subprocess.Popen) -> int:
@@ -202,7 +152,7 @@ def test_a_slurm_worker_node_keeps_its_logs_when_its_ray_fails(tmp_path):
     a failure. They were removed on every exit."""
     worker, session = _start_worker(log=tmp_path / "worker.log")
     try:
-        for pid in _raylets(session):
+        for pid in raylets(session):
             os.kill(pid, signal.SIGKILL)
         assert _stopped(worker) != 0
         text = (tmp_path / "worker.log").read_text()
@@ -424,7 +374,7 @@ def test_the_local_cluster_of_a_run_is_private_prestarts_no_workers_and_fits_the
             (raylet,) = node.all_processes["raylet"]
             actor = ray.remote(num_cpus=1)(_Pid).options(runtime_env=actor_runtime_env()).remote()
             ray.get(actor.pid.remote())  # the actor runs: its own worker, never an idle one
-            assert _idle_workers(raylet.process.pid) == []  # Ray's default: 2 by now (started with the driver)
+            assert idle_workers(raylet.process.pid) == []  # Ray's default: 2 by now (started with the driver)
         assert not session.parent.parent.exists(), f"{session} outlived the cluster"
     finally:
         shutil.rmtree(base.parent)

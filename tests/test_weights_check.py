@@ -112,7 +112,9 @@ def test_live_workers_measure_a_reference_drafter_that_has_no_checksum_record(ti
     shutil.copytree(tiny["root"] / "trained", ref)
     (ref / EXPORT_RECORD).unlink()
     tree = tiny["cfg"].to_dict()
-    tree["eval"].update(mode="live", live_workers=2, reference_drafter=str(ref))
+    # one prompt: the spawn pool starts its workers as prompts arrive, so one worker process (its
+    # imports, its loads) measures it, on the same workers' path (live_workers > 1) the evaluator takes
+    tree["eval"].update(mode="live", live_workers=2, reference_drafter=str(ref), num_prompts=1)
     out = tmp_path / "run"
     (out / "export").mkdir(parents=True)
     ev = Evaluator(config_from(tree), out, tiny["target_dir"], tiny["prompts"], expected=None)
@@ -131,7 +133,7 @@ def test_live_workers_refuse_a_target_changed_on_disk_after_the_evaluator_loaded
     shutil.copytree(tiny["target_dir"], target)
     tree = tiny["cfg"].to_dict()
     tree["target"]["path"] = str(target)
-    tree["eval"].update(mode="live", live_workers=2)
+    tree["eval"].update(mode="live", live_workers=2, num_prompts=1)  # one prompt: one worker process starts
     out = tmp_path / "run"
     (out / "export").mkdir(parents=True)
     ev = Evaluator(config_from(tree), out, target, tiny["prompts"], expected=None)

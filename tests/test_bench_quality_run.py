@@ -9,10 +9,11 @@ CPU size), the bench's default variant makes the product trainer's steps, loss a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -24,6 +25,7 @@ import torch
 from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
+import bench_quality_run  # noqa: E402
 import quality_budget  # noqa: E402
 import quality_data  # noqa: E402
 import quality_report  # noqa: E402
@@ -32,38 +34,71 @@ import quality_variants  # noqa: E402
 
 from dflash_dist.config import load_config_dict  # noqa: E402
 
-BENCH = REPO / "bench" / "bench_quality_run.py"
 ARGS = "--variants default,drop_top --seeds 0,1 --samples auto --max-samples 16 --checkpoints 2 --eval-prompts 4 "
 ARGS += "--workers 2 --calibrate-steps 2 --device cpu"  # 2: the first step compiles, one is timed
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # as each of the bench's 2 workers on 2 cores
 
 
+@contextlib.contextmanager
+def _in_this_process():
+    """bench_quality_run.main run here as its CLI runs it (`python bench/bench_quality_run.py ...`),
+    without a second Python process importing torch and transformers again: its SIGINT/SIGTERM
+    handlers and this process's torch threads are put back afterwards."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def bench(readme_run, tmp_path_factory):
     """(run dir, OUT, results.json, what OUT held while the bench ran: (results, table.md) at each change,
-    as a device call packing OUT mid-bench finds them)."""
+    as a device call packing OUT mid-bench finds them, the inputs its main process built). The bench's
+    main runs in this process (its main thread: it sets signal handlers), its 2 workers are its own
+    spawned processes; a thread here watches OUT meanwhile. The train set and held-out references
+    its main built are kept (the real functions' results, recorded on their way) for `here`."""
     root = tmp_path_factory.mktemp("qbench")
     out = root / "out"
-    cmd = [sys.executable, str(BENCH), "--run", str(readme_run.out), "--out", str(out), *ARGS.split()]
+    argv = ["--run", str(readme_run.out), "--out", str(out), *ARGS.split()]
     seen: list[tuple[dict, str]] = []
-    with open(root / "stdout", "w") as stdout, open(root / "stderr", "w") as stderr:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=stdout, stderr=stderr, text=True)
-        deadline = time.monotonic() + 900
-        while proc.poll() is None and time.monotonic() < deadline:
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
             if (out / "table.md").exists():
                 md = (out / "table.md").read_text()
                 res = json.loads((out / "results.json").read_text())
                 same = f"{res['seconds']} s in, {len(res['runs'])} of " in md.split("\n")[0]  # not a write between
-                if proc.poll() is None and same and (not seen or (res, md) != seen[-1]):
+                if not done.is_set() and same and (not seen or (res, md) != seen[-1]):
                     seen.append((res, md))
             time.sleep(0.05)
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-    logs = f"{(root / 'stdout').read_text()[-4000:]}\n{(root / 'stderr').read_text()[-4000:]}"
-    assert proc.returncode == 0, logs
-    return readme_run.out, out, json.loads((out / "results.json").read_text()), seen
+
+    built: dict[str, tuple] = {}
+
+    def recorded(name: str, fn):
+        def call(*args, **kwargs):
+            built[name] = (args, kwargs, fn(*args, **kwargs))
+            return built[name][2]
+
+        return call
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    with pytest.MonkeyPatch.context() as mp, _in_this_process():
+        for name in ("load_train_set", "held_out_references"):
+            mp.setattr(bench_quality_run, name, recorded(name, getattr(bench_quality_run, name)))
+        watcher.start()
+        try:
+            rc = bench_quality_run.main(argv)
+        finally:
+            done.set()
+            watcher.join()
+    assert rc == 0
+    return readme_run.out, out, json.loads((out / "results.json").read_text()), seen, built
 
 
 def _run(results: dict, variant: str, seed: int) -> dict:
@@ -72,7 +107,7 @@ def _run(results: dict, variant: str, seed: int) -> dict:
 
 
 def test_variants_seeds_points_and_table(bench):
-    run_dir, out, r, _ = bench
+    run_dir, out, r, _, _ = bench
     assert r["version"] == 1 and r["run_dir"] == str(run_dir)
     manifest = [json.loads(x) for x in (run_dir / "shards" / "manifest.jsonl").read_text().splitlines()]
     assert r["data"]["samples"] == sum(m["n_samples"] for m in manifest) and r["data"]["kernel_path"] == "torch"
@@ -109,7 +144,7 @@ def test_results_and_table_are_on_disk_while_the_bench_runs(bench):
     """After every result, results.json and table.md hold what is finished so far (a device call that
     packs OUT mid-bench, or a bench killed at its limit, keeps them): before the last run ended the
     table already showed a finished run, headed as partial; the final table is not."""
-    _, out, r, seen = bench
+    _, out, r, seen, _ = bench
     assert seen, "table.md was only written at the end"
     partial = [(res, md) for res, md in seen if 0 < len(res["runs"]) < len(r["runs"])]
     assert partial, [len(res["runs"]) for res, _ in seen]
@@ -126,7 +161,7 @@ def test_results_and_table_are_on_disk_while_the_bench_runs(bench):
 def test_the_runs_own_exports_measure_as_its_evaluator_measured_them(bench):
     """Same held-out prompts (the first 4 of the run's), same greedy continuations, same replay:
     the bench's tau of every export equals the run's evaluator's over those prompts."""
-    run_dir, _, r, _ = bench
+    run_dir, _, r, _, _ = bench
     assert r["product"] and all("tau_chain" in p.get("bench_eval", {}) for p in r["product"])
     for p in r["product"]:
         rounds = json.loads((run_dir / "eval" / "rounds" / f"step_{p['step']}.json").read_text())["replay"]
@@ -139,11 +174,14 @@ def test_the_runs_own_exports_measure_as_its_evaluator_measured_them(bench):
 
 @pytest.fixture(scope="module")
 def here(bench):
-    """The bench's inputs built in this process as its main process builds them."""
-    run_dir, _, r, _ = bench
+    """The bench's inputs as its main process built them: the train set and held-out references are
+    the very ones it built (recorded by `bench`), the rest is made here the same way."""
+    run_dir, _, r, _, built = bench
     inputs = quality_data.load_run(run_dir)
-    data, report = quality_data.load_train_set(inputs, torch.device("cpu"))
-    refs, info = quality_data.held_out_references(inputs, 4, inputs.cfg.eval.max_new_tokens, "capped", 0, 64)
+    args, _, (data, report) = built["load_train_set"]
+    assert args[0].run_dir == inputs.run_dir and args[1] == torch.device("cpu")
+    args, _, (refs, info) = built["held_out_references"]
+    assert args[1:] == (4, inputs.cfg.eval.max_new_tokens, "capped", 0, 64)  # --eval-prompts 4, --gen-batch
     facts = quality_variants.Facts(inputs.cfg, data.layer_ids, report["median_supervised"], 128)
     (default,) = quality_variants.resolve(
         ["default"], inputs.config_path, Path(inputs.plan.target_dir), inputs.plan.drafter.mask_token_id, facts
@@ -220,10 +258,10 @@ def test_the_default_variant_is_the_products_training(mid_cpu_run, tmp_path):
     n = steps[-1]["samples"]
     assert len(steps) == 6 and n > 6  # packed rows: more than one sample a step
     out = tmp_path / "bench"
-    cmd = [sys.executable, str(BENCH), "--run", str(solo_run), "--out", str(out), "--device", "cpu", "--variants",
-           "default", "--seeds", "0", "--samples", str(n), "--checkpoints", str(n), "--workers", "0"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    argv = ["--run", str(solo_run), "--out", str(out), "--device", "cpu", "--variants", "default", "--seeds", "0",
+            "--samples", str(n), "--checkpoints", str(n), "--workers", "0"]  # fmt: skip
+    with _in_this_process():  # --workers 0: the run in its main process, here
+        assert bench_quality_run.main(argv) == 0
     (run,) = json.loads((out / "results.json").read_text())["runs"]
     assert run["status"] == "done" and run["steps"] == 6
     got = [(p["step"], p["samples"], p["lr"], p["loss"]) for p in run["points"]]  # a point after every step

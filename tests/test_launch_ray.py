@@ -22,7 +22,7 @@ VENV_BIN = Path(sys.executable).parent
 
 
 @pytest.mark.slow
-def test_ray_job_submit_runs_the_tiny_config(readme_run):
+def test_ray_job_submit_runs_the_tiny_config(readme_run, capsys):
     """`ray job submit --working-dir . -- dflash-dist run configs/tiny.yaml` to a local head
     (the session's one run of the README's command: tests/readme_run.py)."""
     out, proc, job_id, status = readme_run.out, readme_run.proc, readme_run.job_id, readme_run.status
@@ -48,11 +48,12 @@ def test_ray_job_submit_runs_the_tiny_config(readme_run):
     assert sorted(evals) == exports
     assert all(r["tau_chain"] >= 1.0 and set(r["tau_ddtree"]) == {"4", "8"} for r in evals.values())
     assert "tau chain" in proc.stdout  # the job's own summary, tailed by `ray job submit`
-    # and `status` reads the finished run back
-    status = subprocess.run(
-        [str(VENV_BIN / "dflash-dist"), "status", str(out), "--json"], capture_output=True, text=True, timeout=120
-    )
-    s = json.loads(status.stdout)
+    # and `status` reads the finished run back (`dflash-dist status OUT --json`: the CLI's main, in this process)
+    from launcher.cli import main as cli
+
+    capsys.readouterr()
+    assert cli(["status", str(out), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
     assert s["trainer"]["step"] == final and s["eval"]["step"] == final and s["shards"]["capture_done"]
     assert {r["state"] for r in s["roles"]} == {"finished"}
 

@@ -186,11 +186,24 @@ def test_default_build_is_meaningfully_trained() -> None:
 # ---- a machine with fla + Triton: transformers picks fla for every forward, CPU ones too ----
 
 _PICKED_FLA_BUILD = r"""
-import sys, torch
+import os, sys, torch
+from transformers import Qwen3_5ForCausalLM
 from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 from dflash_dist.target.gdn_path import selected_implementation
 picked = selected_implementation(m)
 assert picked.startswith("fla"), picked  # transformers believes fla is usable, as it decides it
+# first unrouted, as transformers left it: a CPU forward goes to fla and fails there
+unrouted = Qwen3_5ForCausalLM.from_pretrained(sys.argv[3]).eval()
+try:
+    unrouted(input_ids=torch.arange(8)[None])
+except Exception as e:
+    print("unrouted failed:", e)
+else:
+    print("unrouted ran")
+calls = os.environ["DFLASH_FLA_SHIM_CALLS"]
+print("fla calls:", open(calls).read().splitlines() if os.path.exists(calls) else [])
+if os.path.exists(calls):
+    os.unlink(calls)
 from dflash_dist.target.tiny_target import TEST_SETTINGS, build_tiny_target, load_tiny_target
 out = build_tiny_target(sys.argv[1], TEST_SETTINGS, log=lambda _: None)
 model, _ = load_tiny_target(out)
@@ -214,19 +227,16 @@ def test_cpu_build_runs_torch_gdn_where_transformers_picked_fla(tmp_path: Path, 
     import sys
 
     env = _shim_env(tmp_path)
-    unrouted = subprocess.run(
-        [sys.executable, "-c", "import torch; from transformers import Qwen3_5ForCausalLM as M; "
-         f"m = M.from_pretrained({str(built)!r}).eval(); m(input_ids=torch.arange(8)[None])"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert unrouted.returncode != 0 and "cannot be accessed from Triton (cpu tensor?)" in unrouted.stderr
-    assert (tmp_path / "fla_calls.txt").read_text().splitlines()[0] == "chunk_gated_delta_rule"
-    (tmp_path / "fla_calls.txt").unlink()
-
     script = tmp_path / "build.py"
     script.write_text(_PICKED_FLA_BUILD)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "tiny"), str(tmp_path / "logits.pt")],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    # one process (its imports once): the unrouted forward first, then the build, load and forward
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "tiny"), str(tmp_path / "logits.pt"),
+                           str(built)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "unrouted failed: Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)" in proc.stdout, (
+        proc.stdout
+    )
+    assert "fla calls: ['chunk_gated_delta_rule'" in proc.stdout, proc.stdout  # the first call reached "fla"
     assert "picked fla.ops.gated_delta_rule" in proc.stdout
     assert not (tmp_path / "fla_calls.txt").exists()  # no CPU call reached "fla"
     assert read_stamp(tmp_path / "tiny")["settings_digest"] == TEST_SETTINGS.digest()

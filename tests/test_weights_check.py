@@ -112,7 +112,9 @@ def test_live_workers_measure_a_reference_drafter_that_has_no_checksum_record(ti
     shutil.copytree(tiny["root"] / "trained", ref)
     (ref / EXPORT_RECORD).unlink()
     tree = tiny["cfg"].to_dict()
-    tree["eval"].update(mode="live", live_workers=2, reference_drafter=str(ref))
+    # one prompt: the spawn pool starts its workers as prompts arrive, so one worker process (its
+    # imports, its loads) measures it, on the same workers' path (live_workers > 1) the evaluator takes
+    tree["eval"].update(mode="live", live_workers=2, reference_drafter=str(ref), num_prompts=1)
     out = tmp_path / "run"
     (out / "export").mkdir(parents=True)
     ev = Evaluator(config_from(tree), out, tiny["target_dir"], tiny["prompts"], expected=None)
@@ -131,7 +133,7 @@ def test_live_workers_refuse_a_target_changed_on_disk_after_the_evaluator_loaded
     shutil.copytree(tiny["target_dir"], target)
     tree = tiny["cfg"].to_dict()
     tree["target"]["path"] = str(target)
-    tree["eval"].update(mode="live", live_workers=2)
+    tree["eval"].update(mode="live", live_workers=2, num_prompts=1)  # one prompt: one worker process starts
     out = tmp_path / "run"
     (out / "export").mkdir(parents=True)
     ev = Evaluator(config_from(tree), out, target, tiny["prompts"], expected=None)
@@ -372,35 +374,20 @@ def test_the_evaluator_actor_given_the_plans_check_does_not_hash(capture_target,
         ray_cluster.kill(actor)
 
 
-def test_a_capture_slice_hashes_unless_it_made_the_plan_itself(capture_target, tmp_path):
+def test_a_capture_slice_hashes_unless_it_made_the_plan_itself(capture_target, tmp_path, monkeypatch):
     """`extract --slice`: the slice that makes the array's run plan hands its own check to its load
     (nothing hashed again); another slice reads the plan from JSON, which carries no check (a stamp
-    from a file never spares a hash), and hashes the files it loads in its own process."""
-    import subprocess
-    import sys
-
+    from a file never spares a hash), and hashes the files it loads in its own process. That slice
+    runs here as another process would start: with no hash of its own yet (the process's stamp
+    cache emptied), and the plan only on disk (share_plan reads it back)."""
     from launcher.slurm_capture import capture_slice, slice_marker
-    from tests.conftest import REPO
 
     here = tmp_path / "target"
     shutil.copytree(capture_target["dir"], here)
     cfg = capture_config(tmp_path / "run", here, capture_target["jsonl"], "eval.enabled=false")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)  # both slices: the same plan key (no Slurm job here)
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
     assert capture_slice(cfg, 0, 2)["weights_hashed"] == 0  # made the plan here: its check
-    (tmp_path / "cfg.json").write_text(json.dumps(cfg.to_dict()))
-    code = (
-        "import json, sys; from dflash_dist.config import load_config_dict; "
-        "from launcher.slurm_capture import capture_slice; "
-        "capture_slice(load_config_dict(json.load(open(sys.argv[1]))), 1, 2)"
-    )
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    env.pop("SLURM_JOB_ID", None), env.pop("SLURM_ARRAY_JOB_ID", None)  # the same plan key as this process's
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path / "cfg.json")],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    monkeypatch.setattr(weights_check, "_HASHES", {})  # another process: nothing hashed there yet
+    assert capture_slice(cfg, 1, 2)["weights_hashed"] == 1
     assert json.loads(slice_marker(cfg.out, 1, 2).read_text())["weights_hashed"] == 1

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
+from tests.helpers.ray_workers import idle_beside_a_driver, raylets
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -271,7 +272,8 @@ def test_a_head_started_by_ray_start_refuses_clients_without_its_token(tmp_path)
     """`dflash-dist ray-start` (what the cluster YAMLs run on every node) starts a real head, here
     on 127.0.0.1: a client without the token and one with another token are refused by the GCS;
     one with the token file (as `ray job submit` is told in the README) connects. The token is
-    in no log or file of the head's temp dir, nor in its output."""
+    in no log or file of the head's temp dir, nor in its output. The head prestarts no idle workers
+    for a driver (Ray's default: one per CPU, which no actor of a run takes)."""
     import signal
     import tempfile
 
@@ -287,7 +289,7 @@ def test_a_head_started_by_ray_start_refuses_clients_without_its_token(tmp_path)
              "--metrics-export-port", "--ray-client-server-port")  # fmt: skip
     head = subprocess.Popen(
         [str(VENV_BIN / "dflash-dist"), "ray-start", "--head", "--block", "--node-ip-address", "127.0.0.1",
-         "--port", str(port), "--include-dashboard", "false", "--num-cpus", "1", "--disable-usage-stats",
+         "--port", str(port), "--include-dashboard", "false", "--num-cpus", "2", "--disable-usage-stats",
          "--temp-dir", temp_dir, *(a for f, p in zip(flags, other) for a in (f, str(p)))],
         env=_no_auth_env(home) | {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"},  # SIGTERM stops it at once
         start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -321,7 +323,11 @@ def test_a_head_started_by_ray_start_refuses_clients_without_its_token(tmp_path)
         none, wrong, right = map(ended, clients)
         assert none.returncode != 0 and "Authentication token is missing or incorrect" in none.stderr, none.stderr
         assert wrong.returncode != 0 and "Authentication token is missing or incorrect" in wrong.stderr, wrong.stderr
-        assert right.returncode == 0 and "CPUS 1.0" in right.stdout, right.stdout + right.stderr
+        assert right.returncode == 0 and "CPUS 2.0" in right.stdout, right.stdout + right.stderr
+        (raylet,) = raylets(temp_dir)  # a head: no idle worker prestarted for a driver (ray_system.NO_PRESTART)
+        driver_env = _no_auth_env(tmp_path) | {"RAY_AUTH_MODE": "token", "RAY_ADDRESS": f"127.0.0.1:{port}",
+                                               "RAY_AUTH_TOKEN_PATH": str(home / "dflash-ray-token")}  # fmt: skip
+        assert idle_beside_a_driver(driver_env, raylet) == []
         leaked = subprocess.run(["grep", "-rl", token, temp_dir], capture_output=True, text=True)
         assert leaked.stdout == "", f"the token is written in {leaked.stdout}"
     finally:

@@ -97,6 +97,20 @@ def test_cuda_compiled_flex_is_identical_with_both_builds(window, packed):
         assert torch.equal(x, y)
 
 
+S_LEN = 1536  # the context of the gpu tilings tests: 256 anchor blocks of 16
+
+
+def _heads_of_the_27b_drafter():
+    """(anchor positions, keep, q, k, v) on CUDA, seeded: head_dim 128 with GQA 4:1 (8 query heads, 2 kv heads),
+    256 blocks of 16 queries over a 1536-token context and the blocks' own keys (bf16, requiring grad)."""
+    torch.manual_seed(0)
+    n, blk, d = 256, 16, 128
+    positions, keep, _ = (t if t is None else t.cuda() for t in anchors_for(1, S_LEN, n, False))
+    q = torch.randn(1, 8, n * blk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 2, S_LEN + n * blk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return positions, keep, q, k, torch.randn_like(k, requires_grad=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["m64n64", "m32n128", "stages2", "m32n64", "tma", "m32n64tma", "autotune"])
 def test_cuda_flex_tilings_stay_as_close_to_fp32_as_torchs_own(preset):
@@ -111,12 +125,8 @@ def test_cuda_flex_tilings_stay_as_close_to_fp32_as_torchs_own(preset):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from train_step_settings import FLEX_PRESETS
 
-    torch.manual_seed(0)
-    b, s_len, n, blk, d = 1, 1536, 256, 16, 128
-    positions, keep, _ = (t if t is None else t.cuda() for t in anchors_for(b, s_len, n, False))
-    q = torch.randn(b, 8, n * blk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(b, 2, s_len + n * blk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn_like(k, requires_grad=True)
+    positions, keep, q, k, v = _heads_of_the_27b_drafter()
+    s_len, blk, d = S_LEN, 16, q.shape[-1]
     dense = block_mask_dense(positions, keep, s_len, blk)
     ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
     ref = attend(*ref_in, dense, scale=d**-0.5)
@@ -165,13 +175,9 @@ def test_cuda_default_flex_tilings_sum_as_torchs_own_on_hopper():
     from dflash_dist.model import attention
 
     assert torch.cuda.get_device_capability() == (9, 0), "the device machine is an H100 or H200"
-    torch.manual_seed(0)
-    b, s_len, n, blk, d = 1, 1536, 256, 16, 128
-    positions, keep, _ = (t if t is None else t.cuda() for t in anchors_for(b, s_len, n, False))
-    q = torch.randn(b, 8, n * blk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(b, 2, s_len + n * blk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn_like(k, requires_grad=True)
-    g = torch.randn(b, 8, n * blk, d, device="cuda", dtype=torch.bfloat16)
+    positions, keep, q, k, v = _heads_of_the_27b_drafter()
+    s_len, blk, d = S_LEN, 16, q.shape[-1]
+    g = torch.randn_like(q)
     outs = {}
     try:
         for name, options in (("default", None), ("torch", {})):

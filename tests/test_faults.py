@@ -35,7 +35,7 @@ from dflash_dist.trainer.loop import TRAIN_LOG
 from tests.conftest import REPO
 from tests.helpers.config import config_from
 from tests.helpers.eval_target import publish
-from tests.helpers.runs import consumed_per_epoch, read_jsonl
+from tests.helpers.runs import cli_run_thread, consumed_per_epoch, read_jsonl
 from tests.helpers.tiny import make_cfg, write_shards
 
 NUM = 16  # 8 shards of 2: 4 steps of 2 ranks x 2 samples per epoch, nothing dropped
@@ -212,26 +212,16 @@ def test_tiny_run_survives_a_killed_target_actor_trainer_rank_and_evaluator(ray_
     is proven is Ray's restarts and the run's recovery, not a cluster's start. After the run no
     actor it started is alive there."""
     import contextlib
-    import threading
 
     from data_pipeline.shard_reader import read_manifest
-    from launcher import cli
 
     out = tmp_path / "run"
     log = tmp_path / "run.log"
     code: list = []
-
-    def main() -> None:
-        try:
-            code.append(cli.main(["run", str(REPO / "configs" / "tiny.yaml"), "--out", str(out), *E2E]))
-        except BaseException as e:  # noqa: BLE001 (handed to the test's thread)
-            code.append(e)
-
     beats, killed = out / "heartbeat", set()
     shards, target_pid = out / "shards", None
     with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
-        driver = threading.Thread(target=main, name="dflash-dist run", daemon=True)
-        driver.start()
+        driver = cli_run_thread(["run", str(REPO / "configs" / "tiny.yaml"), "--out", str(out), *E2E], code)
         deadline = time.time() + 900
         while len(killed) < 3 and driver.is_alive():
             assert time.time() < deadline, "the run never reached the points to kill at"

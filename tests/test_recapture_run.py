@@ -24,7 +24,7 @@ from data_pipeline.records import DONE_NAME, MANIFEST_NAME
 from data_pipeline.shard_reader import read_manifest
 from dflash_dist.trainer.loop import TRAIN_LOG
 from tests.conftest import REPO
-from tests.helpers.runs import consumed_per_epoch, read_jsonl
+from tests.helpers.runs import cli_run_thread, consumed_per_epoch, read_jsonl
 
 CAP = 650_000  # about 3 shards: one sample each, ~210 kB on average (~130 tokens x 3 layers x H=128 x 4 B)
 RUN = [
@@ -63,7 +63,6 @@ def run(out: Path, kill: bool = False) -> dict:
     cluster: the product joins a cluster its process has already joined); the shard tree sampled
     throughout; with `kill`, the target actor SIGKILLed once it has listed a shard of epoch 2 and
     trainer rank 1 once two steps of epoch 2 are logged."""
-    from launcher import cli
 
     shards, beats = out / "shards", out / "heartbeat"
     peak, samples, stop = [0], [0], threading.Event()
@@ -78,16 +77,8 @@ def run(out: Path, kill: bool = False) -> dict:
     log = out.parent / f"{out.name}.log"
     killed: dict[str, int] = {}
     code: list = []
-
-    def main() -> None:
-        try:
-            code.append(cli.main(["run", str(REPO / "configs" / "tiny.yaml"), "--out", str(out), *RUN]))
-        except BaseException as e:  # noqa: BLE001 (handed to the test's thread)
-            code.append(e)
-
     with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
-        driver = threading.Thread(target=main, name="dflash-dist run", daemon=True)
-        driver.start()
+        driver = cli_run_thread(["run", str(REPO / "configs" / "tiny.yaml"), "--out", str(out), *RUN], code)
         try:
             deadline = time.time() + 1500
             epoch2 = epoch_dir(shards, 2, recapture=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -20,3 +21,19 @@ def consumed_per_epoch(out: Path) -> dict[int, Counter]:
         for row in read_jsonl(log):
             per.setdefault(row["epoch"], Counter()).update(row["keys"])
     return per
+
+
+def cli_run_thread(argv: list[str], code: list) -> threading.Thread:
+    """`launcher.cli.main(argv)` in a started daemon thread of this process (a run joins this process's Ray
+    cluster); its exit code, or what it raised, is appended to `code` for the test's thread."""
+    from launcher import cli
+
+    def main() -> None:
+        try:
+            code.append(cli.main(argv))
+        except BaseException as e:  # noqa: BLE001 (handed to the test's thread)
+            code.append(e)
+
+    thread = threading.Thread(target=main, name="dflash-dist run", daemon=True)
+    thread.start()
+    return thread

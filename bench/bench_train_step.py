@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from profile_gaps import gap_report, host_ops, host_stacks, idle_gaps, kernel_intervals
+from profile_gaps import gap_report, host_ops, host_stacks, idle_gaps, kernel_intervals, label_syncs
 from train_step_settings import BEFORE, SWITCHES, apply_setting, parse_setting, recover  # noqa: F401 (tests use bts.*)
 
 from data_pipeline.durable_files import write_text_atomic
@@ -345,7 +345,8 @@ def profile(engine, batches, path: str | None) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=bool(path)) as prof:
+    with label_syncs(), torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                                      with_stack=bool(path)) as prof:  # fmt: skip
         secs, _ = run_steps(engine, batches)
     avgs = prof.key_averages()
     key = "self_device_time_total" if hasattr(avgs[0], "self_device_time_total") else "self_cuda_time_total"

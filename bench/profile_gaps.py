@@ -17,6 +17,9 @@ taken with_stack=True) the Python frames of the op that launched the kernel endi
 from __future__ import annotations
 
 import bisect
+import contextlib
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +60,42 @@ def host_ops(prof) -> list[tuple[float, float, str]]:
 # runtime calls after which the host has waited for the device (cudaMemcpy without Async waits too)
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 _OUR_FRAMES = ("dflash_dist", "deepspeed", "bench/", "liger_kernel", "torch/nn/modules")
+
+
+_SKIP_FRAMES = ("deepspeed/accelerator/", "torch/cuda/")  # wrappers: the caller above them is named
+
+
+@contextlib.contextmanager
+def label_syncs():
+    """While it is open, each torch.cuda.synchronize (DeepSpeed's accelerator calls it too) runs inside a
+    profiler range named `sync@FILE:LINE` of its caller (past DeepSpeed's and torch's wrappers), so a profile
+    names the Python line behind each cudaDeviceSynchronize without with_stack's host cost."""
+    real = torch.cuda.synchronize
+
+    def synchronize(device=None):
+        frame = sys._getframe(1)
+        while frame is not None and any(k in frame.f_code.co_filename for k in _SKIP_FRAMES):
+            frame = frame.f_back
+        where = "?" if frame is None else f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
+        with torch.profiler.record_function(f"sync@{where}"):
+            return real(device)
+
+    torch.cuda.synchronize = synchronize
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = real
+
+
+def _short(path: str) -> str:
+    """`path` from its package or repository folder on (site-packages/deepspeed/..., dflash_dist/..., bench/...)."""
+    parts = path.replace(os.sep, "/").split("/")
+    for i, part in enumerate(parts):
+        if part in ("site-packages", "dist-packages"):
+            return "/".join(parts[i + 1 :])
+        if part in ("dflash_dist", "bench", "tests", "launcher", "data_pipeline"):
+            return "/".join(parts[i:])
+    return "/".join(parts[-2:])
 
 
 def host_stacks(prof) -> dict[tuple[float, str], tuple[str, ...]]:

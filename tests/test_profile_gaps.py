@@ -3,6 +3,7 @@ either side and the host op that launched the next kernel."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -95,3 +96,21 @@ def test_host_stacks_name_the_projects_frames_of_each_op():
     with profile(activities=[ProfilerActivity.CPU]) as plain:
         attend(q, q, q, None, scale=0.25)
     assert pg.host_stacks(plain) == {}
+
+
+def test_label_syncs_names_the_line_behind_each_synchronize():
+    """Under label_syncs a torch.cuda.synchronize (directly, or through DeepSpeed's accelerator) runs in a profiler
+    range `sync@FILE:LINE` of the caller past the wrappers, which gap_context then names as the sync's op; torch's
+    own function is back afterwards. (No CUDA here: the real call raises inside the range, which is still recorded.)"""
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator  # what get_accelerator() is on a GPU
+    from torch.profiler import ProfilerActivity, profile
+
+    real = torch.cuda.synchronize
+    with pg.label_syncs(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        for call in (torch.cuda.synchronize, CUDA_Accelerator().synchronize):
+            with contextlib.suppress(AssertionError, RuntimeError):
+                call()  # line A
+    assert torch.cuda.synchronize is real
+    line = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1) if text.endswith("# line A"))
+    names = [name for _, _, name in pg.host_ops(prof) if name.startswith("sync@")]
+    assert names == [f"sync@tests/test_profile_gaps.py:{line}"] * 2, names

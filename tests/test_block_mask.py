@@ -169,9 +169,10 @@ def test_the_default_flex_tiles_are_hoppers_at_head_dim_128_and_torchs_elsewhere
 
 @pytest.mark.gpu
 def test_cuda_default_flex_tilings_sum_as_torchs_own_on_hopper():
-    """On sm90 at head_dim 128 `attend` runs HOPPER_D128_TILES by default: the same 64-key tiles as torch's own
-    choice, so the output and the q/k/v gradients are bitwise torch's own (the training block mask, GQA 4:1), and so
-    is the output at a decoding shape (one block of 16 queries over a context no multiple of a tile)."""
+    """On sm90 at head_dim 128 `attend` runs HOPPER_D128_TILES by default: torch's own 64-key forward tiles,
+    backward tiles that accumulate in the same order, so the output and the q/k/v gradients are bitwise torch's own
+    (the training block mask, GQA 4:1), and so is the output at a decoding shape (one block of 16 queries over a
+    context no multiple of a tile)."""
     from dflash_dist.model import attention
 
     assert torch.cuda.get_device_capability() == (9, 0), "the device machine is an H100 or H200"

@@ -31,15 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_loss import timed  # noqa: E402
 from train_step_settings import FLEX_PRESETS  # noqa: E402
 
-from dflash_dist.model.attention import attend, block_mask_flex, set_flex_tuning  # noqa: E402
+from dflash_dist.model.attention import attend, block_mask_dense, block_mask_flex, set_flex_tuning  # noqa: E402
 from dflash_dist.model.loss import sample_anchors  # noqa: E402
 
 
 def inputs(a, dev):
     """q, k, v (bf16 on CUDA, fp32 on CPU, requiring grad), the block mask, the output gradient and the
     used (query, key) pairs per head."""
-    from dflash_dist.model.attention import block_mask_dense
-
     anc = sample_anchors(torch.ones(1, a.seq), a.anchors, torch.Generator().manual_seed(3))
     pos, keep = anc.positions.to(dev), anc.keep.to(dev)
     g = torch.Generator(device=dev).manual_seed(0)

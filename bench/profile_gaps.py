@@ -219,10 +219,11 @@ def gap_report(gaps: list[Gap], steps: int, top: int = 15, width: int = 60, ops=
     lines.append("  by the host op launching the next kernel (ms a step): "
                  + "; ".join(f"{k[:40]} {v / 1e3 / steps:.2f}" for k, v in ranked))  # fmt: skip
     lines.append(f"  the {min(top, len(gaps))} largest:")
-    outer = _outermost(sorted(ops)) if ops else None
+    ops = sorted(ops) if ops else None  # once, not for each gap (tens of thousands of host ops a profile)
+    outer = _outermost(ops) if ops else None
     for g in sorted(gaps, key=lambda g: -g.us)[:top]:
         lines.append(f"  {g.us:9.1f} us  after {g.before[:width]!r} before {g.after[:width]!r}"
                      f" (launched in {g.launched_by[:40] or '?'})")  # fmt: skip
         if ops:
-            lines += [f"               {line}" for line in gap_context(g, sorted(ops), outer, stacks)]
+            lines += [f"               {line}" for line in gap_context(g, ops, outer, stacks)]
     return "\n".join(lines)

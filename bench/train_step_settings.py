@@ -20,11 +20,11 @@ SWITCHES = {  # --settings vocabulary: each word sets one switch on the running 
     # DeepSpeed's end-of-backward synchronize under overlap_comm (the default), or the compute stream waiting on
     # the reduction stream instead (zero_step.wait_on_device; with lean or fused)
     "episync": ("epi", "sync"), "epiwait": ("epi", "wait"),
-    # before 2026-12-06 (default: after): DeepSpeed's throughput timer on and synchronized (its default: a device
-    # synchronize in every forward and step()), and the loss's supervised rows found on the device (a nonzero)
     # the one-kernel step's norm: of the gathered flat partitions (the default since 2026-12-06, one reduction a
     # group) or of the gradient list before the gather (the multi-tensor norm, as before)
     "gnormflat": ("gnorm", "flat"), "gnormlist": ("gnorm", "list"),
+    # before 2026-12-06 (default: after): DeepSpeed's throughput timer on and synchronized (its default: a device
+    # synchronize in every forward and step()), and the loss's supervised rows found on the device (a nonzero)
     "dstimer": ("timer", True), "notimer": ("timer", False),
     "devrows": ("rows", "device"), "hostrows": ("rows", "host"),
     "ovf": ("ovf", True), "noovf": ("ovf", False),  # DeepSpeed's inf/nan pass (bf16 check_grad_overflow)

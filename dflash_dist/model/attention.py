@@ -209,8 +209,8 @@ _FLEX_TUNING: dict = {"options": None, "autotune": False}
 # TMA, backward 32 x 64 (dK/dV) and 64 x 32 (dQ), 4 warps, 3 stages (inductor's autotuning picked these tiles on
 # the H200). The forward keeps torch's own 64-key tiles (the same softmax steps) and the backward's smaller
 # tiles accumulate each sum in the same order: output and q/k/v gradients measured bitwise equal to torch's own
-# choice at the 27B shape, and 3.7% faster forward + backward (bench/bench_flex.py on an
-# H100, 2026-12-06: 16.30 against 16.92 ms a step; docs/BENCHMARKS.md).
+# choice at the 27B shape, and 3.7% faster forward + backward (bench/bench_flex.py on an H100, 2026-12-06:
+# 16.30 against 16.92 ms a step; docs/BENCHMARKS.md).
 HOPPER_D128_TILES = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_warps": 4, "fwd_num_stages": 3,
                      "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
                      "bwd_num_warps": 4, "bwd_num_stages": 3, "USE_TMA": True}

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from profile_gaps import gap_report, host_ops, host_stacks, idle_gaps, kernel_intervals, label_syncs
+from profile_gaps import gap_report, host_ops, host_stacks, idle_gaps, kernel_intervals, label_syncs, steady
 from train_step_settings import BEFORE, SWITCHES, apply_setting, parse_setting, recover  # noqa: F401 (tests use bts.*)
 
 from data_pipeline.durable_files import write_text_atomic
@@ -317,12 +317,15 @@ def pack_batches(a, dc: DrafterConfig, lengths, anchor_bucket: int):
     return out
 
 
-def run_steps(engine, batches):
-    """(seconds for all steps, [(fwd, bwd, step) ms] per step) with per-phase CUDA events."""
+def run_steps(engine, batches, mark: bool = False):
+    """(seconds for all steps, [(fwd, bwd, step) ms] per step) with per-phase CUDA events. `mark`: a ~1 us
+    marker kernel at each step's start (profile_gaps.steady splits a profile into steps at them)."""
     events = []
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for b in batches:
+        if mark:
+            torch.cuda._sleep(1)
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         ev[0].record()
         loss, out = engine(*b, rows=b.rows)
@@ -347,7 +350,7 @@ def profile(engine, batches, path: str | None) -> None:
 
     with label_syncs(), torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                                       with_stack=bool(path)) as prof:  # fmt: skip
-        secs, _ = run_steps(engine, batches)
+        secs, _ = run_steps(engine, batches, mark=True)
     avgs = prof.key_averages()
     key = "self_device_time_total" if hasattr(avgs[0], "self_device_time_total") else "self_cuda_time_total"
     print(avgs.table(sort_by=key, row_limit=45, max_name_column_width=90))
@@ -356,8 +359,14 @@ def profile(engine, batches, path: str | None) -> None:
     wall = secs * 1e3 / len(batches)
     print(f"profiled: {wall:.1f} ms/step wall, {busy:.1f} ms of kernels per step (GPU idle >= {wall - busy:.1f} ms)")
     ops = host_ops(prof)  # with --trace also the launching ops' Python frames (with_stack slows the host)
-    print(gap_report(idle_gaps(kernel_intervals(prof), ops), steps=len(batches), ops=ops,
-                     stacks=host_stacks(prof) if path else None))
+    # the gaps from the second step on: the first starts from the queue the profile's synchronize emptied
+    window, steps = steady(kernel_intervals(prof))
+    if window:
+        busy = sum(e - s for s, e, _ in window) / 1e3 / steps  # streams summed, as above
+        span = (max(e for _, e, _ in window) - window[0][0]) / 1e3 / steps
+        print(f"steady state (steps 2-{steps + 1} of the profile, from the step markers): {span:.1f} ms/step from the "
+              f"first kernel to the last, {busy:.1f} ms of kernels")
+    print(gap_report(idle_gaps(window, ops), steps=steps, ops=ops, stacks=host_stacks(prof) if path else None))
     if path:
         prof.export_chrome_trace(path)
 

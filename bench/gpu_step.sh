@@ -19,7 +19,7 @@ echo "gpu_flex rc=$? s=$(($(date +%s) - t0))"
 grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/gpu_flex.log" | tail -6
 t0=$(date +%s)
 timeout "$(cap 330)" python3 bench/bench_train_step.py --loss chunked --kernels liger --steps "${STEPS:-8}" --warmup 2 \
-    --settings "$settings" --profile 2 --json "$out/train_step.json" >"$out/train_step.log" 2>&1
+    --settings "$settings" --profile 3 --json "$out/train_step.json" >"$out/train_step.log" 2>&1
 echo "train_step rc=$? s=$(($(date +%s) - t0))"
-grep -E "ms/step|FAILED|Error|^profiled|idle between|by size|by the host op|  [0-9. ]+ us  after|last sync|host in no op" \
+grep -E "ms/step|FAILED|Error|^profiled|^steady state|idle between|by size|by the host op|  [0-9. ]+ us  after|last sync|host in no op" \
     "$out/train_step.log" | tail -60

@@ -45,6 +45,20 @@ def kernel_intervals(prof) -> list[tuple[float, float, str]]:
     return sorted(out)
 
 
+MARKER = "spin_kernel"  # torch.cuda._sleep's kernel: bench_train_step launches one at each profiled step's start
+
+
+def steady(kernels: list[tuple[float, float, str]], skip: int = 1) -> tuple[list[tuple[float, float, str]], int]:
+    """The kernels from the start of the (skip+1)-th step marker (`MARKER`, launched first in each step) on, and
+    how many steps that window holds. A profile starts after a synchronize: the first step's forward then
+    launches from an empty queue, and the host is behind the GPU for tens of kernels, gaps a step of training
+    never has (the previous optimizer step's ~16 ms of AdamW keep the host ahead). Without markers, everything."""
+    marks = [i for i, k in enumerate(kernels) if MARKER in k[2]]
+    if len(marks) <= skip:
+        return kernels, max(len(marks), 1)
+    return kernels[marks[skip]:], len(marks) - skip
+
+
 def host_ops(prof) -> list[tuple[float, float, str]]:
     """(start us, end us, name) of the host-side ops on the thread that launched the most kernels'
     runtime calls (the training thread), by start."""

@@ -114,3 +114,21 @@ def test_label_syncs_names_the_line_behind_each_synchronize():
     line = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1) if text.endswith("# line A"))
     names = [name for _, _, name in pg.host_ops(prof) if name.startswith("sync@")]
     assert names == [f"sync@tests/test_profile_gaps.py:{line}"] * 2, names
+
+
+def test_the_steady_window_starts_at_the_second_step_marker():
+    """steady(): a profile begins after a synchronize, so its first step launches from an empty queue (gaps that
+    training never has); the window from the second marker kernel on counts only the steps after it."""
+    marker = "at::cuda::(anonymous namespace)::spin_kernel(long)"
+    kernels = [
+        (0.0, 1.0, marker), (300.0, 310.0, "fwd_gemm_step1"),  # a 299 us gap: the host was behind
+        (400.0, 401.0, marker), (402.0, 410.0, "fwd_gemm_step2"),
+        (500.0, 501.0, marker), (505.0, 510.0, "fwd_gemm_step3"),
+    ]
+    window, steps = pg.steady(kernels)
+    assert window == kernels[2:] and steps == 2
+    assert [g.us for g in pg.idle_gaps(window)] == [1.0, 90.0, 4.0]  # the 299 us start-up gap is out
+    assert pg.steady(kernels, skip=2) == (kernels[4:], 1)
+    plain = [(0.0, 1.0, "gemm"), (5.0, 6.0, "norm")]  # no markers (an older profile): everything, one step
+    assert pg.steady(plain) == (plain, 1)
+    assert pg.steady(kernels[:2]) == (kernels[:2], 1)  # one marker: nothing to skip to

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call (<= 600 s, fresh machine) for issue 24's capture: capture_job's own path at the
+# One device call (<= 600 s, fresh machine) for issue 24's capture: the compiled capture kernels alone in other
+# compile modes (bench_capture_kernels.py), then capture_job's own path at the
 # Qwen3.5-27B shape over 50 passes, with the writers' idle write-back off and on side by side
 # (bench_capture.py --sinks job:kernel,job:idle), then, as the time left allows, the evaluator's gpu test on
 # the fused capture kernels and the writers alone on this machine's disk (bench_capture_drain.py, CPU only). Everything is written under OUT (default $OUT).
@@ -10,6 +11,10 @@ cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu_capture}
 deadline_s=${1:-570}
 . bench/gpu_env.sh
+t0=$(date +%s)  # capture's compiled kernels alone in other compile modes, bitwise or not (~30 s)
+timeout "$(cap 60)" python3 bench/bench_capture_kernels.py >"$out/capture_kernels.log" 2>&1
+echo "capture_kernels rc=$? s=$(($(date +%s) - t0))"
+grep -E "^ +(silu_mul|rms_norm|add_rms_norm) " "$out/capture_kernels.log"
 t0=$(date +%s)
 # the capture may use all but 20 s: what follows needs more than 150 s left, which a capture past ~410 s
 # never leaves, so a lower cap (450 s before) could only cut its job:idle run (~150 s of its ~400-450 s)

@@ -1,0 +1,134 @@
+"""Capture's compiled elementwise kernels alone, at the Qwen3.5-27B capture shape, in other compile modes.
+
+Issue 24 (capture at 75% of the bf16 bound end to end). The thirteenth lease's capture profile
+(bench/results/h100-2026-12-06d/call1/capture.log, one forward of 26897 tokens) has SwiGLU's compiled
+silu * up (`triton_poi_fused_mul_silu_0`, fused_target._silu_mul) at 1.41 ms a call, 64 calls, 90.5 ms of 2796:
+its 2.8 GB (two bf16 [T, I] reads, one write) then move at ~2.0 TB/s, where liger's SwiGLU kernel in the
+trainer's profile moves ~2.8 TB/s. The capture kernels compile with every dimension dynamic
+(fused_target.compile_kernel: one graph for every token count). A pointwise kernel sums nothing, so another
+tiling or specialisation gives the same bits: if a static-width compile is faster and bitwise, capture can
+take it without a new kernel path. The RMSNorms (reductions) are timed too; another reduction order there
+would change features (a new kernel path), so they are only reported.
+
+Prints, per kernel and variant, ms a call (median of --iters, CUDA events), the bytes it must move over that
+time (GB/s) and whether its output equals the capture kernel's bit for bit:
+
+    python3 bench/bench_capture_kernels.py                      # GPU, the 27B capture shape
+    python3 bench/bench_capture_kernels.py --device cpu --tokens 64 --hidden 64 --inter 128 --iters 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dflash_dist.capture.fused_layers import _add_rms_norm  # noqa: E402
+from dflash_dist.capture.fused_target import _rms_norm, _silu_mul, compile_kernel  # noqa: E402
+
+OPTIONS = {"emulate_precision_casts": True}  # the capture kernels' rounding (fused_target.compile_kernel)
+
+
+def _static(f):
+    """f compiled for one shape (every dimension static), with the capture kernels' rounding."""
+    return torch.compile(f, dynamic=False, fullgraph=True, options=OPTIONS)
+
+
+def _liger_silu_mul():
+    try:
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    except ImportError:
+        return None
+    return LigerSiLUMulFunction.apply
+
+
+def kernels(device: str) -> list[tuple[str, dict]]:
+    """(kernel, {variant: callable}); the first variant of each is the capture's own compile."""
+    silu = {"capture (dynamic)": compile_kernel(_silu_mul), "static": _static(_silu_mul), "eager": _silu_mul}
+    if device == "cuda" and _liger_silu_mul() is not None:
+        silu["liger (other rounding)"] = _liger_silu_mul()
+    rms = {"capture (dynamic)": compile_kernel(_rms_norm), "static": _static(_rms_norm)}
+    add_rms = {"capture (dynamic)": compile_kernel(_add_rms_norm), "static": _static(_add_rms_norm)}
+    return [("silu_mul", silu), ("rms_norm", rms), ("add_rms_norm", add_rms)]
+
+
+def inputs(name: str, tokens: int, hidden: int, inter: int, device: str, seed: int = 0):
+    """Arguments and the bytes the kernel must move (each input read once, each output written once)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    bf = {"dtype": torch.bfloat16, "device": device}
+    if name == "silu_mul":
+        gate, up = (torch.randn(1, tokens, inter, generator=g, **bf) for _ in range(2))
+        return (gate, up), 3 * gate.numel() * 2
+    x = torch.randn(1, tokens, hidden, generator=g, **bf)
+    w = (0.1 * torch.randn(hidden, generator=g, device=device)).to(torch.bfloat16)
+    if name == "rms_norm":
+        return (x, w, 1e-6), 2 * x.numel() * 2
+    res = torch.randn(1, tokens, hidden, generator=g, **bf)
+    return (res, x, w, 1e-6), 4 * x.numel() * 2
+
+
+def time_ms(fn, args, iters: int, device: str) -> float:
+    """Median ms a call (after 5 warm calls: the compiles, dynamic shapes' second one included, and autotuning)."""
+    for _ in range(5):
+        fn(*args)
+    times = []
+    for _ in range(iters):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*args)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn(*args)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _same(a, b) -> tuple[bool, float]:
+    """(bitwise equal, max |a - b|) over every output tensor."""
+    outs_a = a if isinstance(a, tuple) else (a,)
+    outs_b = b if isinstance(b, tuple) else (b,)
+    equal = all(torch.equal(x, y) for x, y in zip(outs_a, outs_b, strict=True))
+    diff = max(float((x.float() - y.float()).abs().max()) for x, y in zip(outs_a, outs_b, strict=True))
+    return equal, diff
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tokens", type=int, default=26897, help="tokens a forward (the capture profile's)")
+    p.add_argument("--hidden", type=int, default=5120)
+    p.add_argument("--inter", type=int, default=17408, help="the MLP's intermediate size")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--kernels", default="silu_mul,rms_norm,add_rms_norm", help="comma list of the kernels to time")
+    a = p.parse_args(argv)
+    wanted = [k.strip() for k in a.kernels.split(",") if k.strip()]
+    rows = []
+    print(f"capture kernels alone on {a.device}: {a.tokens} tokens, hidden {a.hidden}, intermediate {a.inter}")
+    for name, variants in kernels(a.device):
+        if name not in wanted:
+            continue
+        args, nbytes = inputs(name, a.tokens, a.hidden, a.inter, a.device)
+        ref = None
+        for label, fn in variants.items():
+            out = fn(*args)
+            ref = out if ref is None else ref
+            equal, diff = _same(out, ref)
+            ms = time_ms(fn, args, a.iters, a.device)
+            rows.append({"kernel": name, "variant": label, "ms": ms, "gb_s": nbytes / ms / 1e6, "bitwise": equal,
+                         "max_abs_diff": diff})
+            print(f"  {name:13s} {label:24s} {ms:8.3f} ms  {nbytes / ms / 1e6:7.0f} GB/s  "
+                  f"{'bitwise' if equal else f'differs (max |d| {diff:.3g})'} vs the capture kernel")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

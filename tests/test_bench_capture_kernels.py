@@ -1,0 +1,24 @@
+"""bench/bench_capture_kernels.py: capture's compiled kernels alone in other compile modes, each compared bit for
+bit with the capture's own compile (the bench decides whether a faster mode keeps the features)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import bench_capture_kernels as bck  # noqa: E402
+
+
+def test_each_variant_is_timed_and_compared_with_the_capture_kernel(capsys):
+    rows = bck.main(["--device", "cpu", "--tokens", "16", "--hidden", "32", "--inter", "48", "--iters", "2",
+                     "--kernels", "silu_mul"])
+    assert [r["variant"] for r in rows] == ["capture (dynamic)", "static", "eager"]
+    assert all(r["kernel"] == "silu_mul" and r["ms"] > 0 for r in rows)
+    assert rows[0]["bitwise"] and rows[0]["max_abs_diff"] == 0.0  # the reference against itself
+    # a pointwise kernel sums nothing: the static compile gives the capture kernel's bits
+    assert rows[1]["bitwise"]
+    out = capsys.readouterr().out
+    assert "silu_mul      static" in out and "vs the capture kernel" in out
+    args, nbytes = bck.inputs("add_rms_norm", 16, 32, 48, "cpu")
+    assert len(args) == 4 and nbytes == 4 * 16 * 32 * 2  # residual and x read, sum and norm written

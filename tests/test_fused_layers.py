@@ -2,14 +2,21 @@
 and decoder-layer forwards compute what transformers' forwards compute. On CPU with the plain
 torch kernels (reference_kernels) against transformers' own torch path: captured features, argmax
 and logits within fp32 rounding, cached generation unchanged (it falls back), no weight copied. On
-CUDA (`-m gpu`): the compiled/fla path against the eager fla path and the "fused" path, bf16."""
+CUDA (`-m gpu`): the compiled/fla path against the eager fla path and the "fused" path, bf16. No
+strided copy of q/k/v (Gated DeltaNet) or of the attention output, bit for bit the former forwards
+(`_former_gdn_forward`, `_former_attn_forward`: the code before per-block convs and the in-place SDPA
+output), on CPU and on CUDA."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash_dist.capture.fused_layers import fuse_layers, reference_kernels
+from dflash_dist.capture.fused_layers import Kernels, fuse_layers, gdn_forward, reference_kernels
 from dflash_dist.capture.fused_target import unfuse_target
 from dflash_dist.model.capture import capture_features
 from dflash_dist.tools.demo import DemoConfig, tiny_qwen35_target
@@ -100,6 +107,132 @@ def test_rewritten_layers_equal_transformers_forwards_on_cpu(target):
     fuse_layers(target, reference_kernels())
 
 
+def _former_gdn_forward(m, k: Kernels, chunk_fn, hidden_states):
+    """gdn_forward as it was: one conv over all the qkv columns, q/k/v split from its output as strided
+    views (fla's chunk_gated_delta_rule copied each to contiguous)."""
+    bsz, t, _ = hidden_states.shape
+    c, vd, hv = m.conv_dim, m.value_dim, m.num_v_heads
+    proj = F.linear(hidden_states, m.dflash_in_proj)
+    mixed, z = proj[..., :c], proj[..., c : c + vd]
+    b, a = proj[..., c + vd : c + vd + hv], proj[..., c + vd + hv :]
+    y = k.conv(mixed, m.conv1d.weight.squeeze(1), m.conv1d.bias, m.activation)
+    q, key, v = torch.split(y, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
+    q, key = q.reshape(bsz, t, -1, m.head_k_dim), key.reshape(bsz, t, -1, m.head_k_dim)
+    v = v.reshape(bsz, t, -1, m.head_v_dim)
+    beta, g = k.gating(b, a, m.A_log, m.dt_bias)
+    core, _ = chunk_fn(q, key, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+                       use_qk_l2norm_in_kernel=True, cu_seqlens=None)  # fmt: skip
+    out = k.gated_norm(core, z.view(bsz, t, -1, m.head_v_dim), m.norm.weight, m.norm.variance_epsilon)
+    return m.out_proj(out.reshape(bsz, t, -1))
+
+
+def _former_gate_out(out, gate):
+    """capture/fused_layers._gate_out as it was (on transformers' contiguous [B, T, H, d] output)."""
+    return (out.reshape(*out.shape[:2], -1) * torch.sigmoid(gate.reshape(*gate.shape[:2], -1))).contiguous()
+
+
+def _former_attn_forward(m, k: Kernels, gate_out, hidden_states, position_embeddings):
+    """attn_forward as it was: transformers' attention function, whose sdpa returns a contiguous copy."""
+    mod = sys.modules[type(m).__module__]
+    shape, d = hidden_states.shape[:-1], m.head_dim
+    qg = m.q_proj(hidden_states).view(*shape, -1, 2 * d)
+    key = m.k_proj(hidden_states).view(*shape, -1, d)
+    cos, sin = position_embeddings
+    q, key = k.norm_rope(mod.apply_rotary_pos_emb, qg[..., :d], key, m.q_norm.weight, m.k_norm.weight,
+                         m.q_norm.eps, cos, sin)  # fmt: skip
+    v = m.v_proj(hidden_states).view(*shape, -1, d).transpose(1, 2)
+    attend = mod.ALL_ATTENTION_FUNCTIONS.get_interface(m.config._attn_implementation, mod.eager_attention_forward)
+    out, _ = attend(m, q, key, v, None, dropout=0.0, scaling=m.scaling)
+    return m.o_proj(gate_out(out, qg[..., d:]))
+
+
+class _Copies(TorchDispatchMode):
+    """The copies (clone, copy_) run under it, as (op, shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.clone.default, torch.ops.aten.copy_.default):
+            self.seen.append((str(func), tuple(args[0].shape)))
+        return func(*args, **(kwargs or {}))
+
+
+def _odd_width_target(dtype):
+    """A Qwen3.5 whose q/k/v column blocks are not multiples of a vector width (72 | 72 | 240), with a bias
+    on the conv (Qwen3.5 has none; its rows are sliced with the weight's)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from dflash_dist.target.gdn_path import route_cpu_to_torch
+
+    torch.manual_seed(5)
+    config = Qwen3_5TextConfig(vocab_size=64, hidden_size=96, intermediate_size=64, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=3,
+                               linear_num_value_heads=6, linear_key_head_dim=24, linear_value_head_dim=40,
+                               layer_types=["linear_attention"] * 3 + ["full_attention"], tie_word_embeddings=False,
+                               pad_token_id=None, bos_token_id=None, eos_token_id=None)  # fmt: skip
+    config._attn_implementation = "sdpa"
+    model = Qwen3_5ForCausalLM(config).eval().to(dtype)
+    route_cpu_to_torch()
+    gdn = model.model.layers[0].linear_attn
+    with torch.no_grad():
+        gdn.conv1d.bias = torch.nn.Parameter(torch.randn(gdn.conv_dim, dtype=dtype))
+        for name, p in gdn.named_parameters():
+            if name.endswith(("norm.weight", "dt_bias", "A_log")):
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gdn_q_k_v_reach_the_chunk_kernel_contiguous_and_bitwise_as_before(dtype):
+    """One conv per q / k / v column block: each reaches chunk_fn contiguous (fla's input guard copied the
+    three strided views split from one conv's output), the output bit for bit the former forward's."""
+    model = _odd_width_target(dtype)
+    gdn = model.model.layers[0].linear_attn
+    fuse_layers(model, reference_kernels())
+    chunk = sys.modules[type(gdn).__module__].torch_chunk_gated_delta_rule
+    seen = []
+
+    def recording(q, k, v, **kw):
+        seen.append(tuple(t.is_contiguous() for t in (q, k, v)))
+        return chunk(q, k, v, **kw)
+
+    x = torch.randn(2, 45, 96, generator=torch.Generator().manual_seed(0)).to(dtype)
+    with torch.no_grad():
+        got = gdn_forward(gdn, reference_kernels(), recording, x)
+        want = _former_gdn_forward(gdn, reference_kernels(), chunk, x)
+        assert torch.equal(gdn(hidden_states=x), got)  # what fuse_layers bound
+    assert seen == [(True, True, True)]
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_attention_reads_sdpa_output_in_place_bitwise_as_transformers(target, dtype):
+    """The capture case (no mask) makes transformers' SDPA call itself and gates its output in place: no
+    copy in the whole attention forward (transformers' sdpa returned a contiguous copy, which the former
+    gate also copied again on CPU to reshape it), the output bit for bit transformers' own forward's and
+    the former one's. With a mask it runs transformers' attention function: still the same output."""
+    model = target.to(dtype)
+    attn = model.model.layers[3].self_attn
+    x = torch.randn(2, 37, model.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(dtype)
+    pos = model.model.rotary_emb(x, torch.arange(37).expand(2, -1))
+    mask = torch.ones(2, 1, 37, 37, dtype=torch.bool).tril()
+    mask[1, :, 6:, :4] = False  # the second row left-padded by 4
+    with torch.no_grad():
+        want, want_masked = attn(x, pos, None)[0], attn(x, pos, mask)[0]
+        fuse_layers(model, reference_kernels())
+        with _Copies() as copies:
+            got, weights = attn(hidden_states=x, position_embeddings=pos, attention_mask=None)
+        former = _former_attn_forward(attn, reference_kernels(), _former_gate_out, x, pos)
+        masked = attn(hidden_states=x, position_embeddings=pos, attention_mask=mask)[0]
+    assert copies.seen == []
+    assert weights is None
+    assert torch.equal(got, want)
+    assert torch.equal(got, former)
+    assert torch.equal(masked, want_masked)
+
+
 def test_cached_generation_falls_back_to_transformers(target):
     ids = torch.randint(0, 200, (1, 12))
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, temperature=None, top_p=None, top_k=None)
@@ -114,16 +247,9 @@ def test_cached_generation_falls_back_to_transformers(target):
     assert not any("forward" in vars(m) for m in target.modules())
 
 
-@pytest.mark.gpu
-def test_cuda_fused2_features_match_eager_and_fused_bf16():
-    """A Qwen3.5 hybrid (hidden 1024, 8 layers, partial RoPE) in bf16 on fla: fused2 (compiled
-    layer rewrites + fla conv) against eager fla and against fused, features and argmax."""
-    import sys
+def _cuda_hybrid():
+    """A Qwen3.5 hybrid (hidden 1024, 8 layers, partial RoPE) in bf16 on CUDA, bench_capture's random init."""
     from pathlib import Path
-
-    from transformers.models.qwen3_5 import modeling_qwen3_5
-
-    from dflash_dist.capture.fused_target import fuse_target
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from bench_capture import build_random_target, target_config
@@ -133,7 +259,18 @@ def test_cuda_fused2_features_match_eager_and_fused_bf16():
                      head_dim=128, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=128,
                      linear_value_head_dim=128, vocab_size=4096).items():  # fmt: skip
         setattr(cfg, k, v)
-    model = build_random_target(cfg, "cuda", torch.bfloat16)
+    return build_random_target(cfg, "cuda", torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_cuda_fused2_features_match_eager_and_fused_bf16():
+    """A Qwen3.5 hybrid (hidden 1024, 8 layers, partial RoPE) in bf16 on fla: fused2 (compiled
+    layer rewrites + fla conv) against eager fla and against fused, features and argmax."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    from dflash_dist.capture.fused_target import fuse_target
+
+    model = _cuda_hybrid()
     torch_conv = modeling_qwen3_5.causal_conv1d_fn
     ids = torch.randint(0, 4096, (3, 1500), device="cuda")
     layers = [1, 3, 5]
@@ -159,3 +296,60 @@ def test_cuda_fused2_features_match_eager_and_fused_bf16():
     assert torch.isfinite(fused2.features).all()
     assert rel(fused2, eager) < 2 * rel(fused, eager) + 1e-2  # bf16 rounding of the same math
     assert agree(fused2, eager) > 0.8
+
+
+@pytest.mark.gpu
+def test_cuda_fused2_copies_no_q_k_v_nor_attention_output_bitwise_as_before():
+    """On fla and cuDNN/flash SDPA, bf16: fla's conv per q / k / v column block is bit for bit one conv over
+    all the columns (its arithmetic is per channel whatever tile BD autotuning picks for a width), at
+    Qwen3.5-27B's widths (2048 | 2048 | 6144) and this model's (512 | 512 | 1024, inside its forward);
+    fused2's Gated DeltaNet and attention forwards equal the former ones bit for bit, and neither copies a
+    tensor of q/k/v's or the attention output's size (the former: fla's input guard copied q, k, v;
+    transformers' sdpa the output)."""
+    import math
+
+    from torch.profiler import ProfilerActivity, profile
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    from dflash_dist.capture.fused_layers import _fla_conv, gpu_kernels
+    from dflash_dist.capture.fused_target import compile_kernel, fuse_target, unfuse_target
+    from dflash_dist.model.capture import gdn_kernel_path
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, device="cuda", generator=gen)).to(torch.bfloat16)
+
+    # Qwen3.5-27B's blocks (no conv bias); each new width autotunes (16 Triton compiles), so no more of them
+    kd, vd = 2048, 6144
+    c = 2 * kd + vd
+    mixed = randn(2, 300, c + vd + 96)[..., :c]  # the qkv columns of the input GEMM's output, strided
+    w, ends = randn(c, 4, scale=0.5), (0, kd, 2 * kd, c)
+    parts = [_fla_conv(mixed[..., lo:hi], w[lo:hi], None, "silu") for lo, hi in zip(ends, ends[1:])]
+    assert all(p.is_contiguous() for p in parts)
+    assert torch.equal(torch.cat(parts, -1), _fla_conv(mixed, w, None, "silu"))
+
+    model = _cuda_hybrid()
+    torch_conv = modeling_qwen3_5.causal_conv1d_fn
+    fuse_target(model, layers=True)
+    gdn, attn = model.model.layers[0].linear_attn, model.model.layers[3].self_attn
+    assert gdn_kernel_path(model) == "fla"  # chunk below is fla's, behind its input guard
+    k, chunk = gpu_kernels(), sys.modules[type(gdn).__module__].torch_chunk_gated_delta_rule
+    b, t = 2, 700
+    x = randn(b, t, model.config.hidden_size)
+    pos = model.model.rotary_emb(x, torch.arange(t, device="cuda").expand(b, -1))
+    with torch.no_grad():
+        want_gdn = _former_gdn_forward(gdn, k, chunk, x)
+        want_attn = _former_attn_forward(attn, k, compile_kernel(_former_gate_out), x, pos)
+        gdn(hidden_states=x)  # compiles, autotunes
+        attn(hidden_states=x, position_embeddings=pos, attention_mask=None)
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            got_gdn = gdn(hidden_states=x)
+            got_attn, _ = attn(hidden_states=x, position_embeddings=pos, attention_mask=None)
+    unfuse_target(model, torch_conv)
+    sizes = {b * t * n for n in (gdn.key_dim, gdn.value_dim, attn.config.num_attention_heads * attn.head_dim)}
+    copies = [(e.name, e.input_shapes) for e in prof.events() if e.name in ("aten::copy_", "aten::clone")
+              and any(shape and math.prod(shape) in sizes for shape in e.input_shapes)]  # fmt: skip
+    assert copies == []
+    assert torch.equal(got_gdn, want_gdn)
+    assert torch.equal(got_attn, want_attn)

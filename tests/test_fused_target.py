@@ -116,6 +116,8 @@ def test_every_capture_kernel_goes_through_the_guard_and_compiles_whole_on_cpu(f
     for got, want in zip(k.add_norm(res, y, w2, 1e-6), fused_layers._add_rms_norm(res, y, w2, 1e-6), strict=True):
         torch.testing.assert_close(got, want)
     torch.testing.assert_close(k.gate_out(x, z), fused_layers._gate_out(x, z))
+    out_t = r(b, h, t, d).transpose(1, 2)  # SDPA's [B, H, T, d] output as attn_forward passes it, in place
+    torch.testing.assert_close(k.gate_out(out_t, z), fused_layers._gate_out(out_t.contiguous(), z))
     cos, sin = r(b, t, d // 2), r(b, t, d // 2)  # partial RoPE over half the head
     args = (x, z, w, w, 1e-6, cos, sin)
     got = k.norm_rope(apply_rotary_pos_emb, *args)

@@ -5,16 +5,22 @@ capture forward (no cache, no padding mask), the same math in the same precision
 - Gated DeltaNet: the four input projections (qkv, z, b, a) as one GEMM over a concatenated weight
   (the module's weights become views of it: no second copy), so the hidden state is read once
   and the two 48-column GEMMs stop running at a fraction of the matmul rate; fla's conv reads the
-  qkv columns of that output in place (strided); beta and g from one compiled kernel; the gated
-  RMSNorm on [B, T, heads, d] views (no reshape copy of z);
+  qkv columns of that output in place (strided), one call per q / k / v column block, so each
+  comes out contiguous and fla's chunk kernel copies none of them (the conv is per channel: the
+  same values as one call); beta and g from one compiled kernel; the gated RMSNorm on
+  [B, T, heads, d] views (no reshape copy of z);
 - gated attention: q/k RMSNorm, the transpose and partial RoPE as one compiled kernel per tensor,
-  and sigmoid(gate) x output as one, reading the gate half of q_proj's output in place;
+  transformers' own SDPA call (made here in the capture case, `_own_sdpa_call`), and sigmoid(gate)
+  x output as one kernel reading SDPA's output and the gate half of q_proj's output in place
+  (transformers would copy the output to [B, T, H, d] first);
 - decoder layer: the residual add and the post-attention RMSNorm as one compiled kernel.
 
 At the Qwen3.5-27B shape these are ~2-3% of a capture forward (the elementwise share of
 docs/BENCHMARKS.md's fused profile). Rounding differs from "fla_fused" (another GEMM shape for the
 projections, no bf16 round trip between fused ops), so shards carry their own kernel path.
 Any call with a cache or a padding mask (generation, regeneration) runs transformers' forward.
+The per-block conv and the in-place attention output (issue 24: they were the 160 strided copies, 54.5
+of 2796 ms, in bench/results/h100-2026-12-06d's profile) change no value, so "fla_fused2" stays.
 
 `Kernels` holds the callables: `gpu_kernels()` (compiled, fla) for capture, `reference_kernels()`
 (plain torch, transformers' own torch GDN path) so tests/test_fused_layers.py checks the rewritten
@@ -47,8 +53,11 @@ def _add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 
 def _gate_out(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """Qwen3_5Attention's output gate: out [B, T, H, d] x sigmoid(gate [B, T, H, d]) as [B, T, H*d]."""
-    return (out.reshape(*out.shape[:2], -1) * torch.sigmoid(gate.reshape(*gate.shape[:2], -1))).contiguous()
+    """Qwen3_5Attention's output gate: out [B, T, H, d] x sigmoid(gate [B, T, H, d]) as [B, T, H*d]. Both may
+    be strided views (SDPA's output transposed, the gate half of q_proj's output): the product is taken on
+    [B, T, H, d], sigmoid(gate) first so that eager's output follows its contiguous layout and the reshape
+    is a view (a product commutes bit for bit), so neither input is copied."""
+    return (torch.sigmoid(gate) * out).reshape(*out.shape[:2], -1).contiguous()
 
 
 def _norm_rope(rope: Callable, q, k, q_weight, k_weight, eps: float, cos, sin):
@@ -65,11 +74,11 @@ def _torch_conv(x: torch.Tensor, weight: torch.Tensor, bias, activation: str | N
                    groups=x.shape[-1])[:, :, :t]  # fmt: skip
     if activation is not None:
         out = F.silu(out) if activation in ("silu", "swish") else getattr(F, activation)(out)
-    return out.to(x.dtype).transpose(1, 2)
+    return out.to(x.dtype).transpose(1, 2).contiguous()  # contiguous [B, T, D], as fla's conv returns
 
 
 def _fla_conv(x: torch.Tensor, weight: torch.Tensor, bias, activation: str | None) -> torch.Tensor:
-    """fla's Triton causal conv on [B, T, D], reading a strided x in place."""
+    """fla's Triton causal conv on [B, T, D], reading a strided x in place, writing a contiguous y."""
     from fla.modules.causal_conv1d import causal_conv1d
 
     return causal_conv1d(x, weight=weight, bias=bias, activation=activation)[0]
@@ -77,7 +86,7 @@ def _fla_conv(x: torch.Tensor, weight: torch.Tensor, bias, activation: str | Non
 
 @dataclass(frozen=True)
 class Kernels:
-    conv: Callable  # (x [B, T, D], weight [D, W], bias, activation) -> [B, T, D]
+    conv: Callable  # (x [B, T, D], weight [D, W], bias, activation) -> contiguous [B, T, D]
     gating: Callable
     gated_norm: Callable
     add_norm: Callable
@@ -108,6 +117,18 @@ def _compiled_norm_rope(rope, *args):
 # ---- the rewritten forwards (bound per module by fuse_layers) ----
 
 
+def _qkv_conv(m: nn.Module, conv: Callable, mixed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The depthwise causal conv of the qkv columns as three convs, one per q / k / v column block (each
+    with its rows of the conv weight and bias): the conv is per channel, so the values are those of one
+    conv over all the columns, and each of q, k, v comes out contiguous. Split from one output they were
+    strided views, which fla's chunk_gated_delta_rule (input_guard) copied to contiguous: three copies of
+    [B, T, key_dim | key_dim | value_dim] a layer (~550 MB at 26897 tokens of Qwen3.5-27B)."""
+    w, bias = m.conv1d.weight.squeeze(1), m.conv1d.bias
+    ends = (0, m.key_dim, 2 * m.key_dim, 2 * m.key_dim + m.value_dim)
+    return tuple(conv(mixed[..., lo:hi], w[lo:hi], None if bias is None else bias[lo:hi], m.activation)
+                 for lo, hi in zip(ends, ends[1:]))  # fmt: skip
+
+
 def gdn_forward(m: nn.Module, k: Kernels, chunk_fn: Callable, hidden_states, cache=None, attention_mask=None, **kw):
     if cache is not None or attention_mask is not None or kw.get("cu_seq_lens_q") is not None:
         return type(m).forward(m, hidden_states, cache=cache, attention_mask=attention_mask, **kw)
@@ -116,16 +137,35 @@ def gdn_forward(m: nn.Module, k: Kernels, chunk_fn: Callable, hidden_states, cac
     proj = F.linear(hidden_states, m.dflash_in_proj)  # [B, T, qkv | z | b | a]
     mixed, z = proj[..., :c], proj[..., c : c + vd]
     b, a = proj[..., c + vd : c + vd + hv], proj[..., c + vd + hv :]
-    y = k.conv(mixed, m.conv1d.weight.squeeze(1), m.conv1d.bias, m.activation)
-    q, key, v = torch.split(y, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
-    q = q.reshape(bsz, t, -1, m.head_k_dim)
-    key = key.reshape(bsz, t, -1, m.head_k_dim)
-    v = v.reshape(bsz, t, -1, m.head_v_dim)
+    q, key, v = _qkv_conv(m, k.conv, mixed)
+    q = q.view(bsz, t, -1, m.head_k_dim)
+    key = key.view(bsz, t, -1, m.head_k_dim)
+    v = v.view(bsz, t, -1, m.head_v_dim)
     beta, g = k.gating(b, a, m.A_log, m.dt_bias)
     core, _ = chunk_fn(q, key, v, g=g, beta=beta, initial_state=None, output_final_state=False,
                        use_qk_l2norm_in_kernel=True, cu_seqlens=None)  # fmt: skip
     out = k.gated_norm(core, z.view(bsz, t, -1, m.head_v_dim), m.norm.weight, m.norm.variance_epsilon)
     return m.out_proj(out.reshape(bsz, t, -1))
+
+
+def _own_sdpa_call(m: nn.Module, attend: Callable, q, key, v, attention_mask, kw: dict) -> bool:
+    """Whether attn_forward makes transformers' sdpa_attention_forward's SDPA call itself: the capture
+    forward's case (sdpa, no mask, several queries, causal, GQA inside SDPA as transformers decides it, none
+    of the keywords that change its call), where that function's call is F.scaled_dot_product_attention(q,
+    key, v, attn_mask=None, dropout_p=0.0, scale, is_causal=True[, enable_gqa=True]): the same kernel on the
+    same tensors, so the same output, here left as the [B, T, H, d] view of SDPA's [B, H, T, d] result that
+    gate_out reads in place. transformers returns `transpose(1, 2).contiguous()` of it, a copy where SDPA's
+    output follows q's [B, H, T, d] layout (cuDNN's, CPU's): 16 copies of [T, 6144] bf16 a Qwen3.5-27B forward."""
+    from transformers.integrations import sdpa_attention
+
+    return (
+        attend is sdpa_attention.sdpa_attention_forward
+        and attention_mask is None
+        and q.shape[2] > 1
+        and getattr(m, "is_causal", True)
+        and all(kw.get(name) is None for name in ("is_causal", "position_bias", "softcap", "output_attentions"))
+        and (m.num_key_value_groups == 1 or sdpa_attention.use_gqa_in_sdpa(None, key, v))
+    )
 
 
 def attn_forward(m: nn.Module, k: Kernels, hidden_states, position_embeddings, attention_mask, cache=None, **kw):
@@ -141,7 +181,13 @@ def attn_forward(m: nn.Module, k: Kernels, hidden_states, position_embeddings, a
                          m.q_norm.eps, cos, sin)  # fmt: skip
     v = m.v_proj(hidden_states).view(*shape, -1, d).transpose(1, 2)
     attend = mod.ALL_ATTENTION_FUNCTIONS.get_interface(m.config._attn_implementation, mod.eager_attention_forward)
-    out, weights = attend(m, q, key, v, attention_mask, dropout=0.0, scaling=m.scaling, **kw)
+    if _own_sdpa_call(m, attend, q, key, v, attention_mask, kw):
+        gqa = {"enable_gqa": True} if m.num_key_value_groups > 1 else {}
+        out = F.scaled_dot_product_attention(q, key, v, attn_mask=None, dropout_p=0.0, scale=m.scaling, is_causal=True,
+                                             **gqa).transpose(1, 2)  # fmt: skip
+        weights = None
+    else:
+        out, weights = attend(m, q, key, v, attention_mask, dropout=0.0, scaling=m.scaling, **kw)
     return m.o_proj(k.gate_out(out, qg[..., d:])), weights
 
 

@@ -50,6 +50,7 @@ from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance, installed_versions
+from dflash_dist.capture.fused_layers import set_copy_cuts
 from dflash_dist.capture.fused_target import fuse_target, unfuse_target
 from dflash_dist.config import Config
 from dflash_dist.model.capture import (
@@ -241,6 +242,7 @@ def run_job(model, batches: list[Batch], layer_ids: list[int], a, provenance, mo
     if writeback is not None:  # sink "job:idle" / "job:kernel": capture.writeback_idle true / false
         cfg.capture.writeback_idle = {"idle": True, "kernel": False}[writeback]
     unfuse(model)
+    set_copy_cuts(True)
     if mode != "eager":
         fuse_target(model, layers=mode == "fused2")
         path = KERNEL_PATH_OF["fused" if mode == "fusedconv" else mode]
@@ -307,7 +309,7 @@ def unfuse(model: nn.Module) -> None:
 class Variant:
     budget: int
     mask: str  # keep | drop | masked, see capture()
-    mode: str  # eager | fused (fuse_elementwise) | fusedconv (+ fla's causal conv) | fused2 (+ fused_layers.py)
+    mode: str  # eager | fused (fuse_elementwise) | fusedconv (+ fla conv) | fused2 (+ fused_layers.py) | fused2copies
 
     @classmethod
     def parse(cls, text: str) -> Variant:
@@ -328,15 +330,18 @@ class Variant:
         return f"{self.budget}:{self.mask}:{self.mode}"
 
 
-MODES = ("eager", "fused", "fusedconv", "fused2")
+# fused2copies: fused2 with fused_layers.set_copy_cuts(False), its forms before the copy cuts of 2026-12-07 (the same
+# values), to time before and after in one run (compute variants and --profile only)
+MODES = ("eager", "fused", "fusedconv", "fused2", "fused2copies")
 
 
 def use_variant(model: nn.Module, v: Variant) -> None:
     """fused: capture_job's fuse_target without fla's conv; fusedconv: capture.kernels=fused;
-    fused2: capture.kernels=fused2 (capture/fused_layers.py)."""
+    fused2: capture.kernels=fused2 (capture/fused_layers.py); fused2copies: fused2 without its copy cuts."""
     unfuse(model)
+    set_copy_cuts(v.mode != "fused2copies")
     if v.fused:
-        fuse_target(model, conv=v.mode != "fused", layers=v.mode == "fused2")
+        fuse_target(model, conv=v.mode != "fused", layers=v.mode.startswith("fused2"))
 
 
 def figures(secs: float, batches: list[Batch], params: dict[str, int]) -> dict:
@@ -453,7 +458,7 @@ def measure_end_to_end(model, v: Variant, a, layer_ids, params, kernel_path: str
     for sink in a.sinks.split(","):
         if sink.split(":")[0] == "job":
             try:
-                if v.mode == "fused":
+                if v.mode in ("fused", "fused2copies"):
                     raise ValueError("the job sink runs capture_job's modes: eager, fusedconv or fused2 (fuse_target)")
                 wb = sink.split(":")[1] if ":" in sink else None
                 loop_s, secs, c = run_job(model, batches, layer_ids, a, prov, v.mode, a.e2e_batches, wb)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call (<= 600 s, fresh machine) for issue 24's capture: the compiled capture kernels alone in other
-# compile modes (bench_capture_kernels.py), then capture_job's own path at the
-# Qwen3.5-27B shape over 50 passes, with the writers' idle write-back off and on side by side
-# (bench_capture.py --sinks job:kernel,job:idle), then, as the time left allows, the evaluator's gpu test on
+# compile modes (bench_capture_kernels.py), then fused2's compute before and after its copy cuts and capture_job's
+# own path at the Qwen3.5-27B shape over 50 passes (bench_capture.py, the default sink job:idle), fused2's gpu tests,
+# then, as the time left allows, the evaluator's gpu test on
 # the fused capture kernels and the writers alone on this machine's disk (bench_capture_drain.py, CPU only). Everything is written under OUT (default $OUT).
 #   bench/gpu_capture.sh [DEADLINE_S]      (seconds from the start the whole call must end by; default 570)
 # The wheels (.whl/, git-ignored) must be carried with the call.
@@ -18,12 +18,21 @@ grep -E "^ +(silu_mul|rms_norm|add_rms_norm) " "$out/capture_kernels.log"
 t0=$(date +%s)
 # the capture may use all but 20 s: what follows needs more than 150 s left, which a capture past ~410 s
 # never leaves, so a lower cap (450 s before) could only cut its job:idle run (~150 s of its ~400-450 s)
-timeout $(($(left) > 60 ? $(left) - 20 : 40)) python3 bench/bench_capture.py --variants 32768:keep:fused2 --pool 256 --batches 2 \
-    --profile 32768:keep:fused2 \
-    --e2e 32768:keep:fused2 --sinks "${SINKS:-job:kernel,job:idle}" --writers 4 --e2e-batches 50 --e2e-distinct 5 \
+# compute: fused2 before its copy cuts (fused2copies) and after, twice each in turn; end to end: the default sink
+k=32768:keep
+timeout $(($(left) > 60 ? $(left) - 20 : 40)) python3 bench/bench_capture.py --pool 256 --batches 2 \
+    --variants "${VARIANTS:-$k:fused2copies,$k:fused2,$k:fused2copies,$k:fused2}" --profile $k:fused2 \
+    --e2e $k:fused2 --sinks "${SINKS:-job:idle}" --writers 4 --e2e-batches 50 --e2e-distinct 5 \
     --disk-gib 2 --shard-dir /tmp/bench_shards/s --json "$out/capture.json" >"$out/capture.log" 2>&1
 echo "capture rc=$? s=$(($(date +%s) - t0))"
-grep -E "^compute|^end to end|disk write|^profile|idle between|by size|by the host op" "$out/capture.log" | tail -12
+grep -E "^compute|^end to end|disk write|^profile|idle between|by size|by the host op" "$out/capture.log" | tail -16
+if [ "$(left)" -gt 60 ]; then  # fused2's copy cuts: bitwise the former forms with fla's conv, no q/k/v copy
+    t0=$(date +%s)
+    timeout $(($(left) - 10)) python3 -m pytest -m gpu -v -s -rA -p no:cacheprovider tests/test_fused_layers.py \
+        >"$out/gpu_fused_layers.log" 2>&1
+    echo "gpu_fused_layers rc=$? s=$(($(date +%s) - t0))"
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/gpu_fused_layers.log" | tail -6
+fi
 if [ "$(left)" -gt 150 ]; then  # the evaluator on capture.kernels fused (never run on a GPU before; fused2: gpu_speed)
     t0=$(date +%s)
     TORCH_LOGS=recompiles timeout $(($(left) - 10)) python3 -m pytest -m gpu -v -s -rA -p no:cacheprovider tests/test_evaluator.py \

@@ -22,3 +22,12 @@ def test_each_variant_is_timed_and_compared_with_the_capture_kernel(capsys):
     assert "silu_mul      static" in out and "vs the capture kernel" in out
     args, nbytes = bck.inputs("add_rms_norm", 16, 32, 48, "cpu")
     assert len(args) == 4 and nbytes == 4 * 16 * 32 * 2  # residual and x read, sum and norm written
+
+
+def test_the_capture_bench_times_fused2_before_its_copy_cuts_beside_it():
+    """bench_capture.py's fused2copies mode: fused2 with its copy cuts off, for before/after in one run."""
+    import bench_capture
+
+    v = bench_capture.Variant.parse("32768:keep:fused2copies")
+    assert (v.mode, v.fused) == ("fused2copies", True)
+    assert str(v) == "32768:keep:fused2copies"

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash_dist.capture.fused_layers import Kernels, fuse_layers, gdn_forward, reference_kernels
+from dflash_dist.capture.fused_layers import Kernels, fuse_layers, gdn_forward, reference_kernels, set_copy_cuts
 from dflash_dist.capture.fused_target import unfuse_target
 from dflash_dist.model.capture import capture_features
 from dflash_dist.tools.demo import DemoConfig, tiny_qwen35_target
@@ -231,6 +231,37 @@ def test_attention_reads_sdpa_output_in_place_bitwise_as_transformers(target, dt
     assert torch.equal(got, want)
     assert torch.equal(got, former)
     assert torch.equal(masked, want_masked)
+
+
+def test_the_bench_switch_restores_the_former_copies_with_the_same_values(target):
+    """set_copy_cuts(False) (bench_capture's fused2copies: before/after in one run) runs the former forms: q/k/v
+    reach chunk_fn as strided views, and the attention forward copies its output; the same bits."""
+    model = target.to(torch.bfloat16)
+    fuse_layers(model, reference_kernels())
+    gdn, attn = model.model.layers[0].linear_attn, model.model.layers[3].self_attn
+    chunk = sys.modules[type(gdn).__module__].torch_chunk_gated_delta_rule
+    seen = []
+
+    def recording(q, k, v, **kw):
+        seen.append(all(t.is_contiguous() for t in (q, k, v)))
+        return chunk(q, k, v, **kw)
+
+    x = torch.randn(1, 21, model.config.hidden_size, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    pos = model.model.rotary_emb(x, torch.arange(21)[None])
+    out = {}
+    try:
+        for on in (True, False):
+            set_copy_cuts(on)
+            with torch.no_grad():
+                g = gdn_forward(gdn, reference_kernels(), recording, x)  # (the CPU conv itself copies: not counted)
+                with _Copies() as copies:
+                    out[on] = (g, attn(hidden_states=x, position_embeddings=pos, attention_mask=None)[0])
+            out[on, "copies"] = len(copies.seen)
+    finally:
+        set_copy_cuts(True)
+    assert seen == [True, False]
+    assert out[True, "copies"] == 0 < out[False, "copies"]
+    assert all(torch.equal(a, b) for a, b in zip(out[True], out[False]))
 
 
 def test_cached_generation_falls_back_to_transformers(target):

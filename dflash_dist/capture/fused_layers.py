@@ -114,6 +114,17 @@ def _compiled_norm_rope(rope, *args):
     return _compiled_rope(rope)(*args)
 
 
+# bench_capture's "fused2copies" mode: the two copy cuts off (one conv, split views copied by fla; transformers'
+# SDPA function and its output copy), for timing before/after in one run; read at each call
+_switch = {"copy_cuts": True}
+
+
+def set_copy_cuts(on: bool) -> None:
+    """True (the default): the per-block conv and the in-place attention output; False: the former forms (the
+    same values; bench_capture.py times both side by side)."""
+    _switch["copy_cuts"] = bool(on)
+
+
 # ---- the rewritten forwards (bound per module by fuse_layers) ----
 
 
@@ -137,7 +148,11 @@ def gdn_forward(m: nn.Module, k: Kernels, chunk_fn: Callable, hidden_states, cac
     proj = F.linear(hidden_states, m.dflash_in_proj)  # [B, T, qkv | z | b | a]
     mixed, z = proj[..., :c], proj[..., c : c + vd]
     b, a = proj[..., c + vd : c + vd + hv], proj[..., c + vd + hv :]
-    q, key, v = _qkv_conv(m, k.conv, mixed)
+    if _switch["copy_cuts"]:
+        q, key, v = _qkv_conv(m, k.conv, mixed)
+    else:  # the former form: one conv, strided views that fla's chunk kernel copies
+        y = k.conv(mixed, m.conv1d.weight.squeeze(1), m.conv1d.bias, m.activation)
+        q, key, v = torch.split(y, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
     q = q.view(bsz, t, -1, m.head_k_dim)
     key = key.view(bsz, t, -1, m.head_k_dim)
     v = v.view(bsz, t, -1, m.head_v_dim)
@@ -181,7 +196,7 @@ def attn_forward(m: nn.Module, k: Kernels, hidden_states, position_embeddings, a
                          m.q_norm.eps, cos, sin)  # fmt: skip
     v = m.v_proj(hidden_states).view(*shape, -1, d).transpose(1, 2)
     attend = mod.ALL_ATTENTION_FUNCTIONS.get_interface(m.config._attn_implementation, mod.eager_attention_forward)
-    if _own_sdpa_call(m, attend, q, key, v, attention_mask, kw):
+    if _switch["copy_cuts"] and _own_sdpa_call(m, attend, q, key, v, attention_mask, kw):
         gqa = {"enable_gqa": True} if m.num_key_value_groups > 1 else {}
         out = F.scaled_dot_product_attention(q, key, v, attn_mask=None, dropout_p=0.0, scale=m.scaling, is_causal=True,
                                              **gqa).transpose(1, 2)  # fmt: skip

@@ -8,6 +8,7 @@ import torch
 from dflash_dist.model import loss as loss_mod
 from dflash_dist.model import vocab_loss
 from dflash_dist.model.attention import HOPPER_D128_TILES, set_flex_tuning
+from dflash_dist.model.drafter import row_cuts_default
 from dflash_dist.model.fused import set_rms_norm_in_place, set_rope_layout
 from dflash_dist.model.vocab_loss import lm_head_cross_entropy
 
@@ -29,6 +30,11 @@ SWITCHES = {  # --settings vocabulary: each word sets one switch on the running 
     "devrows": ("rows", "device"), "hostrows": ("rows", "host"),
     "ovf": ("ovf", True), "noovf": ("ovf", False),  # DeepSpeed's inf/nan pass (bf16 check_grad_overflow)
     "cat": ("kv", False), "splitkv": ("kv", True),  # k/v projections of cat(context, x) or of each part
+    # the drafter's row cuts (drafter.py; without a word, on with liger/compile, off with torch: the trainer's):
+    # layer 0's norm and block q/k/v projections on the N+1 distinct rows, or on all N*B block rows
+    "dedup0": ("dedup0", True), "nodedup0": ("dedup0", False),
+    # the last layer's o_proj, MLP and norms on the supervised rows only, or on every block row
+    "lastrows": ("lastrows", True), "alllastrows": ("lastrows", False),
     # slot weights (default: --position-weighting); twopass: D-PACE as before 2026-12-04, a no-grad
     # lm_head pass for the confidences and then the weighted one (onepass: the head once, vocab_loss.py)
     "decay": ("weighting", "decay"), "dpace": ("weighting", "dpace"),
@@ -109,7 +115,10 @@ def apply_setting(engine, setting: dict) -> None:
     base = vars(engine.module).setdefault("cli_weighting", engine.module.position_weighting)  # before any setting
     engine.module.position_weighting = setting.get("weighting", base)
     loss_mod.lm_head_cross_entropy = _two_pass_dpace if setting.get("passes", 1) == 2 else lm_head_cross_entropy
-    engine.module.drafter.set_split_kv(setting["kv"])
+    drafter = engine.module.drafter
+    drafter.set_split_kv(setting["kv"])
+    cuts = row_cuts_default(drafter.kernels)  # a setting without the words: what the trainer runs with these kernels
+    drafter.set_row_cuts(setting.get("dedup0", cuts), setting.get("lastrows", cuts))
     engine.optimizer.check_grad_overflow = setting["ovf"]
     timer = engine.tput_timer.config  # ds_config turns it off; "dstimer" as DeepSpeed's default has it
     timer.enabled = timer.synchronized = setting.get("timer", False)

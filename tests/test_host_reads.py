@@ -147,14 +147,15 @@ BEFORE_CUTS = {
 }
 
 
-@pytest.mark.parametrize("words", ["", "+epiwait", "+dstimer+devrows"])
+@pytest.mark.parametrize("words", ["", "+epiwait", "+dstimer+devrows", "+dedup0+lastrows"])
 def test_the_bench_step_under_direct_fused_leangrads_syncs_once_per_micro_batch(words, single_rank_gloo):
     """The GPU's engine config on the CPU (bf16, overlap_comm, the 27B shape's bucket rule), the setting
     issue 24's eighth lease profiled, the bench's batches with their host-found supervised rows: one
     synchronize per micro-batch, DeepSpeed's epilogue; none with "epiwait" (zero_step.wait_on_device,
     opt-in: there the compute stream waits on the reduction stream instead). "dstimer+devrows" (the
     bench's words for the step before the cuts, so that a lease measures them side by side) put
-    DeepSpeed's timer synchronizes and the loss's nonzero back, and only those."""
+    DeepSpeed's timer synchronizes and the loss's nonzero back, and only those. "dedup0+lastrows" (the drafter's
+    row cuts, on with the GPU's kernel sets; this drafter runs the torch set) add none."""
     import deepspeed
 
     cfg = load_config(None, ["target.kind=tiny_stdlib", "train.max_steps=20", "train.position_weighting=dpace"])
@@ -185,5 +186,6 @@ def test_the_bench_step_under_direct_fused_leangrads_syncs_once_per_micro_batch(
             engine.step()
     reads.remove_hooks()
     print(reads.table(steps=3))
-    want = {"": {EPILOGUE: 3}, "+epiwait": {}, "+dstimer+devrows": {EPILOGUE: 3, **BEFORE_CUTS}}[words]
+    want = {"": {EPILOGUE: 3}, "+epiwait": {}, "+dstimer+devrows": {EPILOGUE: 3, **BEFORE_CUTS},
+            "+dedup0+lastrows": {EPILOGUE: 3}}[words]  # the drafter's row cuts (on with the GPU's kernels) read nothing
     assert _sites(reads.reads) == want, _show("the bench's step read device data:", reads.reads)

@@ -1,6 +1,24 @@
 """The DFlash drafter: Qwen3-style layers that denoise a block [anchor, MASK x (B-1)] in one pass,
 conditioned on the target's hidden states injected as extra keys/values in every layer.
 
+Two row cuts of the training forward (issue 24), each a switch that `set_kernels` turns on with the
+fast kernel sets (liger, compile: the GPU) and off with "torch" (the CPU reference: the pinned loss
+curve and the golden sets keep their bits; a GEMM over fewer rows sums its weight gradient in
+another order). Each computes the same function, only fewer rows:
+- `dedup_layer0`: training blocks are [anchor token, MASK x (B-1)] (loss.block_inputs; an invalid
+  block is all MASK), so layer 0's input is the frozen embedding of N+1 distinct rows per sequence:
+  each block's slot 0 and the MASK row. Its input norm and the q/k/v projections of the block part
+  are row-wise, so they run on those N+1 rows (`AnchorBlocks`) and their outputs are expanded to the
+  N*B slots before anything that depends on the position (q/k norm, RoPE, attention). The expansion
+  is a cat of the slot-0 rows with the MASK row's `expand`: its backward is a sum, no scatter. The
+  residual stream keeps all N*B rows; the context part of k/v is unchanged.
+- `last_rows`: the loss reads only the supervised rows of the last layer's output (`rows`: slot 0,
+  invalid blocks, slots past the sequence and loss-masked slots carry no weight), and after the
+  last layer's attention every op is row-wise: o_proj, the residual add, the post-attention norm,
+  the MLP and the final norm run on those rows only. All queries still attend (the mask is built
+  for the whole block layout). Without the switch the full output is normed and then indexed, as
+  the loss did before.
+
 Plain nn.Module (STYLE 6): no Ray, DeepSpeed or torch.distributed here; builds on CPU and meta.
 """
 
@@ -67,6 +85,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None] + _rotate_half(x) * sin[:, None]
 
 
+class AnchorBlocks:
+    """Training blocks [slot 0, MASK x (B-1)] laid out as N blocks of B rows: `distinct` takes a
+    sequence's N+1 distinct rows (each block's slot 0, then block 0's slot 1, a MASK), `expand` puts
+    row-wise results of them back on the N*B slots. expand(f(distinct(h))) = f(h) for a row-wise f
+    when every slot past 0 holds the same row, which is what the caller vouches for."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if block_size < 2:
+            raise ValueError(f"AnchorBlocks needs block_size >= 2 (a MASK slot), got {block_size}")
+        self.n, self.block = num_blocks, block_size
+
+    def distinct(self, h: torch.Tensor) -> torch.Tensor:
+        """[b, N*B, D] -> [b, N+1, D]."""
+        b, _, d = h.shape
+        blocks = h.view(b, self.n, self.block, d)
+        return torch.cat([blocks[:, :, 0], blocks[:, :1, 1]], dim=1)
+
+    def expand(self, y: torch.Tensor) -> torch.Tensor:
+        """[b, N+1, D] -> [b, N*B, D]: row j to slot 0 of block j, row N to every other slot."""
+        b, _, d = y.shape
+        mask = y[:, self.n :, None].expand(b, self.n, self.block - 1, d)  # backward: a sum over the slots
+        # not a view of the 4-d cat (as a GEMM's 3-d output, which matmul returns through the same op): the compiled
+        # q norm + RoPE guards on a view input's base, and a 4-d one took a graph of its own (7 compiles for 4)
+        return torch.ops.aten._unsafe_view(torch.cat([y[:, : self.n, None], mask], dim=2), (b, self.n * self.block, d))
+
+
 class DrafterAttention(nn.Module):
     norm_rope = None  # fused.py's q/k norm + RoPE, set by DFlashDrafter.set_kernels; None: the code below
     # False: k/v projections of cat([context, x]); True: of each part, the [S+Q, kv_heads*d] outputs
@@ -95,27 +139,41 @@ class DrafterAttention(nn.Module):
         rope_q: tuple[torch.Tensor, torch.Tensor],
         rope_kv: tuple[torch.Tensor, torch.Tensor],
         mask: AttentionMask | None,
+        blocks: AnchorBlocks | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        b, q_len, _ = x.shape
+        """[b, Q, H] -> [b, Q, H]. blocks: x holds the N+1 distinct rows [b, N+1, H] of training
+        blocks, the block part's q/k/v projections are expanded to the Q = N*B slots; rows: the output
+        of those flat [b*Q] rows only, [R, H] (o_proj on them alone)."""
+        b = x.shape[0]
+        expand = (lambda t: t) if blocks is None else blocks.expand
         # KV injection: the fused context features pass through this layer's own k/v projections
         # and k_norm, then sit in front of the block's keys; they never become queries.
         if self.split_kv:
-            k_lin = torch.cat([self.k_proj(context), self.k_proj(x)], dim=1)
-            v_lin = torch.cat([self.v_proj(context), self.v_proj(x)], dim=1)
+            k_lin = torch.cat([self.k_proj(context), expand(self.k_proj(x))], dim=1)
+            v_lin = torch.cat([self.v_proj(context), expand(self.v_proj(x))], dim=1)
         else:
             kv_in = torch.cat([context, x], dim=1)
             k_lin, v_lin = self.k_proj(kv_in), self.v_proj(kv_in)
+            if blocks is not None:  # one GEMM over context and distinct rows, then the block part expanded
+                s = context.shape[1]
+                k_lin = torch.cat([k_lin[:, :s], blocks.expand(k_lin[:, s:])], dim=1)
+                v_lin = torch.cat([v_lin[:, :s], blocks.expand(v_lin[:, s:])], dim=1)
+        q_lin = expand(self.q_proj(x))
+        q_len = q_lin.shape[1]
         v = self._heads(v_lin, self.num_kv_heads).transpose(1, 2)
         if self.norm_rope is not None:
             qn, kn = self.q_norm, self.k_norm
-            q = self.norm_rope(self._heads(self.q_proj(x), self.num_heads), qn.weight, qn.eps, *rope_q)
+            q = self.norm_rope(self._heads(q_lin, self.num_heads), qn.weight, qn.eps, *rope_q)
             k = self.norm_rope(self._heads(k_lin, self.num_kv_heads), kn.weight, kn.eps, *rope_kv)
         else:
-            q = self.q_norm(self._heads(self.q_proj(x), self.num_heads)).transpose(1, 2)
+            q = self.q_norm(self._heads(q_lin, self.num_heads)).transpose(1, 2)
             k = self.k_norm(self._heads(k_lin, self.num_kv_heads)).transpose(1, 2)
             q = apply_rope(q, *rope_q)
             k = apply_rope(k, *rope_kv)
         out = attend(q, k, v, mask, scale=self.head_dim**-0.5)
+        if rows is not None:
+            return self.o_proj(out.transpose(1, 2).reshape(b * q_len, -1)[rows])
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
@@ -143,15 +201,27 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, context, rope_q, rope_kv, mask):
-        h = h + self.self_attn(self.input_layernorm(h), context, rope_q, rope_kv, mask)
+    def forward(self, h, context, rope_q, rope_kv, mask, blocks: AnchorBlocks | None = None, rows=None):
+        """blocks: the input norm and q/k/v projections on the blocks' distinct rows (layer 0);
+        rows: after the attention only these flat rows, [R, H] out (the last layer)."""
+        x = self.input_layernorm(h if blocks is None else blocks.distinct(h))
+        a = self.self_attn(x, context, rope_q, rope_kv, mask, blocks, rows)
+        h = h + a if rows is None else h.reshape(-1, h.shape[-1])[rows] + a
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def row_cuts_default(kernels: str) -> bool:
+    """The row cuts (`dedup_layer0`, `last_rows`) are on with the fast kernel sets (the GPU), off with
+    the torch reference (the CPU: the pinned loss curve's bits)."""
+    return kernels != "torch"
 
 
 class DFlashDrafter(nn.Module):
     """Drafter weights (exported) plus the target's embedding and lm_head (frozen, not exported)."""
 
     TARGET_KEYS = ("embed_tokens.weight", "lm_head.weight")
+    dedup_layer0 = False  # the row cuts of the training forward (module docstring); set_kernels sets both
+    last_rows = False
 
     def __init__(self, cfg: DrafterConfig, kernels: str = "torch") -> None:
         super().__init__()
@@ -170,9 +240,11 @@ class DFlashDrafter(nn.Module):
 
     def set_kernels(self, kernels: str) -> None:
         """Elementwise kernels (fused.py): "torch" (reference, CPU), "compile" or "liger" (GPU).
-        Changes no weights; the loss reads `self.kernels` for its cross-entropy kernel."""
+        Changes no weights; the loss reads `self.kernels` for its cross-entropy kernel. Also sets the
+        row cuts to the set's default (`row_cuts_default`: on with liger/compile)."""
         norm, act, norm_rope = rms_norm_fn(kernels), swiglu_fn(kernels), norm_rope_fn(kernels)
         self.kernels = kernels
+        self.dedup_layer0 = self.last_rows = row_cuts_default(kernels)
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.fast = norm
@@ -187,6 +259,15 @@ class DFlashDrafter(nn.Module):
         for m in self.modules():
             if isinstance(m, DrafterAttention):
                 m.split_kv = split
+
+    def set_row_cuts(self, dedup_layer0: bool | None = None, last_rows: bool | None = None) -> None:
+        """Switch the training forward's row cuts (module docstring); None leaves one as it is.
+        The same function either way; on: fewer rows through layer 0's projections and the last
+        layer's o_proj/MLP. `set_kernels` sets both to its set's default."""
+        if dedup_layer0 is not None:
+            self.dedup_layer0 = bool(dedup_layer0)
+        if last_rows is not None:
+            self.last_rows = bool(last_rows)
 
     def set_target_weights(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         """Share the target's embedding and lm_head (frozen)."""
@@ -219,23 +300,47 @@ class DFlashDrafter(nn.Module):
         context_positions: torch.Tensor,
         mask: AttentionMask | LayerMasks | None = None,
         return_layer_outputs: bool = False,
+        anchor_blocks: bool = False,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """Final normed hidden states of the block slots.
 
         block_ids/positions [b, Q]; context = fuse_context(features) [b, S, H] at context_positions
         [b, S]; mask None = one block at inference: full layers see every key, sliding layers the
         window (attention.inference_sliding_mask); training passes attention.layer_masks(...).
+        anchor_blocks: the caller vouches that block_ids are training blocks of config.block_size,
+        each [any id, MASK x (B-1)] (loss.block_inputs): with `dedup_layer0` layer 0 projects each
+        block's slot 0 and one MASK row only. rows: flat indices into [b*Q], ascending and distinct:
+        only their hidden states, [R, H] (with `last_rows` the last layer computes no other row after
+        its attention; without, the full output normed and then indexed).
         """
         h = self.embed_tokens(block_ids).to(context.dtype)
         rope_q = self.rotary(block_positions, h.dtype)
         rope_kv = self.rotary(torch.cat([context_positions, block_positions], dim=1), h.dtype)
         masks = self._per_layer_masks(mask, context_positions, block_positions)
-        outs = []
-        for layer in self.layers:
-            h = layer(h, context, rope_q, rope_kv, masks[layer.attention_type] if isinstance(masks, dict) else masks)
+        blocks = self._anchor_blocks(block_ids) if anchor_blocks and self.dedup_layer0 else None
+        cut_last = rows is not None and self.last_rows
+        if cut_last and return_layer_outputs:
+            raise ValueError("return_layer_outputs needs every row of every layer: pass rows=None")
+        outs, last = [], len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            m = masks[layer.attention_type] if isinstance(masks, dict) else masks
+            h = layer(h, context, rope_q, rope_kv, m, blocks if i == 0 else None,
+                      rows if cut_last and i == last else None)
             outs.append(h)
         h = self.norm(h)
+        if rows is not None and not cut_last:
+            h = h.reshape(-1, h.shape[-1])[rows]
         return (h, outs) if return_layer_outputs else h
+
+    def _anchor_blocks(self, block_ids: torch.Tensor) -> AnchorBlocks | None:
+        blk = self.config.block_size
+        if block_ids.shape[1] % blk:
+            raise ValueError(
+                f"anchor_blocks: {block_ids.shape[1]} block slots are not whole blocks of block_size {blk} "
+                "(loss.block_inputs lays out N blocks of B slots)"
+            )
+        return AnchorBlocks(block_ids.shape[1] // blk, blk) if blk > 1 else None  # B = 1: every row distinct
 
     def _per_layer_masks(self, mask, context_positions: torch.Tensor, block_positions: torch.Tensor):
         """The mask (or per-layer-type masks) the layers use; refuses one mask for a sliding drafter,

@@ -19,7 +19,8 @@ way, and the norm's incoming gradient stays contiguous (liger's backward copied 
 set keeps RoPE after the transpose (drafter.py): its q/k-norm weight gradient sums over the
 gradient's memory order, so fp32 bits would change. Liger's RMSNorm writes dX over dY
 (in_place): no norm output's gradient is read after the norm's backward (each is a fresh sum of
-GEMM gradients, a fresh row scatter, or a disjoint slice of the k/v cat's). Both are bitwise the
+GEMM gradients, a fresh row scatter, a disjoint slice of the k/v cat's, or, under the drafter's
+last-row cut, the lm_head loss's fresh dL/dh of the rows). Both are bitwise the
 former forms (tests/test_fused.py); `set_rope_layout("bhtd")` and `set_rms_norm_in_place(False)`
 restore those for side-by-side timing (bench_train_step.py --settings).
 
@@ -136,8 +137,9 @@ def ce_chunk_ref(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool):
 # recompile it changes at. Every other guard is one more compile: each requires_grad state (the context
 # features' norm gets an input that needs no grad, the layers' norms one that does), dtype, size 1 (a
 # micro-batch of one row, a one-row last CE chunk), storage offset. Measured on CPU, the drafter's RMSNorm
-# took 7 compiles over bf16 micro-batches of 1-4 rows and varying lengths, 11 with fp32 ones as well
-# (tests/test_fused_compile.py), 12 with a no-grad pass; norm + RoPE, SwiGLU and the chunk CE at most 7;
+# took 8 compiles over bf16 micro-batches of 1-4 rows and varying lengths, 13 with fp32 ones as well
+# (tests/test_fused_compile.py; 7 and 11 without the drafter's row cuts, whose layer-0 norm sees [b, N+1, H]
+# and last norms [rows, H]), 12 with a no-grad pass (before the cuts); norm + RoPE, SwiGLU and the chunk CE at most 7;
 # packed rows (one length, varying anchors) 3 in bf16. Dynamo's default limit is 8 per function, past
 # which plain torch.compile runs the call eagerly with one logged warning: no fused kernel, and other
 # numerics than the compiled calls. Here each function has its own limit, room for a process that runs
@@ -191,8 +193,8 @@ def _liger():
 
 def _liger_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # llama casting = drafter.RMSNorm: (x_fp32 * rstd).to(dtype) * weight. in_place: dX over dY,
-    # safe as no norm output's gradient is read again (its output feeds GEMMs, RoPE or the loss's
-    # row gather, never a residual add, whose backward would hand the same buffer on)
+    # safe as no norm output's gradient is read again (its output feeds GEMMs, RoPE, a row gather or
+    # the loss's head, never a residual add, whose backward would hand the same buffer on)
     return _liger()[0].apply(x, weight, eps, 0.0, "llama", _switch["rms_norm_in_place"])
 
 

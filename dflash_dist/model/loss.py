@@ -253,6 +253,8 @@ def dflash_loss(
     rows: `supervised_rows` of these inputs, found on the host (on the compute device); None: found
     here with a nonzero, the forward's one host sync (it waits for every queued kernel). The caller
     vouches that they are these inputs' rows: they are not checked (that would be the read again).
+    The drafter gets the rows and returns only their hidden states; nothing here reads another row of
+    its output, which is what makes its last-layer row cut exact (drafter.py; return_logits: every row).
     """
     cfg = drafter.config
     bsz, s_len = input_ids.shape
@@ -280,7 +282,10 @@ def dflash_loss(
     ctx_pos = torch.arange(s_len, device=input_ids.device).expand(bsz, s_len)
     mask = layer_masks(attention, anchors.positions, anchors.keep, s_len, blk, cfg.layer_types, cfg.sliding_window,
                        anchors.starts, block_mask)
-    hidden = drafter(ids, pos, context, ctx_pos, mask)
+    # ids are block_inputs' [anchor, MASK x (B-1)] blocks (the drafter's layer-0 cut relies on it); with `rows`
+    # (all but return_logits) the drafter returns the supervised rows' hidden states only, [R, H]: nothing
+    # here reads another row of its output (drafter.py's last-layer cut)
+    hidden = drafter(ids, pos, context, ctx_pos, mask, anchor_blocks=True, rows=rows)
     if return_logits:
         logits = drafter.lm_head(hidden).float()  # [b, N*B, V]
         ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), reduction="none")
@@ -293,7 +298,7 @@ def dflash_loss(
     else:
         # only supervised slots reach the vocabulary (slot 0, invalid blocks and slots past the
         # sequence carry no weight), at most one chunk of logits at a time (vocab_loss.py)
-        h_rows, y_rows = hidden.reshape(-1, hidden.shape[-1])[rows], labels.reshape(-1)[rows]
+        h_rows, y_rows = hidden, labels.reshape(-1)[rows]
         if position_weighting != "dpace":
             row_weights = weights.reshape(-1)[rows] / denom
         else:  # the weights need every slot's CE: the head forms them after its chunks and then scales its rows
@@ -309,7 +314,7 @@ def dflash_loss(
             h_rows, drafter.lm_head.weight, y_rows, row_weights, vocab_chunk_rows, kernels
         )
         argmax = torch.full_like(labels, -1).view(-1).index_copy(0, rows, argmax_rows).view_as(labels)
-        sample_wce = torch.zeros(bsz, dtype=torch.float32, device=hidden.device).index_add_(
+        sample_wce = torch.zeros(bsz, dtype=torch.float32, device=h_rows.device).index_add_(
             0, rows // (n * blk), (weights.reshape(-1)[rows] * ce_rows.detach()).float()
         )
     with torch.no_grad():

@@ -19,6 +19,11 @@ another order). Each computes the same function, only fewer rows:
   for the whole block layout). Without the switch the full output is normed and then indexed, as
   the loss did before.
 
+Each layer returns (h, its MLP output) unsummed: the next layer's input norm, or the final norm, adds them
+(`RMSNorm.add_forward`), so with the fast kernel sets the residual add runs inside the norm's kernel
+(fused.add_rms_norm_fn: liger's fused add + RMSNorm, whose backward also adds the residual gradient; one
+80 MB pass less each way a layer at the 27B shape). The torch set adds, then norms: the same ops as before.
+
 Plain nn.Module (STYLE 6): no Ray, DeepSpeed or torch.distributed here; builds on CPU and meta.
 """
 
@@ -30,13 +35,14 @@ from torch import nn
 
 from dflash_dist.model.attention import FULL, SLIDING, AttentionMask, LayerMasks, attend, inference_sliding_mask
 from dflash_dist.model.config import DrafterConfig
-from dflash_dist.model.fused import norm_rope_fn, rms_norm_fn, swiglu_fn
+from dflash_dist.model.fused import add_rms_norm_fn, norm_rope_fn, rms_norm_fn, swiglu_fn
 
 
 class RMSNorm(nn.Module):
     """Qwen3 RMSNorm: computed in fp32, g = weight (not zero-centred)."""
 
     fast = None  # fused.py's (x, weight, eps) kernel, set by DFlashDrafter.set_kernels; None: the code below
+    add_fast = None  # fused.py's (residual, x, weight, eps) -> (sum, normed) kernel; None: the add, then forward
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -50,6 +56,13 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_forward(self, residual: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, the norm of it): the pre-norm layer's residual step, one kernel with `add_fast`."""
+        if self.add_fast is not None:
+            return self.add_fast(residual, x, self.weight, self.eps)
+        s = residual + x
+        return s, self(s)
 
 
 class RotaryEmbedding(nn.Module):
@@ -201,13 +214,23 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, context, rope_q, rope_kv, mask, blocks: AnchorBlocks | None = None, rows=None):
-        """blocks: the input norm and q/k/v projections on the blocks' distinct rows (layer 0);
+    def forward(self, h, context, rope_q, rope_kv, mask, blocks: AnchorBlocks | None = None, rows=None, delta=None):
+        """(h', mlp out): the layer's output is h' + mlp out, left unsummed so that the next layer's input
+        norm (or the final norm) adds it in its own kernel (RMSNorm.add_forward). `delta`: the previous
+        layer's mlp out, added to h here first (None: h is the whole residual stream).
+        blocks: the input norm and q/k/v projections on the blocks' distinct rows (layer 0);
         rows: after the attention only these flat rows, [R, H] out (the last layer)."""
-        x = self.input_layernorm(h if blocks is None else blocks.distinct(h))
+        if delta is None:
+            x = self.input_layernorm(h if blocks is None else blocks.distinct(h))
+        else:
+            if blocks is not None:
+                raise ValueError("the layer-0 row cut (blocks) takes the embedding itself: no delta")
+            h, x = self.input_layernorm.add_forward(h, delta)
         a = self.self_attn(x, context, rope_q, rope_kv, mask, blocks, rows)
-        h = h + a if rows is None else h.reshape(-1, h.shape[-1])[rows] + a
-        return h + self.mlp(self.post_attention_layernorm(h))
+        if rows is not None:
+            h = h.reshape(-1, h.shape[-1])[rows]
+        h, y = self.post_attention_layernorm.add_forward(h, a)
+        return h, self.mlp(y)
 
 
 def row_cuts_default(kernels: str) -> bool:
@@ -221,6 +244,7 @@ class DFlashDrafter(nn.Module):
 
     TARGET_KEYS = ("embed_tokens.weight", "lm_head.weight")
     dedup_layer0 = False  # the row cuts of the training forward (module docstring); set_kernels sets both
+    fused_add_norm = True  # set_fused_add_norm: with the fast kernel sets, each residual add in its norm's kernel
     last_rows = False
 
     def __init__(self, cfg: DrafterConfig, kernels: str = "torch") -> None:
@@ -243,11 +267,12 @@ class DFlashDrafter(nn.Module):
         Changes no weights; the loss reads `self.kernels` for its cross-entropy kernel. Also sets the
         row cuts to the set's default (`row_cuts_default`: on with liger/compile)."""
         norm, act, norm_rope = rms_norm_fn(kernels), swiglu_fn(kernels), norm_rope_fn(kernels)
+        add_norm = add_rms_norm_fn(kernels) if self.fused_add_norm else None
         self.kernels = kernels
         self.dedup_layer0 = self.last_rows = row_cuts_default(kernels)
         for m in self.modules():
             if isinstance(m, RMSNorm):
-                m.fast = norm
+                m.fast, m.add_fast = norm, add_norm
             elif isinstance(m, DrafterMLP):
                 m.act = act
             elif isinstance(m, DrafterAttention):
@@ -259,6 +284,17 @@ class DFlashDrafter(nn.Module):
         for m in self.modules():
             if isinstance(m, DrafterAttention):
                 m.split_kv = split
+
+    def set_fused_add_norm(self, on: bool) -> None:
+        """The residual add and the following RMSNorm in one kernel (fused.add_rms_norm_fn) with the fast
+        kernel sets (on, the default; no effect with "torch"); off: the add, then the norm's own kernel, the
+        form before 2026-12-07 (bench_train_step's noaddnorm). Not bitwise that form on the GPU: the fused
+        backward rounds the norm's dX plus the residual gradient once, where the add rounded dX first."""
+        self.fused_add_norm = bool(on)
+        add_norm = add_rms_norm_fn(self.kernels) if self.fused_add_norm else None
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.add_fast = add_norm
 
     def set_row_cuts(self, dedup_layer0: bool | None = None, last_rows: bool | None = None) -> None:
         """Switch the training forward's row cuts (module docstring); None leaves one as it is.
@@ -322,13 +358,14 @@ class DFlashDrafter(nn.Module):
         cut_last = rows is not None and self.last_rows
         if cut_last and return_layer_outputs:
             raise ValueError("return_layer_outputs needs every row of every layer: pass rows=None")
-        outs, last = [], len(self.layers) - 1
+        outs, last, delta = [], len(self.layers) - 1, None
         for i, layer in enumerate(self.layers):
             m = masks[layer.attention_type] if isinstance(masks, dict) else masks
-            h = layer(h, context, rope_q, rope_kv, m, blocks if i == 0 else None,
-                      rows if cut_last and i == last else None)
-            outs.append(h)
-        h = self.norm(h)
+            h, delta = layer(h, context, rope_q, rope_kv, m, blocks if i == 0 else None,
+                             rows if cut_last and i == last else None, delta)
+            if return_layer_outputs:
+                outs.append(h + delta)
+        h = self.norm(h + delta) if self.layers else self.norm(h)
         if rows is not None and not cut_last:
             h = h.reshape(-1, h.shape[-1])[rows]
         return (h, outs) if return_layer_outputs else h

@@ -8,7 +8,7 @@ Kernel sets (`DFlashDrafter(cfg, kernels=...)`):
   kernels; runs on CPU too), never eagerly: past its own recompile limit a function raises
   (`_compiled`);
 - "liger": liger-kernel's Triton RMSNorm (llama casting: normalise in fp32, cast, then scale by
-  the gain, as drafter.RMSNorm) and SiLU-mul, and its fused cross-entropy kernel (loss, argmax and
+  the gain, as drafter.RMSNorm), its fused residual add + RMSNorm (drafter.RMSNorm.add_forward) and SiLU-mul, and its fused cross-entropy kernel (loss, argmax and
   softmax - onehot written in place of the chunk's logits in one launch). Liger's RoPE needs q and
   k of one length (ours: block queries against context + block keys), so RoPE is compiled.
   GPU only (Triton).
@@ -87,6 +87,12 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
+
+
+def add_rms_norm_ref(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """The pre-norm residual step: (residual + x, RMSNorm of it)."""
+    s = residual + x
+    return s, rms_norm_ref(s, weight, eps)
 
 
 def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -181,6 +187,7 @@ def _compiled_norm_rope(x, weight, eps, cos, sin):
 def _liger():
     try:
         from liger_kernel.ops.cross_entropy import liger_cross_entropy_kernel
+        from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
     except ImportError as e:  # pragma: no cover (GPU environments)
@@ -188,7 +195,7 @@ def _liger():
             "kernels='liger' needs liger-kernel (and Triton on a CUDA device): pip install liger-kernel==0.8.5, "
             f"or use kernels='compile' / 'torch' ({e})"
         ) from e
-    return LigerRMSNormFunction, LigerSiLUMulFunction, liger_cross_entropy_kernel
+    return LigerRMSNormFunction, LigerSiLUMulFunction, liger_cross_entropy_kernel, LigerFusedAddRMSNormFunction
 
 
 def _liger_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -196,6 +203,14 @@ def _liger_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     # safe as no norm output's gradient is read again (its output feeds GEMMs, RoPE, a row gather or
     # the loss's head, never a residual add, whose backward would hand the same buffer on)
     return _liger()[0].apply(x, weight, eps, 0.0, "llama", _switch["rms_norm_in_place"])
+
+
+def _liger_add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(residual + x, its RMSNorm) in one kernel, llama casting as _liger_rms_norm; the backward adds the
+    residual stream's gradient into the norm's dX in the same pass (one bf16 rounding of the sum, where the
+    separate add rounded the norm's dX first). in_place: dX over dY, safe as for _liger_rms_norm."""
+    y, s = _liger()[3].apply(x, residual, weight, eps, 0.0, "llama", _switch["rms_norm_in_place"])
+    return s, y
 
 
 def _liger_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -239,6 +254,12 @@ def rms_norm_fn(kernels: str) -> Callable | None:
     if check_kernels(kernels) == "liger":
         _liger()
     return {"torch": None, "compile": _compiled(rms_norm_ref), "liger": _liger_rms_norm}[check_kernels(kernels)]
+
+
+def add_rms_norm_fn(kernels: str) -> Callable | None:
+    """(residual, x, weight, eps) -> (residual + x, RMSNorm of it) in one kernel; None = the add, then the
+    norm's own kernel (drafter.RMSNorm.add_forward)."""
+    return {"torch": None, "compile": _compiled(add_rms_norm_ref), "liger": _liger_add_rms_norm}[check_kernels(kernels)]
 
 
 def swiglu_fn(kernels: str) -> Callable | None:

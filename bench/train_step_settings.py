@@ -24,6 +24,10 @@ SWITCHES = {  # --settings vocabulary: each word sets one switch on the running 
     # the one-kernel step's norm: of the gathered flat partitions (the default since 2026-12-06, one reduction a
     # group) or of the gradient list before the gather (the multi-tensor norm, as before)
     "gnormflat": ("gnorm", "flat"), "gnormlist": ("gnorm", "list"),
+    # the one-kernel step's gradients: gathered into one flat partition a group (the default), or read where they
+    # are, the AdamW update through views at each tensor's offset and the norm of the list (zero_step.install's
+    # gather; bitwise the gather with gnormlist)
+    "gather": ("gather", True), "nogather": ("gather", False),
     # before 2026-12-06 (default: after): DeepSpeed's throughput timer on and synchronized (its default: a device
     # synchronize in every forward and step()), and the loss's supervised rows found on the device (a nonzero)
     "dstimer": ("timer", True), "notimer": ("timer", False),
@@ -96,6 +100,10 @@ def parse_setting(text: str) -> dict:
         raise SystemExit(f"--settings: {text!r}: leangrads cuts the lean step's gradient path; add lean or fused")
     if out.get("epi") == "wait" and out["step"] not in ("lean", "fused"):
         raise SystemExit(f"--settings: {text!r}: epiwait comes with the lean step; add lean or fused")
+    if out.get("gather") is False and out["step"] != "fused":
+        raise SystemExit(f"--settings: {text!r}: nogather is the one-kernel step's; add fused")
+    if out.get("gather") is False and out.get("gnorm") == "flat":
+        raise SystemExit(f"--settings: {text!r}: gnormflat is the norm of the gathered partitions; nogather has none")
     return out
 
 
@@ -128,9 +136,11 @@ def apply_setting(engine, setting: dict) -> None:
     timer.enabled = timer.synchronized = setting.get("timer", False)
     engine.module.host_rows = setting.get("rows", "host") == "host"
     zero_step.uninstall(engine)  # DeepSpeed's step and gradient path, then the setting's
-    # a setting without epiwait: DeepSpeed's sync; without gnormlist: the norm of the gathered partitions
+    # a setting without epiwait: DeepSpeed's sync; without gnormlist: the norm of the gathered partitions; without
+    # nogather: the gather
     zero_step.install(engine, setting["step"], on_gpu=True, grad_cuts=setting["grads"] == "lean",
-                      epilogue_wait=setting.get("epi") == "wait", norm_of_flat=setting.get("gnorm", "flat") == "flat")
+                      epilogue_wait=setting.get("epi") == "wait", norm_of_flat=setting.get("gnorm", "flat") == "flat",
+                      gather=setting.get("gather", True))
     set_rope_layout(setting.get("rope", "bthd"))  # a setting without these words: the defaults (after issue 24)
     set_rms_norm_in_place(setting.get("rms", True))
     vocab_loss.CHUNK_BYTES = setting.get("ce_bytes", CHUNKS[0])

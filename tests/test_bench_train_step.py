@@ -133,6 +133,28 @@ def test_phase_flops_add_up_to_the_total():
     assert fwd + bwd == pytest.approx(total) and fwd > bwd / 2  # the head's 4HV sits in the forward
 
 
+def test_nogather_word_reads_the_gradients_in_place(single_rank_gloo):
+    """nogather: the one-kernel step without the gather (zero_step.install(gather=False)), with fused only and
+    without the gathered partitions' norm; a step through it updates; a setting without it gathers again."""
+    assert bts.parse_setting("direct+fused+nogather")["gather"] is False
+    with pytest.raises(SystemExit, match="add fused"):
+        bts.parse_setting("direct+lean+nogather")
+    with pytest.raises(SystemExit, match="nogather has none"):
+        bts.parse_setting("direct+fused+nogather+gnormflat")
+    engine = _tiny_engine()
+    opt = engine.optimizer
+    bts.apply_setting(engine, bts.parse_setting("direct+fused+leangrads+nogather+epiwait"))
+    assert opt.dflash_one_kernel and not opt.dflash_gather and not opt.dflash_norm_of_flat
+    ids, lm = torch.randint(0, 60, (1, 24)), torch.ones(1, 24)
+    a = sample_anchors(lm, 4, torch.Generator().manual_seed(0))
+    loss, _ = engine(ids, torch.randn(1, 24, 96), lm, ids, a.positions, a.keep)
+    engine.backward(loss)
+    engine.step()
+    assert [float(s["step"]) for s in opt.optimizer.state.values()] == [1.0] * len(opt.optimizer.state)
+    bts.apply_setting(engine, bts.parse_setting("direct+fused"))
+    assert opt.dflash_gather and opt.dflash_norm_of_flat
+
+
 def test_fused_words_switch_the_layout_and_a_setting_without_them_restores_the_defaults(single_rank_gloo):
     """ropebhtd/rmscopy (issue 24's former forms) reach fused.py; a setting without them gets the new defaults."""
     from dflash_dist.model import fused

@@ -567,3 +567,27 @@ def test_cuda_epilogue_wait_is_bitwise_with_overlap_comm(grad_accum, kind, reduc
     (ref, ref_state), (got, got_state) = runs[False], runs[True]
     assert got["losses"] == ref["losses"] and got["norms"] == ref["norms"]
     assert_bitwise(got_state, ref_state)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wait", [False, True], ids=["episync", "epiwait"])
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_cuda_in_place_step_is_bitwise_the_gathered_step(grad_accum, wait, single_rank_nccl):
+    """The one-kernel step without the gather (zero_step.install(gather=False): each gradient read where it is,
+    the update through views of the partitions) on the bf16 CUDA engine with overlap_comm and the gradient-path
+    cuts (a.weight's gradient its own tensor, the others views of grads_in_partition), with DeepSpeed's
+    synchronize and with the device-side wait: bitwise the gathered step with the same norm (of the gradient
+    list) over 4 clipped steps; a NaN batch then skipped on the device. tests/test_one_kernel_in_place.py on CPU."""
+    data = batches(4 * grad_accum, device="cuda")
+    runs = {}
+    for gather in (True, False):
+        engine = cut_engine(True, grad_accum, True, device="cuda", kind="fused", wait=wait, gather=gather,
+                            norm_of_flat=False)  # fmt: skip
+        runs[gather] = run_and_inspect(engine, data, grad_accum), state_of(engine), engine
+    (ref, ref_state, _), (got, got_state, engine) = runs[True], runs[False]
+    assert got["losses"] == ref["losses"] and got["norms"] == ref["norms"]
+    assert_bitwise(got_state, ref_state)
+    assert ref["norms"][0] > 10 * CLIP, "the test needs the clip active"
+    assert not engine.optimizer.dflash_gather
+    if grad_accum == 2:  # one optimizer step of two NaN micro-batches
+        assert_nan_batch_skipped(engine)

@@ -8,7 +8,8 @@ Kernel sets (`DFlashDrafter(cfg, kernels=...)`):
   kernels; runs on CPU too), never eagerly: past its own recompile limit a function raises
   (`_compiled`);
 - "liger": liger-kernel's Triton RMSNorm (llama casting: normalise in fp32, cast, then scale by
-  the gain, as drafter.RMSNorm), its fused residual add + RMSNorm (drafter.RMSNorm.add_forward) and SiLU-mul, and its fused cross-entropy kernel (loss, argmax and
+  the gain, as drafter.RMSNorm), its fused residual add + RMSNorm (drafter.RMSNorm.add_forward)
+  and SiLU-mul, and its fused cross-entropy kernel (loss, argmax and
   softmax - onehot written in place of the chunk's logits in one launch). Liger's RoPE needs q and
   k of one length (ours: block queries against context + block keys), so RoPE is compiled.
   GPU only (Triton).

@@ -5,6 +5,24 @@ inside it. One compiled call per partition group: the gradients are first gather
 bf16 tensor (one multi-tensor copy; none when the partition already is one tensor), and the clip's
 norm is one reduction over each gathered partition (zero_step.lean_step).
 
+Without the gather (`step_group_in_place`, zero_step.install(gather=False), opt-in: bench word
+`nogather`): one compiled call per group over the lists of the gradient tensors as DeepSpeed holds them
+and the views of the master, the moments and the bf16 partition at each tensor's offset, so no flat copy
+(4 B a parameter, 2.9 ms of GPU time a step at the 27B shape on an H100) and the norm is the multi-tensor
+one over the list. Every element gets the same kernel arithmetic from the same gradient value as in the
+gathered step (the partition's zero pads included: DeepSpeed's list holds them as zero tensors, and a tail
+the list does not cover is read from a zero tensor as the gather zero-fills it; from a zero master and zero
+moments that update leaves them zero, so skipping pads would also keep the state, but reading them needs no
+such argument), so the state is bitwise the gathered step's with the list norm (`norm_of_flat=False`);
+against the gathered step's default norm of the flat partitions the clip divisor differs in the last bits
+(another summation order). Host time a step on the 2-core CPU (bench/bench_adamw_host.py: the 27B drafter's
+58 tensors in 2 groups, dimensions / 256, norm to update): 2.0 ms against the gathered step's 1.1 (1.4 with
+the list's norm) and a call per tensor's 6.9. On the GPU DeepSpeed's end-of-backward synchronize waited
+129-145 ms a step before the gather (docs/BENCHMARKS.md, thirteenth lease, call D); with it replaced by a
+stream wait (`epiwait`) the host should reach the step that far ahead and its time there be hidden. The
+cost: a cold compile of the two list graphs took 80-100 s on this CPU (the gathered kernel's one graph
+7 s), once per process (the inductor cache keeps it). Not yet run on a GPU.
+
 Why: the lean step with torch's fused AdamW moves ~46 bytes per parameter: the bf16 gradients
 copied into an fp32 flat partition (6 B), torch's kernel (32 B: with `grad_scale` it also writes
 the unscaled fp32 gradient back) and the fp32 master copied to the bf16 partition (6 B), plus the
@@ -104,6 +122,39 @@ def _kernel():
     )
 
 
+def _adamw_lists(ps, ms, vs, gs, outs, lr_wd, step_size, bc2_sqrt, scale, skip, beta1: float, beta2: float,
+                 eps: float):  # fmt: skip
+    """`_adamw` on each (master, moment, moment, gradient, bf16) tensor of the lists in turn: one graph per
+    group (dynamo unrolls the loop), one kernel per tensor or per tensors of one size (inductor fuses those),
+    each element the same arithmetic as in the flat call. The views alias one master (moment, bf16) partition
+    without overlapping: AOTAutograd mutates each in place (no synthetic base, no copy of the partition)."""
+    for p, m, v, g, out in zip(ps, ms, vs, gs, outs):
+        _adamw(p, m, v, g, out, lr_wd, step_size, bc2_sqrt, scale, skip, beta1, beta2, eps)
+
+
+# compiles the list form may take: one per group structure (its list's length, dtypes, and which tensor
+# lengths are 0/1 or equal: dynamic shapes specialise those), so at least one per partition group (the 27B
+# drafter: 2); a test process builds several engines
+LIST_RECOMPILE_LIMIT = 32
+
+
+@functools.cache
+def _list_kernel():
+    """`_adamw_lists` through strict_compile, as `_kernel` (dynamic shapes, fullgraph, never eagerly)."""
+    return strict_compile(
+        _adamw_lists,
+        dynamic=True,
+        limit=LIST_RECOMPILE_LIMIT,
+        disabled="the one-kernel AdamW without the gather (dflash_dist/trainer/fused_adamw.py): torch.compile is "
+        "disabled in this process (TORCHDYNAMO_DISABLE=1 or TORCH_COMPILE_DISABLE=1), so it would run eagerly "
+        "(fp64 temporaries of ~8 B per parameter each); unset it, or set train.optimizer_step=lean",
+        past_limit=f"the one-kernel AdamW without the gather (dflash_dist/trainer/fused_adamw.py, "
+        f"zero_step.install(gather=False)) met more gradient-list structures than its {LIST_RECOMPILE_LIMIT} "
+        "compiles: torch.compile would run it eagerly from here on; stopped instead. TORCH_LOGS=recompiles shows "
+        "what changed; raise dflash_dist.trainer.fused_adamw.LIST_RECOMPILE_LIMIT, or keep the gather",
+    )
+
+
 def supports(optimizer: torch.optim.Optimizer, group: dict) -> str | None:
     """Why this kernel cannot stand in for `optimizer`'s step on param group `group` (None: it can):
     AdamW's arithmetic only (decoupled decay; torch's Adam with weight decay adds L2 to the gradient)."""
@@ -130,6 +181,25 @@ def _state(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict:
     return state
 
 
+def _begin(optimizer: torch.optim.Optimizer, group: dict, master: torch.Tensor, scale: torch.Tensor | None,
+           found_inf: torch.Tensor) -> tuple[dict, tuple]:
+    """The step count advanced and the kernel's arguments after the five tensors (per-step scalars, clip
+    divisor, skip flag, betas, eps), for either form of the call."""
+    state = _state(optimizer, master)
+    beta1, beta2 = (float(b) for b in group["betas"])
+    scale = torch.ones((), dtype=F32, device=master.device) if scale is None else scale.to(F32)
+    state["step"] += 1
+    lr_wd, step_size, bc2_sqrt = _scalars(state["step"], float(group["lr"]), float(group["weight_decay"]), beta1, beta2)
+    return state, (lr_wd, step_size, bc2_sqrt, scale, found_inf, beta1, beta2, float(group["eps"]))
+
+
+def _end(optimizer: torch.optim.Optimizer, state: dict, found_inf: torch.Tensor) -> None:
+    state["step"] -= found_inf
+    # what torch's step wrapper records: the LR scheduler would otherwise warn that its first step
+    # came before the optimizer's and that it skipped a value (it does not skip one)
+    optimizer._opt_called = True
+
+
 @torch.no_grad()
 def step_group(
     optimizer: torch.optim.Optimizer,
@@ -147,16 +217,45 @@ def step_group(
     the 27B drafter's parameters (58 tensors) made the step host-bound, 15.5 ms against the lean
     step's 3.8 (docs/BENCHMARKS.md).
     `scale` divides the gradients (None: 1); `found_inf` 1.0 skips the update and the step count."""
-    state = _state(optimizer, master)
-    beta1, beta2 = (float(b) for b in group["betas"])
-    dev = master.device
-    scale = torch.ones((), dtype=F32, device=dev) if scale is None else scale.to(F32)
-    state["step"] += 1
-    lr_wd, step_size, bc2_sqrt = _scalars(state["step"], float(group["lr"]), float(group["weight_decay"]), beta1, beta2)
-    args = (lr_wd, step_size, bc2_sqrt, scale, found_inf, beta1, beta2, float(group["eps"]))
-    m, v = state["exp_avg"], state["exp_avg_sq"]
-    _kernel()(master, m, v, grad, low, *args)
-    state["step"] -= found_inf
-    # what torch's step wrapper records: the LR scheduler would otherwise warn that its first step
-    # came before the optimizer's and that it skipped a value (it does not skip one)
-    optimizer._opt_called = True
+    state, args = _begin(optimizer, group, master, scale, found_inf)
+    _kernel()(master, state["exp_avg"], state["exp_avg_sq"], grad, low, *args)
+    _end(optimizer, state, found_inf)
+
+
+def partition_views(grads: list[torch.Tensor], master: torch.Tensor, dtype: torch.dtype):
+    """The gradient list as the flat partition `zero_step._flat` would gather it, without the copy: each
+    tensor flattened (a view) in `dtype` (cast only where it has another, as the gather's copy casts), empty
+    ones dropped, and a zero tensor for a tail the list does not cover (the gather zero-fills it); and the
+    lengths, in partition order, that cut `master` (the moments, the bf16 partition) into views."""
+    flat = [g.reshape(-1) if g.dtype == dtype else g.reshape(-1).to(dtype) for g in grads if g.numel()]
+    sizes = [g.numel() for g in flat]
+    used, size = sum(sizes), master.numel()
+    assert used <= size, f"gradient partition holds {used} > {size} elements"
+    if used < size:
+        flat.append(torch.zeros(size - used, dtype=dtype, device=master.device))
+        sizes.append(size - used)
+    return flat, sizes
+
+
+@torch.no_grad()
+def step_group_in_place(
+    optimizer: torch.optim.Optimizer,
+    group: dict,
+    master: torch.Tensor,
+    grads: list[torch.Tensor],
+    low: torch.Tensor,
+    scale: torch.Tensor | None,
+    found_inf: torch.Tensor,
+) -> None:
+    """`step_group` reading each gradient tensor of the partition where it is (no gather): DeepSpeed's list
+    for the group (whole gradients, the parts of those the partition boundary cuts, zero pads), laid end to
+    end over the partition. One compiled call over the lists (`_adamw_lists`): the master, both moments and
+    `low` cut into views at each tensor's offset. A list that is one tensor of the partition's length is
+    that flat gradient (the gathered step reads it so too)."""
+    if len(grads) == 1 and grads[0].is_contiguous() and grads[0].numel() == master.numel():
+        return step_group(optimizer, group, master, grads[0].reshape(-1), low, scale, found_inf)
+    state, args = _begin(optimizer, group, master, scale, found_inf)
+    flat, sizes = partition_views(grads, master, low.dtype)
+    ps, ms, vs, outs = (list(t.split(sizes)) for t in (master, state["exp_avg"], state["exp_avg_sq"], low))
+    _list_kernel()(ps, ms, vs, flat, outs, *args)
+    _end(optimizer, state, found_inf)

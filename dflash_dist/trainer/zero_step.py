@@ -29,7 +29,9 @@ change a bit (on with the lean step; DeepSpeed's own step keeps its path): the d
 data-parallel world size of 1, and the copy of each gradient larger than the reduce bucket into
 `grads_in_partition` (the step reads it in place). Opt-in, `wait_on_device` turns DeepSpeed's
 synchronize at the end of every backward under overlap_comm into a wait of the compute stream on
-the reduction stream (no host sync; not yet run on a GPU).
+the reduction stream (no host sync; not yet run on a GPU). Opt-in too, the one-kernel step reads each
+gradient where DeepSpeed holds it instead of gathering them first (`install(gather=False)`,
+fused_adamw.step_group_in_place; not yet run on a GPU).
 
 Numerics: the clip factor differs from DeepSpeed's by fp32 rounding of the norm (~1e-7 relative),
 the clipped gradient by one rounding (a divide in the kernel instead of a multiply by the
@@ -88,12 +90,18 @@ def unsupported(opt) -> str | None:
 
 
 def install(engine, kind: str, on_gpu: bool, grad_cuts: bool = True, epilogue_wait: bool = False,
-            norm_of_flat: bool = True) -> str:
+            norm_of_flat: bool = True, gather: bool = True) -> str:
     """Give `engine`'s ZeRO optimizer the lean step when train.optimizer_step `kind` asks for it;
     returns the step in use. "lean" that cannot apply is an error naming why; "auto" then keeps
     DeepSpeed's step (ZeRO-3, offload, another DeepSpeed version). With the lean step and
     `grad_cuts`, also `cut_grad_path` (bench_train_step's "dsgrads"/"leangrads" set it); with
-    `epilogue_wait`, `wait_on_device` (opt-in, bench_train_step's "epiwait": not yet run on a GPU)."""
+    `epilogue_wait`, `wait_on_device` (opt-in, bench_train_step's "epiwait": not yet run on a GPU).
+    The one-kernel step ("fused") gathers each group's gradients into one flat partition first; with
+    `gather` False (opt-in, bench_train_step's "nogather": not yet run on a GPU) it reads each gradient
+    tensor where it is (fused_adamw.step_group_in_place) and the norm is the gradient list's
+    (`norm_of_flat` needs the gather)."""
+    if not gather and resolve_step(kind, on_gpu) != "fused":
+        raise ValueError(f"gather=False is the one-kernel step's (train.optimizer_step=fused), not {kind!r}'s")
     if resolve_step(kind, on_gpu) == "deepspeed":
         return "deepspeed"
     opt = engine.optimizer
@@ -111,11 +119,14 @@ def install(engine, kind: str, on_gpu: bool, grad_cuts: bool = True, epilogue_wa
         if why is not None:
             raise ValueError(f"train.optimizer_step=fused does not support {why}: set train.optimizer_step=lean")
         fused_adamw._kernel()  # a process with torch.compile disabled is refused here, not at the first step
+        if not gather:
+            fused_adamw._list_kernel()
         for i, group in enumerate(opt.optimizer.param_groups):  # the kernel updates the flat partition itself
             if len(group["params"]) != 1 or group["params"][0] is not opt.single_partition_of_fp32_groups[i]:
                 raise RuntimeError(f"optimizer param group {i} is not DeepSpeed's flat fp32 partition")
     opt.dflash_one_kernel = kernel
-    opt.dflash_norm_of_flat = norm_of_flat  # the one-kernel step: the norm of the gathered partitions
+    opt.dflash_gather = gather  # the one-kernel step: gradients gathered into flat partitions first
+    opt.dflash_norm_of_flat = norm_of_flat and gather  # the one-kernel step: the norm of the gathered partitions
     opt.step = types.MethodType(lean_step, opt)
     opt.dflash_skipped_steps = torch.zeros((), dtype=torch.int64, device=opt.device)
     if grad_cuts:
@@ -133,6 +144,7 @@ def uninstall(engine) -> None:
     vars(opt).pop("independent_gradient_partition_epilogue", None)
     vars(opt).pop("dflash_one_kernel", None)
     vars(opt).pop("dflash_norm_of_flat", None)
+    vars(opt).pop("dflash_gather", None)
     if "dflash_gradient_average" in vars(opt):
         opt.gradient_average = vars(opt).pop("dflash_gradient_average")
 
@@ -314,7 +326,8 @@ def lean_step(self, closure=None) -> None:
     groups = range(len(self.bit16_groups))
     grads = [_grad_tensors(self, i) for i in groups]
     one_kernel = getattr(self, "dflash_one_kernel", False)
-    of_flat = one_kernel and getattr(self, "dflash_norm_of_flat", True)
+    gather = one_kernel and getattr(self, "dflash_gather", True)  # else each gradient read where it is
+    of_flat = gather and getattr(self, "dflash_norm_of_flat", True)
     if of_flat:  # the flat bf16 partitions the kernel reads, gathered first: the norm reads them, not the list
         grads = [[_gather(self, i, g)] for i, g in enumerate(grads)]
     norm = global_norm(self, grads, flat=of_flat)
@@ -339,7 +352,10 @@ def lean_step(self, closure=None) -> None:
         low = self.parallel_partitioned_bit16_groups[i][partition_id]
         self.free_grad_in_param_list(self.params_not_in_partition[i])
         g = grads[i]
-        flat = _gather(self, i, g) if one_kernel else _flat(self, i, g, master.dtype)  # fp32 for torch's AdamW
+        if one_kernel and not gather:  # the list itself: the kernel reads each gradient where it is
+            flat = g
+        else:
+            flat = _gather(self, i, g) if one_kernel else _flat(self, i, g, master.dtype)  # fp32 for torch's AdamW
         grads[i] = g = None
         self.free_grad_in_param_list(self.params_in_partition[i])
         self._release_preflattened_grad_buffers(i)
@@ -349,7 +365,9 @@ def lean_step(self, closure=None) -> None:
         if one_kernel:  # bf16 gradients in, fp32 master and bf16 partition out, in one pass
             from dflash_dist.trainer import fused_adamw
 
-            fused_adamw.step_group(inner, inner.param_groups[i], master, flat, low, scale, found_inf)
+            step = fused_adamw.step_group if gather else fused_adamw.step_group_in_place
+            step(inner, inner.param_groups[i], master, flat, low, scale, found_inf)
+            flat = None
             self._lazy_init_hp_params_optimizer_state()
             continue
         master.grad = flat

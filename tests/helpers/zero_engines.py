@@ -15,7 +15,9 @@ from dflash_dist.trainer.ds_config import build_lr_schedule, build_optimizer, de
 from tests.helpers.zero_net import BUCKET, Net, assert_bitwise, batches, cfg_for, state_of
 
 
-def make_engine(kind: str, fused: bool, cfg=None, device: str = "cpu"):
+def make_engine(kind: str, fused: bool, cfg=None, device: str = "cpu", **step):
+    """A ZeRO engine of the test net with train.optimizer_step `kind`; `step`: install's other options
+    (gather, norm_of_flat)."""
     import deepspeed
 
     cfg = cfg or cfg_for()
@@ -28,7 +30,7 @@ def make_engine(kind: str, fused: bool, cfg=None, device: str = "cpu"):
         config=deepspeed_config(cfg, 1, device != "cpu"),
         dist_init_required=False,
     )
-    assert zero_step.install(engine, kind, on_gpu=device != "cpu") == kind
+    assert zero_step.install(engine, kind, on_gpu=device != "cpu", **step) == kind
     return engine
 
 
@@ -49,9 +51,10 @@ def weights(engine) -> dict[str, torch.Tensor]:
 
 
 def cut_engine(cuts: bool, grad_accum: int, overlap: bool, world: int = 1, device: str = "cpu", kind: str = "lean",
-               wait: bool = False):  # fmt: skip
+               wait: bool = False, **step):  # fmt: skip
     """A bf16 ZeRO-2 engine with the lean step (the trainer's GPU config), with or without the cuts
-    (and with `wait`, the end-of-backward synchronize as a device-side wait: zero_step.wait_on_device)."""
+    (and with `wait`, the end-of-backward synchronize as a device-side wait: zero_step.wait_on_device;
+    `step`: install's other options, gather and norm_of_flat)."""
     import deepspeed
 
     cfg = cfg_for(grad_accum=grad_accum)
@@ -62,7 +65,7 @@ def cut_engine(cuts: bool, grad_accum: int, overlap: bool, world: int = 1, devic
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=opt, lr_scheduler=build_lr_schedule(cfg, opt, 50), config=ds, dist_init_required=False
     )
-    assert zero_step.install(engine, kind, on_gpu=True, grad_cuts=cuts, epilogue_wait=wait) == kind
+    assert zero_step.install(engine, kind, on_gpu=True, grad_cuts=cuts, epilogue_wait=wait, **step) == kind
     return engine
 
 
@@ -143,3 +146,45 @@ def assert_nan_batch_skipped(engine) -> None:
     assert int(engine.optimizer.dflash_skipped_steps) == 1
     for name, w in weights(engine).items():
         assert torch.equal(w, before[name]), name
+
+
+def in_place_case(rank: int, world: int, cuts: bool, grad_accum: int) -> list[list[int]]:
+    """On one of two gloo ranks: the one-kernel step with its gather (the norm of the gradient list) and
+    without it (fused_adamw.step_group_in_place), bitwise the same losses, norms, weights, masters and
+    moments. ZeRO-2 cuts a.weight between the ranks' partitions: rank 1's first group starts with a.weight's
+    tail and reads b.weight after it. Returns the gradient lengths of each list the in-place kernel read."""
+    from dflash_dist.trainer import fused_adamw
+
+    data = [(x + rank, y - rank) for x, y in batches(3 * grad_accum)]
+    kernel, read = fused_adamw._list_kernel(), []
+
+    def recording(ps, ms, vs, gs, outs, *args):
+        read.append([g.numel() for g in gs])
+        return kernel(ps, ms, vs, gs, outs, *args)
+
+    runs, own = {}, fused_adamw._list_kernel
+    fused_adamw._list_kernel = lambda: recording
+    try:
+        for gather in (True, False):
+            engine = cut_engine(cuts, grad_accum, True, world=world, kind="fused", gather=gather, norm_of_flat=False)
+            runs[gather] = run_and_inspect(engine, data, grad_accum), state_of(engine)
+    finally:
+        fused_adamw._list_kernel = own
+    (ref, ref_state), (got, got_state) = runs[True], runs[False]
+    assert_bitwise(got_state, ref_state)
+    assert got["losses"] == ref["losses"] and got["norms"] == ref["norms"]
+    return read
+
+
+def in_place_worker(rank: int, world: int, cases: list[tuple[bool, int]]) -> dict:
+    """Every (cuts, grad_accum) case of in_place_case in turn on one of two gloo ranks: per case the lists read,
+    or the failed assertion (each case's checks follow all of its collectives: both ranks reach the next)."""
+    import traceback
+
+    out = {}
+    for case in cases:
+        try:
+            out[case] = in_place_case(rank, world, *case)
+        except AssertionError:
+            out[case] = traceback.format_exc()[-3000:]
+    return out

@@ -241,7 +241,7 @@ def run_job(model, batches: list[Batch], layer_ids: list[int], a, provenance, mo
     cfg.capture.token_budget = max(b.padded_tokens for b in batches)
     if writeback is not None:  # sink "job:idle" / "job:kernel": capture.writeback_idle true / false
         cfg.capture.writeback_idle = {"idle": True, "kernel": False}[writeback]
-    unfuse(model)
+    unfuse_target(model, _TORCH_CONV)
     set_copy_cuts(True)
     if mode != "eager":
         fuse_target(model, layers=mode == "fused2")
@@ -267,7 +267,7 @@ def run_job(model, batches: list[Batch], layer_ids: list[int], a, provenance, mo
     try:
         counts = job.capture_passes(passes, on_pass, pool)
     finally:
-        unfuse(model)
+        unfuse_target(model, _TORCH_CONV)
         if janitor is not None:
             janitor.close()
             print(f"shard janitor: {janitor.deleted} finished shards ({janitor.bytes / 1e9:.1f} GB) deleted on arrival")
@@ -301,10 +301,6 @@ def run_end_to_end(model, batches: list[Batch], layer_ids: list[int], mask: str,
 _TORCH_CONV = modeling_qwen3_5.causal_conv1d_fn
 
 
-def unfuse(model: nn.Module) -> None:
-    unfuse_target(model, _TORCH_CONV)
-
-
 @dataclass(frozen=True)
 class Variant:
     budget: int
@@ -330,15 +326,13 @@ class Variant:
         return f"{self.budget}:{self.mask}:{self.mode}"
 
 
-# fused2copies: fused2 with fused_layers.set_copy_cuts(False), its forms before the copy cuts of 2026-12-07 (the same
-# values), to time before and after in one run (compute variants and --profile only)
-MODES = ("eager", "fused", "fusedconv", "fused2", "fused2copies")
+MODES = ("eager", "fused", "fusedconv", "fused2", "fused2copies")  # fused2copies: fused2, set_copy_cuts(False)
 
 
 def use_variant(model: nn.Module, v: Variant) -> None:
     """fused: capture_job's fuse_target without fla's conv; fusedconv: capture.kernels=fused;
     fused2: capture.kernels=fused2 (capture/fused_layers.py); fused2copies: fused2 without its copy cuts."""
-    unfuse(model)
+    unfuse_target(model, _TORCH_CONV)
     set_copy_cuts(v.mode != "fused2copies")
     if v.fused:
         fuse_target(model, conv=v.mode != "fused", layers=v.mode.startswith("fused2"))
@@ -378,7 +372,7 @@ def measure_compute(model, v: Variant, a, layer_ids, params) -> dict:
     )
     check = {}
     if v.fused:  # the fused elementwise ops against eager on the first batch (also compiles them)
-        unfuse(model)
+        unfuse_target(model, _TORCH_CONV)
         eager = capture(model, batches[0], layer_ids, v.mask)
         use_variant(model, v)
         fused = capture(model, batches[0], layer_ids, v.mask)
@@ -577,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # one failed variant must not lose the others' figures
             report["errors"][f"{section} {v}"] = f"{type(e).__name__}: {e}"
             print(f"FAILED {section} {v}: {type(e).__name__}: {e}", flush=True)
-            unfuse(model)
+            unfuse_target(model, _TORCH_CONV)
             if a.device.startswith("cuda"):
                 torch.cuda.empty_cache()
 

@@ -10,8 +10,10 @@ import torch
 from dflash_dist.model import fused
 from dflash_dist.model.drafter import RMSNorm
 from dflash_dist.model.loss import dflash_loss
+from tests.helpers.drafter import loss_and_grads as _loss_and_grads
+from tests.helpers.drafter import loss_batch as _batch
+from tests.helpers.drafter import rel as _rel
 from tests.helpers.drafter import small_drafter
-from tests.test_row_cuts import _batch, _loss_and_grads, _rel
 
 
 def _count_fused_calls(d) -> list[int]:

@@ -13,35 +13,12 @@ import torch
 from dflash_dist.model.attention import layer_masks
 from dflash_dist.model.drafter import AnchorBlocks, DFlashDrafter
 from dflash_dist.model.loss import Anchors, block_inputs, dflash_loss, supervised_rows
+from tests.helpers.drafter import loss_and_grads as _loss_and_grads
+from tests.helpers.drafter import loss_batch as _batch
+from tests.helpers.drafter import rel as _rel
 from tests.helpers.drafter import small_drafter
 
 CUTS = {"dedup0": (True, False), "lastrows": (False, True), "both": (True, True)}
-
-
-def _batch(d: DFlashDrafter, dtype: torch.dtype, packed: bool):
-    """Two rows of 24 tokens: invalid blocks (keep False), loss-masked slots inside valid blocks, an anchor
-    whose block runs past the sequence; packed: row 0 holds two documents [0, 13) and [13, 24)."""
-    g = torch.Generator().manual_seed(7)
-    s = 24
-    ids = torch.randint(0, d.config.vocab_size - 2, (2, s), generator=g)
-    feats = torch.randn(2, s, d.config.num_context_layers * d.config.hidden_size, generator=g).to(dtype)
-    lm = torch.ones(2, s)
-    lm[1, :5] = 0
-    lm[0, 10:12] = 0  # slots of valid blocks without a label
-    pos = torch.tensor([[2, 9, 15, 21], [6, 12, 0, 0]])
-    keep = torch.tensor([[True, True, True, True], [True, True, False, False]])
-    if not packed:
-        return ids, feats, lm, Anchors(pos, keep)
-    starts = torch.tensor([[0, 0, 13, 13], [0, 0, 0, 0]])
-    ends = torch.tensor([[13, 13, 24, 24], [24, 24, 24, 24]])
-    return ids, feats, lm, Anchors(pos, keep, starts, ends)
-
-
-def _loss_and_grads(d: DFlashDrafter, batch):
-    d.zero_grad(set_to_none=True)
-    out = dflash_loss(d, *batch, gamma=3.0)
-    out.loss.backward()
-    return out, {n: p.grad.detach().clone() for n, p in d.named_parameters() if p.requires_grad}
 
 
 def _rows_hidden(d: DFlashDrafter, batch, rows):
@@ -54,11 +31,6 @@ def _rows_hidden(d: DFlashDrafter, batch, rows):
     ctx_pos = torch.arange(s).expand(ids.shape[0], s)
     with torch.no_grad():
         return d(block_ids, pos, d.fuse_context(feats), ctx_pos, mask, anchor_blocks=True, rows=rows)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().float(), b.detach().float()
-    return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
 @pytest.mark.parametrize(("split", "packed"), [(False, True), (True, False)], ids=["cat-packed", "splitkv-rows"])

@@ -1,5 +1,7 @@
 """A small random drafter (2 layers, or one per `layer_types`) with random target embeddings, and
-context features of its shape, for the drafter, loss and export tests."""
+context features of its shape, for the drafter, loss and export tests; a loss batch with invalid blocks,
+loss-masked slots and packed rows, its loss and gradients, and a relative distance (the row-cut and
+add-norm tests)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import torch
 
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.drafter import DFlashDrafter
+from dflash_dist.model.loss import Anchors, dflash_loss
 
 
 def small_drafter(
@@ -40,3 +43,36 @@ def small_drafter(
 
 def context_features(d, b, s):
     return torch.randn(b, s, d.config.num_context_layers * d.config.hidden_size)
+
+
+def loss_batch(d: DFlashDrafter, dtype: torch.dtype, packed: bool):
+    """Two rows of 24 tokens: invalid blocks (keep False), loss-masked slots inside valid blocks, an anchor
+    whose block runs past the sequence; packed: row 0 holds two documents [0, 13) and [13, 24)."""
+    g = torch.Generator().manual_seed(7)
+    s = 24
+    ids = torch.randint(0, d.config.vocab_size - 2, (2, s), generator=g)
+    feats = torch.randn(2, s, d.config.num_context_layers * d.config.hidden_size, generator=g).to(dtype)
+    lm = torch.ones(2, s)
+    lm[1, :5] = 0
+    lm[0, 10:12] = 0  # slots of valid blocks without a label
+    pos = torch.tensor([[2, 9, 15, 21], [6, 12, 0, 0]])
+    keep = torch.tensor([[True, True, True, True], [True, True, False, False]])
+    if not packed:
+        return ids, feats, lm, Anchors(pos, keep)
+    starts = torch.tensor([[0, 0, 13, 13], [0, 0, 0, 0]])
+    ends = torch.tensor([[13, 13, 24, 24], [24, 24, 24, 24]])
+    return ids, feats, lm, Anchors(pos, keep, starts, ends)
+
+
+def loss_and_grads(d: DFlashDrafter, batch):
+    """dflash_loss on `batch` (gamma 3) and every trainable parameter's gradient."""
+    d.zero_grad(set_to_none=True)
+    out = dflash_loss(d, *batch, gamma=3.0)
+    out.loss.backward()
+    return out, {n: p.grad.detach().clone() for n, p in d.named_parameters() if p.requires_grad}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / |b| (L2, in fp32)."""
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))

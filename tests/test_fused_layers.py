@@ -13,7 +13,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_dist.capture.fused_layers import Kernels, fuse_layers, gdn_forward, reference_kernels, set_copy_cuts
@@ -108,22 +107,13 @@ def test_rewritten_layers_equal_transformers_forwards_on_cpu(target):
 
 
 def _former_gdn_forward(m, k: Kernels, chunk_fn, hidden_states):
-    """gdn_forward as it was: one conv over all the qkv columns, q/k/v split from its output as strided
-    views (fla's chunk_gated_delta_rule copied each to contiguous)."""
-    bsz, t, _ = hidden_states.shape
-    c, vd, hv = m.conv_dim, m.value_dim, m.num_v_heads
-    proj = F.linear(hidden_states, m.dflash_in_proj)
-    mixed, z = proj[..., :c], proj[..., c : c + vd]
-    b, a = proj[..., c + vd : c + vd + hv], proj[..., c + vd + hv :]
-    y = k.conv(mixed, m.conv1d.weight.squeeze(1), m.conv1d.bias, m.activation)
-    q, key, v = torch.split(y, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
-    q, key = q.reshape(bsz, t, -1, m.head_k_dim), key.reshape(bsz, t, -1, m.head_k_dim)
-    v = v.reshape(bsz, t, -1, m.head_v_dim)
-    beta, g = k.gating(b, a, m.A_log, m.dt_bias)
-    core, _ = chunk_fn(q, key, v, g=g, beta=beta, initial_state=None, output_final_state=False,
-                       use_qk_l2norm_in_kernel=True, cu_seqlens=None)  # fmt: skip
-    out = k.gated_norm(core, z.view(bsz, t, -1, m.head_v_dim), m.norm.weight, m.norm.variance_epsilon)
-    return m.out_proj(out.reshape(bsz, t, -1))
+    """gdn_forward as it was (set_copy_cuts(False): one conv over all the qkv columns, q/k/v split from its
+    output as strided views, which fla's chunk_gated_delta_rule copied to contiguous)."""
+    set_copy_cuts(False)
+    try:
+        return gdn_forward(m, k, chunk_fn, hidden_states)
+    finally:
+        set_copy_cuts(True)
 
 
 def _former_gate_out(out, gate):

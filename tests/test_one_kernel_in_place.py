@@ -155,22 +155,22 @@ def test_in_place_step_resumes_exactly(tmp_path, single_rank_gloo):
     """A checkpoint of the in-place step (DeepSpeed's format: the same state tensors) resumed under it: bitwise
     the run that went on; and the gathered step's checkpoint continues under it as the gathered step does."""
     data = batches(8)  # 4 optimizer steps of 2 micro-batches, the checkpoint after 2
-    first = make_engine("fused", True, gather=False)
-    train(first, data[:4])
-    first.save_checkpoint(str(tmp_path / "in_place"), tag="t")
-    train(first, data[4:])
-    resumed = make_engine("fused", True, gather=False)
-    resumed.load_checkpoint(str(tmp_path / "in_place"), tag="t")
-    train(resumed, data[4:])
+
+    def resumed_in_place(name: str, **first_step):
+        """Train under `first_step`, save after 2 steps and go on; resume the save in place: both engines."""
+        first = make_engine("fused", True, **first_step)
+        train(first, data[:4])
+        first.save_checkpoint(str(tmp_path / name), tag="t")
+        train(first, data[4:])
+        resumed = make_engine("fused", True, gather=False)
+        resumed.load_checkpoint(str(tmp_path / name), tag="t")
+        train(resumed, data[4:])
+        return first, resumed
+
+    first, resumed = resumed_in_place("in_place", gather=False)
     assert_bitwise(state_of(resumed), state_of(first))
     assert [float(s["step"]) for s in resumed.optimizer.optimizer.state.values()] == [4.0, 4.0]
-    gathered = make_engine("fused", True, norm_of_flat=False)
-    train(gathered, data[:4])
-    gathered.save_checkpoint(str(tmp_path / "gathered"), tag="t")
-    train(gathered, data[4:])
-    switched = make_engine("fused", True, gather=False)
-    switched.load_checkpoint(str(tmp_path / "gathered"), tag="t")
-    train(switched, data[4:])
+    gathered, switched = resumed_in_place("gathered", norm_of_flat=False)
     assert_bitwise(state_of(switched), state_of(gathered))
 
 

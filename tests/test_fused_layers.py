@@ -9,13 +9,21 @@ output), on CPU and on CUDA."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash_dist.capture.fused_layers import Kernels, fuse_layers, gdn_forward, reference_kernels, set_copy_cuts
+from dflash_dist.capture.fused_layers import (
+    Kernels,
+    attn_forward,
+    fuse_layers,
+    gdn_forward,
+    reference_kernels,
+    set_copy_cuts,
+)
 from dflash_dist.capture.fused_target import unfuse_target
 from dflash_dist.model.capture import capture_features
 from dflash_dist.tools.demo import DemoConfig, tiny_qwen35_target
@@ -122,18 +130,13 @@ def _former_gate_out(out, gate):
 
 
 def _former_attn_forward(m, k: Kernels, gate_out, hidden_states, position_embeddings):
-    """attn_forward as it was: transformers' attention function, whose sdpa returns a contiguous copy."""
-    mod = sys.modules[type(m).__module__]
-    shape, d = hidden_states.shape[:-1], m.head_dim
-    qg = m.q_proj(hidden_states).view(*shape, -1, 2 * d)
-    key = m.k_proj(hidden_states).view(*shape, -1, d)
-    cos, sin = position_embeddings
-    q, key = k.norm_rope(mod.apply_rotary_pos_emb, qg[..., :d], key, m.q_norm.weight, m.k_norm.weight,
-                         m.q_norm.eps, cos, sin)  # fmt: skip
-    v = m.v_proj(hidden_states).view(*shape, -1, d).transpose(1, 2)
-    attend = mod.ALL_ATTENTION_FUNCTIONS.get_interface(m.config._attn_implementation, mod.eager_attention_forward)
-    out, _ = attend(m, q, key, v, None, dropout=0.0, scaling=m.scaling)
-    return m.o_proj(gate_out(out, qg[..., d:]))
+    """attn_forward as it was (set_copy_cuts(False): transformers' attention function, whose sdpa returns a
+    contiguous copy) with the former gate `gate_out`."""
+    set_copy_cuts(False)
+    try:
+        return attn_forward(m, dataclasses.replace(k, gate_out=gate_out), hidden_states, position_embeddings, None)[0]
+    finally:
+        set_copy_cuts(True)
 
 
 class _Copies(TorchDispatchMode):

@@ -267,12 +267,12 @@ class DFlashDrafter(nn.Module):
         Changes no weights; the loss reads `self.kernels` for its cross-entropy kernel. Also sets the
         row cuts to the set's default (`row_cuts_default`: on with liger/compile)."""
         norm, act, norm_rope = rms_norm_fn(kernels), swiglu_fn(kernels), norm_rope_fn(kernels)
-        add_norm = add_rms_norm_fn(kernels) if self.fused_add_norm else None
         self.kernels = kernels
         self.dedup_layer0 = self.last_rows = row_cuts_default(kernels)
+        self.set_fused_add_norm(self.fused_add_norm)  # each RMSNorm's add kernel for these kernels
         for m in self.modules():
             if isinstance(m, RMSNorm):
-                m.fast, m.add_fast = norm, add_norm
+                m.fast = norm
             elif isinstance(m, DrafterMLP):
                 m.act = act
             elif isinstance(m, DrafterAttention):

@@ -21,7 +21,8 @@ the list's norm) and a call per tensor's 6.9. On the GPU DeepSpeed's end-of-back
 129-145 ms a step before the gather (docs/BENCHMARKS.md, thirteenth lease, call D); with it replaced by a
 stream wait (`epiwait`) the host should reach the step that far ahead and its time there be hidden. The
 cost: a cold compile of the two list graphs took 80-100 s on this CPU (the gathered kernel's one graph
-7 s), once per process (the inductor cache keeps it). Not yet run on a GPU.
+7 s), once per process (the inductor cache keeps it). On an H100 (docs/BENCHMARKS.md, fourteenth session, call S)
+its gpu test is bitwise the gathered step and the optimizer phase went 21.4 -> 18.7 ms under `epiwait`.
 
 Why: the lean step with torch's fused AdamW moves ~46 bytes per parameter: the bf16 gradients
 copied into an fp32 flat partition (6 B), torch's kernel (32 B: with `grad_scale` it also writes

@@ -29,9 +29,10 @@ change a bit (on with the lean step; DeepSpeed's own step keeps its path): the d
 data-parallel world size of 1, and the copy of each gradient larger than the reduce bucket into
 `grads_in_partition` (the step reads it in place). Opt-in, `wait_on_device` turns DeepSpeed's
 synchronize at the end of every backward under overlap_comm into a wait of the compute stream on
-the reduction stream (no host sync; not yet run on a GPU). Opt-in too, the one-kernel step reads each
-gradient where DeepSpeed holds it instead of gathering them first (`install(gather=False)`,
-fused_adamw.step_group_in_place; not yet run on a GPU).
+the reduction stream (no host sync; bitwise on an H100, its timing within noise there). Opt-in too,
+the one-kernel step reads each gradient where DeepSpeed holds it instead of gathering them first
+(`install(gather=False)`, fused_adamw.step_group_in_place; bitwise on an H100, -2.7 ms of optimizer
+phase there with `epiwait`).
 
 Numerics: the clip factor differs from DeepSpeed's by fp32 rounding of the norm (~1e-7 relative),
 the clipped gradient by one rounding (a divide in the kernel instead of a multiply by the
@@ -95,9 +96,9 @@ def install(engine, kind: str, on_gpu: bool, grad_cuts: bool = True, epilogue_wa
     returns the step in use. "lean" that cannot apply is an error naming why; "auto" then keeps
     DeepSpeed's step (ZeRO-3, offload, another DeepSpeed version). With the lean step and
     `grad_cuts`, also `cut_grad_path` (bench_train_step's "dsgrads"/"leangrads" set it); with
-    `epilogue_wait`, `wait_on_device` (opt-in, bench_train_step's "epiwait": not yet run on a GPU).
+    `epilogue_wait`, `wait_on_device` (opt-in, bench_train_step's "epiwait").
     The one-kernel step ("fused") gathers each group's gradients into one flat partition first; with
-    `gather` False (opt-in, bench_train_step's "nogather": not yet run on a GPU) it reads each gradient
+    `gather` False (opt-in, bench_train_step's "nogather") it reads each gradient
     tensor where it is (fused_adamw.step_group_in_place) and the norm is the gradient list's
     (`norm_of_flat` needs the gather)."""
     if not gather and resolve_step(kind, on_gpu) != "fused":
@@ -200,7 +201,9 @@ def wait_on_device(opt) -> bool:
     release of earlier buckets' gradients, none with contiguous_gradients (ds_config sets it); the
     compute stream's order against the reductions is average_tensor's own stream waits. True when
     installed (overlap_comm on).
-    Opt-in (bench_train_step's "epiwait") until `pytest -m gpu` tests/test_zero_step.py checks it on CUDA."""
+    Opt-in (bench_train_step's "epiwait"): bitwise on CUDA (tests/test_zero_step.py's gpu test passed on an
+    H100, 2026-12-07), its step time there within the noise alone; it lets `install(gather=False)` hide its host
+    time."""
     if not opt.overlap_comm:
         return False
     opt.independent_gradient_partition_epilogue = types.MethodType(_epilogue_waiting_on_device, opt)
@@ -327,7 +330,7 @@ def lean_step(self, closure=None) -> None:
     grads = [_grad_tensors(self, i) for i in groups]
     one_kernel = getattr(self, "dflash_one_kernel", False)
     gather = one_kernel and getattr(self, "dflash_gather", True)  # else each gradient read where it is
-    of_flat = gather and getattr(self, "dflash_norm_of_flat", True)
+    of_flat = one_kernel and getattr(self, "dflash_norm_of_flat", True)  # install keeps it False without the gather
     if of_flat:  # the flat bf16 partitions the kernel reads, gathered first: the norm reads them, not the list
         grads = [[_gather(self, i, g)] for i, g in enumerate(grads)]
     norm = global_norm(self, grads, flat=of_flat)

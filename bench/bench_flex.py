@@ -8,13 +8,17 @@ only them, so a tiling can be judged before it is timed inside the step.
 
     python bench/bench_flex.py                                       # every FLEX_PRESETS entry, 27B shape
     python bench/bench_flex.py --presets torch,tma,m32n64 --iters 30
+    python bench/bench_flex.py --presets m32n64tma,m32n64tma/kvx    # /kvx: k and v repeated to every q head
     python bench/bench_flex.py --device cpu --seq 256 --anchors 16 --heads 4 --kv-heads 1 --head-dim 32 --iters 2
 
 On the CPU (a smoke run) only the forward is timed: flex_attention has no CPU backward.
 
 The inputs are laid out as the drafter hands them to `attend` (q/k/v [b, heads, T, d] transposed from
 [b, T, heads, d]); the mask is the trainer's (sample_anchors, the direct block tables) with seed 3 as
-bench_train_step.py. A preset the compiler refuses is reported and the next one runs.
+bench_train_step.py. A preset the compiler refuses is reported and the next one runs. A name with `/kvx`
+runs that tiling on k and v repeated to the query heads (repeat_interleave before flex, its backward sums each
+group's dK/dV): flex's GQA backward keeps a kv-head's whole group in one program, so this asks whether that
+grouping is what holds the backward at ~1/3 of the GEMM rate (not bitwise: dK/dV sum the group in another order).
 """
 
 from __future__ import annotations
@@ -56,14 +60,21 @@ def inputs(a, dev):
 
 def run_preset(name: str, qkv, mask, grad_out, scale: float, a, cuda: bool) -> dict:
     q, k, v = qkv
-    set_flex_tuning(FLEX_PRESETS[name] if name != "autotune" else None, autotune=name == "autotune")
+    tiles, _, how = name.partition("/")
+    set_flex_tuning(FLEX_PRESETS[tiles] if tiles != "autotune" else None, autotune=tiles == "autotune")
+    group = q.shape[1] // k.shape[1]
+
+    def call():
+        if how == "kvx":
+            return attend(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), mask, scale)
+        return attend(q, k, v, mask, scale)
 
     def fwd():
         with torch.no_grad():
-            return attend(q, k, v, mask, scale)
+            return call()
 
     def fwd_bwd():
-        out = attend(q, k, v, mask, scale)
+        out = call()
         if not cuda:  # flex_attention has no CPU backward
             return (out.detach(),)
         return (out.detach(), *torch.autograd.grad(out, (q, k, v), grad_out))
@@ -107,9 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     names = [n.strip() for n in a.presets.split(",") if n.strip()]
-    bad = [n for n in names if n not in FLEX_PRESETS and n != "autotune"]
+    bad = [n for n in names if n.partition("/")[0] not in (*FLEX_PRESETS, "autotune")
+           or n.partition("/")[2] not in ("", "kvx")]
     if bad:
-        raise SystemExit(f"--presets: unknown {bad}; expected names of {sorted(FLEX_PRESETS)} or autotune")
+        raise SystemExit(f"--presets: unknown {bad}; expected names of {sorted(FLEX_PRESETS)} or autotune, "
+                         "each with /kvx or not")
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
     if cuda and not torch.cuda.is_available():

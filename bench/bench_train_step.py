@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from profile_gaps import gap_report, host_ops, host_stacks, idle_gaps, kernel_intervals, label_syncs, steady
+from step_flops import model_flops, row_cut_flops  # noqa: F401 (quality_budget, tests: bts.model_flops)
 from train_step_settings import BEFORE, SWITCHES, apply_setting, parse_setting, recover  # noqa: F401 (tests use bts.*)
 
 from data_pipeline.durable_files import write_text_atomic
@@ -53,7 +54,7 @@ from dflash_dist.model import loss as loss_mod
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.drafter import DFlashDrafter
 from dflash_dist.model.fused import KERNELS
-from dflash_dist.model.loss import Anchors, dflash_loss, label_targets, sample_anchors, supervised_rows
+from dflash_dist.model.loss import Anchors, dflash_loss, sample_anchors, supervised_rows
 from dflash_dist.model.vocab_loss import lm_head_cross_entropy
 from dflash_dist.trainer.batching import BatchLimit
 from dflash_dist.trainer.ds_config import build_lr_schedule, build_optimizer, deepspeed_config
@@ -98,35 +99,6 @@ class BenchForward(TrainForward):
         )
         out.logits = out.extras = None  # only the loss leaves the step
         return out.loss, out
-
-
-def model_flops(
-    dc: DrafterConfig, seq_len: int, input_ids, loss_mask, anchors: Anchors, context_tokens: int | None = None,
-    phases: bool = False,
-):
-    """SPEC 6 cost model for one micro-batch (all rows), from the anchors actually drawn;
-    `context_tokens`: the real (unpadded) context tokens, default seq_len per row. phases=True:
-    (forward, backward) FLOPs instead of their sum."""
-    h, L, blk, d = dc.hidden_size, dc.num_hidden_layers, dc.block_size, dc.head_dim
-    nq, nkv = dc.num_attention_heads, dc.num_key_value_heads
-    kv_params = 2 * h * nkv * d
-    layer_params = 2 * h * nq * d + kv_params + 3 * h * dc.intermediate_size
-    keep = anchors.keep
-    block_tokens = int(keep.sum()) * blk
-    rows = input_ids.shape[0]
-    layers = 6 * layer_params * block_tokens * L
-    ctx_tokens = seq_len * rows if context_tokens is None else context_tokens
-    context = 6 * (dc.num_context_layers * h * h + L * kv_params) * ctx_tokens
-    # each query of block j sees the context keys in [start_j, a_j) and the block's B keys
-    start = 0 if anchors.starts is None else anchors.starts
-    pairs = float(((anchors.positions - start + blk) * keep).sum()) * blk
-    attention = 3 * 4 * nq * d * pairs * L
-    _, binary = label_targets(input_ids, loss_mask, anchors, blk)
-    head = 4 * h * dc.vocab_size * float(binary.sum())
-    if phases:  # SPEC 6's 1:2 forward:backward split; the chunked head forms dL/dh in the forward
-        body = layers + context + attention
-        return body / 3 + head, 2 * body / 3
-    return layers + context + attention + head
 
 
 def drafter_config(a) -> DrafterConfig:
@@ -498,6 +470,9 @@ def main() -> None:
         f"{f' window {dc.sliding_window}' if dc.has_sliding_layers else ''}"
     )
     print(f"model FLOPs per sample (SPEC 6): {flops / a.steps / a.batch / 1e12:.1f} TFLOP", flush=True)
+    cut = sum(row_cut_flops(dc, ids.cpu(), mask.cpu(), Anchors(b[4].cpu(), b[5].cpu())) for b in batches[a.warmup :])
+    print(f"of which the row cuts (dedup0, lastrows) skip {cut / a.steps / a.batch / 1e12:.2f} TFLOP "
+          f"({cut / flops:.1%}): with them on, MFU and the bound shares count that work as done", flush=True)
 
     # the loss of each kernel set on one batch with the same weights (forward only, no step)
     ref = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from bench_train_step import model_flops
+from step_flops import model_flops
 
 from dflash_dist.trainer.ds_config import schedule_span
 

@@ -133,6 +133,33 @@ def test_phase_flops_add_up_to_the_total():
     assert fwd + bwd == pytest.approx(total) and fwd > bwd / 2  # the head's 4HV sits in the forward
 
 
+def test_row_cut_flops_are_the_matmul_work_the_cuts_leave_out():
+    """row_cut_flops against torch's own FLOP counter on the drafter's loss forward, the row cuts off and then on
+    (two sequences, every block kept, loss-masked slots, one block past the end): SPEC 6's 6 FLOPs a parameter a
+    row are 3x the forward's, so 3x the counted forward difference. Without the cuts nothing is left out."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dflash_dist.model.loss import Anchors, dflash_loss
+
+    d = small_drafter(block=4)
+    ids = torch.randint(0, d.config.vocab_size - 2, (2, 30), generator=torch.Generator().manual_seed(1))
+    feats = torch.randn(2, 30, d.config.num_context_layers * d.config.hidden_size)
+    lm = torch.ones(2, 30)
+    lm[0, 4:7] = 0
+    a = Anchors(torch.tensor([[1, 8, 14, 28], [3, 10, 17, 22]]), torch.ones(2, 4, dtype=torch.bool))
+
+    def forward_flops():
+        with torch.no_grad(), FlopCounterMode(display=False) as count:
+            dflash_loss(d, ids, feats, lm, a, gamma=3.0)
+        return count.get_total_flops()
+
+    full = forward_flops()
+    d.set_row_cuts(True, True)
+    cut = forward_flops()
+    assert full - cut > 0 and 3 * (full - cut) == bts.row_cut_flops(d.config, ids, lm, a)
+    assert bts.row_cut_flops(d.config, ids, lm, a) < bts.model_flops(d.config, 30, ids, lm, a) / 2
+
+
 def test_nogather_word_reads_the_gradients_in_place(single_rank_gloo):
     """nogather: the one-kernel step without the gather (zero_step.install(gather=False)), with fused only and
     without the gathered partitions' norm; a setting without it gathers again. (The step it installs is

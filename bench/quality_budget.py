@@ -20,7 +20,7 @@ MARGIN = 0.9  # of the fitting samples, for what the model leaves out (new shape
 
 
 def estimate(drafter, batches: list) -> dict:
-    """The a-priori rate: SPEC 6's cost model (bench_train_step.model_flops) over real micro-batches
+    """The a-priori rate: SPEC 6's cost model (step_flops.model_flops) over real micro-batches
     of the run (their anchors as drawn, packed rows' real tokens), per sample, at ASSUMED_MFU of the
     H200's bf16 rate."""
     flop = sum(model_flops(drafter, mb.input_ids.shape[1], mb.input_ids, mb.loss_mask, mb.anchors, mb.num_tokens)

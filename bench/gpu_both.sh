@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call (<= 600 s, fresh machine) for issue 24 when the session's device time leaves one call: the
-# 27B trainer step on one engine (BEFORE the fourteenth session's drafter cuts, the defaults, and
-# epiwait+nogather, in alternating rounds; no profile), then capture at the Qwen3.5-27B shape: fused2's compute
+# 27B trainer step on one engine (BEFORE the drafter cuts of the fourteenth and fifteenth sessions, the defaults,
+# the defaults with autograd's dX adds (adddx), and epiwait+nogather, in alternating rounds; no profile), then capture at the Qwen3.5-27B shape: fused2's compute
 # before and after its copy cuts (fused2copies, fused2) and capture_job's own path end to end over 50 passes
-# on the default sink (job:idle); then, in the time left, the gpu tests of fused2's copy cuts.
+# on the default sink (job:idle); then, in the time left, the gpu tests of the one-buffer dX and fused2's copy cuts.
 # Everything is written under OUT (default $OUT).
 #   bench/gpu_both.sh [DEADLINE_S]   (default 570; SETTINGS overrides the step's settings)
 set -u
@@ -12,11 +12,12 @@ out=${OUT:-/tmp/gpu_both}
 deadline_s=${1:-570}
 . bench/gpu_env.sh
 d=direct+fused+leangrads
-b=$d+nodedup0+alllastrows+noaddnorm  # before the fourteenth session's drafter cuts
+b=$d+nodedup0+alllastrows+noaddnorm+adddx  # before the fourteenth and fifteenth sessions' drafter cuts
+a=$d+adddx  # the defaults but autograd's dX adds (before the fifteenth session's one-buffer dX)
 n=$d+epiwait+nogather
 t0=$(date +%s)
 timeout "$(cap 200 330)" python3 bench/bench_train_step.py --loss chunked --kernels liger --steps 8 --warmup 2 \
-    --settings "${SETTINGS:-$b,$d,$n,$d,$n,$b,$n,$d}" --json "$out/train_step.json" >"$out/train_step.log" 2>&1
+    --settings "${SETTINGS:-$b,$d,$n,$a,$n,$d,$a,$b,$n,$a,$d}" --json "$out/train_step.json" >"$out/train_step.log" 2>&1
 echo "train_step rc=$? s=$(($(date +%s) - t0))"
 grep -E "ms/step|FAILED|Error|^model FLOPs|row cuts" "$out/train_step.log" | tail -12
 t0=$(date +%s)
@@ -28,8 +29,8 @@ echo "capture rc=$? s=$(($(date +%s) - t0))"
 grep -E "^compute|^end to end|disk write" "$out/capture.log" | tail -8
 if [ "$(left)" -gt 60 ]; then
     t0=$(date +%s)
-    timeout $(($(left) - 10)) python3 -m pytest -m gpu -v -s -rA -p no:cacheprovider tests/test_fused_layers.py \
-        >"$out/gpu_fused_layers.log" 2>&1
+    timeout $(($(left) - 10)) python3 -m pytest -m gpu -v -s -rA -p no:cacheprovider tests/test_one_dx.py \
+        tests/test_fused_layers.py >"$out/gpu_fused_layers.log" 2>&1
     echo "gpu_fused_layers rc=$? s=$(($(date +%s) - t0))"
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/gpu_fused_layers.log" | tail -6
 fi

@@ -284,7 +284,8 @@ def test_a_setting_that_fails_in_its_backward_leaves_the_engine_to_the_next(text
 
 
 def test_row_cut_words_switch_the_drafter_and_a_setting_without_them_takes_the_kernel_sets_default(single_rank_gloo):
-    """dedup0/nodedup0 and lastrows/alllastrows reach the drafter's row cuts (drafter.py) on a running engine; a
+    """dedup0/nodedup0 and lastrows/alllastrows reach the drafter's row cuts (drafter.py), onedx/adddx its
+    one-buffer dX (shared_input.py), on a running engine; a
     setting without them gets what the trainer runs with the drafter's kernel set (on with liger/compile, the
     GPU's; off with torch); the step's loss is the same under each (the cuts compute the same function)."""
     assert tss.parse_setting("direct+nodedup0+alllastrows") == {**tss.BEFORE, "mask": "direct", "dedup0": False,
@@ -297,15 +298,16 @@ def test_row_cut_words_switch_the_drafter_and_a_setting_without_them_takes_the_k
     a = sample_anchors(torch.ones(1, 24), 4, torch.Generator().manual_seed(0))
     feats = torch.randn(1, 24, 96, generator=torch.Generator().manual_seed(6))
     losses = {}
-    for text, want in (("direct+dedup0+lastrows", (True, True)), ("direct+nodedup0+lastrows", (False, True)),
-                       ("direct+dedup0+alllastrows", (True, False)), ("direct", (False, False))):  # fmt: skip
+    for text, want in (("direct+dedup0+lastrows", (True, True, False)), ("direct+nodedup0+lastrows+onedx",
+                       (False, True, True)), ("direct+dedup0+alllastrows", (True, False, False)),
+                       ("direct", (False, False, False))):  # fmt: skip
         tss.apply_setting(engine, tss.parse_setting(text))
-        assert (drafter.dedup_layer0, drafter.last_rows) == want, text
+        assert (drafter.dedup_layer0, drafter.last_rows, drafter.one_dx) == want, text
         with torch.no_grad():
             losses[text] = float(engine(ids, feats, lm, ids, a.positions, a.keep)[0])
     assert max(losses.values()) - min(losses.values()) <= 1e-6 * losses["direct"], losses  # fp32: ~1 ulp apart
-    drafter.set_kernels("compile")  # the trainer's GPU defaults: both cuts on without a word
+    drafter.set_kernels("compile")  # the trainer's GPU defaults: both cuts and the one-buffer dX on without a word
     tss.apply_setting(engine, tss.parse_setting("direct+lean"))
-    assert (drafter.dedup_layer0, drafter.last_rows) == (True, True)
-    tss.apply_setting(engine, tss.parse_setting("direct+lean+nodedup0"))
-    assert (drafter.dedup_layer0, drafter.last_rows) == (False, True)
+    assert (drafter.dedup_layer0, drafter.last_rows, drafter.one_dx) == (True, True, True)
+    tss.apply_setting(engine, tss.parse_setting("direct+lean+nodedup0+adddx"))
+    assert (drafter.dedup_layer0, drafter.last_rows, drafter.one_dx) == (False, True, False)

@@ -23,6 +23,8 @@ Each layer returns (h, its MLP output) unsummed: the next layer's input norm, or
 (`RMSNorm.add_forward`), so with the fast kernel sets the residual add runs inside the norm's kernel
 (fused.add_rms_norm_fn: liger's fused add + RMSNorm, whose backward also adds the residual gradient; one
 80 MB pass less each way a layer at the 27B shape). The torch set adds, then norms: the same ops as before.
+With the fast kernel sets the linears that read one input (q/k/v of cat([context, x]), the MLP's gate and up)
+also sum their input gradient in one buffer, the GEMMs adding into it (shared_input.py, `set_one_dx`).
 
 Plain nn.Module (STYLE 6): no Ray, DeepSpeed or torch.distributed here; builds on CPU and meta.
 """
@@ -36,6 +38,7 @@ from torch import nn
 from dflash_dist.model.attention import FULL, SLIDING, AttentionMask, LayerMasks, attend, inference_sliding_mask
 from dflash_dist.model.config import DrafterConfig
 from dflash_dist.model.fused import add_rms_norm_fn, norm_rope_fn, rms_norm_fn, swiglu_fn
+from dflash_dist.model.shared_input import linears, project_qkv
 
 
 class RMSNorm(nn.Module):
@@ -129,6 +132,7 @@ class DrafterAttention(nn.Module):
     # False: k/v projections of cat([context, x]); True: of each part, the [S+Q, kv_heads*d] outputs
     # concatenated (a 5x smaller copy than the [S+Q, H] input at the 27B shape); DFlashDrafter.set_split_kv
     split_kv = False
+    one_dx = False  # DFlashDrafter.set_one_dx: with cat([context, x]), q/k/v through shared_input.project_qkv
 
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
@@ -162,17 +166,22 @@ class DrafterAttention(nn.Module):
         expand = (lambda t: t) if blocks is None else blocks.expand
         # KV injection: the fused context features pass through this layer's own k/v projections
         # and k_norm, then sit in front of the block's keys; they never become queries.
+        q_lin = None
         if self.split_kv:
             k_lin = torch.cat([self.k_proj(context), expand(self.k_proj(x))], dim=1)
             v_lin = torch.cat([self.v_proj(context), expand(self.v_proj(x))], dim=1)
         else:
-            kv_in = torch.cat([context, x], dim=1)
-            k_lin, v_lin = self.k_proj(kv_in), self.v_proj(kv_in)
+            if self.one_dx:  # the same GEMMs; x's and context's gradients summed in one buffer (shared_input.py)
+                w = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+                q_lin, k_lin, v_lin = project_qkv(context, x, *w)
+            else:
+                kv_in = torch.cat([context, x], dim=1)
+                k_lin, v_lin = self.k_proj(kv_in), self.v_proj(kv_in)
             if blocks is not None:  # one GEMM over context and distinct rows, then the block part expanded
                 s = context.shape[1]
                 k_lin = torch.cat([k_lin[:, :s], blocks.expand(k_lin[:, s:])], dim=1)
                 v_lin = torch.cat([v_lin[:, :s], blocks.expand(v_lin[:, s:])], dim=1)
-        q_lin = expand(self.q_proj(x))
+        q_lin = expand(self.q_proj(x) if q_lin is None else q_lin)
         q_len = q_lin.shape[1]
         v = self._heads(v_lin, self.num_kv_heads).transpose(1, 2)
         if self.norm_rope is not None:
@@ -192,6 +201,7 @@ class DrafterAttention(nn.Module):
 
 class DrafterMLP(nn.Module):
     act = None  # fused.py's (gate, up) -> silu(gate) * up, set by DFlashDrafter.set_kernels
+    one_dx = False  # DFlashDrafter.set_one_dx: gate and up through shared_input.linears
 
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
@@ -200,9 +210,13 @@ class DrafterMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.one_dx:
+            gate, up = linears(x, (self.gate_proj.weight, self.up_proj.weight))
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         if self.act is not None:
-            return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.act(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DrafterLayer(nn.Module):
@@ -269,6 +283,7 @@ class DFlashDrafter(nn.Module):
         norm, act, norm_rope = rms_norm_fn(kernels), swiglu_fn(kernels), norm_rope_fn(kernels)
         self.kernels = kernels
         self.dedup_layer0 = self.last_rows = row_cuts_default(kernels)
+        self.set_one_dx(row_cuts_default(kernels))
         self.set_fused_add_norm(self.fused_add_norm)  # each RMSNorm's add kernel for these kernels
         for m in self.modules():
             if isinstance(m, RMSNorm):
@@ -284,6 +299,16 @@ class DFlashDrafter(nn.Module):
         for m in self.modules():
             if isinstance(m, DrafterAttention):
                 m.split_kv = split
+
+    def set_one_dx(self, on: bool) -> None:
+        """The input gradient of the linears that read one input (q/k/v of cat([context, x]), MLP gate and up)
+        summed in one buffer by the GEMMs (shared_input.py) instead of autograd's bf16 adds; the same forward
+        and weight gradients. `set_kernels` turns it on with liger/compile, off with torch (bench_train_step's
+        onedx/adddx words)."""
+        self.one_dx = bool(on)
+        for m in self.modules():
+            if isinstance(m, (DrafterAttention, DrafterMLP)):
+                m.one_dx = self.one_dx
 
     def set_fused_add_norm(self, on: bool) -> None:
         """The residual add and the following RMSNorm in one kernel (fused.add_rms_norm_fn) with the fast

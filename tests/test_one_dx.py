@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash_dist.model.drafter import DFlashDrafter
+from dflash_dist.model.drafter import DFlashDrafter, RMSNorm
+from dflash_dist.model.fused import rms_norm_ref
 from dflash_dist.model.loss import Anchors, dflash_loss
 from dflash_dist.model.shared_input import linears, project_qkv
 from tests.helpers.drafter import loss_and_grads, loss_batch, rel, small_drafter
@@ -114,15 +115,62 @@ def test_without_grad_or_autocast_the_plain_linears_run():
 
 
 def test_the_fast_kernel_sets_turn_it_on_and_torch_off():
+    """set_kernels("compile") (liger needs Triton; both are row_cuts_default's fast sets) turns it on in every
+    attention and MLP, set_kernels("torch") off; set_one_dx flips it alone."""
     d = small_drafter(block=4)
     layers = [m for m in d.modules() if hasattr(type(m), "one_dx") and m is not d]
-    assert len(layers) == 2 * d.config.num_hidden_layers
-    for kernels, on in (("compile", True), ("torch", False), ("liger", True)):
-        d.kernels = kernels
-        d.set_one_dx(kernels != "torch")  # set_kernels("liger") needs Triton: the flag it sets, as set_kernels
-        assert all(m.one_dx is on for m in layers)
+    assert len(layers) == 2 * d.config.num_hidden_layers and not any(m.one_dx for m in layers)
+    d.set_kernels("compile")
+    assert d.one_dx and all(m.one_dx for m in layers)
+    d.set_one_dx(False)
+    assert not d.one_dx and not any(m.one_dx for m in layers) and d.kernels == "compile"
+    d.set_kernels("compile")
     d.set_kernels("torch")
     assert not d.one_dx and not any(m.one_dx for m in layers)
+
+
+class _InPlaceNorm(torch.autograd.Function):
+    """liger's RMSNorm backward as fused.py runs it (in_place): a non-contiguous dY copied first
+    (ensure_contiguous), then dX written over dY's memory and dY returned as dX."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        ctx.save_for_backward(x, w)
+        ctx.eps = eps
+        return rms_norm_ref(x, w, eps)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dy = dy.contiguous()
+        with torch.enable_grad():
+            xd, wd = x.detach().requires_grad_(), w.detach().requires_grad_()
+            dx, dw = torch.autograd.grad(rms_norm_ref(xd, wd, ctx.eps), (xd, wd), dy)
+        _InPlaceNorm.views += dy._base is not None
+        return dy.copy_(dx), dw, None
+
+
+def test_an_in_place_norm_backward_writing_over_the_shared_buffer_leaves_every_gradient_right():
+    """fused.py's liger norms write their dX over the incoming dY; with the one-buffer dX, the input norm's dY
+    is a view of the k/v cat's gradient buffer (its x rows; the context's rows sit beside them). The norm of
+    each layer emulated so (pure torch, fp64), one and two sequences, row cuts on: every gradient equals the
+    reference path's, and with one sequence norms were handed views (the in-place case itself; with two the
+    x rows of the buffer are strided and copied first)."""
+    for rows in (1, 2):
+        d = small_drafter(block=4).train().double()
+        d.set_row_cuts(True, True)
+        ids, feats, lm, a = loss_batch(d, torch.float64, False)
+        batch = (ids[:rows], feats[:rows], lm[:rows], Anchors(a.positions[:rows], a.keep[:rows]))
+        ref, ref_g = loss_and_grads(d, batch)
+        d.set_one_dx(True)
+        for m in d.modules():
+            if isinstance(m, RMSNorm):
+                m.fast = _InPlaceNorm.apply
+        _InPlaceNorm.views = 0
+        out, g = loss_and_grads(d, batch)
+        assert torch.equal(out.loss, ref.loss)
+        assert max(rel(g[n], ref_g[n]) for n in g) < 1e-12
+        assert _InPlaceNorm.views > 0 or rows == 2  # one row: contiguous views of the buffer, written in place
 
 
 @pytest.mark.gpu

@@ -5,7 +5,7 @@
 # before and after its copy cuts (fused2copies, fused2) and capture_job's own path end to end over 50 passes
 # on the default sink (job:idle); then, in the time left, the gpu tests of the one-buffer dX and fused2's copy cuts.
 # Everything is written under OUT (default $OUT).
-#   bench/gpu_both.sh [DEADLINE_S]   (default 570; SETTINGS overrides the step's settings)
+#   bench/gpu_both.sh [DEADLINE_S]   (default 570; SETTINGS overrides the step's settings; STEP=0 runs capture alone)
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu_both}
@@ -15,11 +15,14 @@ d=direct+fused+leangrads
 b=$d+nodedup0+alllastrows+noaddnorm+adddx  # before the fourteenth and fifteenth sessions' drafter cuts
 a=$d+adddx  # the defaults but autograd's dX adds (before the fifteenth session's one-buffer dX)
 n=$d+epiwait+nogather
-t0=$(date +%s)
-timeout "$(cap 200 330)" python3 bench/bench_train_step.py --loss chunked --kernels liger --steps 8 --warmup 2 \
-    --settings "${SETTINGS:-$b,$d,$n,$a,$n,$d,$a,$b,$n,$a,$d}" --json "$out/train_step.json" >"$out/train_step.log" 2>&1
-echo "train_step rc=$? s=$(($(date +%s) - t0))"
-grep -E "ms/step|FAILED|Error|^model FLOPs|row cuts" "$out/train_step.log" | tail -12
+if [ "${STEP:-1}" = 1 ]; then  # STEP=0: capture alone
+    t0=$(date +%s)
+    timeout "$(cap 200 330)" python3 bench/bench_train_step.py --loss chunked --kernels liger --steps 8 --warmup 2 \
+        --settings "${SETTINGS:-$b,$d,$n,$a,$n,$d,$a,$b,$n,$a,$d}" --json "$out/train_step.json" \
+        >"$out/train_step.log" 2>&1
+    echo "train_step rc=$? s=$(($(date +%s) - t0))"
+    grep -E "ms/step|FAILED|Error|^model FLOPs|row cuts" "$out/train_step.log" | tail -12
+fi
 t0=$(date +%s)
 k=32768:keep
 timeout $(($(left) > 60 ? $(left) - 15 : 40)) python3 bench/bench_capture.py --pool 256 --batches 2 \

@@ -239,7 +239,7 @@ def drafter_shapes(hidden: int, layers: int, heads: int, kv_heads: int, head_dim
 def gradient_order(layers: int, k: int = 5) -> list[str]:
     """The trainable drafter tensors' names in the order the training backward finishes their
     gradients (DeepSpeed's hooks fill its buckets in this order): a tiny drafter of the same layers and
-    k through dflash_loss on the CPU with the GPU's row cuts and one-buffer dX, recorded by post-accumulate-grad
+    k through dflash_loss on the CPU with the GPU's row cuts, recorded by post-accumulate-grad
     hooks (the order follows the graph, not the widths)."""
     from dflash_dist.model.loss import dflash_loss, sample_anchors
 
@@ -247,7 +247,6 @@ def gradient_order(layers: int, k: int = 5) -> list[str]:
     d = _drafter(32, layers, 2, 1, 16, 64, k, vocab=40)
     d.set_target_weights(torch.randn(40, 32), torch.randn(40, 32))
     d.set_row_cuts(True, True)  # the GPU kernel sets' forms (on with liger/compile), whose graph orders the gradients
-    d.set_one_dx(True)
     seen: list[str] = []
     for n, p in d.named_parameters():
         if p.requires_grad:

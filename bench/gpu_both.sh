@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (<= 600 s, fresh machine) for issue 24 when the session's device time leaves one call: the
-# 27B trainer step on one engine (BEFORE the drafter cuts of the fourteenth and fifteenth sessions, the defaults,
-# the defaults with autograd's dX adds (adddx), and epiwait+nogather, in alternating rounds; no profile), then capture at the Qwen3.5-27B shape: fused2's compute
+# 27B trainer step on one engine (BEFORE the fourteenth session's drafter cuts, the defaults,
+# the defaults with the one-buffer dX (onedx), and epiwait+nogather, in alternating rounds; no profile), then capture at the Qwen3.5-27B shape: fused2's compute
 # before and after its copy cuts (fused2copies, fused2) and capture_job's own path end to end over 50 passes
 # on the default sink (job:idle); then, in the time left, the gpu tests of the one-buffer dX and fused2's copy cuts.
 # Everything is written under OUT (default $OUT).
@@ -12,8 +12,8 @@ out=${OUT:-/tmp/gpu_both}
 deadline_s=${1:-570}
 . bench/gpu_env.sh
 d=direct+fused+leangrads
-b=$d+nodedup0+alllastrows+noaddnorm+adddx  # before the fourteenth and fifteenth sessions' drafter cuts
-a=$d+adddx  # the defaults but autograd's dX adds (before the fifteenth session's one-buffer dX)
+b=$d+nodedup0+alllastrows+noaddnorm  # before the fourteenth session's drafter cuts
+a=$d+onedx  # the defaults with the one-buffer dX (opt-in)
 n=$d+epiwait+nogather
 if [ "${STEP:-1}" = 1 ]; then  # STEP=0: capture alone
     t0=$(date +%s)

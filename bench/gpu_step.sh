@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (<= 600 s, fresh machine) for issue 24 after the fourteenth session's cuts: the 27B trainer step on
-# one engine: BEFORE (the drafter cuts of the fourteenth and fifteenth sessions off), the defaults, each cut
-# off alone (adddx: autograd's dX adds instead of the one-buffer dX), epiwait, epiwait+nogather and ce2g+cebal, in rounds of alternating order, and a profile (3 steps, the
+# one engine: BEFORE (the fourteenth session's drafter cuts off), the defaults, each cut
+# off alone (and onedx: the opt-in one-buffer dX), epiwait, epiwait+nogather and ce2g+cebal, in rounds of alternating order, and a profile (3 steps, the
 # gaps from the second on) under the last setting; flex alone on k/v repeated to the query heads or not (bench_flex
 # /kvx); then, in the time left, the gpu tests of what changed (the
 # drafter's row cuts and fused add-norm, the one-kernel step without the gather, epiwait, the default flex tiles).
@@ -13,9 +13,9 @@ out=${OUT:-/tmp/gpu_step}
 deadline_s=${1:-480}
 . bench/gpu_env.sh
 d=direct+fused+leangrads
-b=$d+nodedup0+alllastrows+noaddnorm+adddx  # before the drafter cuts of the fourteenth and fifteenth sessions
+b=$d+nodedup0+alllastrows+noaddnorm  # before the fourteenth session's drafter cuts
 n=$d+epiwait+nogather
-settings=${SETTINGS:-$b,$d,$d+epiwait,$n,$d+ce2g+cebal,$n,$d+adddx,$d+ce2g+cebal,$d,$b,$d+epiwait,$d+nodedup0,$d+alllastrows,$d+noaddnorm,$d+adddx,$b,$d+ce2g+cebal,$d+epiwait,$d,$d+adddx,$d+noaddnorm,$d+alllastrows,$d+nodedup0,$n}
+settings=${SETTINGS:-$b,$d,$d+epiwait,$n,$d+ce2g+cebal,$n,$d+onedx,$d+ce2g+cebal,$d,$b,$d+epiwait,$d+nodedup0,$d+alllastrows,$d+noaddnorm,$d+onedx,$b,$d+ce2g+cebal,$d+epiwait,$d,$d+onedx,$d+noaddnorm,$d+alllastrows,$d+nodedup0,$n}
 t0=$(date +%s)
 timeout "$(cap 330 90)" python3 bench/bench_train_step.py --loss chunked --kernels liger --steps "${STEPS:-8}" --warmup 2 \
     --settings "$settings" --profile 3 --json "$out/train_step.json" >"$out/train_step.log" 2>&1

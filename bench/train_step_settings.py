@@ -43,7 +43,7 @@ SWITCHES = {  # --settings vocabulary: each word sets one switch on the running 
     # or the add and then the norm (before 2026-12-07)
     "addnorm": ("addnorm", True), "noaddnorm": ("addnorm", False),
     # the dX of the linears reading one input (q/k/v of the k/v cat, MLP gate and up) summed in one buffer by the
-    # GEMMs (shared_input.py; without a word on with liger/compile, as the row cuts), or autograd's adds
+    # GEMMs (shared_input.py; opt-in), or autograd's adds (the default)
     "onedx": ("onedx", True), "adddx": ("onedx", False),
     # slot weights (default: --position-weighting); twopass: D-PACE as before 2026-12-04, a no-grad
     # lm_head pass for the confidences and then the weighted one (onepass: the head once, vocab_loss.py)
@@ -134,7 +134,7 @@ def apply_setting(engine, setting: dict) -> None:
     cuts = row_cuts_default(drafter.kernels)  # a setting without the words: what the trainer runs with these kernels
     drafter.set_row_cuts(setting.get("dedup0", cuts), setting.get("lastrows", cuts))
     drafter.set_fused_add_norm(setting.get("addnorm", True))
-    drafter.set_one_dx(setting.get("onedx", cuts))
+    drafter.set_one_dx(setting.get("onedx", False))
     engine.optimizer.check_grad_overflow = setting["ovf"]
     timer = engine.tput_timer.config  # ds_config turns it off; "dstimer" as DeepSpeed's default has it
     timer.enabled = timer.synchronized = setting.get("timer", False)

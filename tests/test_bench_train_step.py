@@ -306,8 +306,8 @@ def test_row_cut_words_switch_the_drafter_and_a_setting_without_them_takes_the_k
         with torch.no_grad():
             losses[text] = float(engine(ids, feats, lm, ids, a.positions, a.keep)[0])
     assert max(losses.values()) - min(losses.values()) <= 1e-6 * losses["direct"], losses  # fp32: ~1 ulp apart
-    drafter.set_kernels("compile")  # the trainer's GPU defaults: both cuts and the one-buffer dX on without a word
+    drafter.set_kernels("compile")  # the trainer's GPU defaults: both cuts on without a word, the one-buffer dX off
     tss.apply_setting(engine, tss.parse_setting("direct+lean"))
-    assert (drafter.dedup_layer0, drafter.last_rows, drafter.one_dx) == (True, True, True)
-    tss.apply_setting(engine, tss.parse_setting("direct+lean+nodedup0+adddx"))
-    assert (drafter.dedup_layer0, drafter.last_rows, drafter.one_dx) == (False, True, False)
+    assert (drafter.dedup_layer0, drafter.last_rows, drafter.one_dx) == (True, True, False)
+    tss.apply_setting(engine, tss.parse_setting("direct+lean+nodedup0+onedx"))
+    assert (drafter.dedup_layer0, drafter.last_rows, drafter.one_dx) == (False, True, True)

@@ -3,7 +3,7 @@ dflash_dist/model/shared_input.py, `DFlashDrafter.set_one_dx`): the q/k/v projec
 and the MLP's gate and up. The same forward, bitwise; the gradients those of autograd's form (fp32: to
 rounding; bf16: as near the fp32 gradient as autograd's form), with packed rows, two sequences (the
 per-sequence tail of the buffer) and the row cuts; the backward runs three bf16-sized add kernels a layer
-fewer; without grad, or with the torch kernel set, nothing changes."""
+fewer; without grad nothing changes; off by default."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_fp32_loss_is_bitwise_and_gradients_are_autograds(packed, cuts):
     d = small_drafter(block=4).train()
     d.set_row_cuts(cuts, cuts)
     batch = loss_batch(d, torch.float32, packed)
-    assert not d.one_dx  # the torch set: autograd's form
+    assert not d.one_dx  # the default: autograd's form
     ref, ref_g = loss_and_grads(d, batch)
     d.set_one_dx(True)
     out, g = loss_and_grads(d, batch)
@@ -114,18 +114,19 @@ def test_without_grad_or_autocast_the_plain_linears_run():
     assert type(q.grad_fn).__name__ == "_SharedInputLinearsBackward"
 
 
-def test_the_fast_kernel_sets_turn_it_on_and_torch_off():
-    """set_kernels("compile") (liger needs Triton; both are row_cuts_default's fast sets) turns it on in every
-    attention and MLP, set_kernels("torch") off; set_one_dx flips it alone."""
+def test_it_is_off_by_default_and_set_one_dx_switches_every_attention_and_mlp():
+    """Opt-in until a GPU lease times it: off with every kernel set; set_one_dx turns it on in every attention
+    and MLP, and set_kernels leaves it as it is."""
     d = small_drafter(block=4)
     layers = [m for m in d.modules() if hasattr(type(m), "one_dx") and m is not d]
     assert len(layers) == 2 * d.config.num_hidden_layers and not any(m.one_dx for m in layers)
     d.set_kernels("compile")
+    assert not d.one_dx and not any(m.one_dx for m in layers)
+    d.set_one_dx(True)
+    assert d.one_dx and all(m.one_dx for m in layers)
+    d.set_kernels("torch")
     assert d.one_dx and all(m.one_dx for m in layers)
     d.set_one_dx(False)
-    assert not d.one_dx and not any(m.one_dx for m in layers) and d.kernels == "compile"
-    d.set_kernels("compile")
-    d.set_kernels("torch")
     assert not d.one_dx and not any(m.one_dx for m in layers)
 
 
@@ -176,11 +177,11 @@ def test_an_in_place_norm_backward_writing_over_the_shared_buffer_leaves_every_g
 @pytest.mark.gpu
 @pytest.mark.parametrize(("kernels", "rows"), [("liger", 1), ("liger", 2), ("compile", 2)])
 def test_gpu_one_dx_matches_autograds_form_in_bf16(kernels, rows):
-    """bf16 on CUDA, flex attention, the GPU's kernel sets (the switch on by default, with the row cuts)
-    against the same set with it off: the loss equal, every gradient to bf16 noise and no further from the
-    fp32 torch reference of the same weights than autograd's form (printed: the lease's record). One row:
-    liger's input norm writes its dX over the x rows of the k/v cat's gradient buffer (in place, a contiguous
-    slice); two rows: that slice is strided and liger copies it."""
+    """bf16 on CUDA, flex attention, the GPU's kernel sets (with the row cuts), the switch on against off: the
+    loss equal, every gradient to bf16 noise and no further from the fp32 torch reference of the same weights
+    than autograd's form (printed: the lease's record). One row: liger's input norm writes its dX over the x
+    rows of the k/v cat's gradient buffer (in place, a contiguous slice); two rows: that slice is strided and
+    liger copies it."""
     from dflash_dist.model.config import DrafterConfig
 
     torch.manual_seed(0)
@@ -202,7 +203,7 @@ def test_gpu_one_dx_matches_autograds_form_in_bf16(kernels, rows):
     _, g32 = loss_and_grads(d32, (ids, feats, lm, anchors))
     batch = (ids, feats.bfloat16(), lm, anchors)
     d.set_kernels(kernels)
-    assert d.one_dx
+    d.set_one_dx(True)
     one, one_g = loss_and_grads(d, batch)
     d.set_one_dx(False)
     ref, ref_g = loss_and_grads(d, batch)

@@ -23,8 +23,9 @@ Each layer returns (h, its MLP output) unsummed: the next layer's input norm, or
 (`RMSNorm.add_forward`), so with the fast kernel sets the residual add runs inside the norm's kernel
 (fused.add_rms_norm_fn: liger's fused add + RMSNorm, whose backward also adds the residual gradient; one
 80 MB pass less each way a layer at the 27B shape). The torch set adds, then norms: the same ops as before.
-With the fast kernel sets the linears that read one input (q/k/v of cat([context, x]), the MLP's gate and up)
-also sum their input gradient in one buffer, the GEMMs adding into it (shared_input.py, `set_one_dx`).
+Opt-in (`set_one_dx`, bench_train_step's onedx; not yet timed on a GPU): the linears that read one input (q/k/v
+of cat([context, x]), the MLP's gate and up) sum their input gradient in one buffer, the GEMMs adding into it
+(shared_input.py).
 
 Plain nn.Module (STYLE 6): no Ray, DeepSpeed or torch.distributed here; builds on CPU and meta.
 """
@@ -260,6 +261,7 @@ class DFlashDrafter(nn.Module):
     dedup_layer0 = False  # the row cuts of the training forward (module docstring); set_kernels sets both
     fused_add_norm = True  # set_fused_add_norm: with the fast kernel sets, each residual add in its norm's kernel
     last_rows = False
+    one_dx = False  # set_one_dx
 
     def __init__(self, cfg: DrafterConfig, kernels: str = "torch") -> None:
         super().__init__()
@@ -283,7 +285,6 @@ class DFlashDrafter(nn.Module):
         norm, act, norm_rope = rms_norm_fn(kernels), swiglu_fn(kernels), norm_rope_fn(kernels)
         self.kernels = kernels
         self.dedup_layer0 = self.last_rows = row_cuts_default(kernels)
-        self.set_one_dx(row_cuts_default(kernels))
         self.set_fused_add_norm(self.fused_add_norm)  # each RMSNorm's add kernel for these kernels
         for m in self.modules():
             if isinstance(m, RMSNorm):
@@ -303,8 +304,8 @@ class DFlashDrafter(nn.Module):
     def set_one_dx(self, on: bool) -> None:
         """The input gradient of the linears that read one input (q/k/v of cat([context, x]), MLP gate and up)
         summed in one buffer by the GEMMs (shared_input.py) instead of autograd's bf16 adds; the same forward
-        and weight gradients. `set_kernels` turns it on with liger/compile, off with torch (bench_train_step's
-        onedx/adddx words)."""
+        and weight gradients. Off by default, with every kernel set, until a GPU lease times it
+        (bench_train_step's onedx/adddx words); `set_kernels` leaves it as it is."""
         self.one_dx = bool(on)
         for m in self.modules():
             if isinstance(m, (DrafterAttention, DrafterMLP)):

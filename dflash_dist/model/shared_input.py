@@ -13,8 +13,8 @@ cat(context, x), whose x rows are x itself: the q projection's dX is added into 
 rows, so autograd's cat backward hands x its whole gradient (and x's own slot gets none).
 `linears(x, weights)`: every weight on all of x (the MLP's gate and up).
 
-Used by the drafter with the fast kernel sets (`DFlashDrafter.set_one_dx`, on by default with liger and
-compile); the torch set keeps autograd's form, so the pinned loss curve and the golden sets keep their bits.
+Used by the drafter when `DFlashDrafter.set_one_dx(True)` (opt-in until a GPU lease times it: bench_train_step's
+onedx); off, autograd's form runs, so the pinned loss curve and the golden sets keep their bits.
 Pure torch (STYLE 6).
 """
 

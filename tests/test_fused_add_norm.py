@@ -10,10 +10,10 @@ import torch
 from dflash_dist.model import fused
 from dflash_dist.model.drafter import RMSNorm
 from dflash_dist.model.loss import dflash_loss
+from tests.helpers.drafter import cuda_bf16_case, small_drafter
 from tests.helpers.drafter import loss_and_grads as _loss_and_grads
 from tests.helpers.drafter import loss_batch as _batch
 from tests.helpers.drafter import rel as _rel
-from tests.helpers.drafter import small_drafter
 
 
 def _count_fused_calls(d, fn=None) -> list[int]:
@@ -106,28 +106,7 @@ def test_gpu_add_norm_matches_the_separate_add_and_norm_in_bf16(kernels):
     add and norm (same set, same weights and batch): the forward's hidden rows to bf16 rounding, the loss to
     1e-3, every gradient no further from the fp32 reference than the separate form's (the fused backward rounds
     the norm's dX plus the residual gradient once, the separate form twice)."""
-    from dflash_dist.model.config import DrafterConfig
-    from dflash_dist.model.drafter import DFlashDrafter
-    from dflash_dist.model.loss import Anchors
-
-    torch.manual_seed(0)
-    cfg = DrafterConfig(hidden_size=5120, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
-                        head_dim=128, intermediate_size=2048, vocab_size=4096, target_layer_ids=(1, 3),
-                        num_target_layers=8, block_size=16, mask_token_id=4095)  # fmt: skip
-    with torch.device("cuda"):
-        d = DFlashDrafter(cfg)
-        d.set_target_weights(torch.randn(4096, 5120), torch.randn(4096, 5120) * 5120**-0.5)
-    d = d.to(torch.bfloat16).train()
-    d32 = DFlashDrafter(cfg).cuda().train()
-    d32.load_state_dict({k: v.float() for k, v in d.state_dict().items()})
-    s, g = 512, torch.Generator(device="cuda").manual_seed(1)
-    ids = torch.randint(0, 4000, (1, s), device="cuda", generator=g)
-    feats = torch.randn(1, s, 2 * 5120, device="cuda", generator=g)
-    lm = torch.ones(1, s, device="cuda")
-    pos = torch.sort(torch.randperm(s - 1, generator=torch.Generator().manual_seed(2))[:32]).values
-    anchors = Anchors(pos[None].cuda(), torch.ones(1, 32, dtype=torch.bool, device="cuda"))
-    _, g32 = _loss_and_grads(d32, (ids, feats, lm, anchors))
-    batch = (ids, feats.bfloat16(), lm, anchors)
+    d, batch, g32 = cuda_bf16_case(5120, 32, 8, 128, 2048, 4096, 2, rows=1, anchors=32, id_max=4000)
     d.set_kernels(kernels)
     calls = _count_fused_calls(d)
     on, on_g = _loss_and_grads(d, batch)

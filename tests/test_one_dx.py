@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash_dist.model.drafter import DFlashDrafter, RMSNorm
+from dflash_dist.model.drafter import RMSNorm
 from dflash_dist.model.fused import rms_norm_ref
 from dflash_dist.model.loss import Anchors, dflash_loss
 from dflash_dist.model.shared_input import linears, project_qkv
-from tests.helpers.drafter import loss_and_grads, loss_batch, rel, small_drafter
+from tests.helpers.drafter import cuda_bf16_case, loss_and_grads, loss_batch, rel, small_drafter
 
 
 class _Adds(TorchDispatchMode):
@@ -182,26 +182,7 @@ def test_gpu_one_dx_matches_autograds_form_in_bf16(kernels, rows):
     than autograd's form (printed: the lease's record). One row: liger's input norm writes its dX over the x
     rows of the k/v cat's gradient buffer (in place, a contiguous slice); two rows: that slice is strided and
     liger copies it."""
-    from dflash_dist.model.config import DrafterConfig
-
-    torch.manual_seed(0)
-    cfg = DrafterConfig(hidden_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-                        head_dim=64, intermediate_size=1536, vocab_size=8192, target_layer_ids=(1, 3, 5),
-                        num_target_layers=8, block_size=16, mask_token_id=8191)  # fmt: skip
-    with torch.device("cuda"):
-        d = DFlashDrafter(cfg)
-        d.set_target_weights(torch.randn(8192, 512), torch.randn(8192, 512) * 512**-0.5)
-    d = d.to(torch.bfloat16).train()
-    d32 = DFlashDrafter(cfg).cuda().train()
-    d32.load_state_dict({k: v.float() for k, v in d.state_dict().items()})
-    s, g = 512, torch.Generator(device="cuda").manual_seed(1)
-    ids = torch.randint(0, 8000, (rows, s), device="cuda", generator=g)
-    feats = torch.randn(rows, s, 3 * 512, device="cuda", generator=g)
-    lm = (torch.rand(rows, s, device="cuda", generator=g) > 0.25).float()
-    pos = torch.sort(torch.randperm(s - 1, generator=torch.Generator().manual_seed(2))[:64]).values
-    anchors = Anchors(torch.stack([pos] * rows).cuda(), torch.ones(rows, 64, dtype=torch.bool, device="cuda"))
-    _, g32 = loss_and_grads(d32, (ids, feats, lm, anchors))
-    batch = (ids, feats.bfloat16(), lm, anchors)
+    d, batch, g32 = cuda_bf16_case(512, 8, 2, 64, 1536, 8192, 3, rows=rows, anchors=64, id_max=8000, masked=0.25)
     d.set_kernels(kernels)
     d.set_one_dx(True)
     one, one_g = loss_and_grads(d, batch)

@@ -12,11 +12,11 @@ import torch
 
 from dflash_dist.model.attention import layer_masks
 from dflash_dist.model.drafter import AnchorBlocks, DFlashDrafter
-from dflash_dist.model.loss import Anchors, block_inputs, dflash_loss, supervised_rows
+from dflash_dist.model.loss import block_inputs, dflash_loss, supervised_rows
+from tests.helpers.drafter import cuda_bf16_case, small_drafter
 from tests.helpers.drafter import loss_and_grads as _loss_and_grads
 from tests.helpers.drafter import loss_batch as _batch
 from tests.helpers.drafter import rel as _rel
-from tests.helpers.drafter import small_drafter
 
 CUTS = {"dedup0": (True, False), "lastrows": (False, True), "both": (True, True)}
 
@@ -210,28 +210,8 @@ def test_gpu_cuts_match_the_uncut_forward_in_bf16(kernels):
     cuts off, same weights and batch (2 rows of 512 tokens, 64 anchors of 16 slots, a quarter of the slots
     loss-masked, invalid blocks): loss to 1e-3 relative, every gradient to bf16 noise, and no further from the
     fp32 torch reference of the same weights than the uncut gradient (printed: the lease's record)."""
-    from dflash_dist.model.config import DrafterConfig
-
-    torch.manual_seed(0)
-    cfg = DrafterConfig(hidden_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-                        head_dim=64, intermediate_size=1536, vocab_size=8192, target_layer_ids=(1, 3, 5),
-                        num_target_layers=8, block_size=16, mask_token_id=8191)  # fmt: skip
-    with torch.device("cuda"):
-        d = DFlashDrafter(cfg)
-        d.set_target_weights(torch.randn(8192, 512), torch.randn(8192, 512) * 512**-0.5)
-    d = d.to(torch.bfloat16).train()
-    d32 = DFlashDrafter(cfg).cuda().train()  # the fp32 reference: the bf16 weights, in fp32
-    d32.load_state_dict({k: v.float() for k, v in d.state_dict().items()})
-    s, g = 512, torch.Generator(device="cuda").manual_seed(1)
-    ids = torch.randint(0, 8000, (2, s), device="cuda", generator=g)
-    feats = torch.randn(2, s, 3 * 512, device="cuda", generator=g)
-    lm = (torch.rand(2, s, device="cuda", generator=g) > 0.25).float()
-    pos = torch.sort(torch.randperm(s - 1, generator=torch.Generator().manual_seed(2))[:64]).values
-    keep = torch.ones(2, 64, dtype=torch.bool)
-    keep[1, 48:] = False
-    anchors = Anchors(torch.stack([pos, pos]).cuda(), keep.cuda())
-    _, g32 = _loss_and_grads(d32, (ids, feats, lm, anchors))
-    batch = (ids, feats.bfloat16(), lm, anchors)
+    d, batch, g32 = cuda_bf16_case(512, 8, 2, 64, 1536, 8192, 3, rows=2, anchors=64, id_max=8000, masked=0.25,
+                                   invalid_from=48)
     d.set_kernels(kernels)
     assert d.dedup_layer0 and d.last_rows
     cut, cut_g = _loss_and_grads(d, batch)

@@ -76,3 +76,33 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """|a - b| / |b| (L2, in fp32)."""
     a, b = a.detach().float(), b.detach().float()
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def cuda_bf16_case(hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, vocab: int, k: int, rows: int,
+                   anchors: int, id_max: int, masked: float = 0.0, invalid_from: int | None = None):  # fmt: skip
+    """The gpu tests' case (2 layers, block 16, 512 tokens a row): a bf16 drafter on CUDA in train mode, a batch
+    for it (rows x 512 tokens, `anchors` sorted anchors shared by the rows, a `masked` share of the slots without
+    a label, the last row's blocks from `invalid_from` on invalid) and every trainable gradient of the same
+    weights in fp32 through the torch reference (the distance the fast forms are held to)."""
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=heads,
+                        num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=inter, vocab_size=vocab,
+                        target_layer_ids=tuple(range(1, 2 * k, 2)), num_target_layers=8, block_size=16,
+                        mask_token_id=vocab - 1)  # fmt: skip
+    with torch.device("cuda"):
+        d = DFlashDrafter(cfg)
+        d.set_target_weights(torch.randn(vocab, hidden), torch.randn(vocab, hidden) * hidden**-0.5)
+    d = d.to(torch.bfloat16).train()
+    d32 = DFlashDrafter(cfg).cuda().train()  # the fp32 reference: the bf16 weights, in fp32
+    d32.load_state_dict({n: v.float() for n, v in d.state_dict().items()})
+    s, g = 512, torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, id_max, (rows, s), device="cuda", generator=g)
+    feats = torch.randn(rows, s, k * hidden, device="cuda", generator=g)
+    lm = (torch.rand(rows, s, device="cuda", generator=g) > masked).float() if masked else torch.ones(rows, s).cuda()
+    pos = torch.sort(torch.randperm(s - 1, generator=torch.Generator().manual_seed(2))[:anchors]).values
+    keep = torch.ones(rows, anchors, dtype=torch.bool)
+    if invalid_from is not None:
+        keep[-1, invalid_from:] = False
+    batch = (ids, feats, lm, Anchors(torch.stack([pos] * rows).cuda(), keep.cuda()))
+    _, g32 = loss_and_grads(d32, batch)
+    return d, (ids, feats.bfloat16(), lm, batch[3]), g32

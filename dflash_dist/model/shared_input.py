@@ -51,20 +51,17 @@ class _SharedInputLinears(torch.autograd.Function):
             gx = torch.zeros_like(x2) if gx is None else gx
             gx = gx.view(x.shape)
             for dy, w in zip(grads[n_full:], weights[n_full:]):
-                rows = gx[..., start:, :]  # the tail rows of each sequence: [b, T-start, H] (or [T-start, H])
-                if rows.dim() == 2:
-                    rows.addmm_(dy, w)
-                else:
-                    for j in range(rows.shape[0]):  # a batch row's tail is contiguous; the batch is not
-                        rows[j].addmm_(dy[j], w)
+                rows = gx[:, start:]  # the tail rows of each sequence, [b, T-start, H]
+                for j in range(rows.shape[0]):  # a sequence's tail is contiguous; the batch is not
+                    rows[j].addmm_(dy[j], w)
         dws = []
         tail2 = None if tail_x is None or n_full == len(weights) else tail_x.reshape(-1, h)
-        for i, (dy, w) in enumerate(zip(grads, weights)):
+        for i, dy in enumerate(grads):
             if not ctx.needs_input_grad[4 + i]:
                 dws.append(None)
                 continue
             src = x2 if i < n_full else tail2
-            dws.append(dy.reshape(-1, dy.shape[-1]).t().mm(src).to(w.dtype))
+            dws.append(dy.reshape(-1, dy.shape[-1]).t().mm(src))
         return (gx, None, None, None, *dws)
 
 

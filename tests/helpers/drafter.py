@@ -98,7 +98,9 @@ def cuda_bf16_case(hidden: int, heads: int, kv_heads: int, head_dim: int, inter:
     s, g = 512, torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, id_max, (rows, s), device="cuda", generator=g)
     feats = torch.randn(rows, s, k * hidden, device="cuda", generator=g)
-    lm = (torch.rand(rows, s, device="cuda", generator=g) > masked).float() if masked else torch.ones(rows, s).cuda()
+    lm = torch.ones(rows, s, device="cuda")
+    if masked:
+        lm = (torch.rand(rows, s, device="cuda", generator=g) > masked).float()
     pos = torch.sort(torch.randperm(s - 1, generator=torch.Generator().manual_seed(2))[:anchors]).values
     keep = torch.ones(rows, anchors, dtype=torch.bool)
     if invalid_from is not None:

@@ -28,9 +28,6 @@ SWITCHES = {  # --settings vocabulary: each word sets one switch on the running 
     # are, the AdamW update through views at each tensor's offset and the norm of the list (zero_step.install's
     # gather; bitwise the gather with gnormlist)
     "gather": ("gather", True), "nogather": ("gather", False),
-    # the in-place one-kernel step on a side stream beside the next forward, which waits per module for its
-    # weights (trainer/step_overlap.py; with nogather), or after the step (the default)
-    "overlap": ("overlap", True), "nooverlap": ("overlap", False),
     # before 2026-12-06 (default: after): DeepSpeed's throughput timer on and synchronized (its default: a device
     # synchronize in every forward and step()), and the loss's supervised rows found on the device (a nonzero)
     "dstimer": ("timer", True), "notimer": ("timer", False),
@@ -108,8 +105,6 @@ def parse_setting(text: str) -> dict:
         raise SystemExit(f"--settings: {text!r}: epiwait comes with the lean step; add lean or fused")
     if out.get("gather") is False and out["step"] != "fused":
         raise SystemExit(f"--settings: {text!r}: nogather is the one-kernel step's; add fused")
-    if out.get("overlap") and out.get("gather") is not False:
-        raise SystemExit(f"--settings: {text!r}: overlap runs the in-place step beside the forward; add nogather")
     if out.get("gather") is False and out.get("gnorm") == "flat":
         raise SystemExit(f"--settings: {text!r}: gnormflat is the norm of the gathered partitions; nogather has none")
     return out
@@ -149,7 +144,7 @@ def apply_setting(engine, setting: dict) -> None:
     # nogather: the gather
     zero_step.install(engine, setting["step"], on_gpu=True, grad_cuts=setting["grads"] == "lean",
                       epilogue_wait=setting.get("epi") == "wait", norm_of_flat=setting.get("gnorm", "flat") == "flat",
-                      gather=setting.get("gather", True), overlap=setting.get("overlap", False))
+                      gather=setting.get("gather", True))
     set_rope_layout(setting.get("rope", "bthd"))  # a setting without these words: the defaults (after issue 24)
     set_rms_norm_in_place(setting.get("rms", True))
     vocab_loss.CHUNK_BYTES = setting.get("ce_bytes", CHUNKS[0])

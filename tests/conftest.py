@@ -168,25 +168,6 @@ def single_rank_gloo(monkeypatch):
     reset_deepspeed_groups()
 
 
-@pytest.fixture
-def single_rank_nccl(monkeypatch):
-    """A one-rank NCCL group (ZeRO's collectives on CUDA tensors need it; gloo has no reduce-scatter there)."""
-    import deepspeed
-    import torch.distributed as dist
-
-    from dflash_dist.actors.ports import free_ports
-
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_ports(1, "127.0.0.1")[0]))
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
-        monkeypatch.setenv(k, v)
-    torch.cuda.set_device(0)
-    deepspeed.init_distributed(dist_backend="nccl", auto_mpi_discovery=False)
-    yield
-    dist.destroy_process_group()
-    reset_deepspeed_groups()
-
-
 class _SharedBuild:
     """A tiny fixture built once per session and handed to each module as a view (`view`): the build runs
     on one intra-op thread (bitwise what 1 and 2 threads build; tiny_eval's trained export differs at 4),

@@ -186,7 +186,7 @@ def test_gather_is_the_one_kernel_steps_option(single_rank_gloo):
             zero_step.install(engine, kind, on_gpu=False, gather=False)
 
 
-IN_PLACE_CASES = [(True, 1), (False, 2), (True, 2, True)]  # (gradient-path cuts, grad_accum[, the step overlap])
+IN_PLACE_CASES = [(True, 1), (False, 2)]  # (gradient-path cuts, grad_accum); overlap_comm on
 
 
 @pytest.fixture(scope="module")
@@ -194,14 +194,13 @@ def two_rank_in_place() -> list[dict]:
     return run_ranks(in_place_worker, 2, (IN_PLACE_CASES,))
 
 
-@pytest.mark.parametrize("case", IN_PLACE_CASES, ids=["cuts_accum1", "accum2", "cuts_accum2_overlap"])
-def test_in_place_step_at_two_ranks(case, two_rank_in_place):
-    """Two gloo ranks (overlap_comm on), ZeRO-2 partitions of 576 + 576 elements of the first group (a.weight 768,
-    b.weight 384): bitwise the gathered step on both ranks. Rank 1's list is a.weight's last 192 elements and then
-    b.weight at offset 192 (read in place); rank 0's partition and both ranks' second group are one tensor each (the
-    flat kernel reads it, as the gathered step does). With the step overlap (step_overlap.py) rank 1's list is cut
-    where its partition crosses from stage a into stage b, 192 elements in."""
-    rank0, rank1 = (r[case] for r in two_rank_in_place)
+@pytest.mark.parametrize("cuts,grad_accum", IN_PLACE_CASES)
+def test_in_place_step_at_two_ranks(cuts, grad_accum, two_rank_in_place):
+    """Two gloo ranks, ZeRO-2 partitions of 576 + 576 elements of the first group (a.weight 768, b.weight 384):
+    bitwise the gathered step on both ranks. Rank 1's list is a.weight's last 192 elements and then b.weight at
+    offset 192 (read in place); rank 0's partition and both ranks' second group are one tensor each (the flat
+    kernel reads it, as the gathered step does)."""
+    rank0, rank1 = (r[(cuts, grad_accum)] for r in two_rank_in_place)
     assert isinstance(rank0, list), rank0
     assert isinstance(rank1, list), rank1
-    assert rank0 == [] and rank1 == ([[192], [384]] if len(case) == 3 else [[192, 384]]) * 3
+    assert rank0 == [] and rank1 == [[192, 384]] * 3

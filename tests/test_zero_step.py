@@ -474,6 +474,26 @@ def test_grad_path_cuts_at_two_ranks(grad_accum, overlap, two_rank_cuts):
 # ---- CUDA: the bf16 engine the trainer builds on a GPU (pytest -m gpu) ----
 
 
+@pytest.fixture
+def single_rank_nccl(monkeypatch):
+    """A one-rank NCCL group (ZeRO's collectives on CUDA tensors need it; gloo has no reduce-scatter there)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from dflash_dist.actors.ports import free_ports
+    from tests.conftest import reset_deepspeed_groups
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_ports(1, "127.0.0.1")[0]))
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    torch.cuda.set_device(0)
+    deepspeed.init_distributed(dist_backend="nccl", auto_mpi_discovery=False)
+    yield
+    dist.destroy_process_group()
+    reset_deepspeed_groups()
+
+
 @pytest.mark.gpu
 def test_cuda_bf16_lean_step_matches_deepspeeds_step(single_rank_nccl):
     """bf16 weights, fp32 masters, fused AdamW on CUDA: lean vs DeepSpeed's step over 6 steps with

@@ -294,12 +294,6 @@ class DFlashDrafter(nn.Module):
             elif isinstance(m, DrafterAttention):
                 m.norm_rope = norm_rope
 
-    def forward_stages(self) -> list[nn.Module]:
-        """The modules holding trainable weights in the order the training forward first reads them (loss.py:
-        fuse_context's fc and hidden norm, then each layer, then the final norm); the optimizer-forward overlap
-        (trainer/step_overlap.py) waits at each one's forward for its weights' update."""
-        return [self.fc, self.hidden_norm, *self.layers, self.norm]
-
     def set_split_kv(self, split: bool) -> None:
         """Project context and block keys/values apart and concatenate the projections
         (DrafterAttention.split_kv): the same math, GEMMs over other row splits."""

@@ -135,7 +135,6 @@ def gathered_drafter(engine) -> Iterator[DFlashDrafter]:
     gather (a collective: every rank enters), otherwise the module as it is."""
     import deepspeed
 
-    zero_step.join(engine)  # an overlapped optimizer step still running (step_overlap.py) finishes first
     drafter = engine.module.drafter
     own = [p for n, p in drafter.named_parameters() if n not in DFlashDrafter.TARGET_KEYS]
     gather = (

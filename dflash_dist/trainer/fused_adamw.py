@@ -247,32 +247,16 @@ def step_group_in_place(
     low: torch.Tensor,
     scale: torch.Tensor | None,
     found_inf: torch.Tensor,
-    cut=None,
 ) -> None:
     """`step_group` reading each gradient tensor of the partition where it is (no gather): DeepSpeed's list
     for the group (whole gradients, the parts of those the partition boundary cuts, zero pads), laid end to
     end over the partition. One compiled call over the lists (`_adamw_lists`): the master, both moments and
     `low` cut into views at each tensor's offset. A list that is one tensor of the partition's length is
-    that flat gradient (the gathered step reads it so too).
-    `cut` (step_overlap.py's chunking, the optimizer-forward overlap): `cut.plan(sizes)` splits the list into
-    runs (first, end, stages), one call each, `cut.done(stages)` after each; the same per-element arithmetic."""
+    that flat gradient (the gathered step reads it so too)."""
     if len(grads) == 1 and grads[0].is_contiguous() and grads[0].numel() == master.numel():
-        step_group(optimizer, group, master, grads[0].reshape(-1), low, scale, found_inf)
-        if cut is not None:
-            cut.done(set().union(*(s for _, _, s in cut.plan([master.numel()]))))
-        return
+        return step_group(optimizer, group, master, grads[0].reshape(-1), low, scale, found_inf)
     state, args = _begin(optimizer, group, master, scale, found_inf)
     flat, sizes = partition_views(grads, master, low.dtype)
-    runs = cut.plan(sizes) if cut is not None else [(0, len(sizes), None)]
-    at = 0
-    for lo, hi, stages in runs:
-        # each run's views made after the previous run's call updated the partitions in place (dynamo refuses a
-        # no-grad view whose base another view's in-place update changed since)
-        n = sum(sizes[lo:hi])
-        ps, ms, vs, outs = (list(t.narrow(0, at, n).split(sizes[lo:hi]))
-                            for t in (master, state["exp_avg"], state["exp_avg_sq"], low))  # fmt: skip
-        _list_kernel()(ps, ms, vs, flat[lo:hi], outs, *args)
-        at += n
-        if cut is not None:
-            cut.done(stages)
+    ps, ms, vs, outs = (list(t.split(sizes)) for t in (master, state["exp_avg"], state["exp_avg_sq"], low))
+    _list_kernel()(ps, ms, vs, flat, outs, *args)
     _end(optimizer, state, found_inf)

@@ -47,7 +47,6 @@ torch-autocast scaler. Anything else keeps DeepSpeed's own step.
 
 from __future__ import annotations
 
-import functools
 import logging
 import types
 
@@ -92,7 +91,7 @@ def unsupported(opt) -> str | None:
 
 
 def install(engine, kind: str, on_gpu: bool, grad_cuts: bool = True, epilogue_wait: bool = False,
-            norm_of_flat: bool = True, gather: bool = True, overlap: bool = False) -> str:
+            norm_of_flat: bool = True, gather: bool = True) -> str:
     """Give `engine`'s ZeRO optimizer the lean step when train.optimizer_step `kind` asks for it;
     returns the step in use. "lean" that cannot apply is an error naming why; "auto" then keeps
     DeepSpeed's step (ZeRO-3, offload, another DeepSpeed version). With the lean step and
@@ -101,12 +100,9 @@ def install(engine, kind: str, on_gpu: bool, grad_cuts: bool = True, epilogue_wa
     The one-kernel step ("fused") gathers each group's gradients into one flat partition first; with
     `gather` False (opt-in, bench_train_step's "nogather") it reads each gradient
     tensor where it is (fused_adamw.step_group_in_place) and the norm is the gradient list's
-    (`norm_of_flat` needs the gather). With `overlap` (opt-in, bench word "overlap"; needs gather False) that step
-    runs on a side stream beside the next forward, which waits per module for its weights (step_overlap.py)."""
+    (`norm_of_flat` needs the gather)."""
     if not gather and resolve_step(kind, on_gpu) != "fused":
         raise ValueError(f"gather=False is the one-kernel step's (train.optimizer_step=fused), not {kind!r}'s")
-    if overlap and gather:
-        raise ValueError("overlap=True is the in-place one-kernel step's: it needs gather=False")
     if resolve_step(kind, on_gpu) == "deepspeed":
         return "deepspeed"
     opt = engine.optimizer
@@ -117,10 +113,6 @@ def install(engine, kind: str, on_gpu: bool, grad_cuts: bool = True, epilogue_wa
         log.info("optimizer step: DeepSpeed's own (the lean step does not support %s)", why)
         return "deepspeed"
     kernel = resolve_step(kind, on_gpu) == "fused"
-    if "dflash_overlap" in vars(opt):  # installed again without uninstall: the old hooks off first
-        vars(opt).pop("dflash_overlap").remove()
-        for name in ("save_checkpoint", "load_checkpoint"):
-            vars(engine).pop(name, None)
     if kernel:
         from dflash_dist.trainer import fused_adamw
 
@@ -142,25 +134,12 @@ def install(engine, kind: str, on_gpu: bool, grad_cuts: bool = True, epilogue_wa
         log.info("optimizer step: lean; gradient path cuts: %s", ", ".join(cut_grad_path(opt)) or "none apply")
     if epilogue_wait and wait_on_device(opt):
         log.info("optimizer step: the end-of-backward synchronize is a device-side wait")
-    if overlap:
-        from dflash_dist.trainer import step_overlap
-
-        stages = step_overlap.forward_stages(engine.module)
-        opt.dflash_overlap = step_overlap.StepOverlap(opt, engine.module, stages)
-        for name in ("save_checkpoint", "load_checkpoint"):  # they read (write) the weights and the state
-            vars(engine)[name] = _joining(opt.dflash_overlap, getattr(type(engine), name).__get__(engine))
-        log.info("optimizer step: AdamW beside the next forward, waited for at %d module stages", len(stages))
     return "fused" if kernel else "lean"
 
 
 def uninstall(engine) -> None:
     """Back to DeepSpeed's own step and gradient path (the bench switches settings on one engine)."""
     opt = engine.optimizer
-    overlap = vars(opt).pop("dflash_overlap", None)
-    if overlap is not None:  # the step still running finishes first; the forward hooks come off
-        overlap.remove()
-        for name in ("save_checkpoint", "load_checkpoint"):
-            vars(engine).pop(name, None)
     vars(opt).pop("step", None)  # the class's step again
     vars(opt).pop("copy_grads_in_partition", None)
     vars(opt).pop("independent_gradient_partition_epilogue", None)
@@ -169,25 +148,6 @@ def uninstall(engine) -> None:
     vars(opt).pop("dflash_gather", None)
     if "dflash_gradient_average" in vars(opt):
         opt.gradient_average = vars(opt).pop("dflash_gradient_average")
-
-
-def join(engine) -> None:
-    """Wait for an overlapped optimizer step still running (step_overlap.py; no-op without one): before reading the
-    weights or the optimizer state outside a forward."""
-    overlap = getattr(engine.optimizer, "dflash_overlap", None)
-    if overlap is not None:
-        overlap.join()
-
-
-def _joining(overlap, method):
-    """`method` after the overlapped step still running has finished (step_overlap.StepOverlap.join)."""
-
-    @functools.wraps(method)
-    def joined(*args, **kwargs):
-        overlap.join()
-        return method(*args, **kwargs)
-
-    return joined
 
 
 def cut_grad_path(opt) -> list[str]:
@@ -389,11 +349,6 @@ def lean_step(self, closure=None) -> None:
             self.all_grad_tensors[i] = None
         return
     self.dflash_skipped_steps += found_inf.to(torch.int64)
-    overlap = getattr(self, "dflash_overlap", None) if one_kernel and not gather else None
-    if overlap is not None:  # the AdamW calls on a side stream, the next forward waiting per stage (step_overlap.py)
-        overlap.begin()
-        overlap.hand_over([scale, found_inf])
-        groups = overlap.order(groups)
     for i in groups:
         partition_id = dist.get_rank(group=self.real_dp_process_group[i])
         master = self.single_partition_of_fp32_groups[i]
@@ -402,8 +357,6 @@ def lean_step(self, closure=None) -> None:
         g = grads[i]
         if one_kernel and not gather:  # the list itself: the kernel reads each gradient where it is
             flat = g
-            if overlap is not None:  # released below while the side stream may still read them
-                overlap.hand_over(g)
         else:
             flat = _gather(self, i, g) if one_kernel else _flat(self, i, g, master.dtype)  # fp32 for torch's AdamW
         grads[i] = g = None
@@ -415,16 +368,8 @@ def lean_step(self, closure=None) -> None:
         if one_kernel:  # bf16 gradients in, fp32 master and bf16 partition out, in one pass
             from dflash_dist.trainer import fused_adamw
 
-            if gather:
-                fused_adamw.step_group(inner, inner.param_groups[i], master, flat, low, scale, found_inf)
-            elif overlap is None:
-                fused_adamw.step_group_in_place(inner, inner.param_groups[i], master, flat, low, scale, found_inf)
-            else:
-                cut = types.SimpleNamespace(done=overlap.done, plan=functools.partial(
-                    overlap.chunks, i, partition_start=partition_id * int(self.partition_size[i])))
-                with overlap.stream():
-                    fused_adamw.step_group_in_place(inner, inner.param_groups[i], master, flat, low, scale,
-                                                    found_inf, cut=cut)
+            step = fused_adamw.step_group if gather else fused_adamw.step_group_in_place
+            step(inner, inner.param_groups[i], master, flat, low, scale, found_inf)
             flat = None
             self._lazy_init_hp_params_optimizer_state()
             continue
@@ -441,8 +386,6 @@ def lean_step(self, closure=None) -> None:
         master.grad = None
         del flat
         low.data.copy_(master.data)
-    if overlap is not None and any(dist.get_world_size(group=self.real_dp_process_group[i]) > 1 for i in groups):
-        overlap.join()  # the all-gather reads every rank's updated partition: no overlap past one rank
     all_gather_dp_groups(
         groups_flat=self.bit16_groups_flat,
         partitioned_param_groups=self.parallel_partitioned_bit16_groups,

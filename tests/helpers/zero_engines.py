@@ -50,7 +50,7 @@ def weights(engine) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().cpu().clone() for n, p in engine.module.named_parameters()}
 
 
-def cut_engine(cuts: bool, grad_accum: int, overlap_comm: bool, world: int = 1, device: str = "cpu", kind: str = "lean",
+def cut_engine(cuts: bool, grad_accum: int, overlap: bool, world: int = 1, device: str = "cpu", kind: str = "lean",
                wait: bool = False, **step):  # fmt: skip
     """A bf16 ZeRO-2 engine with the lean step (the trainer's GPU config), with or without the cuts
     (and with `wait`, the end-of-backward synchronize as a device-side wait: zero_step.wait_on_device;
@@ -61,7 +61,7 @@ def cut_engine(cuts: bool, grad_accum: int, overlap_comm: bool, world: int = 1, 
     model = Net().to(device)
     opt = build_optimizer(cfg, model, fused=True)
     ds = deepspeed_config(cfg, world, True)
-    ds["zero_optimization"].update(overlap_comm=overlap_comm, reduce_bucket_size=BUCKET)
+    ds["zero_optimization"].update(overlap_comm=overlap, reduce_bucket_size=BUCKET)
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=opt, lr_scheduler=build_lr_schedule(cfg, opt, 50), config=ds, dist_init_required=False
     )
@@ -148,13 +148,11 @@ def assert_nan_batch_skipped(engine) -> None:
         assert torch.equal(w, before[name]), name
 
 
-def in_place_case(rank: int, world: int, cuts: bool, grad_accum: int, overlap: bool = False) -> list[list[int]]:
+def in_place_case(rank: int, world: int, cuts: bool, grad_accum: int) -> list[list[int]]:
     """On one of two gloo ranks: the one-kernel step with its gather (the norm of the gradient list) and
     without it (fused_adamw.step_group_in_place), bitwise the same losses, norms, weights, masters and
     moments. ZeRO-2 cuts a.weight between the ranks' partitions: rank 1's first group starts with a.weight's
-    tail and reads b.weight after it. `overlap`: the in-place step beside the next forward (step_overlap.py: its
-    chunks start at the rank's partition offset). Returns the gradient lengths of each list the in-place kernel
-    read."""
+    tail and reads b.weight after it. Returns the gradient lengths of each list the in-place kernel read."""
     from dflash_dist.trainer import fused_adamw
 
     data = [(x + rank, y - rank) for x, y in batches(3 * grad_accum)]
@@ -168,8 +166,7 @@ def in_place_case(rank: int, world: int, cuts: bool, grad_accum: int, overlap: b
     fused_adamw._list_kernel = lambda: recording
     try:
         for gather in (True, False):
-            engine = cut_engine(cuts, grad_accum, True, world=world, kind="fused", gather=gather, norm_of_flat=False,
-                                overlap=overlap and not gather)  # fmt: skip
+            engine = cut_engine(cuts, grad_accum, True, world=world, kind="fused", gather=gather, norm_of_flat=False)
             runs[gather] = run_and_inspect(engine, data, grad_accum), state_of(engine)
     finally:
         fused_adamw._list_kernel = own

@@ -24,10 +24,6 @@ class Net(nn.Module):
     def forward(self, x, y):
         return ((self.b(torch.tanh(self.a(x)) * self.g) - y) ** 2).mean()
 
-    def forward_stages(self) -> list[nn.Module]:
-        """For the optimizer-forward overlap (trainer/step_overlap.py): a, then b; g is in none (the root's)."""
-        return [self.a, self.b]
-
 
 def cfg_for(grad_clip: float = CLIP, grad_accum: int = 2):
     return load_config(
@@ -57,9 +53,7 @@ BUCKET = 400  # reduce_bucket_size: a.weight (768) is past it, b.weight (384), a
 def state_of(engine) -> list[torch.Tensor]:
     """The bf16 weights, fp32 masters and AdamW moments, as exact copies."""
     opt = engine.optimizer
-    inner = opt.optimizer  # by param group (the state dict's own order is the order the states were created in)
-    states = [inner.state[p] for g in inner.param_groups for p in g["params"] if p in inner.state]
-    moments = [s[k].clone() for s in states for k in ("exp_avg", "exp_avg_sq")]
+    moments = [s[k].clone() for s in opt.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
     return (
         [p.detach().clone() for p in engine.module.parameters()]
         + [m.detach().clone() for m in opt.single_partition_of_fp32_groups]

@@ -297,6 +297,23 @@ def test_universally_loaded_steps_go_where_torchs_own_load_puts_them():
     assert float(shared) == 3.0
 
 
+def test_trainer_options_put_the_gpu_one_kernel_step_in_place(single_rank_gloo):
+    """The trainer's engine (trainer/engine.py) on a GPU with train.optimizer_step=fused: each gradient read in
+    place and the device-side epilogue wait; every other step, and the CPU, install's defaults. Installed on a
+    CPU engine, those options give the in-place step with the wait (the gathered one without them)."""
+    assert zero_step.trainer_options("fused", on_gpu=True) == {"gather": False, "epilogue_wait": True}
+    for kind, on_gpu in (("fused", False), ("lean", True), ("auto", True), ("deepspeed", True), ("auto", False)):
+        assert zero_step.trainer_options(kind, on_gpu) == {}, (kind, on_gpu)
+    def engine_with(options: dict):  # cut_engine names the epilogue wait `wait`
+        options = dict(options)
+        return cut_engine(True, 1, True, kind="fused", wait=options.pop("epilogue_wait", False), **options).optimizer
+
+    opt = engine_with(zero_step.trainer_options("fused", on_gpu=True))
+    assert not opt.dflash_gather and "independent_gradient_partition_epilogue" in vars(opt)
+    plain = engine_with(zero_step.trainer_options("fused", on_gpu=False))
+    assert plain.dflash_gather and "independent_gradient_partition_epilogue" not in vars(plain)
+
+
 def test_resolve_and_refusals(single_rank_gloo):
     assert zero_step.resolve_step("auto", on_gpu=True) == "lean"
     assert zero_step.resolve_step("auto", on_gpu=False) == "deepspeed"

@@ -102,7 +102,8 @@ def build_engine(
         ),
         dist_init_required=False,
     )
-    zero_step.install(engine, t.optimizer_step, on_gpu)  # DeepSpeed's step, lean, or fused
+    # DeepSpeed's step, lean, or fused (on a GPU in place, with the device-side epilogue wait)
+    zero_step.install(engine, t.optimizer_step, on_gpu, **zero_step.trainer_options(t.optimizer_step, on_gpu))
     return engine
 
 

@@ -5,8 +5,8 @@ inside it. One compiled call per partition group: the gradients are first gather
 bf16 tensor (one multi-tensor copy; none when the partition already is one tensor), and the clip's
 norm is one reduction over each gathered partition (zero_step.lean_step).
 
-Without the gather (`step_group_in_place`, zero_step.install(gather=False), opt-in: bench word
-`nogather`): one compiled call per group over the lists of the gradient tensors as DeepSpeed holds them
+Without the gather (`step_group_in_place`, zero_step.install(gather=False), bench word `nogather`; the
+trainer's GPU engine with this step runs it so, zero_step.trainer_options): one compiled call per group over the lists of the gradient tensors as DeepSpeed holds them
 and the views of the master, the moments and the bf16 partition at each tensor's offset, so no flat copy
 (4 B a parameter, 2.9 ms of GPU time a step at the 27B shape on an H100) and the norm is the multi-tensor
 one over the list. Every element gets the same kernel arithmetic from the same gradient value as in the
@@ -22,7 +22,8 @@ the list's norm) and a call per tensor's 6.9. On the GPU DeepSpeed's end-of-back
 stream wait (`epiwait`) the host should reach the step that far ahead and its time there be hidden. The
 cost: a cold compile of the two list graphs took 80-100 s on this CPU (the gathered kernel's one graph
 7 s), once per process (the inductor cache keeps it). On an H100 (docs/BENCHMARKS.md, fourteenth session, call S)
-its gpu test is bitwise the gathered step and the optimizer phase went 21.4 -> 18.7 ms under `epiwait`.
+its gpu test is bitwise the gathered step and the optimizer phase went 21.4 -> 18.7 ms under `epiwait`; on two
+more H100s (sixteenth session) 21.3 -> 18.4 ms, the step faster than the gathered one in 6 pairs of 6.
 
 Why: the lean step with torch's fused AdamW moves ~46 bytes per parameter: the bf16 gradients
 copied into an fp32 flat partition (6 B), torch's kernel (32 B: with `grad_scale` it also writes

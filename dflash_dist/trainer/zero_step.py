@@ -27,12 +27,13 @@ changes only the arithmetic around AdamW:
 Around it, `cut_grad_path` drops two passes of DeepSpeed's ZeRO-2 gradient path where they cannot
 change a bit (on with the lean step; DeepSpeed's own step keeps its path): the divide by a
 data-parallel world size of 1, and the copy of each gradient larger than the reduce bucket into
-`grads_in_partition` (the step reads it in place). Opt-in, `wait_on_device` turns DeepSpeed's
+`grads_in_partition` (the step reads it in place). `wait_on_device` turns DeepSpeed's
 synchronize at the end of every backward under overlap_comm into a wait of the compute stream on
-the reduction stream (no host sync; bitwise on an H100, its timing within noise there). Opt-in too,
-the one-kernel step reads each gradient where DeepSpeed holds it instead of gathering them first
-(`install(gather=False)`, fused_adamw.step_group_in_place; bitwise on an H100, -2.7 ms of optimizer
-phase there with `epiwait`).
+the reduction stream (no host sync; bitwise on an H100, its timing within noise there alone), and
+the one-kernel step can read each gradient where DeepSpeed holds it instead of gathering them first
+(`install(gather=False)`, fused_adamw.step_group_in_place; bitwise on an H100, -2.9 ms of optimizer
+phase there with `epiwait`). Both are install's options, off by default; the trainer's GPU engine
+with the one-kernel step takes both (`trainer_options`).
 
 Numerics: the clip factor differs from DeepSpeed's by fp32 rounding of the norm (~1e-7 relative),
 the clipped gradient by one rounding (a divide in the kernel instead of a multiply by the
@@ -70,6 +71,18 @@ def resolve_step(kind: str, on_gpu: bool) -> str:
     return kind
 
 
+def trainer_options(kind: str, on_gpu: bool) -> dict:
+    """`install`'s options the trainer's engine takes (trainer/engine.py): with the one-kernel step on a GPU, each
+    gradient read where it is (gather False) and the end-of-backward synchronize as a device-side wait: on two
+    H100s (docs/BENCHMARKS.md, sixteenth session) the optimizer phase 21.3 -> 18.4 ms and the 27B step faster than
+    the gathered step in all 6 side-by-side pairs (3.2 ms in the means), bitwise the gathered step with the list's
+    norm (tests/test_zero_step.py's gpu tests). On the CPU, and with any other step, install's defaults (the pinned
+    loss curves' form)."""
+    if on_gpu and resolve_step(kind, on_gpu) == "fused":
+        return {"gather": False, "epilogue_wait": True}
+    return {}
+
+
 def unsupported(opt) -> str | None:
     """Why the lean step cannot replace this optimizer's step (None: it can)."""
     import deepspeed
@@ -96,9 +109,9 @@ def install(engine, kind: str, on_gpu: bool, grad_cuts: bool = True, epilogue_wa
     returns the step in use. "lean" that cannot apply is an error naming why; "auto" then keeps
     DeepSpeed's step (ZeRO-3, offload, another DeepSpeed version). With the lean step and
     `grad_cuts`, also `cut_grad_path` (bench_train_step's "dsgrads"/"leangrads" set it); with
-    `epilogue_wait`, `wait_on_device` (opt-in, bench_train_step's "epiwait").
+    `epilogue_wait`, `wait_on_device` (bench_train_step's "epiwait"; `trainer_options` says when the trainer sets it).
     The one-kernel step ("fused") gathers each group's gradients into one flat partition first; with
-    `gather` False (opt-in, bench_train_step's "nogather") it reads each gradient
+    `gather` False (bench_train_step's "nogather"; the trainer's on a GPU) it reads each gradient
     tensor where it is (fused_adamw.step_group_in_place) and the norm is the gradient list's
     (`norm_of_flat` needs the gather)."""
     if not gather and resolve_step(kind, on_gpu) != "fused":
@@ -201,9 +214,9 @@ def wait_on_device(opt) -> bool:
     release of earlier buckets' gradients, none with contiguous_gradients (ds_config sets it); the
     compute stream's order against the reductions is average_tensor's own stream waits. True when
     installed (overlap_comm on).
-    Opt-in (bench_train_step's "epiwait"): bitwise on CUDA (tests/test_zero_step.py's gpu test passed on an
-    H100, 2026-12-07), its step time there within the noise alone; it lets `install(gather=False)` hide its host
-    time."""
+    install's `epilogue_wait` (bench_train_step's "epiwait"; the trainer's GPU engine with the one-kernel step:
+    `trainer_options`): bitwise on CUDA (tests/test_zero_step.py's gpu test passed on H100s, 2026-12-07), its step
+    time there within the noise alone; it lets `install(gather=False)` hide its host time."""
     if not opt.overlap_comm:
         return False
     opt.independent_gradient_partition_epilogue = types.MethodType(_epilogue_waiting_on_device, opt)

@@ -6,7 +6,8 @@ bf16 tensor (one multi-tensor copy; none when the partition already is one tenso
 norm is one reduction over each gathered partition (zero_step.lean_step).
 
 Without the gather (`step_group_in_place`, zero_step.install(gather=False), bench word `nogather`; the
-trainer's GPU engine with this step runs it so, zero_step.trainer_options): one compiled call per group over the lists of the gradient tensors as DeepSpeed holds them
+trainer's GPU engine with this step runs it so, zero_step.trainer_options): one compiled call per group over
+the lists of the gradient tensors as DeepSpeed holds them
 and the views of the master, the moments and the bf16 partition at each tensor's offset, so no flat copy
 (4 B a parameter, 2.9 ms of GPU time a step at the 27B shape on an H100) and the norm is the multi-tensor
 one over the list. Every element gets the same kernel arithmetic from the same gradient value as in the

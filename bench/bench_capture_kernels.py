@@ -11,7 +11,8 @@ take it without a new kernel path. The RMSNorms (reductions) are timed too; anot
 would change features (a new kernel path), so they are only reported.
 
 Prints, per kernel and variant, ms a call (median of --iters, CUDA events), the bytes it must move over that
-time (GB/s) and whether its output equals the capture kernel's bit for bit:
+time (GB/s), whether its output equals the capture kernel's bit for bit, and whether a call at another token
+count compiled a new graph (capture's token count changes from forward to forward):
 
     python3 bench/bench_capture_kernels.py                      # GPU, the 27B capture shape
     python3 bench/bench_capture_kernels.py --device cpu --tokens 64 --hidden 64 --inter 128 --iters 2
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_dist.capture.fused_layers import _add_rms_norm  # noqa: E402
@@ -39,6 +41,20 @@ def _static(f):
     return torch.compile(f, dynamic=False, fullgraph=True, options=OPTIONS)
 
 
+def _width_static(f):
+    """f compiled with the token dimension dynamic (marked on each call's [.., T, width] inputs) and every other
+    dimension static: the widths known to the compiler, one graph for every token count."""
+    compiled = torch.compile(f, dynamic=None, fullgraph=True, options=OPTIONS)
+
+    def call(*args):
+        for t in args:
+            if isinstance(t, torch.Tensor) and t.dim() >= 2:
+                torch._dynamo.mark_dynamic(t, t.dim() - 2)
+        return compiled(*args)
+
+    return call
+
+
 def _liger_silu_mul():
     try:
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
@@ -49,11 +65,14 @@ def _liger_silu_mul():
 
 def kernels(device: str) -> list[tuple[str, dict]]:
     """(kernel, {variant: callable}); the first variant of each is the capture's own compile."""
-    silu = {"capture (dynamic)": compile_kernel(_silu_mul), "static": _static(_silu_mul), "eager": _silu_mul}
+    silu = {"capture (dynamic)": compile_kernel(_silu_mul), "static": _static(_silu_mul),
+            "width static": _width_static(_silu_mul), "eager": _silu_mul}  # fmt: skip
     if device == "cuda" and _liger_silu_mul() is not None:
         silu["liger (other rounding)"] = _liger_silu_mul()
-    rms = {"capture (dynamic)": compile_kernel(_rms_norm), "static": _static(_rms_norm)}
-    add_rms = {"capture (dynamic)": compile_kernel(_add_rms_norm), "static": _static(_add_rms_norm)}
+    rms = {"capture (dynamic)": compile_kernel(_rms_norm), "static": _static(_rms_norm),
+           "width static": _width_static(_rms_norm)}  # fmt: skip
+    add_rms = {"capture (dynamic)": compile_kernel(_add_rms_norm), "static": _static(_add_rms_norm),
+               "width static": _width_static(_add_rms_norm)}  # fmt: skip
     return [("silu_mul", silu), ("rms_norm", rms), ("add_rms_norm", add_rms)]
 
 
@@ -123,10 +142,15 @@ def main(argv=None) -> list[dict]:
             ref = out if ref is None else ref
             equal, diff = _same(out, ref)
             ms = time_ms(fn, args, a.iters, a.device)
+            graphs = counters["stats"]["unique_graphs"]
+            other, _ = inputs(name, a.tokens - 7, a.hidden, a.inter, a.device, seed=1)  # another token count
+            fn(*other)
+            recompiled = counters["stats"]["unique_graphs"] > graphs
             rows.append({"kernel": name, "variant": label, "ms": ms, "gb_s": nbytes / ms / 1e6, "bitwise": equal,
-                         "max_abs_diff": diff})
+                         "max_abs_diff": diff, "recompiled_at_other_tokens": recompiled})
             print(f"  {name:13s} {label:24s} {ms:8.3f} ms  {nbytes / ms / 1e6:7.0f} GB/s  "
-                  f"{'bitwise' if equal else f'differs (max |d| {diff:.3g})'} vs the capture kernel")
+                  f"{'bitwise' if equal else f'differs (max |d| {diff:.3g})'} vs the capture kernel"
+                  f"{', compiled again at another token count' if recompiled else ''}")
     return rows
 
 

@@ -44,13 +44,17 @@ def raise_thread_limit(limit: int) -> bool:
     return below
 
 
-def strict_compile(fn: Callable, *, limit: int, past_limit: str, disabled: str, **compile_kwargs) -> Callable:
+def strict_compile(fn: Callable, *, limit: int, past_limit: str, disabled: str, static_last_dim: bool = False,
+                   **compile_kwargs) -> Callable:  # fmt: skip
     """`fn` through torch.compile(fullgraph=True, **compile_kwargs), never eagerly (module docstring): at
     most `limit` compiles, past which a call raises RuntimeError(past_limit) instead of running eagerly
     (the inputs compiled before keep running their graphs). A process where torch.compile is disabled
     (TORCHDYNAMO_DISABLE=1 returns `fn` itself; TORCH_COMPILE_DISABLE=1, dynamo's `disable`, skips every
     frame) is refused here with ValueError(disabled). Callers cache what this returns (functools.cache):
-    one compiled object, and its graphs, per function."""
+    one compiled object, and its graphs, per function.
+    `static_last_dim` (with dynamic=None): each call marks every dimension of its tensor arguments but the
+    last as dynamic (torch._dynamo.maybe_mark_dynamic), so the graph is specialised to the widths and shared
+    by every token count."""
     import torch._dynamo.config as dynamo_config
     from torch._dynamo.exc import FailOnRecompileLimitHit
 
@@ -62,13 +66,26 @@ def strict_compile(fn: Callable, *, limit: int, past_limit: str, disabled: str, 
     compiled = torch.compile(fn, fullgraph=True, **compile_kwargs)
     if compiled is fn or dynamo_config.disable:
         raise ValueError(disabled)
-    return functools.partial(_guarded, compiled, limit, per_region, past_limit, FailOnRecompileLimitHit)
+    if static_last_dim and compile_kwargs.get("dynamic") is not None:
+        raise ValueError("static_last_dim marks the dynamic dimensions itself: compile with dynamic=None")
+    mark = _all_but_last_dynamic if static_last_dim else None
+    return functools.partial(_guarded, compiled, limit, per_region, past_limit, FailOnRecompileLimitHit, mark)
 
 
-def _guarded(compiled, limit: int, per_region: bool, past_limit: str, limit_hit: type[Exception], *args, **kwargs):
+def _all_but_last_dynamic(args) -> None:
+    for t in args:
+        if isinstance(t, torch.Tensor):
+            for dim in range(t.dim() - 1):
+                torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+def _guarded(compiled, limit: int, per_region: bool, past_limit: str, limit_hit: type[Exception], mark, *args,
+             **kwargs):  # fmt: skip
+    if mark is not None:
+        mark(args)
     try:
         return compiled(*args, **kwargs)
     except limit_hit as err:
         if not per_region and raise_thread_limit(limit):  # a thread that met dynamo's default: once more at ours
-            return _guarded(compiled, limit, per_region, past_limit, limit_hit, *args, **kwargs)
+            return _guarded(compiled, limit, per_region, past_limit, limit_hit, None, *args, **kwargs)
         raise RuntimeError(past_limit) from err

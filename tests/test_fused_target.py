@@ -125,6 +125,33 @@ def test_every_capture_kernel_goes_through_the_guard_and_compiles_whole_on_cpu(f
         torch.testing.assert_close(g_, w_)
 
 
+def test_silu_mul_is_one_graph_for_every_token_count_and_equals_eager(fresh_kernels):
+    """SwiGLU's silu * up compiles with its width static and every other dimension dynamic (static_width): one
+    graph serves every token count and batch size a capture, generation or verification forward brings (none of
+    size 1 here, which specialises), each call equal to eager; a width it has not seen compiles again. The
+    RMSNorm keeps every dimension dynamic."""
+    rms, _, silu_mul = fused_target._compiled()
+    gen = torch.Generator().manual_seed(3)
+    width = 24
+    for b, t in ((2, 7), (2, 31), (3, 5), (4, 160)):
+        g, u = (torch.randn(b, t, width, generator=gen).bfloat16() for _ in range(2))
+        assert torch.equal(silu_mul(g, u), fused_target._silu_mul(g, u))
+    assert len(cache_entries(fused_target._silu_mul.__code__)) == 1
+    g, u = (torch.randn(2, 9, 40, generator=gen).bfloat16() for _ in range(2))
+    assert torch.equal(silu_mul(g, u), fused_target._silu_mul(g, u))
+    assert len(cache_entries(fused_target._silu_mul.__code__)) == 2  # the width is static
+    for t in (6, 11):
+        rms(torch.randn(2, t, width, generator=gen), weight=torch.ones(width), eps=1e-6)
+    rms(torch.randn(2, 6, 40, generator=gen), weight=torch.ones(40), eps=1e-6)
+    assert len(cache_entries(fused_target._rms_norm.__code__)) == 1  # dynamic=True: every dimension
+
+
+def test_static_last_dim_needs_dynamic_none():
+    with pytest.raises(ValueError, match="static_last_dim marks the dynamic dimensions itself"):
+        strict_compile.strict_compile(fused_target._silu_mul, limit=1, past_limit="", disabled="",
+                                      static_last_dim=True, dynamic=True)  # fmt: skip
+
+
 def test_disabled_compile_is_refused_before_any_capture(fresh_kernels, monkeypatch):
     """TORCHDYNAMO_DISABLE=1 makes torch.compile return the function itself (eager kernels under the
     "fla_fused" name); TORCH_COMPILE_DISABLE=1 (dynamo's `disable`) skips every frame."""

@@ -62,7 +62,7 @@ def _fla_conv1d(x: torch.Tensor, weight: torch.Tensor, bias=None, activation=Non
 RECOMPILE_LIMIT = 64
 
 
-def compile_kernel(f):
+def compile_kernel(f, static_width: bool = False):
     """torch.compile for the fused capture kernels (here and capture/fused_layers.py): dynamic shapes,
     and inductor rounding where eager rounds (bf16 intermediates, `emulate_precision_casts`) in these
     compiles only, not in every later compile of the process (the drafter's, a bench's). Triton (CUDA,
@@ -73,11 +73,16 @@ def compile_kernel(f):
     any thread) or at a graph break plain torch.compile would run that call in eager, the shards still
     saying "fla_fused"; this raises instead, an error naming the kernel and what to do. An error, not a
     recorded "eager" path: the run's features would then mix two paths, which the trainer and evaluator
-    refuse anyway, only later."""
+    refuse anyway, only later.
+    `static_width`: the last dimension static (every other dynamic, strict_compile's static_last_dim), for a
+    pointwise kernel only, where a tiling changes no bit: SwiGLU's silu * up at the Qwen3.5-27B capture shape
+    1.104 -> 1.002 ms a call on an H100, bitwise, one graph for every token count (bench_capture_kernels.py,
+    docs/BENCHMARKS.md sixteenth session). A reduction (the norms) would sum in another order: not here."""
     name = getattr(f, "__name__", None) or getattr(getattr(f, "func", None), "__name__", repr(f))
     return strict_compile(
         f,
-        dynamic=True,
+        dynamic=None if static_width else True,
+        static_last_dim=static_width,
         options={"emulate_precision_casts": True},
         limit=RECOMPILE_LIMIT,
         disabled=f"capture kernel {name}: torch.compile is disabled in this process (TORCHDYNAMO_DISABLE=1 "
@@ -93,7 +98,7 @@ def compile_kernel(f):
 
 @functools.cache
 def _compiled():
-    return tuple(compile_kernel(f) for f in (_rms_norm, _gated_rms_norm, _silu_mul))
+    return compile_kernel(_rms_norm), compile_kernel(_gated_rms_norm), compile_kernel(_silu_mul, static_width=True)
 
 
 def fuse_target(model: nn.Module, conv: bool = True, layers: bool = False) -> int:

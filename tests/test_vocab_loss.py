@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from dflash_dist.model import vocab_loss
 from dflash_dist.model.loss import Anchors, dflash_loss
-from dflash_dist.model.vocab_loss import ChunkedLMHeadCE, default_chunk_rows, lm_head_cross_entropy
+from dflash_dist.model.vocab_loss import ChunkedLMHeadCE, chunk_bounds, default_chunk_rows, lm_head_cross_entropy
 from tests.helpers.drafter import small_drafter
 
 
@@ -200,7 +201,9 @@ def test_gradcheck_float64():
 
 
 def test_default_chunk_rows():
-    assert default_chunk_rows(248320) == 1081  # 1 GiB of fp32 logits at the 27B vocabulary
+    assert default_chunk_rows(248320) == 2162  # 2 GiB of fp32 logits at the 27B vocabulary
+    assert default_chunk_rows(248320, logit_bytes=2) == 4324  # bf16 (liger/compile): 7680 rows in 2 balanced chunks
+    assert vocab_loss.CHUNK_SPLIT == "balanced" and chunk_bounds(7680, 4324) == [(0, 3840), (3840, 7680)]
     assert default_chunk_rows(10**12) == 1
 
 
@@ -210,9 +213,6 @@ def test_balanced_chunks_cut_as_few_equal_aligned_chunks_and_change_no_row(monke
     7680 rows at 2162 a chunk are 4 x 1920 instead of 3 x 2162 + 1194. Which chunk a row is in changes
     nothing of it: the loss, each row's CE and argmax, and dL/dh are the same under either cut, and each
     chunk's logits are formed once."""
-    from dflash_dist.model import vocab_loss
-    from dflash_dist.model.vocab_loss import chunk_bounds
-
     assert chunk_bounds(7680, 2162, "greedy") == [(0, 2162), (2162, 4324), (4324, 6486), (6486, 7680)]
     assert chunk_bounds(7680, 2162, "balanced") == [(0, 1920), (1920, 3840), (3840, 5760), (5760, 7680)]
     assert chunk_bounds(7000, 2162, "balanced") == [(0, 1792), (1792, 3584), (3584, 5376), (5376, 7000)]

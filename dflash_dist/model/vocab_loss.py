@@ -26,23 +26,25 @@ from torch.autograd.function import once_differentiable
 
 from dflash_dist.model.fused import ce_chunk_fn, ce_logits_bytes, check_kernels
 
-# fp32 logits of one chunk. On an H200 at the 27B shape (7680 slots, H 5120, V 248320, bf16) a
-# forward+backward took 78.9 / 75.5 / 74.1 / 73.6 ms at 256 MiB / 512 MiB / 1 GiB / 2 GiB chunks
-# (peak 0.8 / 1.6 / 3.1 / 6.1 GiB) against 75.6 ms and 21.3 GiB for the full logits.
-CHUNK_BYTES = 2**30
+# logits bytes of one chunk (fp32 with the torch kernels, bf16 with liger/compile). On an H200 at the 27B shape
+# (7680 slots, H 5120, V 248320, bf16) a forward+backward took 78.9 / 75.5 / 74.1 / 73.6 ms at 256 MiB / 512 MiB /
+# 1 GiB / 2 GiB chunks (peak 0.8 / 1.6 / 3.1 / 6.1 GiB) against 75.6 ms and 21.3 GiB for the full logits. 2 GiB
+# balanced (2 x 3840 rows there) since 2026-12-07: the 27B step 1.3 ms faster than 1 GiB greedy in 3 of 3 pairs on
+# an H100 (docs/BENCHMARKS.md, sixteenth session; -1.8 ms in means in the fourteenth), 0.8 GiB more peak.
+CHUNK_BYTES = 2**31
 # How the rows are cut into chunks of at most chunk_rows: "greedy" (full chunks, then the rest: 7680 rows at 2162
-# a chunk are 3 x 2162 + 1194) or "balanced" (as few chunks, of equal size rounded up to CHUNK_ALIGN rows, the
-# last one shorter: 4 x 1920). The cut decides the head GEMMs' shapes, and with them cuBLAS's tiles and waves.
+# a chunk are 3 x 2162 + 1194) or "balanced" (the default: as few chunks, of equal size rounded up to CHUNK_ALIGN
+# rows, the last one shorter: 4 x 1920). The cut decides the head GEMMs' shapes, and with them cuBLAS's tiles and waves.
 # A row's logits, CE and dL/dh do not depend on the cut on the CPU (tests/test_vocab_loss.py); on CUDA another
 # GEMM shape may sum in another order (last bits). bench/bench_loss.py times the cuts.
 CHUNK_SPLITS = ("greedy", "balanced")
-CHUNK_SPLIT = "greedy"
+CHUNK_SPLIT = "balanced"
 CHUNK_ALIGN = 128
 
 
 def default_chunk_rows(vocab_size: int, chunk_bytes: int | None = None, logit_bytes: int = 4) -> int:
-    """Rows whose logits fit in `chunk_bytes` (default CHUNK_BYTES: 1081 fp32 rows at V = 248320 and
-    1 GiB; the fused kernels hold only bf16 logits, `logit_bytes` 2: 2162 rows)."""
+    """Rows whose logits fit in `chunk_bytes` (default CHUNK_BYTES: 2162 fp32 rows at V = 248320 and
+    2 GiB; the fused kernels hold only bf16 logits, `logit_bytes` 2: 4324 rows)."""
     return max(1, (CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // (logit_bytes * vocab_size))
 
 

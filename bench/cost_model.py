@@ -290,7 +290,7 @@ def measure_opt(shapes, world: int, steps: int, device: str, hidden: int) -> dic
     out = {"params": sum(p.numel() for p in model.parameters()), "world": world}
     for kind in ("deepspeed", "lean", "fused"):
         zero_step.uninstall(engine)  # DeepSpeed's step and gradient path, then this kind's
-        zero_step.install(engine, kind, on_gpu=on_gpu)
+        zero_step.install(engine, kind, on_gpu=on_gpu, **zero_step.trainer_options(kind, on_gpu))  # as the trainer
         times = []
         for i in range(steps + 2):  # two warm-up steps
             engine.backward(engine(x))

@@ -54,8 +54,9 @@ SWITCHES = {  # --settings vocabulary: each word sets one switch on the running 
     # the compiled flex kernels' tiles (attention.set_flex_tuning): without an fa word the device's default (m32n64tma
     # on sm90 at head_dim 128: attention.default_flex_options), fatorch torch's own choice, another FLEX_PRESETS
     # entry, or inductor's autotuning of the forward and backward kernels at this shape (its timing table on stderr)
-    # the head's chunks (vocab_loss.py): logits bytes a chunk (1 GiB the default; 4 GiB: the 27B shape's 7680 rows
-    # in one chunk) and how the rows are cut (greedy: full chunks then the rest, the default; balanced)
+    # the head's chunks (vocab_loss.py): logits bytes a chunk (2 GiB the default since 2026-12-07, 1 GiB before; 4 GiB:
+    # the 27B shape's 7680 rows in one chunk) and how the rows are cut (balanced, the default since 2026-12-07, or
+    # greedy: full chunks then the rest). Every setting without these words, BEFORE's too, runs the defaults.
     "ce1g": ("ce_bytes", 2**30), "ce2g": ("ce_bytes", 2**31), "ce4g": ("ce_bytes", 2**32),
     "cegreedy": ("ce_split", "greedy"), "cebal": ("ce_split", "balanced"),
     **{f"fa{name}": ("flex", name)

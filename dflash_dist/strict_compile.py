@@ -52,9 +52,9 @@ def strict_compile(fn: Callable, *, limit: int, past_limit: str, disabled: str, 
     (TORCHDYNAMO_DISABLE=1 returns `fn` itself; TORCH_COMPILE_DISABLE=1, dynamo's `disable`, skips every
     frame) is refused here with ValueError(disabled). Callers cache what this returns (functools.cache):
     one compiled object, and its graphs, per function.
-    `static_last_dim` (with dynamic=None): each call marks every dimension of its tensor arguments but the
-    last as dynamic (torch._dynamo.maybe_mark_dynamic), so the graph is specialised to the widths and shared
-    by every token count."""
+    `static_last_dim` (with dynamic=None): each call marks every dimension of its positional tensor arguments
+    but the last as dynamic (torch._dynamo.maybe_mark_dynamic) and the last static, so each graph is
+    specialised to its widths and shared by every token count (a new width compiles its own)."""
     import torch._dynamo.config as dynamo_config
     from torch._dynamo.exc import FailOnRecompileLimitHit
 
@@ -73,10 +73,13 @@ def strict_compile(fn: Callable, *, limit: int, past_limit: str, disabled: str, 
 
 
 def _all_but_last_dynamic(args) -> None:
+    """Each positional tensor argument: every dimension but the last maybe-dynamic, the last static (without the
+    mark, automatic dynamic shapes would make the width dynamic at the recompile a second width brings)."""
     for t in args:
-        if isinstance(t, torch.Tensor):
+        if isinstance(t, torch.Tensor) and t.dim():
             for dim in range(t.dim() - 1):
                 torch._dynamo.maybe_mark_dynamic(t, dim)
+            torch._dynamo.mark_static(t, t.dim() - 1)
 
 
 def _guarded(compiled, limit: int, per_region: bool, past_limit: str, limit_hit: type[Exception], mark, *args,

@@ -151,6 +151,19 @@ def test_deepspeed_config_reaches_engine(tiny, tmp_path, monkeypatch):
         reset_deepspeed_groups()
 
 
+def test_the_gpu_engine_takes_the_in_place_one_kernel_step(tiny, tmp_path, single_rank_gloo):
+    """build_engine on a GPU with train.optimizer_step=fused (here its bf16 config on the CPU, the torch kernels):
+    the one-kernel AdamW reads each gradient in place, with the end-of-backward synchronize as a device-side wait
+    (zero_step.trainer_options); on the CPU the gathered step with DeepSpeed's synchronize."""
+    from dflash_dist.trainer.engine import build_engine  # imported late, as the trainer actor does
+
+    cfg = make_cfg(tmp_path, tiny["target_dir"], optimizer_step="fused", kernels="torch")
+    gpu = build_engine(cfg, tiny["drafter"], tiny["target_dir"], 8, world_size=1, on_gpu=True).optimizer
+    assert gpu.dflash_one_kernel and not gpu.dflash_gather and "independent_gradient_partition_epilogue" in vars(gpu)
+    cpu = build_engine(cfg, tiny["drafter"], tiny["target_dir"], 8, world_size=1, on_gpu=False).optimizer
+    assert cpu.dflash_one_kernel and cpu.dflash_gather and "independent_gradient_partition_epilogue" not in vars(cpu)
+
+
 def test_total_train_steps_needs_a_length(tiny, tmp_path):
     cfg = make_cfg(tmp_path, tiny["target_dir"])
     assert total_train_steps(cfg, 2, 18) == 3 * (18 // 4)

@@ -247,7 +247,7 @@ def dflash_loss(
 
     attention: "flex" (sparse BlockMask), "dense" (bool mask through sdpa) or "auto" (flex on
     CUDA, dense on CPU). The loss over the vocabulary runs through the frozen lm_head in chunks of
-    `vocab_chunk_rows` supervised slots (default: 1 GiB of fp32 logits, vocab_loss.py) and skips
+    `vocab_chunk_rows` supervised slots (default: vocab_loss.CHUNK_BYTES of logits, 2 GiB, balanced) and skips
     unsupervised slots; return_logits=True (parity, tests) materialises all logits instead.
     block_mask: how flex's BlockMask is built, "direct" or "create" (attention.block_mask_flex).
     rows: `supervised_rows` of these inputs, found on the host (on the compute device); None: found

@@ -1,14 +1,14 @@
 """Host reads of device data per steady-state training step (bench/host_reads.py, on the CPU): every one
 drains the GPU's queue, so a change that adds one fails here, naming its site.
 
-- The trainer (trainer/loop.py with the one-kernel AdamW step, as `train.optimizer_step: fused` runs
-  it on a GPU): a step between log steps reads nothing back and makes no blocking upload (a host tensor
-  copied to the device without non_blocking also waits for the queue); a log step reads exactly the
-  log's values.
+- The trainer (trainer/loop.py with the one-kernel AdamW step, `train.optimizer_step: fused`, on the CPU's
+  engine: its gathered form; the GPU's in-place form is the bench case below): a step between log steps
+  reads nothing back and makes no blocking upload (a host tensor copied to the device without non_blocking
+  also waits for the queue); a log step reads exactly the log's values.
 - The bench's step under `direct+fused+leangrads` on the engine the GPU gets (bf16, overlap_comm;
   `deepspeed_config(on_gpu=True)`), with DeepSpeed's CUDA-only synchronize branches taken: one device
   synchronize per micro-batch remains, DeepSpeed's own at the end of each backward under overlap_comm;
-  none with the opt-in word "epiwait" (zero_step.wait_on_device).
+  none with the word "epiwait" (zero_step.wait_on_device), with or without "nogather" (the trainer's GPU form).
 
 Before issue 24's sync cut each micro-batch also made the loss's nonzero over the supervised slots and its
 block count (`int(keep.sum())`), DeepSpeed's throughput timer synchronized in every forward and step(), and
@@ -147,12 +147,13 @@ BEFORE_CUTS = {
 }
 
 
-@pytest.mark.parametrize("words", ["", "+epiwait", "+dstimer+devrows", "+dedup0+lastrows"])
+@pytest.mark.parametrize("words", ["", "+epiwait", "+epiwait+nogather", "+dstimer+devrows", "+dedup0+lastrows"])
 def test_the_bench_step_under_direct_fused_leangrads_syncs_once_per_micro_batch(words, single_rank_gloo):
     """The GPU's engine config on the CPU (bf16, overlap_comm, the 27B shape's bucket rule), the setting
     issue 24's eighth lease profiled, the bench's batches with their host-found supervised rows: one
-    synchronize per micro-batch, DeepSpeed's epilogue; none with "epiwait" (zero_step.wait_on_device,
-    opt-in: there the compute stream waits on the reduction stream instead). "dstimer+devrows" (the
+    synchronize per micro-batch, DeepSpeed's epilogue; none with "epiwait" (zero_step.wait_on_device: there the
+    compute stream waits on the reduction stream instead), nor with "epiwait+nogather" (the form the trainer's GPU
+    engine gives `train.optimizer_step: fused`: zero_step.trainer_options). "dstimer+devrows" (the
     bench's words for the step before the cuts, so that a lease measures them side by side) put
     DeepSpeed's timer synchronizes and the loss's nonzero back, and only those. "dedup0+lastrows" (the drafter's
     row cuts, on with the GPU's kernel sets; this drafter runs the torch set) add none."""
@@ -186,6 +187,7 @@ def test_the_bench_step_under_direct_fused_leangrads_syncs_once_per_micro_batch(
             engine.step()
     reads.remove_hooks()
     print(reads.table(steps=3))
-    want = {"": {EPILOGUE: 3}, "+epiwait": {}, "+dstimer+devrows": {EPILOGUE: 3, **BEFORE_CUTS},
+    want = {"": {EPILOGUE: 3}, "+epiwait": {}, "+epiwait+nogather": {},
+            "+dstimer+devrows": {EPILOGUE: 3, **BEFORE_CUTS},
             "+dedup0+lastrows": {EPILOGUE: 3}}[words]  # the drafter's row cuts (on with the GPU's kernels) read nothing
     assert _sites(reads.reads) == want, _show("the bench's step read device data:", reads.reads)

@@ -13,11 +13,13 @@ import bench_capture_kernels as bck  # noqa: E402
 def test_each_variant_is_timed_and_compared_with_the_capture_kernel(capsys):
     rows = bck.main(["--device", "cpu", "--tokens", "16", "--hidden", "32", "--inter", "48", "--iters", "2",
                      "--kernels", "silu_mul"])
-    assert [r["variant"] for r in rows] == ["capture (dynamic)", "static", "eager"]
+    assert [r["variant"] for r in rows] == ["capture (width static)", "all dims dynamic", "static", "eager"]
     assert all(r["kernel"] == "silu_mul" and r["ms"] > 0 for r in rows)
     assert rows[0]["bitwise"] and rows[0]["max_abs_diff"] == 0.0  # the reference against itself
-    # a pointwise kernel sums nothing: the static compile gives the capture kernel's bits
-    assert rows[1]["bitwise"]
+    # a pointwise kernel sums nothing: every compile gives the capture kernel's bits
+    assert rows[1]["bitwise"] and rows[2]["bitwise"]
+    # another token count: the capture's compile and the all-dynamic one reuse their graph, the static one does not
+    assert [r["recompiled_at_other_tokens"] for r in rows[:3]] == [False, False, True]
     out = capsys.readouterr().out
     assert "silu_mul      static" in out and "vs the capture kernel" in out
     args, nbytes = bck.inputs("add_rms_norm", 16, 32, 48, "cpu")

@@ -42,20 +42,6 @@ def _static(f):
     return torch.compile(f, dynamic=False, fullgraph=True, options=OPTIONS)
 
 
-def _width_static(f):
-    """f compiled with the token dimension dynamic (marked on each call's [.., T, width] inputs) and every other
-    dimension static: the widths known to the compiler, one graph for every token count."""
-    compiled = torch.compile(f, dynamic=None, fullgraph=True, options=OPTIONS)
-
-    def call(*args):
-        for t in args:
-            if isinstance(t, torch.Tensor) and t.dim() >= 2:
-                torch._dynamo.mark_dynamic(t, t.dim() - 2)
-        return compiled(*args)
-
-    return call
-
-
 def _liger_silu_mul():
     try:
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
@@ -72,9 +58,9 @@ def kernels(device: str) -> list[tuple[str, dict]]:
     if device == "cuda" and _liger_silu_mul() is not None:
         silu["liger (other rounding)"] = _liger_silu_mul()
     rms = {"capture (dynamic)": compile_kernel(_rms_norm), "static": _static(_rms_norm),
-           "width static": _width_static(_rms_norm)}  # fmt: skip
+           "width static": compile_kernel(_rms_norm, static_width=True)}  # fmt: skip
     add_rms = {"capture (dynamic)": compile_kernel(_add_rms_norm), "static": _static(_add_rms_norm),
-               "width static": _width_static(_add_rms_norm)}  # fmt: skip
+               "width static": compile_kernel(_add_rms_norm, static_width=True)}  # fmt: skip
     return [("silu_mul", silu), ("rms_norm", rms), ("add_rms_norm", add_rms)]
 
 

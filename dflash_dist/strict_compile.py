@@ -58,6 +58,9 @@ def strict_compile(fn: Callable, *, limit: int, past_limit: str, disabled: str, 
     import torch._dynamo.config as dynamo_config
     from torch._dynamo.exc import FailOnRecompileLimitHit
 
+    if static_last_dim and compile_kwargs.get("dynamic") is not None:
+        raise ValueError("static_last_dim marks the dynamic dimensions itself: compile with dynamic=None")
+
     per_region = compile_takes_recompile_limit()
     if per_region:
         compile_kwargs["recompile_limit"] = limit
@@ -66,8 +69,6 @@ def strict_compile(fn: Callable, *, limit: int, past_limit: str, disabled: str, 
     compiled = torch.compile(fn, fullgraph=True, **compile_kwargs)
     if compiled is fn or dynamo_config.disable:
         raise ValueError(disabled)
-    if static_last_dim and compile_kwargs.get("dynamic") is not None:
-        raise ValueError("static_last_dim marks the dynamic dimensions itself: compile with dynamic=None")
     mark = _all_but_last_dynamic if static_last_dim else None
     return functools.partial(_guarded, compiled, limit, per_region, past_limit, FailOnRecompileLimitHit, mark)
 

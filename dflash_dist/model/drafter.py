@@ -23,7 +23,8 @@ Each layer returns (h, its MLP output) unsummed: the next layer's input norm, or
 (`RMSNorm.add_forward`), so with the fast kernel sets the residual add runs inside the norm's kernel
 (fused.add_rms_norm_fn: liger's fused add + RMSNorm, whose backward also adds the residual gradient; one
 80 MB pass less each way a layer at the 27B shape). The torch set adds, then norms: the same ops as before.
-Opt-in (`set_one_dx`, bench_train_step's onedx; not yet timed on a GPU): the linears that read one input (q/k/v
+Opt-in (`set_one_dx`, bench_train_step's onedx; in the 27B step on an H100 within the noise of autograd's
+adds, docs/BENCHMARKS.md sixteenth session): the linears that read one input (q/k/v
 of cat([context, x]), the MLP's gate and up) sum their input gradient in one buffer, the GEMMs adding into it
 (shared_input.py).
 
@@ -304,8 +305,8 @@ class DFlashDrafter(nn.Module):
     def set_one_dx(self, on: bool) -> None:
         """The input gradient of the linears that read one input (q/k/v of cat([context, x]), MLP gate and up)
         summed in one buffer by the GEMMs (shared_input.py) instead of autograd's bf16 adds; the same forward
-        and weight gradients. Off by default, with every kernel set, until a GPU lease times it
-        (bench_train_step's onedx/adddx words); `set_kernels` leaves it as it is."""
+        and weight gradients. Off by default, with every kernel set: timed in the 27B step on an H100 it was within
+        the noise of autograd's adds (bench_train_step's onedx/adddx words); `set_kernels` leaves it as it is."""
         self.one_dx = bool(on)
         for m in self.modules():
             if isinstance(m, (DrafterAttention, DrafterMLP)):

@@ -13,8 +13,9 @@ cat(context, x), whose x rows are x itself: the q projection's dX is added into 
 rows, so autograd's cat backward hands x its whole gradient (and x's own slot gets none).
 `linears(x, weights)`: every weight on all of x (the MLP's gate and up).
 
-Used by the drafter when `DFlashDrafter.set_one_dx(True)` (opt-in until a GPU lease times it: bench_train_step's
-onedx); off, autograd's form runs, so the pinned loss curve and the golden sets keep their bits.
+Used by the drafter when `DFlashDrafter.set_one_dx(True)` (opt-in: in the 27B step on an H100 within the noise of
+autograd's form, bench_train_step's onedx); off, autograd's form runs, so the pinned loss curve and the golden
+sets keep their bits.
 Pure torch (STYLE 6).
 """
 

@@ -37,7 +37,8 @@ BENCH_REQUIRES = [
 ]
 
 # GPU machines only (needs Triton, which CPU environments must not install: ../shared/PLATFORM.md):
-# the drafter's `train.kernels: liger` set (dflash_dist/model/fused.py); without it "auto" uses torch.compile
+# the drafter's `train.kernels: liger` set (dflash_dist/model/fused.py); without it "auto" uses torch.compile.
+# Triton itself (dflash_dist/model/ce_kernel.py) comes with liger-kernel and with torch's CUDA wheels.
 GPU_REQUIRES = [
     "liger-kernel==0.8.5",
 ]

@@ -9,7 +9,7 @@ from dflash_dist.model import loss as loss_mod
 from dflash_dist.model import vocab_loss
 from dflash_dist.model.attention import HOPPER_D128_TILES, set_flex_tuning
 from dflash_dist.model.drafter import row_cuts_default
-from dflash_dist.model.fused import set_rms_norm_in_place, set_rope_layout
+from dflash_dist.model.fused import set_ce_kernel, set_rms_norm_in_place, set_rope_layout
 from dflash_dist.model.vocab_loss import lm_head_cross_entropy
 
 SWITCHES = {  # --settings vocabulary: each word sets one switch on the running engine
@@ -59,6 +59,9 @@ SWITCHES = {  # --settings vocabulary: each word sets one switch on the running 
     # greedy: full chunks then the rest). Every setting without these words, BEFORE's too, runs the defaults.
     "ce1g": ("ce_bytes", 2**30), "ce2g": ("ce_bytes", 2**31), "ce4g": ("ce_bytes", 2**32),
     "cegreedy": ("ce_split", "greedy"), "cebal": ("ce_split", "balanced"),
+    # the liger set's per-chunk CE kernel (fused.set_ce_kernel): liger-kernel's (the default) or ce_kernel.py's
+    # (liger's arithmetic, the second pass over a row last block first)
+    "celiger": ("ce_kernel", "liger"), "cerows": ("ce_kernel", "rows"),
     **{f"fa{name}": ("flex", name)
        for name in ("torch", "m64n64", "m32n128", "stages2", "m32n64", "tma", "m32n64tma", "autotune")},
 }
@@ -148,6 +151,7 @@ def apply_setting(engine, setting: dict) -> None:
                       gather=setting.get("gather", True))
     set_rope_layout(setting.get("rope", "bthd"))  # a setting without these words: the defaults (after issue 24)
     set_rms_norm_in_place(setting.get("rms", True))
+    set_ce_kernel(setting.get("ce_kernel", "liger"))
     vocab_loss.CHUNK_BYTES = setting.get("ce_bytes", CHUNKS[0])
     vocab_loss.CHUNK_SPLIT = setting.get("ce_split", CHUNKS[1])
     flex = setting.get("flex")  # none: the device's default tiles (attention.default_flex_options)

@@ -44,7 +44,8 @@ KERNELS = ("torch", "liger", "compile")
 
 ROPE_LAYOUTS = ("bthd", "bhtd")
 # the switches the benchmark flips on a running model (read at each call)
-_switch = {"rope_layout": "bthd", "rms_norm_in_place": True}
+_switch = {"rope_layout": "bthd", "rms_norm_in_place": True, "ce": "liger"}
+CE_KERNELS = ("liger", "rows")
 
 
 def set_rope_layout(layout: str) -> None:
@@ -58,6 +59,14 @@ def set_rope_layout(layout: str) -> None:
 def set_rms_norm_in_place(in_place: bool) -> None:
     """liger RMSNorm's backward: True (default) writes dX over dY, False into a zeroed new buffer."""
     _switch["rms_norm_in_place"] = bool(in_place)
+
+
+def set_ce_kernel(name: str) -> None:
+    """liger set's per-chunk CE: "liger" (default) liger-kernel's kernel, "rows" ce_kernel.py's (liger's
+    arithmetic, its second pass over a row last block first, for the L2 cache)."""
+    if name not in CE_KERNELS:
+        raise ValueError(f"CE kernel {name!r}; expected one of {CE_KERNELS}")
+    _switch["ce"] = name
 
 
 def check_kernels(kernels: str) -> str:
@@ -227,6 +236,10 @@ def _liger_norm_rope(x, weight, eps, cos, sin):
 def _liger_ce_chunk(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool):
     """Liger's CE kernel, reduction "sum": per-row CE and argmax; with need_grad the logits buffer
     is overwritten with softmax - onehot (fp32 math, stored in the logits' dtype)."""
+    if _switch["ce"] == "rows":
+        from dflash_dist.model.ce_kernel import ce_rows
+
+        return ce_rows(logits, labels, need_grad)
     kernel = _liger()[2]
     rows, v = logits.shape
     logits = logits.contiguous()

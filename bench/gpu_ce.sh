@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call (<= 600 s, fresh machine), seventeenth session: ce_kernel.py's CE (liger's arithmetic, the second
-# pass last block first) against liger's, alone and in the 27B step, on whichever card comes. On an H200 (the
-# issue's card) the step's settings and capture over 50 passes come first (bench/gpu_both.sh), the CE's gpu tests and
-# bench after; on an H100 the CE's gpu tests and bench first, then the step's settings (no capture).
-# n = the trainer's GPU step (zero_step.trainer_options); n+cerows = the same with ce_kernel.py's CE.
+# pass last block first) against liger's and the gradient list's norm split (a vector_norm per large gradient)
+# against the multi-tensor norm, alone (bench_ce_kernel.py) and in the 27B step, on whichever card comes. On an H200
+# (the issue's card) the step's settings and capture over 50 passes come first (bench/gpu_both.sh), the CE's gpu
+# tests and bench after; on an H100 the CE's gpu tests and bench first, then the step's settings (no capture).
+# n = the trainer's GPU step (zero_step.trainer_options); c = n with both (cerows+normsplit), in ABBA order.
 #   bench/gpu_ce.sh [DEADLINE_S]   (default 560; everything under $OUT)
 set -u
 cd "$(dirname "$0")/.."
@@ -11,7 +12,8 @@ out=${OUT:-/tmp/gpu_ce}
 deadline_s=${1:-560}
 . bench/gpu_env.sh
 n=direct+fused+leangrads+epiwait+nogather
-settings="$n,$n+cerows,$n,$n+cerows,$n,$n+cerows,$n"
+c=$n+cerows+normsplit
+settings="$n,$c,$c,$n,$n,$c,$c,$n"
 ce_tests() {
     timeout "$(cap "$1")" python3 -m pytest -m gpu -q -rA -p no:cacheprovider tests/test_ce_kernel.py \
         >"$out/ce_tests.log" 2>&1
@@ -23,7 +25,7 @@ ce_bench() {
 }
 cat "$out/gpu.txt"
 if grep -q H200 "$out/gpu.txt"; then
-    OUT=$out/both SETTINGS="$settings" bench/gpu_both.sh $(($(left) - 100))
+    OUT=$out/both SETTINGS="$n,$c,$c,$n,$n,$c" bench/gpu_both.sh $(($(left) - 100))
     ce_bench 60
     ce_tests 40
 else

@@ -62,6 +62,9 @@ SWITCHES = {  # --settings vocabulary: each word sets one switch on the running 
     # the liger set's per-chunk CE kernel (fused.set_ce_kernel): liger-kernel's (the default) or ce_kernel.py's
     # (liger's arithmetic, the second pass over a row last block first)
     "celiger": ("ce_kernel", "liger"), "cerows": ("ce_kernel", "rows"),
+    # the gradient list's norm (nogather, gnormlist): torch's multi-tensor norm (the default) or a vector_norm for each
+    # tensor of at least 1M elements (zero_step.set_list_norm)
+    "normforeach": ("list_norm", "foreach"), "normsplit": ("list_norm", "split"),
     **{f"fa{name}": ("flex", name)
        for name in ("torch", "m64n64", "m32n128", "stages2", "m32n64", "tma", "m32n64tma", "autotune")},
 }
@@ -143,6 +146,7 @@ def apply_setting(engine, setting: dict) -> None:
     timer = engine.tput_timer.config  # ds_config turns it off; "dstimer" as DeepSpeed's default has it
     timer.enabled = timer.synchronized = setting.get("timer", False)
     engine.module.host_rows = setting.get("rows", "host") == "host"
+    zero_step.set_list_norm(setting.get("list_norm", "foreach"))
     zero_step.uninstall(engine)  # DeepSpeed's step and gradient path, then the setting's
     # a setting without epiwait: DeepSpeed's sync; without gnormlist: the norm of the gathered partitions; without
     # nogather: the gather

@@ -178,18 +178,22 @@ def test_nogather_word_reads_the_gradients_in_place(single_rank_gloo):
 
 
 def test_fused_words_switch_the_layout_and_a_setting_without_them_restores_the_defaults(single_rank_gloo):
-    """ropebhtd/rmscopy (issue 24's former forms) and cerows (ce_kernel.py's CE) reach fused.py; a setting
-    without them gets the defaults."""
+    """ropebhtd/rmscopy (issue 24's former forms) and cerows (ce_kernel.py's CE) reach fused.py, normsplit
+    zero_step's list norm; a setting without them gets the defaults."""
     from dflash_dist.model import fused
+    from dflash_dist.trainer import zero_step
 
     assert bts.parse_setting("direct+ropebhtd+rmscopy")["rope"] == "bhtd"
     engine = _tiny_engine()
     try:
-        bts.apply_setting(engine, bts.parse_setting("direct+lean+ropebhtd+rmscopy+cerows"))
+        bts.apply_setting(engine, bts.parse_setting("direct+lean+ropebhtd+rmscopy+cerows+normsplit"))
         assert fused._switch == {"rope_layout": "bhtd", "rms_norm_in_place": False, "ce": "rows"}
+        assert zero_step._list_norm["form"] == "split"
         bts.apply_setting(engine, bts.parse_setting("direct+lean"))
         assert fused._switch == {"rope_layout": "bthd", "rms_norm_in_place": True, "ce": "liger"}
+        assert zero_step._list_norm["form"] == "foreach"
     finally:
+        zero_step.set_list_norm("foreach")
         fused.set_rope_layout("bthd")
         fused.set_rms_norm_in_place(True)
         fused.set_ce_kernel("liger")

@@ -204,3 +204,35 @@ def test_in_place_step_at_two_ranks(cuts, grad_accum, two_rank_in_place):
     assert isinstance(rank0, list), rank0
     assert isinstance(rank1, list), rank1
     assert rank0 == [] and rank1 == [[192, 384]] * 3
+
+
+def test_split_list_norm_reads_each_large_gradient_by_one_reduction(single_rank_gloo, monkeypatch):
+    """zero_step.set_list_norm("split") (bench word normsplit): each gradient of at least SPLIT_NUMEL elements
+    is reduced by its own vector_norm, the rest by the multi-tensor norm, every gradient read once a step; the
+    losses and the trained state stay within fp32 rounding of the multi-tensor form's (the same sums in another
+    order). An unknown form is refused by name."""
+    with pytest.raises(ValueError, match=r"list norm 'fast'; expected one of \('foreach', 'split'\)"):
+        zero_step.set_list_norm("fast")
+    data = batches(6)
+    ref = make_engine("fused", True, gather=False)
+    ref_losses = train(ref, data)
+    monkeypatch.setattr(zero_step, "SPLIT_NUMEL", 300)  # the tiny net's a.weight (768) and b.weight (384)
+    reads = []
+    vector_norm, foreach_norm = torch.linalg.vector_norm, torch._foreach_norm
+    monkeypatch.setattr(torch.linalg, "vector_norm", lambda t, *a, **k: reads.append(("vector", t.numel()))
+                        or vector_norm(t, *a, **k))
+    monkeypatch.setattr(torch, "_foreach_norm", lambda ts, *a, **k: reads.extend(("foreach", t.numel()) for t in ts)
+                        or foreach_norm(ts, *a, **k))
+    zero_step.set_list_norm("split")
+    try:
+        engine = make_engine("fused", True, gather=False)
+        losses = train(engine, data)
+    finally:
+        zero_step.set_list_norm("foreach")
+    grads = sorted(p.numel() for p in engine.module.parameters())
+    steps = len(data) // engine.gradient_accumulation_steps()
+    assert sorted(n for kind, n in reads if kind == "vector" and n >= 300) == sorted([768, 384] * steps)
+    assert sorted(n for kind, n in reads if kind == "foreach") == sorted([n for n in grads if n < 300] * steps)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for a, b in zip(state_of(engine), state_of(ref)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -2,8 +2,8 @@
 # One device call (<= 600 s, fresh machine), seventeenth session: ce_kernel.py's CE (liger's arithmetic, the second
 # pass last block first) against liger's and the gradient list's norm split (a vector_norm per large gradient)
 # against the multi-tensor norm, alone (bench_ce_kernel.py) and in the 27B step, on whichever card comes. On an H200
-# (the card) the step's settings and capture over 50 passes come first (bench/gpu_both.sh), the CE's gpu
-# tests and bench after; on an H100 the CE's gpu tests and bench first, then the step's settings (no capture).
+# (the card) the CE's gpu tests, then the step's settings and capture over 50 passes (bench/gpu_both.sh),
+# the CE bench in the time left; on an H100 the CE's gpu tests and bench, then the step's settings (no capture).
 # n = the trainer's GPU step (zero_step.trainer_options); c = n with both (cerows+normsplit), in ABBA order.
 #   bench/gpu_ce.sh [DEADLINE_S]   (default 560; everything under $OUT)
 set -u
@@ -24,12 +24,11 @@ ce_bench() {
     echo "ce_bench rc=$?"; tail -12 "$out/ce_bench.log"
 }
 cat "$out/gpu.txt"
+ce_tests 70  # the correctness gate first, on either card
 if grep -q H200 "$out/gpu.txt"; then
-    OUT=$out/both SETTINGS="$n,$c,$c,$n,$n,$c" bench/gpu_both.sh $(($(left) - 100))
-    ce_bench 60
-    ce_tests 40
+    OUT=$out/both SETTINGS="$n,$c,$c,$n,$n,$c" bench/gpu_both.sh $(($(left) - 45))
+    ce_bench 40
 else
-    ce_tests 90
     ce_bench 70
     t0=$(date +%s)
     timeout "$(cap 400 15)" python3 bench/bench_train_step.py --loss chunked --kernels liger --steps 8 --warmup 2 \

@@ -112,6 +112,8 @@ def parse_setting(text: str) -> dict:
         raise SystemExit(f"--settings: {text!r}: epiwait comes with the lean step; add lean or fused")
     if out.get("gather") is False and out["step"] != "fused":
         raise SystemExit(f"--settings: {text!r}: nogather is the one-kernel step's; add fused")
+    if out.get("list_norm") == "split" and out.get("gather", True) and out.get("gnorm", "flat") == "flat":
+        raise SystemExit(f"--settings: {text!r}: normsplit splits the gradient list's norm; add nogather or gnormlist")
     if out.get("gather") is False and out.get("gnorm") == "flat":
         raise SystemExit(f"--settings: {text!r}: gnormflat is the norm of the gathered partitions; nogather has none")
     return out

@@ -184,9 +184,11 @@ def test_fused_words_switch_the_layout_and_a_setting_without_them_restores_the_d
     from dflash_dist.trainer import zero_step
 
     assert bts.parse_setting("direct+ropebhtd+rmscopy")["rope"] == "bhtd"
+    with pytest.raises(SystemExit, match="normsplit splits the gradient list's norm; add nogather or gnormlist"):
+        bts.parse_setting("direct+fused+normsplit")  # the gathered step takes the flat partitions' norm
     engine = _tiny_engine()
     try:
-        bts.apply_setting(engine, bts.parse_setting("direct+lean+ropebhtd+rmscopy+cerows+normsplit"))
+        bts.apply_setting(engine, bts.parse_setting("direct+lean+ropebhtd+rmscopy+cerows+normsplit+gnormlist"))
         assert fused._switch == {"rope_layout": "bhtd", "rms_norm_in_place": False, "ce": "rows"}
         assert zero_step._list_norm["form"] == "split"
         bts.apply_setting(engine, bts.parse_setting("direct+lean"))

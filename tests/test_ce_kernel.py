@@ -30,13 +30,14 @@ def rows_kernel():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("vocab", [248320, 70000, 1000])
+@pytest.mark.parametrize("vocab", [248320, 70000, 65536, 1000])
 @pytest.mark.parametrize("form", [{}, {"reverse": False}, {"programs": 7}])
-def test_ce_rows_is_bitwise_liger_on_cuda(vocab, form):
+def test_ce_rows_is_bitwise_liger_on_cuda(vocab, form, monkeypatch):
     """CE, argmax and softmax - onehot equal liger's kernel's bit for bit: at the 27B vocab (8 blocks,
-    the last partial), at one not a multiple of the block, and below one block (liger's smaller block);
-    in either order of the second pass and with fewer programs than rows. Ties in the argmax: the
-    logits are bf16, so equal maxima occur within a row and across blocks."""
+    the last partial), at one not a multiple of the block, at an exact multiple, and below one block
+    (liger's smaller block); in either order of the second pass and with fewer programs than rows.
+    Labels at the first and last class; a tie for the row maximum (across blocks where V > 32768)."""
+    monkeypatch.setitem(fused._switch, "ce", "liger")  # the reference is liger's kernel, whatever a test left
     torch.manual_seed(0)
     rows = 24
     h = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
@@ -45,6 +46,7 @@ def test_ce_rows_is_bitwise_liger_on_cuda(vocab, form):
     logits[3, : vocab // 2] = logits[3].max()  # a tie for the argmax across blocks
     labels = torch.randint(0, vocab, (rows,), device="cuda")
     labels[5] = logits[5].argmax()  # the label at the row's maximum (softmax - 1 near 0)
+    labels[0], labels[1] = 0, vocab - 1
     for need_grad in (True, False):
         ref = fused._liger_ce_chunk(logits.clone(), labels, need_grad)
         out = ce_rows(logits.clone(), labels, need_grad, **form)
@@ -57,9 +59,14 @@ def test_ce_rows_is_bitwise_liger_on_cuda(vocab, form):
 
 
 @pytest.mark.gpu
-def test_the_loss_with_the_rows_kernel_is_bitwise_the_liger_loss(rows_kernel):
+def test_the_loss_with_the_rows_kernel_is_bitwise_the_liger_loss(rows_kernel, monkeypatch):
     """Through lm_head_cross_entropy (the chunked head, D-PACE's deferred weights): the loss, the CE,
-    the argmax and dL/dh with fused.set_ce_kernel("rows") equal the liger kernel's bit for bit."""
+    the argmax and dL/dh with fused.set_ce_kernel("rows") equal the liger kernel's bit for bit, and the
+    rows kernel ran once a chunk."""
+    from dflash_dist.model import ce_kernel
+
+    calls = []
+    monkeypatch.setattr(ce_kernel, "ce_rows", lambda *a, **k: calls.append(a[0].shape) or ce_rows(*a, **k))
     torch.manual_seed(1)
     n, h, v = 700, 512, 24832
     weight = (torch.randn(v, h, device="cuda") * h**-0.5).bfloat16()
@@ -73,7 +80,9 @@ def test_the_loss_with_the_rows_kernel_is_bitwise_the_liger_loss(rows_kernel):
         return loss.detach(), ce, argmax, x.grad
 
     ours = run()
+    assert calls == [(256, v), (256, v), (188, v)]
     fused.set_ce_kernel("liger")
     ref = run()
+    assert len(calls) == 3
     for a, b in zip(ours, ref):
         assert torch.equal(a, b)

@@ -6,7 +6,7 @@
 # the CE bench in the time left; on an H100, or with under 480 s left after the tests, the CE's gpu tests and bench,
 # then the step's settings (no capture).
 # n = the trainer's GPU step (zero_step.trainer_options); c = n with both (cerows+normsplit), in ABBA order.
-#   bench/gpu_ce.sh [DEADLINE_S]   (default 560; everything under $OUT)
+#   bench/gpu_ce.sh [DEADLINE_S]   (default 560; everything under $OUT; SETTINGS overrides the H100 branch's)
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu_ce}
@@ -14,7 +14,7 @@ deadline_s=${1:-560}
 . bench/gpu_env.sh
 n=direct+fused+leangrads+epiwait+nogather
 c=$n+cerows+normsplit
-settings="$n,$c,$c,$n,$n,$c,$c,$n"
+settings=${SETTINGS:-$n,$c,$c,$n,$n,$c,$c,$n}
 ce_tests() {
     timeout "$(cap "$1")" python3 -m pytest -m gpu -q -rA -p no:cacheprovider tests/test_ce_kernel.py \
         >"$out/ce_tests.log" 2>&1

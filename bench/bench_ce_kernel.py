@@ -27,16 +27,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_dist.model import ce_kernel  # noqa: E402
 from dflash_dist.model.fused import _liger_ce_chunk  # noqa: E402
+from dflash_dist.trainer import zero_step  # noqa: E402
 
-# the 27B drafter's trainable tensors (H 5120, INTER 17408, 32/8 heads of 128, 5 layers, fc over 5 layers)
-H, INTER, QD, KD, LAYERS = 5120, 17408, 4096, 1024, 5
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cost_model import drafter_shapes  # noqa: E402
 
-
-def drafter_grad_shapes() -> list[tuple[int, ...]]:
-    shapes: list[tuple[int, ...]] = [(H, LAYERS * H), (H,)]  # fc, hidden norm
-    for _ in range(LAYERS):
-        shapes += [(QD, H), (KD, H), (KD, H), (H, QD), (INTER, H), (INTER, H), (H, INTER), (H,), (H,), (128,), (128,)]
-    return shapes + [(H,)]  # final norm
+H = 5120  # the 27B drafter's hidden size
+GRAD_SHAPES = (H, 5, 32, 8, 128, 17408)  # cost_model.drafter_shapes: H, layers, heads, kv heads, head_dim, I
 
 
 def _time(fn, iters: int, before=None) -> float:
@@ -116,19 +113,29 @@ def _sumsq_norm_fn(tensors: list[torch.Tensor], chunk: int = 2**18, block: int =
     return run
 
 
+def _list_norm_fn(grads: list[torch.Tensor], form: str):
+    """zero_step's gradient-list norm (global_norm's sum over _list_norms) in one of zero_step.LIST_NORMS."""
+
+    def run():
+        zero_step.set_list_norm(form)
+        try:
+            return torch.linalg.vector_norm(torch.stack(zero_step._list_norms(grads)))
+        finally:
+            zero_step.set_list_norm("foreach")
+
+    return run
+
+
 def bench_norm(iters: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(1)
-    grads = [torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=g) * 1e-3 for s in drafter_grad_shapes()]
+    grads = [torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=g) * 1e-3
+             for s in drafter_shapes(*GRAD_SHAPES)]  # fmt: skip
     n = sum(t.numel() for t in grads)
-    big, small = [t for t in grads if t.numel() >= 2**20], [t for t in grads if t.numel() < 2**20]
     forms = {
-        "_foreach_norm + stack (the list norm)": lambda: torch.linalg.vector_norm(
-            torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))),
+        "_foreach_norm + stack (the list norm)": _list_norm_fn(grads, "foreach"),
         "vector_norm per tensor + stack": lambda: torch.linalg.vector_norm(
             torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in grads])),
-        "vector_norm >= 1M, _foreach_norm below": lambda: torch.linalg.vector_norm(torch.stack(
-            [torch.linalg.vector_norm(t, dtype=torch.float32) for t in big]
-            + list(torch._foreach_norm(small, 2, dtype=torch.float32)))),
+        "split: vector_norm >= 1M, foreach below": _list_norm_fn(grads, "split"),
         "one Triton launch, 256K-element chunks": _sumsq_norm_fn(grads),
         "one Triton launch, 1M-element chunks": _sumsq_norm_fn(grads, chunk=2**20),
     }

@@ -29,6 +29,11 @@ BLOCK_SIZE = 32768  # liger's cap: a row is read in blocks of min(32768, the nex
 NUM_WARPS = 32  # liger's
 
 
+def liger_block(v: int) -> int:
+    """The block of logits liger's CE kernel reads a row of V in (fused._liger_ce_chunk's BLOCK_SIZE)."""
+    return min(BLOCK_SIZE, 1 << (v - 1).bit_length())
+
+
 try:  # GPU environments; on a CPU-only install ce_rows refuses before any launch
     import triton
     import triton.language as tl
@@ -82,7 +87,7 @@ def ce_rows(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool, *, reve
     fused._liger_ce_chunk returns them. `reverse`, `programs`, `block` and `num_warps` are for the
     benchmark (bench/bench_ce_kernel.py); the defaults are the loss's."""
     rows, v = logits.shape
-    block = min(BLOCK_SIZE, 1 << (v - 1).bit_length()) if block is None else block  # liger's (fused.py)
+    block = liger_block(v) if block is None else block
     if not logits.is_cuda or triton is None:
         raise ValueError(f"ce_rows runs on a CUDA device with Triton; got logits on {logits.device}")
     logits = logits.contiguous()

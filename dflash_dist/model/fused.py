@@ -37,6 +37,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from dflash_dist.model import ce_kernel
+from dflash_dist.model.ce_kernel import NUM_WARPS, liger_block
 from dflash_dist.strict_compile import strict_compile
 
 KERNELS = ("torch", "liger", "compile")
@@ -237,9 +239,7 @@ def _liger_ce_chunk(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool)
     """Liger's CE kernel, reduction "sum": per-row CE and argmax; with need_grad the logits buffer
     is overwritten with softmax - onehot (fp32 math, stored in the logits' dtype)."""
     if _switch["ce"] == "rows":
-        from dflash_dist.model.ce_kernel import ce_rows
-
-        return ce_rows(logits, labels, need_grad)
+        return ce_kernel.ce_rows(logits, labels, need_grad)
     kernel = _liger()[2]
     rows, v = logits.shape
     logits = logits.contiguous()
@@ -254,7 +254,7 @@ def _liger_ce_chunk(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool)
             n_cols=v, n_non_ignore=1.0, sum_non_ignore_weight=1.0, weight_sum=0.0, ignore_index=-100,
             lse_square_scale=0.0, label_smoothing=0.0, reduction="sum", softcap=None, RETURN_Z_LOSS=False,
             RETURN_TOKEN_ACCURACY=False, RETURN_PREDICTED_TOKENS=True, HAS_WEIGHT=False, HAS_SOFTCAPPING=False,
-            HAS_GRADIENTS=need_grad, BLOCK_SIZE=min(32768, 1 << (v - 1).bit_length()), num_warps=32,
+            HAS_GRADIENTS=need_grad, BLOCK_SIZE=liger_block(v), num_warps=NUM_WARPS,
         )
     return ce, argmax, (logits if need_grad else None)
 

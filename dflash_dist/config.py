@@ -229,6 +229,10 @@ class TrainSection(_Section):
     cpus_per_rank: NonNegFloat = 1.0
     gpus_per_rank: NonNegFloat = 0.0
     max_restarts: NonNegInt = 3  # a lost rank: the group restarts from the latest checkpoint this often (0: never)
+    # the n-th restart waits restart_backoff_s * 2**(n-1), at most max_restart_backoff_s: long enough for a lost
+    # node to be replaced or declared dead by the cluster (Slurm, Ray autoscaler) before the new group asks for it
+    restart_backoff_s: NonNegFloat = 2.0
+    max_restart_backoff_s: NonNegFloat = 60.0
 
 
 class EvalSection(_Section):

@@ -58,6 +58,20 @@ def test_restarts_with_backoff_until_the_budget_is_spent():
     assert decide_restart(policy, same_ckpt) == Decision(True, 4.0, decide_restart(policy, same_ckpt).message)
 
 
+def test_the_restart_backoff_comes_from_the_config(tmp_path):
+    """train.restart_backoff_s / max_restart_backoff_s set the waits of supervise_training's policy (a lost
+    node on a Slurm or autoscaled cluster may need minutes to be replaced); negative values are refused."""
+    cfg = load_config(REPO / "configs" / "tiny.yaml", ["train.restart_backoff_s=30", "train.max_restart_backoff_s=90"])
+    policy = RestartPolicy.of_train(cfg.train)
+    assert policy == RestartPolicy(cfg.train.max_restarts, 30.0, 90.0)
+    lost = [Failure(DIED, 1, "node died", f"ckpt/step_{i}") for i in range(3)]
+    assert [decide_restart(policy, lost[: n + 1]).delay_s for n in range(3)] == [30.0, 60.0, 90.0]
+    assert "in 30s" in decide_restart(policy, lost[:1]).message
+    assert RestartPolicy.of_train(load_config(REPO / "configs" / "tiny.yaml").train) == RestartPolicy(3)
+    with pytest.raises(ConfigError, match=r"train.restart_backoff_s"):
+        load_config(REPO / "configs" / "tiny.yaml", ["train.restart_backoff_s=-1"])
+
+
 def test_the_same_error_twice_from_the_same_checkpoint_stops():
     policy = RestartPolicy(max_restarts=5)
     boom = Failure(ERROR, 0, "OSError: disk full", "ckpt/step_4", ("OSError", "Exception"))
@@ -189,6 +203,7 @@ E2E = [
     "train.epochs=2",
     "train.checkpoint_every=2",
     "train.log_sample_keys=true",
+    "train.restart_backoff_s=1",  # the run's config reaches supervise_training's wait (the log says "in 1s")
     "eval.num_prompts=2",
     "eval.max_new_tokens=16",
     "eval.poll_s=0.5",
@@ -253,7 +268,7 @@ def test_tiny_run_survives_a_killed_target_actor_trainer_rank_and_evaluator(ray_
     assert not alive, alive
     assert killed == {"target", "trainer", "evaluator"}, f"the run ended before every kill: {killed}"
     assert json.loads((beats / "target-0.json").read_text())["pid"] != target_pid  # Ray restarted it
-    assert "train: rank 1 was lost: ActorDiedError" in printed and "restart 1 of 3" in printed, printed[-6000:]
+    assert "train: rank 1 was lost: ActorDiedError" in printed and "restart 1 of 3 in 1s" in printed, printed[-6000:]
     assert "evaluator restarted" in printed, printed[-6000:]
     # the new group resumed (auto) from this run's latest checkpoint before the kill: one resume, from a tag
     # of this run's checkpoints after the first and before the end

@@ -52,6 +52,11 @@ class RestartPolicy:
     backoff_s: float = 2.0
     max_backoff_s: float = 60.0
 
+    @classmethod
+    def of_train(cls, train) -> RestartPolicy:
+        """The policy of a config's train section (max_restarts, restart_backoff_s, max_restart_backoff_s)."""
+        return cls(train.max_restarts, train.restart_backoff_s, train.max_restart_backoff_s)
+
 
 @dataclass(frozen=True)
 class Decision:

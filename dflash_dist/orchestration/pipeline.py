@@ -277,7 +277,7 @@ def supervise_training(cfg: Config, group, start_group: Callable[[str], Any], re
     from dflash_dist.actors.trainer_group import TrainerGroupError
     from dflash_dist.trainer.checkpoint import plan_resume
 
-    policy = RestartPolicy(cfg.train.max_restarts)
+    policy = RestartPolicy.of_train(cfg.train)
     failures: list[Failure] = []
     while True:
         try:

@@ -379,6 +379,52 @@ def test_a_writer_without_work_hands_its_open_shard_to_the_disk(tmp_path, idle):
         assert counts.writebacks == 0 and counts.writeback_s == counts.writeback_max_s == 0
 
 
+def test_close_releases_the_buffers_of_written_passes_while_the_writers_finish(tmp_path):
+    """close() releases each host buffer whose pass is written before it waits for the writers (unpinning a
+    pass-sized buffer takes time on a GPU machine, which then no longer follows the last shard): here the one
+    writer waits at the full disk gate with the last pass, and the first pass's buffer is gone meanwhile, the
+    last pass's kept; once a shard is released the writer goes on, and everything is written and released."""
+    import threading
+
+    from data_pipeline.disk_budget import BufferPolicy, release_consumed
+    from data_pipeline.shard_reader import iter_shard_samples, read_manifest
+
+    shards = tmp_path / "shards"
+    gate = {"max_buffer_bytes": 4096, "buffer_stall_s": 600}
+    pool = writer_pool(shards, writers=1, min_group_tokens=8, shard_bytes=1024, writeback_idle=False, **gate)
+    closed: list = []
+    closer = threading.Thread(target=lambda: closed.append(pool.close()))
+    try:
+        pool.submit(*pool_pass(torch.Generator().manual_seed(0), ["a"], [40], 32))  # buffer 0
+        deadline = time.time() + 60
+        while pool.counts.samples < 1 and time.time() < deadline:
+            time.sleep(0.02)
+        # buffer 1: "b" closes a's shard (listed: the gate is full) and waits at the gate to open the next
+        pool.submit(*pool_pass(torch.Generator().manual_seed(1), ["b"], [30], 32))
+        written, last = pool.bufs[0].path, pool.bufs[1].path
+        while not read_manifest(shards) and time.time() < deadline:
+            time.sleep(0.02)
+        (first,) = read_manifest(shards)
+        assert first.n_bytes > 4096
+        closer.start()
+        deadline = time.time() + 60
+        while written.exists() and time.time() < deadline:
+            time.sleep(0.02)
+        assert not written.exists() and pool.bufs[0] is None, "the written pass's buffer was kept until the end"
+        assert closer.is_alive() and last.exists() and [r.name for r in read_manifest(shards)] == [first.name]
+        cfg, _ = pool_config(1024, writeback_idle=False, **gate)
+        release_consumed(shards, BufferPolicy.from_config(cfg), [{"epoch": 0, "consumed": [first.name]}], 0)
+        closer.join(120)
+        assert not closer.is_alive()
+    except BaseException:
+        pool.abort()
+        raise
+    (counts,) = closed
+    assert counts.samples == 2 and not pool.buf_dir.exists()
+    keys = [s.key for r in read_manifest(shards) for s in iter_shard_samples(shards / r.name)]
+    assert sorted(keys) == ["a", "b"]
+
+
 def test_writer_pool_raises_on_close_when_one_group_of_a_pass_fails(tmp_path):
     """A pass split over two writers, its last row unwritable (an empty key): close() raises the
     writer's error; the other group's samples are in a listed shard, the failed writer's

@@ -549,10 +549,18 @@ class WriterPool:
 
     def close(self) -> SinkCounts:
         """Every queued pass written and every writer's last shard closed; then processes and
-        buffers released. Raises if a writer failed (its unfinished shard is deleted)."""
+        buffers released. Raises if a writer failed (its unfinished shard is deleted). The buffers
+        whose passes are all written go first, while the writers finish the last passes: unpinning a
+        pass-sized buffer takes time that would otherwise come after the last shard is listed."""
         try:
             for _ in self.threads:
                 self.jobs.put(None)
+            with contextlib.suppress(queue.Empty):
+                while True:  # no pass comes after close(): a free buffer is done with
+                    i = self.free.get_nowait()
+                    if self.bufs[i] is not None:
+                        self.bufs[i].release()
+                        self.bufs[i] = None
             for t in self.threads:
                 t.join()
         finally:

@@ -555,12 +555,12 @@ class WriterPool:
         try:
             for _ in self.threads:
                 self.jobs.put(None)
+            # no pass comes after close(): a free buffer is done with. Unpinned and unlinked now, its pages are
+            # freed with our mapping when the pool goes, not by the writers' exits, which close() waits for
             with contextlib.suppress(queue.Empty):
-                while True:  # no pass comes after close(): a free buffer is done with
-                    i = self.free.get_nowait()
-                    if self.bufs[i] is not None:
-                        self.bufs[i].release()
-                        self.bufs[i] = None
+                while True:
+                    if (b := self.bufs[self.free.get_nowait()]) is not None:
+                        b.release()
             for t in self.threads:
                 t.join()
         finally:

@@ -555,11 +555,12 @@ class WriterPool:
         try:
             for _ in self.threads:
                 self.jobs.put(None)
-            # no pass comes after close(): a free buffer is done with. Unpinned and unlinked now, its pages are
-            # freed with our mapping when the pool goes, not by the writers' exits, which close() waits for
-            with contextlib.suppress(queue.Empty):
-                while True:
-                    if (b := self.bufs[self.free.get_nowait()]) is not None:
+            # no pass comes after close(): a buffer is done with once its pass is written (the last ones while the
+            # writers close their shards). Unpinned and unlinked then, its pages are freed with our mapping when
+            # the pool goes, not by the writers' exits, which close() waits for
+            while any(t.is_alive() for t in self.threads) or not self.free.empty():
+                with contextlib.suppress(queue.Empty):
+                    if (b := self.bufs[self.free.get(timeout=0.01)]) is not None:
                         b.release()
             for t in self.threads:
                 t.join()

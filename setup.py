@@ -3,7 +3,8 @@
 from setuptools import find_packages, setup
 
 # Pinned so a fresh CPU machine resolves the set checked in ../shared/PLATFORM.md.
-# torch is pinned to the CPU wheel; install it first (`pip install torch==2.13.0`).
+# torch==2.13.0 resolves to the CPU build these machines carry on disk (PLATFORM.md); elsewhere PyPI's 2.13.0 is
+# a CUDA build (several GB, also runs on a CPU): install the CPU wheel first where that matters.
 INSTALL_REQUIRES = [
     "torch==2.13.0",
     "transformers==5.24.0",

@@ -380,10 +380,10 @@ def test_a_writer_without_work_hands_its_open_shard_to_the_disk(tmp_path, idle):
 
 
 def test_close_releases_the_buffers_of_written_passes_while_the_writers_finish(tmp_path):
-    """close() releases each host buffer whose pass is written before it waits for the writers (unpinning a
-    pass-sized buffer takes time on a GPU machine, which then no longer follows the last shard): here the one
-    writer waits at the full disk gate with the last pass, and the first pass's buffer is gone meanwhile, the
-    last pass's kept; once a shard is released the writer goes on, and everything is written and released."""
+    """close() releases each host buffer once its pass is written, while it waits for the writers (unpinning a
+    pass-sized buffer takes time on a GPU machine, which then no longer follows the last shard). The one writer is
+    held at the full disk gate: a waits nowhere; b waits until a's shard is released; c, queued behind b, waits
+    until b's is. Once close() has begun and b is written, b's buffer is gone while c's (a's, reused) is kept."""
     import threading
 
     from data_pipeline.disk_budget import BufferPolicy, release_consumed
@@ -391,38 +391,58 @@ def test_close_releases_the_buffers_of_written_passes_while_the_writers_finish(t
 
     shards = tmp_path / "shards"
     gate = {"max_buffer_bytes": 4096, "buffer_stall_s": 600}
+    policy = BufferPolicy.from_config(pool_config(1024, writeback_idle=False, **gate)[0])
     pool = writer_pool(shards, writers=1, min_group_tokens=8, shard_bytes=1024, writeback_idle=False, **gate)
     closed: list = []
-    closer = threading.Thread(target=lambda: closed.append(pool.close()))
+
+    def close() -> None:
+        try:
+            closed.append(pool.close())
+        except BaseException as e:  # handed to the test thread
+            closed.append(e)
+
+    def wait(cond, what: str) -> None:
+        deadline = time.time() + 60
+        while not cond() and time.time() < deadline:
+            time.sleep(0.02)
+        assert cond(), what
+
+    def release(name: str) -> None:  # as a trainer's checkpoint releases a shard it has read
+        release_consumed(shards, policy, [{"epoch": 0, "consumed": [name]}], 0)
+
+    closer = threading.Thread(target=close)
     try:
         pool.submit(*pool_pass(torch.Generator().manual_seed(0), ["a"], [40], 32))  # buffer 0
-        deadline = time.time() + 60
-        while pool.counts.samples < 1 and time.time() < deadline:
-            time.sleep(0.02)
-        # buffer 1: "b" closes a's shard (listed: the gate is full) and waits at the gate to open the next
-        pool.submit(*pool_pass(torch.Generator().manual_seed(1), ["b"], [30], 32))
-        written, last = pool.bufs[0].path, pool.bufs[1].path
-        while not read_manifest(shards) and time.time() < deadline:
-            time.sleep(0.02)
+        wait(lambda: pool.counts.samples == 1, "a was not written")
+        pool.submit(*pool_pass(torch.Generator().manual_seed(1), ["b"], [40], 32))  # buffer 1: closes a's shard
+        pool.submit(*pool_pass(torch.Generator().manual_seed(2), ["c"], [30], 32))  # buffer 0 again, behind b
+        wait(lambda: len(read_manifest(shards)) == 1, "a's shard was not listed")
         (first,) = read_manifest(shards)
-        assert first.n_bytes > 4096
+        assert first.n_bytes > 4096  # the gate is full: b waits
+        b_buf, c_buf = pool.bufs[1].path, pool.bufs[0].path
         closer.start()
-        deadline = time.time() + 60
-        while written.exists() and time.time() < deadline:
-            time.sleep(0.02)
-        assert not written.exists(), "the written pass's buffer was kept until the end"
-        assert closer.is_alive() and last.exists() and [r.name for r in read_manifest(shards)] == [first.name]
-        cfg, _ = pool_config(1024, writeback_idle=False, **gate)
-        release_consumed(shards, BufferPolicy.from_config(cfg), [{"epoch": 0, "consumed": [first.name]}], 0)
+        time.sleep(0.2)
+        assert closer.is_alive() and b_buf.exists() and c_buf.exists()  # no pass written since close() began
+        release(first.name)  # b is written, then c closes b's shard and waits at the gate
+        wait(lambda: len(read_manifest(shards)) == 2, "b's shard was not listed")
+        wait(lambda: not b_buf.exists(), "b's buffer was kept while close() waited")
+        assert closer.is_alive() and c_buf.exists()
+        release(read_manifest(shards)[1].name)
         closer.join(120)
         assert not closer.is_alive()
     except BaseException:
-        pool.abort()
+        for p in pool.procs:
+            p.kill()
+        if closer.is_alive() or closer.ident is not None:
+            closer.join(60)  # its close() releases what is left
+        else:
+            pool.abort()
         raise
     (counts,) = closed
-    assert counts.samples == 2 and not pool.buf_dir.exists()
+    assert not isinstance(counts, BaseException), counts
+    assert counts.samples == 3 and not pool.buf_dir.exists()
     keys = [s.key for r in read_manifest(shards) for s in iter_shard_samples(shards / r.name)]
-    assert sorted(keys) == ["a", "b"]
+    assert sorted(keys) == ["a", "b", "c"]
 
 
 def test_writer_pool_raises_on_close_when_one_group_of_a_pass_fails(tmp_path):

@@ -555,9 +555,8 @@ class WriterPool:
         try:
             for _ in self.threads:
                 self.jobs.put(None)
-            # no pass comes after close(): a buffer is done with once its pass is written (the last ones while the
-            # writers close their shards). Unpinned and unlinked then, its pages are freed with our mapping when
-            # the pool goes, not by the writers' exits, which close() waits for
+            # no pass comes after close(): a buffer whose pass is written is unpinned and unlinked now; its pages go
+            # with our mapping when the pool goes, not with the writers' exits, which close() waits for
             while any(t.is_alive() for t in self.threads) or not self.free.empty():
                 with contextlib.suppress(queue.Empty):
                     if (b := self.bufs[self.free.get(timeout=0.01)]) is not None:
@@ -569,10 +568,7 @@ class WriterPool:
                 p.join(timeout=120)
                 if p.is_alive():
                     p.kill()
-            for b in self.bufs:
-                if b is not None:
-                    b.release()
-            self._release_dir()
+            self._release_all()
         if self.counts.errors:
             raise RuntimeError("capture writer failed: " + "; ".join(self.counts.errors))
         return self.counts
@@ -584,6 +580,14 @@ class WriterPool:
             p.kill()
         for p in self.procs:
             p.join(timeout=30)
+        self._release_all()
+
+    def _release_all(self) -> None:
+        """Every buffer unpinned and unlinked, then the directory; first the copy stream synchronized: an error
+        path can leave queued copies into a buffer that no writer thread waited for."""
+        if self.stream is not None:
+            with contextlib.suppress(Exception):
+                self.stream.synchronize()
         for b in self.bufs:
             if b is not None:
                 with contextlib.suppress(Exception):

@@ -475,6 +475,10 @@ def _validate(cfg: Config, path, check_files: bool = True) -> None:
     if t.zero_grad_reduce != "allreduce" and t.zero_stage not in (1, 2):
         raise ConfigError(f"{where}: train.zero_grad_reduce={t.zero_grad_reduce} applies to ZeRO stages 1 and 2 "
                           f"(zero_stage is {t.zero_stage}): remove it or set train.zero_stage to 1 or 2")
+    if t.max_restart_backoff_s < t.restart_backoff_s:
+        raise ConfigError(f"{where}: train.max_restart_backoff_s={t.max_restart_backoff_s} is below "
+                          f"train.restart_backoff_s={t.restart_backoff_s}, the first restart's wait: raise the cap "
+                          "or lower the base")
     _validate_capture(cfg, where)
     _validate_regen(cfg.regen, where)
     _validate_eval(cfg.eval, where)

@@ -70,6 +70,12 @@ def test_the_restart_backoff_comes_from_the_config(tmp_path):
     assert RestartPolicy.of_train(load_config(REPO / "configs" / "tiny.yaml").train) == RestartPolicy(3)
     with pytest.raises(ConfigError, match=r"train.restart_backoff_s"):
         load_config(REPO / "configs" / "tiny.yaml", ["train.restart_backoff_s=-1"])
+    with pytest.raises(ConfigError, match=r"train.max_restart_backoff_s=10.0 is below train.restart_backoff_s=120.0"):
+        load_config(REPO / "configs" / "tiny.yaml", ["train.restart_backoff_s=120", "train.max_restart_backoff_s=10"])
+    # a sub-second wait is said as it is; a run allowed thousands of restarts waits the cap, not an overflow
+    assert "in 0.4s" in decide_restart(RestartPolicy(3, 0.4, 60.0), lost[:1]).message
+    many = [Failure(DIED, 1, "node died", f"ckpt/step_{i}") for i in range(1100)]
+    assert decide_restart(RestartPolicy(2000, 2.0, 60.0), many).delay_s == 60.0
 
 
 def test_the_same_error_twice_from_the_same_checkpoint_stops():

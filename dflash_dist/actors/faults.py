@@ -90,9 +90,9 @@ def decide_restart(policy: RestartPolicy, failures: Sequence[Failure]) -> Decisi
         return Decision(False, 0.0, (
             f"trainer group failed twice from {start} with the same error, so restarting cannot help: {what}. "
             "Fix the cause, then continue with --resume auto"))
-    delay = min(policy.max_backoff_s, policy.backoff_s * 2 ** (n - 1))
+    delay = min(policy.max_backoff_s, policy.backoff_s * 2.0 ** min(n - 1, 62))  # no float overflow at any n
     return Decision(True, delay, (
-        f"{what}; restart {n} of {policy.max_restarts} in {delay:.0f}s from the latest complete checkpoint"))
+        f"{what}; restart {n} of {policy.max_restarts} in {delay:g}s from the latest complete checkpoint"))
 
 
 def restart_resume(original: str, has_checkpoint: bool) -> str:

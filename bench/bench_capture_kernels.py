@@ -79,12 +79,17 @@ def inputs(name: str, tokens: int, hidden: int, inter: int, device: str, seed: i
     return (res, x, w, 1e-6), 4 * x.numel() * 2
 
 
-def time_ms(fn, args, iters: int, device: str) -> float:
-    """Median ms a call (after 5 warm calls: the compiles, dynamic shapes' second one included, and autotuning)."""
+def time_ms(fn, args, iters: int, device: str, before=None) -> float:
+    """Median ms a call (after 5 warm calls: the compiles, dynamic shapes' second one included, and autotuning).
+    `before()`, untimed, runs ahead of every call (e.g. a fresh copy of an input the call overwrites)."""
     for _ in range(5):
+        if before is not None:
+            before()
         fn(*args)
     times = []
     for _ in range(iters):
+        if before is not None:
+            before()
         if device == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

@@ -18,7 +18,6 @@ equal liger's bit for bit:
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -30,24 +29,11 @@ from dflash_dist.model.fused import _liger_ce_chunk  # noqa: E402
 from dflash_dist.trainer import zero_step  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_capture_kernels import time_ms  # noqa: E402
 from cost_model import drafter_shapes  # noqa: E402
 
 H = 5120  # the 27B drafter's hidden size
 GRAD_SHAPES = (H, 5, 32, 8, 128, 17408)  # cost_model.drafter_shapes: H, layers, heads, kv heads, head_dim, I
-
-
-def _time(fn, iters: int, before=None) -> float:
-    times = []
-    for _ in range(iters):
-        if before is not None:
-            before()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def bench_ce(rows: int, vocab: int, iters: int) -> None:
@@ -73,7 +59,7 @@ def bench_ce(rows: int, vocab: int, iters: int) -> None:
         buf.copy_(base)
         out = fn()
         same = all(torch.equal(a, b) for a, b in zip(out, ref))
-        ms = _time(fn, iters, before=lambda: buf.copy_(base))
+        ms = time_ms(fn, (), iters, "cuda", before=lambda: buf.copy_(base))
         print(f"  {name:<30} {ms:7.3f} ms  {moved / ms / 1e6:6.0f} GB/s (3 passes' bytes)  bitwise liger: {same}",
               flush=True)
 
@@ -143,7 +129,7 @@ def bench_norm(iters: int) -> None:
     print(f"gradient norm over {len(grads)} tensors, {n / 1e9:.3f}B bf16 ({2 * n / 1e9:.2f} GB)", flush=True)
     for name, fn in forms.items():
         val = fn()
-        ms = _time(fn, iters)
+        ms = time_ms(fn, (), iters, "cuda")
         print(f"  {name:<40} {ms:7.3f} ms  {2 * n / ms / 1e6:6.0f} GB/s  norm {val.item():.9g} "
               f"(rel to the list norm {abs(val.item() - ref.item()) / ref.item():.1e})", flush=True)
 

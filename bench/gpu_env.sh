@@ -4,7 +4,9 @@
 # with RAY=1 also the slimmed Ray, and exports the environment the project's commands need there.
 mkdir -p "$out"
 end=$(($(date +%s) + deadline_s))
+# (.whl-regen/, regenerate's openai client, is installed too where it was carried)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    $(ls .whl-regen/*.whl 2>/dev/null) \
     >"$out/install.log" 2>&1
 if [ -n "${RAY:-}" ]; then
     tar -C /tmp/site -xJf .whl/ray-2.60.0-cp312-slim.tar.xz \

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -532,3 +534,20 @@ def test_regen_config_errors_name_the_field(target_dir, tmp_path, capsys) -> Non
     with pytest.raises(ConfigError, match=r"regen\.source: 'vllm' is not one of"):
         make_cfg(target_dir, tmp_path, data, "regen.source=vllm")
     assert cli_main(["regenerate", "nope.yaml"]) == 2 and "config file nope.yaml not found" in capsys.readouterr().err
+
+
+def test_the_local_target_path_imports_without_the_openai_client() -> None:
+    """Regenerating with the local target needs no server client: an offline GPU machine carries
+    openai apart (.whl-regen/); only a regen.url run imports it, and then names it if it is missing."""
+    probe = (
+        "import sys; sys.modules['openai'] = None\n"  # an import of openai now raises ImportError
+        "import dflash_dist.capture.regenerate as r, launcher.cli\n"
+        "try:\n"
+        "    r.ServerGenerator('http://127.0.0.1:1/v1', 'm', None, 1, 0, 1.0, None, {})\n"
+        "except ImportError as err:\n"
+        "    print('server path:', err)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "server path:" in done.stdout and "openai" in done.stdout, done.stdout

@@ -25,7 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import openai
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
@@ -171,7 +170,8 @@ class SeededSampling:
 class ServerGenerator:
     """An OpenAI-compatible server (chat.completions): at most ``concurrency`` requests in flight;
     the openai client retries 5xx, 429, timeouts and lost connections with exponential backoff;
-    a 4xx (or retries run out) is an error naming the record."""
+    a 4xx (or retries run out) is an error naming the record. openai is imported here, not at the module's
+    top: regenerating with the local target needs no client (offline GPU machines carry it apart)."""
 
     def __init__(
         self,
@@ -187,6 +187,9 @@ class ServerGenerator:
         self.url, self.model, self.sampling = url, model, sampling
         self.concurrency, self.max_retries, self.template_kwargs = concurrency, max_retries, template_kwargs
         self.chunk_size = 4 * concurrency
+        import openai
+
+        self.openai = openai
         self.client = openai.OpenAI(base_url=url, api_key=api_key or "none", max_retries=max_retries, timeout=timeout_s)
 
     def __call__(self, jobs: list[Job]) -> Iterator[Result]:
@@ -216,7 +219,7 @@ class ServerGenerator:
                 **extra,
                 extra_body={"chat_template_kwargs": self.template_kwargs} if self.template_kwargs else None,
             )
-        except openai.APIStatusError as err:
+        except self.openai.APIStatusError as err:
             if err.status_code < 500 and err.status_code not in (408, 409, 429):
                 raise RegenError(
                     f"{where}: {self.url} refused the request with HTTP {err.status_code}: {err.message}; "
@@ -226,7 +229,7 @@ class ServerGenerator:
                 f"{where}: {self.url} kept failing (HTTP {err.status_code}) after {self.max_retries} retries: "
                 f"{err.message}; check the server, or raise regen.max_retries"
             ) from None
-        except (openai.APITimeoutError, openai.APIConnectionError) as err:
+        except (self.openai.APITimeoutError, self.openai.APIConnectionError) as err:
             raise RegenError(
                 f"{where}: no answer from {self.url} after {self.max_retries} retries ({type(err).__name__}: {err}); "
                 "check that the server runs at regen.url, or raise regen.timeout_s / regen.max_retries"

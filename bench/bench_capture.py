@@ -11,7 +11,8 @@ Sequences of random length in [--min-len, --max-len] (random token ids) are sort
 grouped into right-padded batches of at most BUDGET padded tokens (--pool 256 sorts as many
 sequences together as capture_job's sort window does). A variant is BUDGET:MASK:MODE (MASK: see
 capture(); MODE: eager, fused = fuse_elementwise, fusedconv = that plus fla's causal conv =
-capture.kernels fused, fused2 = that plus capture/fused_layers.py = capture.kernels fused2).
+capture.kernels fused, fused2 = that plus capture/fused_layers.py = capture.kernels fused2, fused3 = fused2 with
+its norms compiled for their widths = capture.kernels fused3).
 "compute" times the capture alone, each batch set twice: cold (first
 sight of the shapes: autotuning, cuDNN plans) and warm (reported). "end to end" also copies each
 sequence's features and argmax to host buffers on a side stream and writes shards from --writers
@@ -244,7 +245,7 @@ def run_job(model, batches: list[Batch], layer_ids: list[int], a, provenance, mo
     unfuse_target(model, _TORCH_CONV)
     set_copy_cuts(True)
     if mode != "eager":
-        fuse_target(model, layers=mode == "fused2")
+        fuse_target(model, layers=mode in ("fused2", "fused3"), static_norms=mode == "fused3")
         path = KERNEL_PATH_OF["fused" if mode == "fusedconv" else mode]
         provenance = dataclasses.replace(provenance, kernel_path=path)
     assert tuple(layer_ids) == provenance.layer_ids
@@ -308,6 +309,7 @@ class Variant:
     budget: int
     mask: str  # keep | drop | masked, see capture()
     mode: str  # eager | fused (fuse_elementwise) | fusedconv (+ fla conv) | fused2 (+ fused_layers.py) | fused2copies
+    # | fused3
 
     @classmethod
     def parse(cls, text: str) -> Variant:
@@ -328,16 +330,19 @@ class Variant:
         return f"{self.budget}:{self.mask}:{self.mode}"
 
 
-MODES = ("eager", "fused", "fusedconv", "fused2", "fused2copies")  # fused2copies: fused2, set_copy_cuts(False)
+# fused2copies: fused2, set_copy_cuts(False); fused3: capture.kernels=fused3 (fused2, norms compiled for their widths)
+MODES = ("eager", "fused", "fusedconv", "fused2", "fused2copies", "fused3")
 
 
 def use_variant(model: nn.Module, v: Variant) -> None:
     """fused: capture_job's fuse_target without fla's conv; fusedconv: capture.kernels=fused;
-    fused2: capture.kernels=fused2 (capture/fused_layers.py); fused2copies: fused2 without its copy cuts."""
+    fused2: capture.kernels=fused2 (capture/fused_layers.py); fused2copies: fused2 without its copy cuts;
+    fused3: capture.kernels=fused3."""
     unfuse_target(model, _TORCH_CONV)
     set_copy_cuts(v.mode != "fused2copies")
     if v.fused:
-        fuse_target(model, conv=v.mode != "fused", layers=v.mode.startswith("fused2"))
+        fuse_target(model, conv=v.mode != "fused", layers=v.mode.startswith(("fused2", "fused3")),
+                    static_norms=v.mode == "fused3")  # fmt: skip
 
 
 def figures(secs: float, batches: list[Batch], params: dict[str, int]) -> dict:
@@ -455,7 +460,7 @@ def measure_end_to_end(model, v: Variant, a, layer_ids, params, kernel_path: str
         if sink.split(":")[0] == "job":
             try:
                 if v.mode in ("fused", "fused2copies"):
-                    raise ValueError("the job sink runs capture_job's modes: eager, fusedconv or fused2 (fuse_target)")
+                    raise ValueError("the job sink runs capture_job's modes: eager, fusedconv, fused2 or fused3")
                 wb = sink.split(":")[1] if ":" in sink else None
                 loop_s, secs, c = run_job(model, batches, layer_ids, a, prov, v.mode, a.e2e_batches, wb)
                 reps = a.e2e_batches / len(batches)

@@ -8,8 +8,10 @@ trainer's profile moves ~2.8 TB/s. The capture kernels compiled with every dimen
 (fused_target.compile_kernel: one graph for every token count); since 2026-12-07 SwiGLU's has its width static
 (static_width: bitwise, 1.104 -> 1.002 ms on an H100). A pointwise kernel sums nothing, so another
 tiling or specialisation gives the same bits: if a static-width compile is faster and bitwise, capture can
-take it without a new kernel path. The RMSNorms (reductions) are timed too; another reduction order there
-would change features (a new kernel path), so they are only reported.
+take it without a new kernel path. The norms (row reductions: RMSNorm, add + RMSNorm, the gated RMSNorm and
+attention's q/k norm + RoPE) compiled for their widths reduce each row in one block and sum in another order:
+that is capture.kernels=fused3 (kernel path "fla_fused3"); each is timed as fused2 runs it (every dimension
+dynamic), as fused3 does, and fully static.
 
 Prints, per kernel and variant, ms a call (median of --iters, CUDA events), the bytes it must move over that
 time (GB/s), whether its output equals the capture kernel's bit for bit, and whether a call at another token
@@ -22,6 +24,7 @@ count compiled a new graph (capture's token count changes from forward to forwar
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -31,8 +34,9 @@ import torch
 from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dflash_dist.capture.fused_layers import _add_rms_norm  # noqa: E402
-from dflash_dist.capture.fused_target import _compiled, _rms_norm, _silu_mul, compile_kernel  # noqa: E402
+from dflash_dist.capture import fused_layers  # noqa: E402
+from dflash_dist.capture.fused_layers import _add_rms_norm, _norm_rope  # noqa: E402
+from dflash_dist.capture.fused_target import _compiled, _gated_rms_norm, _rms_norm, _silu_mul, compile_kernel  # noqa: E402
 
 OPTIONS = {"emulate_precision_casts": True}  # the capture kernels' rounding (fused_target.compile_kernel)
 
@@ -51,17 +55,28 @@ def _liger_silu_mul():
 
 
 def kernels(device: str) -> list[tuple[str, dict]]:
-    """(kernel, {variant: callable}); the first variant of each is the capture's own compile (SwiGLU's with its
-    width static since 2026-12-07: fused_target.compile_kernel(static_width=True); the norms' all dynamic)."""
+    """(kernel, {variant: callable}); the first variant of each is the reference the others are compared with:
+    SwiGLU's capture compile (its width static since 2026-12-07, fused_target.compile_kernel(static_width=True)),
+    each norm as fused2 compiles it (every dimension dynamic)."""
     silu = {"capture (width static)": _compiled()[2], "all dims dynamic": compile_kernel(_silu_mul),
             "static": _static(_silu_mul), "eager": _silu_mul}  # fmt: skip
     if device == "cuda" and _liger_silu_mul() is not None:
         silu["liger (other rounding)"] = _liger_silu_mul()
-    rms = {"capture (dynamic)": compile_kernel(_rms_norm), "static": _static(_rms_norm),
-           "width static": compile_kernel(_rms_norm, static_width=True)}  # fmt: skip
-    add_rms = {"capture (dynamic)": compile_kernel(_add_rms_norm), "static": _static(_add_rms_norm),
-               "width static": compile_kernel(_add_rms_norm, static_width=True)}  # fmt: skip
-    return [("silu_mul", silu), ("rms_norm", rms), ("add_rms_norm", add_rms)]
+    from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
+
+    f2, f3 = fused_layers.gpu_kernels(False), fused_layers.gpu_kernels(True)  # fused2's and fused3's own kernels
+    norm_rope = functools.partial(_norm_rope, apply_rotary_pos_emb)
+    norms = {
+        "rms_norm": (_compiled(False)[0], _compiled(True)[0], _rms_norm),
+        "add_rms_norm": (f2.add_norm, f3.add_norm, _add_rms_norm),
+        "gated_rms_norm": (_compiled(False)[1], _compiled(True)[1], _gated_rms_norm),
+        "norm_rope": (functools.partial(f2.norm_rope, apply_rotary_pos_emb),
+                      functools.partial(f3.norm_rope, apply_rotary_pos_emb), norm_rope),
+    }  # fmt: skip
+    return [("silu_mul", silu)] + [
+        (name, {"fused2 (dynamic)": two, "fused3 (width static)": three, "static": _static(eager)})
+        for name, (two, three, eager) in norms.items()
+    ]
 
 
 def inputs(name: str, tokens: int, hidden: int, inter: int, device: str, seed: int = 0):
@@ -71,6 +86,18 @@ def inputs(name: str, tokens: int, hidden: int, inter: int, device: str, seed: i
     if name == "silu_mul":
         gate, up = (torch.randn(1, tokens, inter, generator=g, **bf) for _ in range(2))
         return (gate, up), 3 * gate.numel() * 2
+    if name == "gated_rms_norm":  # the Gated DeltaNet's output norm: [B, T, value heads, head dim]
+        heads, d = max(1, hidden * 48 // 5120), 128 if hidden >= 1024 else 8  # 5120 -> 48 x 128, Qwen3.5-27B's
+        x, z = (torch.randn(1, tokens, heads, d, generator=g, **bf) for _ in range(2))
+        w = torch.randn(d, generator=g, **bf)
+        return (x, z, w, 1e-6), 3 * x.numel() * 2
+    if name == "norm_rope":  # attention's q/k norm + partial RoPE: q [B, T, H, d], k [B, T, KV, d], 1/4 rotary
+        d = 256 if hidden >= 1024 else 16
+        heads, kv = max(1, hidden * 6 // (5 * d)), max(1, hidden // (5 * d))  # 5120 -> 24 and 4 heads of 256
+        q, k = torch.randn(1, tokens, heads, d, generator=g, **bf), torch.randn(1, tokens, kv, d, generator=g, **bf)
+        wq, wk = (torch.randn(d, generator=g, **bf) for _ in range(2))
+        cos, sin = (torch.randn(1, tokens, d // 4, generator=g, **bf) for _ in range(2))
+        return (q, k, wq, wk, 1e-6, cos, sin), 2 * (q.numel() + k.numel()) * 2
     x = torch.randn(1, tokens, hidden, generator=g, **bf)
     w = (0.1 * torch.randn(hidden, generator=g, device=device)).to(torch.bfloat16)
     if name == "rms_norm":
@@ -120,7 +147,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--hidden", type=int, default=5120)
     p.add_argument("--inter", type=int, default=17408, help="the MLP's intermediate size")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--kernels", default="silu_mul,rms_norm,add_rms_norm", help="comma list of the kernels to time")
+    p.add_argument("--kernels", default="silu_mul,rms_norm,add_rms_norm,gated_rms_norm,norm_rope",
+                   help="comma list of the kernels to time")
     a = p.parse_args(argv)
     wanted = [k.strip() for k in a.kernels.split(",") if k.strip()]
     rows = []
@@ -142,7 +170,7 @@ def main(argv=None) -> list[dict]:
             recompiled = counters["stats"]["unique_graphs"] > graphs
             rows.append({"kernel": name, "variant": label, "ms": ms, "gb_s": nbytes / ms / 1e6, "bitwise": equal,
                          "max_abs_diff": diff, "recompiled_at_other_tokens": recompiled})
-            print(f"  {name:13s} {label:24s} {ms:8.3f} ms  {nbytes / ms / 1e6:7.0f} GB/s  "
+            print(f"  {name:14s} {label:24s} {ms:8.3f} ms  {nbytes / ms / 1e6:7.0f} GB/s  "
                   f"{'bitwise' if equal else f'differs (max |d| {diff:.3g})'} vs the capture kernel"
                   f"{', compiled again at another token count' if recompiled else ''}")
     return rows

@@ -25,8 +25,10 @@ from data_pipeline.feature_codec import FEATURE_ENCODINGS, RAW
 SHARD_SCHEMA_VERSION = 2
 
 FEATURE_DTYPES = ("bfloat16", "float16", "float32")
-# fla_fused / fla_fused2: capture.kernels=fused / fused2 (capture/fused_target.py, capture/fused_layers.py)
-KERNEL_PATHS = ("fla", "torch", "fla_fused", "fla_fused2")
+# capture.kernels -> the kernel path its features carry (capture/fused_target.py, capture/fused_layers.py);
+# eager keeps the GDN layers' own path, fla or torch
+CAPTURE_KERNEL_PATHS = {"fused": "fla_fused", "fused2": "fla_fused2", "fused3": "fla_fused3"}
+KERNEL_PATHS = ("fla", "torch", *CAPTURE_KERNEL_PATHS.values())
 WEIGHT_FILE_PATTERNS = ("*.safetensors", "*.bin")
 
 # Fields that must match for two shards to be mixed; the version strings are informational.

@@ -17,14 +17,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from data_pipeline.chat_data import template_hash
-from data_pipeline.provenance import Provenance
+from data_pipeline.provenance import CAPTURE_KERNEL_PATHS, Provenance
 from dflash_dist.model.capture import check_kernel_path
 from dflash_dist.strict_compile import strict_compile
 from dflash_dist.target.loading import TargetIdentity, provenance_for
 
-FUSED_KERNEL_PATH = "fla_fused"
-FUSED2_KERNEL_PATH = "fla_fused2"  # capture.kernels=fused2: these kernels plus capture/fused_layers.py
-KERNEL_PATH_OF = {"fused": FUSED_KERNEL_PATH, "fused2": FUSED2_KERNEL_PATH}  # capture.kernels -> kernel path
+# capture.kernels -> kernel path: fused, these kernels; fused2, these plus capture/fused_layers.py; fused3, fused2
+# with every row reduction compiled for its width (`static_norms`)
+KERNEL_PATH_OF = CAPTURE_KERNEL_PATHS
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -74,10 +74,12 @@ def compile_kernel(f, static_width: bool = False):
     saying "fla_fused"; this raises instead, an error naming the kernel and what to do. An error, not a
     recorded "eager" path: the run's features would then mix two paths, which the trainer and evaluator
     refuse anyway, only later.
-    `static_width`: the last dimension static (every other dynamic, strict_compile's static_last_dim), for a
-    pointwise kernel only, where a tiling changes no bit: SwiGLU's silu * up at the Qwen3.5-27B capture shape
-    1.104 -> 1.002 ms a call on an H100, bitwise, one graph for every token count (bench_capture_kernels.py,
-    docs/BENCHMARKS.md sixteenth session). A reduction (the norms) would sum in another order: not here."""
+    `static_width`: the last dimension static (every other dynamic, strict_compile's static_last_dim): one graph
+    per width for every token count. A pointwise kernel keeps its bits under any tiling: SwiGLU's silu * up at
+    the Qwen3.5-27B capture shape 1.104 -> 1.002 ms a call on an H100, bitwise (bench_capture_kernels.py,
+    docs/BENCHMARKS.md sixteenth session), in every fused path. A row reduction (the norms) compiled for its
+    width reduces the row in one block (0.366 -> 0.227 ms for the 5120-wide RMSNorm there) and so sums in
+    another order: only under fused3, whose features carry their own kernel path."""
     name = getattr(f, "__name__", None) or getattr(getattr(f, "func", None), "__name__", repr(f))
     return strict_compile(
         f,
@@ -97,18 +99,26 @@ def compile_kernel(f, static_width: bool = False):
 
 
 @functools.cache
-def _compiled():
-    return compile_kernel(_rms_norm), compile_kernel(_gated_rms_norm), compile_kernel(_silu_mul, static_width=True)
+def _silu_mul_kernel():
+    return compile_kernel(_silu_mul, static_width=True)
 
 
-def fuse_target(model: nn.Module, conv: bool = True, layers: bool = False) -> int:
+@functools.cache
+def _compiled(static_norms: bool = False):
+    """(RMSNorm, gated RMSNorm, silu * up) compiled; static_norms: the norms for their widths (fused3)."""
+    return (compile_kernel(_rms_norm, static_width=static_norms),
+            compile_kernel(_gated_rms_norm, static_width=static_norms), _silu_mul_kernel())  # fmt: skip
+
+
+def fuse_target(model: nn.Module, conv: bool = True, layers: bool = False, static_norms: bool = False) -> int:
     """Switch a Qwen3.5-family target on CUDA to the fused path (module docstring; conv=False
     leaves the causal conv to transformers: a bench variant); returns the number of modules
     changed. Weights are arguments, so one compiled graph serves every layer. layers=True: also
-    the rewritten layer forwards of capture/fused_layers.py (capture.kernels=fused2)."""
+    the rewritten layer forwards of capture/fused_layers.py (capture.kernels=fused2); static_norms=True:
+    every row reduction compiled for its width (capture.kernels=fused3, with layers)."""
     if not any(p.is_cuda for p in model.parameters()):
         raise ValueError("capture.kernels=fused needs the target on CUDA (target.device=cuda): its kernels are Triton")
-    rms, gated, silu_mul = _compiled()
+    rms, gated, silu_mul = _compiled(static_norms)
     n = 0
     for m in model.modules():
         kind = type(m).__name__
@@ -128,7 +138,7 @@ def fuse_target(model: nn.Module, conv: bool = True, layers: bool = False) -> in
     if layers:
         from dflash_dist.capture.fused_layers import fuse_layers, gpu_kernels
 
-        n += fuse_layers(model, gpu_kernels())
+        n += fuse_layers(model, gpu_kernels(static_norms))
     model.dflash_fused = True
     return n
 
@@ -147,7 +157,7 @@ def apply_capture_kernels(kernels: str, model: nn.Module, kernel_path: str) -> s
             "(set target.device=cuda with flash-linear-attention and triton installed, or "
             "capture.kernels=eager)"
         )
-    fuse_target(model, layers=kernels == "fused2")
+    fuse_target(model, layers=kernels in ("fused2", "fused3"), static_norms=kernels == "fused3")
     return KERNEL_PATH_OF[kernels]
 
 

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from data_pipeline.feature_codec import ENCODING_OF
-from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance, installed_versions
+from data_pipeline.provenance import CAPTURE_KERNEL_PATHS, SHARD_SCHEMA_VERSION, Provenance, installed_versions
 from dflash_dist.config import Config, ConfigError, load_config
 from dflash_dist.model.capture import check_capture_layer_ids, gdn_kernel_path
 from dflash_dist.model.config import DrafterConfig, build_target_layer_ids
@@ -330,7 +330,7 @@ def expected_kernel_path(cfg: Config, target_dir: Path) -> str:
     has_gdn = "linear_attention" in (target_config_dict(target_dir).get("layer_types") or [])
     on_cuda = target_device(cfg).type == "cuda"
     if has_gdn and on_cuda and cfg.capture.kernels != "eager":
-        return {"fused": "fla_fused", "fused2": "fla_fused2"}[cfg.capture.kernels]  # an evaluator on "fla" refuses them
+        return CAPTURE_KERNEL_PATHS[cfg.capture.kernels]  # an evaluator on "fla" refuses them
     return "fla" if (has_gdn and on_cuda) else "torch"
 
 

@@ -42,6 +42,7 @@ import random
 import shutil
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -358,6 +359,21 @@ def figures(secs: float, batches: list[Batch], params: dict[str, int]) -> dict:
     }
 
 
+def failure_report() -> str:
+    """The traceback of the exception being handled and, on a GPU, its memory: a CUDA error says nothing of where."""
+    text = traceback.format_exc()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        try:
+            free, total = torch.cuda.mem_get_info()
+            text += (f"GPU memory: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free; this process: "
+                     f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated, "
+                     f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved, "
+                     f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB\n")
+        except Exception as err:  # a sticky CUDA error can fail these too
+            text += f"GPU memory not readable: {type(err).__name__}: {err}\n"
+    return text
+
+
 def scaled(f: dict, reps: float) -> dict:
     """figures() of `reps` rounds over the same batches (the job sink cycles them)."""
     keys = ("tokens_per_s", "padded_tokens_per_s", "bound_share", "bound_share_without_embedding")
@@ -465,8 +481,8 @@ def measure_end_to_end(model, v: Variant, a, layer_ids, params, kernel_path: str
                 loop_s, secs, c = run_job(model, batches, layer_ids, a, prov, v.mode, a.e2e_batches, wb)
                 reps = a.e2e_batches / len(batches)
             except Exception as e:
-                out[sink] = {"error": f"{type(e).__name__}: {e}"}
-                print(f"FAILED end to end, capture_job: {out[sink]['error']}", flush=True)
+                out[sink] = {"error": f"{type(e).__name__}: {e}", "where": failure_report()}
+                print(f"FAILED end to end, capture_job: {out[sink]['error']}\n{out[sink]['where']}", flush=True)
                 continue
             f = scaled(figures(secs, batches, params), reps)
             loop = scaled(figures(loop_s, batches, params), reps)
@@ -577,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
             report[section][str(v)] = fn()
         except Exception as e:  # one failed variant must not lose the others' figures
             report["errors"][f"{section} {v}"] = f"{type(e).__name__}: {e}"
-            print(f"FAILED {section} {v}: {type(e).__name__}: {e}", flush=True)
+            print(f"FAILED {section} {v}: {type(e).__name__}: {e}\n{failure_report()}", flush=True)
             unfuse_target(model, _TORCH_CONV)
             if a.device.startswith("cuda"):
                 torch.cuda.empty_cache()

@@ -105,6 +105,41 @@ def test_cuda_capture_uses_fla_and_refuses_torch_path():
     assert cap.kernel_path == "fla"
 
 
+@pytest.mark.gpu
+def test_cuda_writer_pool_starts_and_pins_when_torch_has_cached_the_whole_card(tmp_path):
+    """After forwards of varied shapes a capture process's allocator can hold the whole card, reserved and unused
+    (the 27B capture bench on an H100: 78.5 of 79.2 GiB, 50.1 in use), and the writer pool's side stream failed
+    with "CUDA error: out of memory": the driver allocates a stream, and a pinned buffer's mappings, outside torch's
+    cache. Here the cache is made to hold every byte torch can get; the pool starts, pins its buffer and writes
+    the pass all the same (the cache given back to the driver first)."""
+    from data_pipeline.shard_reader import iter_shard_samples, read_manifest
+    from dflash_dist.capture.driver_room import DRIVER_ROOM_BYTES
+
+    assert torch.cuda.is_available()
+    blocks, size = [], 1 << 30
+    while size >= 2 << 20:  # every block torch can get, then all freed: reserved by its cache, unused
+        try:
+            blocks.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+        except torch.OutOfMemoryError:
+            size //= 2
+    del blocks
+    free = torch.cuda.mem_get_info()[0]
+    assert free < DRIVER_ROOM_BYTES, free
+    shards = tmp_path / "shards"
+    pool = writer_pool(shards, writers=1, min_group_tokens=8, shard_bytes=1 << 20, device="cuda")
+    try:
+        features, argmax, attention, items = pool_pass(torch.Generator().manual_seed(0), ["a", "b"], [40, 30], 32)
+        pool.submit(features.cuda(), argmax.cuda(), attention.cuda(), items)
+        counts = pool.close()
+    except BaseException:
+        pool.abort()
+        raise
+    assert counts.samples == 2
+    written = {s.key: s for r in read_manifest(shards) for s in iter_shard_samples(shards / r.name)}
+    assert sorted(written) == ["a", "b"] and torch.equal(written["b"].features, features[1, :30])
+    assert torch.cuda.mem_get_info()[0] >= DRIVER_ROOM_BYTES  # the cache went back to the driver
+
+
 def test_kernel_path_policy_refuses_torch_gdn_on_cuda_unless_allowed():
     from dflash_dist.model.capture import kernel_path_refusal
 

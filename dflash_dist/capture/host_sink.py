@@ -1,23 +1,20 @@
-"""Where captured passes are written: on the capture thread (`capture.writers: 0`, ThreadWriter)
-or off it (WriterPool), both behind one interface (`submit` a pass, `close`, `abort`; `open_writers`
-picks) and one per-row rule (`write_row`: a row with NaN/Inf on a real token goes to the ledger,
-any other row into the shard), so both write the same samples bit for bit.
+"""Where captured passes are written: on the capture thread (`capture.writers: 0`, ThreadWriter) or off it
+(WriterPool), both behind one interface (`submit` a pass, `close`, `abort`; `open_writers` picks) and one per-row
+rule (`write_row`: a row with NaN/Inf on a real token goes to the ledger, any other row into the shard), so both
+write the same samples bit for bit.
 
-Off the GPU thread: each pass's features, argmax, ids, loss masks and
-finiteness flags are copied on a side CUDA stream into a host buffer (a /dev/shm file mapped here,
-page-locked, and mapped by the writer processes), and writer processes encode and write them as
-webdataset shards while the GPU runs the next passes (`capture.writers`).
+Off the GPU thread: each pass's features, argmax, ids, loss masks and finiteness flags are copied on a side CUDA
+stream into a host buffer (a /dev/shm file mapped here, page-locked, and mapped by the writer processes), and writer
+processes encode and write them as webdataset shards while the GPU runs the next passes (`capture.writers`).
 
-A pass's rows are split into contiguous groups balanced by tokens, one job per group, so every
-writer works on one pass at once and the drain after the last pass is a group's write, not the
-whole buffer's by one writer (a pass is not cut into groups of fewer than `min_group_tokens`,
-about 32 MiB of output). A buffer returns to the free list when every group of it is written.
-The GPU thread only queues copies and waits when every buffer is still being written. Each
-writer process owns a ShardWriter of its own prefix (`<actor prefix>-w<N>`, in the actor's shard
-directory; the actor's stale-tmp cleanup covers them) with the disk-buffer gate, records
-non-finite samples in the ledger, and answers each batch with its counts. Messages are JSON.
-Writer processes run one torch thread each: OpenMP pools of several processes spinning beside the
-GPU's launch thread cost the GPU time.
+A pass's rows are split into contiguous groups balanced by tokens, one job per group, so every writer works on one
+pass at once and the drain after the last pass is a group's write, not the whole buffer's by one writer (a pass is
+not cut into groups of fewer than `min_group_tokens`, about 32 MiB of output). A buffer returns to the free list
+when every group of it is written. The GPU thread only queues copies and waits when every buffer is still being
+written. Each writer process owns a ShardWriter of its own prefix (`<actor prefix>-w<N>`, in the actor's shard
+directory; the actor's stale-tmp cleanup covers them) with the disk-buffer gate, records non-finite samples in the
+ledger, and answers each batch with its counts. Messages are JSON. Writer processes run one torch thread each:
+OpenMP pools of several processes spinning beside the GPU's launch thread cost the GPU time.
 """
 
 from __future__ import annotations
@@ -46,6 +43,7 @@ from data_pipeline.ledger import record_skipped
 from data_pipeline.records import Sample
 from data_pipeline.shard_reader import NONFINITE
 from data_pipeline.shard_writer import ShardWriter
+from dflash_dist.capture.driver_room import leave_driver_room
 
 log = logging.getLogger(__name__)
 
@@ -410,6 +408,7 @@ class WriterPool:
             need = n_bufs * HostBuffer.size(tokens_hint, 64, self.width, self.dtype)
             if need > shutil.disk_usage(where).free:
                 raise RuntimeError(no_room(where, need, f"{n_bufs} buffers of {tokens_hint} tokens"))
+        leave_driver_room(self.device)  # a stream allocates outside torch's cache, which may hold the whole card
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.procs, self.threads = [], []
         self.bufs: list[HostBuffer | None] = [None] * n_bufs
@@ -463,6 +462,7 @@ class WriterPool:
             buf = HostBuffer(self.buf_dir / f"buf{i}-{self._generation}", tokens, max(rows, 64), self.width,
                              self.dtype, create=True)
             if self.stream is not None:
+                leave_driver_room(self.device)
                 buf.pin()
             self.bufs[i] = buf
         return buf

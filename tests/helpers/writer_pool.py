@@ -38,12 +38,12 @@ def pool_config(shard_bytes: int, **capture):
 
 
 def writer_pool(shard_dir, writers: int, min_group_tokens: int | None, shard_bytes: int, writeback_idle: bool = True,
-                prefix: str = "t000", tokens_hint: int = 0, **capture):
+                prefix: str = "t000", tokens_hint: int = 0, device: str = "cpu", **capture):
     from dflash_dist.capture.host_sink import WriterPool
 
     cfg, prov = pool_config(shard_bytes, writeback_idle=writeback_idle, **capture)
     return WriterPool(cfg, shard_dir, prov, prefix, 0, writers, min_group_tokens=min_group_tokens,
-                      tokens_hint=tokens_hint)
+                      tokens_hint=tokens_hint, device=device)
 
 
 def claim_and_wait(parent: str, ready) -> None:  # a capture process holding its buffer directory, until killed

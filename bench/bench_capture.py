@@ -11,8 +11,7 @@ Sequences of random length in [--min-len, --max-len] (random token ids) are sort
 grouped into right-padded batches of at most BUDGET padded tokens (--pool 256 sorts as many
 sequences together as capture_job's sort window does). A variant is BUDGET:MASK:MODE (MASK: see
 capture(); MODE: eager, fused = fuse_elementwise, fusedconv = that plus fla's causal conv =
-capture.kernels fused, fused2 = that plus capture/fused_layers.py = capture.kernels fused2, fused3 = fused2 with
-its norms compiled for their widths = capture.kernels fused3).
+capture.kernels fused, fused2 = that plus capture/fused_layers.py = capture.kernels fused2).
 "compute" times the capture alone, each batch set twice: cold (first
 sight of the shapes: autotuning, cuDNN plans) and warm (reported). "end to end" also copies each
 sequence's features and argmax to host buffers on a side stream and writes shards from --writers
@@ -42,7 +41,6 @@ import random
 import shutil
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,7 +63,7 @@ from dflash_dist.model.capture import (
 from dflash_dist.target.loading import layer_ids_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from capture_parts import disk_write_bandwidth, profile_forward, time_parts  # noqa: E402
+from capture_parts import disk_write_bandwidth, failure_report, profile_forward, sync, time_parts  # noqa: E402
 from capture_sink import HostSink, ShardJanitor  # noqa: E402
 
 PEAK_TFLOPS = 790.0  # bf16 matmul rate measured on an H200 (SPEC 6's convention)
@@ -199,11 +197,6 @@ def make_batches(
     return out, stats
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def capture(model: nn.Module, batch: Batch, layer_ids: list[int], mask: str):
     """Our capture path. mask "keep": the padding mask passed as capture_job passes it; "drop":
     None (right padding is invisible to real positions of a causal LM); "masked": the mask forced
@@ -246,7 +239,7 @@ def run_job(model, batches: list[Batch], layer_ids: list[int], a, provenance, mo
     unfuse_target(model, _TORCH_CONV)
     set_copy_cuts(True)
     if mode != "eager":
-        fuse_target(model, layers=mode in ("fused2", "fused3"), static_norms=mode == "fused3")
+        fuse_target(model, layers=mode == "fused2")
         path = KERNEL_PATH_OF["fused" if mode == "fusedconv" else mode]
         provenance = dataclasses.replace(provenance, kernel_path=path)
     assert tuple(layer_ids) == provenance.layer_ids
@@ -310,7 +303,6 @@ class Variant:
     budget: int
     mask: str  # keep | drop | masked, see capture()
     mode: str  # eager | fused (fuse_elementwise) | fusedconv (+ fla conv) | fused2 (+ fused_layers.py) | fused2copies
-    # | fused3
 
     @classmethod
     def parse(cls, text: str) -> Variant:
@@ -331,19 +323,16 @@ class Variant:
         return f"{self.budget}:{self.mask}:{self.mode}"
 
 
-# fused2copies: fused2, set_copy_cuts(False); fused3: capture.kernels=fused3 (fused2, norms compiled for their widths)
-MODES = ("eager", "fused", "fusedconv", "fused2", "fused2copies", "fused3")
+MODES = ("eager", "fused", "fusedconv", "fused2", "fused2copies")  # fused2copies: fused2, set_copy_cuts(False)
 
 
 def use_variant(model: nn.Module, v: Variant) -> None:
     """fused: capture_job's fuse_target without fla's conv; fusedconv: capture.kernels=fused;
-    fused2: capture.kernels=fused2 (capture/fused_layers.py); fused2copies: fused2 without its copy cuts;
-    fused3: capture.kernels=fused3."""
+    fused2: capture.kernels=fused2 (capture/fused_layers.py); fused2copies: fused2 without its copy cuts."""
     unfuse_target(model, _TORCH_CONV)
     set_copy_cuts(v.mode != "fused2copies")
     if v.fused:
-        fuse_target(model, conv=v.mode != "fused", layers=v.mode.startswith(("fused2", "fused3")),
-                    static_norms=v.mode == "fused3")  # fmt: skip
+        fuse_target(model, conv=v.mode != "fused", layers=v.mode.startswith("fused2"))
 
 
 def figures(secs: float, batches: list[Batch], params: dict[str, int]) -> dict:
@@ -357,21 +346,6 @@ def figures(secs: float, batches: list[Batch], params: dict[str, int]) -> dict:
         "bound_share": round(2 * params["total"] * tps / (PEAK_TFLOPS * 1e12), 4),
         "bound_share_without_embedding": round(2 * params["without_embedding"] * tps / (PEAK_TFLOPS * 1e12), 4),
     }
-
-
-def failure_report() -> str:
-    """The traceback of the exception being handled and, on a GPU, its memory: a CUDA error says nothing of where."""
-    text = traceback.format_exc()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        try:
-            free, total = torch.cuda.mem_get_info()
-            text += (f"GPU memory: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free; this process: "
-                     f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated, "
-                     f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved, "
-                     f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB\n")
-        except Exception as err:  # a sticky CUDA error can fail these too
-            text += f"GPU memory not readable: {type(err).__name__}: {err}\n"
-    return text
 
 
 def scaled(f: dict, reps: float) -> dict:
@@ -476,7 +450,7 @@ def measure_end_to_end(model, v: Variant, a, layer_ids, params, kernel_path: str
         if sink.split(":")[0] == "job":
             try:
                 if v.mode in ("fused", "fused2copies"):
-                    raise ValueError("the job sink runs capture_job's modes: eager, fusedconv, fused2 or fused3")
+                    raise ValueError("the job sink runs capture_job's modes: eager, fusedconv or fused2 (fuse_target)")
                 wb = sink.split(":")[1] if ":" in sink else None
                 loop_s, secs, c = run_job(model, batches, layer_ids, a, prov, v.mode, a.e2e_batches, wb)
                 reps = a.e2e_batches / len(batches)

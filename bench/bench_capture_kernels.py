@@ -8,10 +8,11 @@ trainer's profile moves ~2.8 TB/s. The capture kernels compiled with every dimen
 (fused_target.compile_kernel: one graph for every token count); since 2026-12-07 SwiGLU's has its width static
 (static_width: bitwise, 1.104 -> 1.002 ms on an H100). A pointwise kernel sums nothing, so another
 tiling or specialisation gives the same bits: if a static-width compile is faster and bitwise, capture can
-take it without a new kernel path. The norms (row reductions: RMSNorm, add + RMSNorm, the gated RMSNorm and
-attention's q/k norm + RoPE) compiled for their widths reduce each row in one block and sum in another order:
-that is capture.kernels=fused3 (kernel path "fla_fused3"); each is timed as fused2 runs it (every dimension
-dynamic), as fused3 does, and fully static.
+take it without a new kernel path. The norms (RMSNorm, add + RMSNorm, the gated RMSNorm and attention's q/k
+norm + RoPE) are compiled for their widths too since 2026-12-07: their weights are the model's nn.Parameters,
+whose shapes torch.compile specialises, so the former dynamic=True compile had their widths static already (the
+same graphs, bitwise); the explicit width adds RoPE's cos/sin width in q/k norm + RoPE. Each is timed as
+capture compiles it, as the former compile did, and fully static, with Parameter weights as the model's.
 
 Prints, per kernel and variant, ms a call (median of --iters, CUDA events), the bytes it must move over that
 time (GB/s), whether its output equals the capture kernel's bit for bit, and whether a call at another token
@@ -31,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -55,32 +57,30 @@ def _liger_silu_mul():
 
 
 def kernels(device: str) -> list[tuple[str, dict]]:
-    """(kernel, {variant: callable}); the first variant of each is the reference the others are compared with:
-    SwiGLU's capture compile (its width static since 2026-12-07, fused_target.compile_kernel(static_width=True)),
-    each norm as fused2 compiles it (every dimension dynamic)."""
+    """(kernel, {variant: callable}); the first variant of each, the capture's own compile (its width static,
+    fused_target.compile_kernel(static_width=True)), is the reference the others are compared with."""
     silu = {"capture (width static)": _compiled()[2], "all dims dynamic": compile_kernel(_silu_mul),
             "static": _static(_silu_mul), "eager": _silu_mul}  # fmt: skip
     if device == "cuda" and _liger_silu_mul() is not None:
         silu["liger (other rounding)"] = _liger_silu_mul()
     from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
-    f2, f3 = fused_layers.gpu_kernels(False), fused_layers.gpu_kernels(True)  # fused2's and fused3's own kernels
+    k = fused_layers.gpu_kernels()
     norm_rope = functools.partial(_norm_rope, apply_rotary_pos_emb)
     norms = {
-        "rms_norm": (_compiled(False)[0], _compiled(True)[0], _rms_norm),
-        "add_rms_norm": (f2.add_norm, f3.add_norm, _add_rms_norm),
-        "gated_rms_norm": (_compiled(False)[1], _compiled(True)[1], _gated_rms_norm),
-        "norm_rope": (functools.partial(f2.norm_rope, apply_rotary_pos_emb),
-                      functools.partial(f3.norm_rope, apply_rotary_pos_emb), norm_rope),
-    }  # fmt: skip
-    return [("silu_mul", silu)] + [
-        (name, {"fused2 (dynamic)": two, "fused3 (width static)": three, "static": _static(eager)})
-        for name, (two, three, eager) in norms.items()
-    ]
+        "rms_norm": (_compiled()[0], _rms_norm),
+        "add_rms_norm": (k.add_norm, _add_rms_norm),
+        "gated_rms_norm": (_compiled()[1], _gated_rms_norm),
+        "norm_rope": (functools.partial(k.norm_rope, apply_rotary_pos_emb), norm_rope),
+    }
+    variants = [(name, {"capture (width static)": now, "former (dynamic=True)": compile_kernel(eager),
+                        "static": _static(eager)}) for name, (now, eager) in norms.items()]  # fmt: skip
+    return [("silu_mul", silu), *variants]
 
 
 def inputs(name: str, tokens: int, hidden: int, inter: int, device: str, seed: int = 0):
-    """Arguments and the bytes the kernel must move (each input read once, each output written once)."""
+    """Arguments (a norm's weight an nn.Parameter, as the model's) and the bytes the kernel must move (each input
+    read once, each output written once)."""
     g = torch.Generator(device=device).manual_seed(seed)
     bf = {"dtype": torch.bfloat16, "device": device}
     if name == "silu_mul":
@@ -89,17 +89,17 @@ def inputs(name: str, tokens: int, hidden: int, inter: int, device: str, seed: i
     if name == "gated_rms_norm":  # the Gated DeltaNet's output norm: [B, T, value heads, head dim]
         heads, d = max(1, hidden * 48 // 5120), 128 if hidden >= 1024 else 8  # 5120 -> 48 x 128, Qwen3.5-27B's
         x, z = (torch.randn(1, tokens, heads, d, generator=g, **bf) for _ in range(2))
-        w = torch.randn(d, generator=g, **bf)
+        w = nn.Parameter(torch.randn(d, generator=g, **bf), requires_grad=False)
         return (x, z, w, 1e-6), 3 * x.numel() * 2
     if name == "norm_rope":  # attention's q/k norm + partial RoPE: q [B, T, H, d], k [B, T, KV, d], 1/4 rotary
         d = 256 if hidden >= 1024 else 16
         heads, kv = max(1, hidden * 6 // (5 * d)), max(1, hidden // (5 * d))  # 5120 -> 24 and 4 heads of 256
         q, k = torch.randn(1, tokens, heads, d, generator=g, **bf), torch.randn(1, tokens, kv, d, generator=g, **bf)
-        wq, wk = (torch.randn(d, generator=g, **bf) for _ in range(2))
+        wq, wk = (nn.Parameter(torch.randn(d, generator=g, **bf), requires_grad=False) for _ in range(2))
         cos, sin = (torch.randn(1, tokens, d // 4, generator=g, **bf) for _ in range(2))
         return (q, k, wq, wk, 1e-6, cos, sin), 2 * (q.numel() + k.numel()) * 2
     x = torch.randn(1, tokens, hidden, generator=g, **bf)
-    w = (0.1 * torch.randn(hidden, generator=g, device=device)).to(torch.bfloat16)
+    w = nn.Parameter((0.1 * torch.randn(hidden, generator=g, device=device)).to(torch.bfloat16), requires_grad=False)
     if name == "rms_norm":
         return (x, w, 1e-6), 2 * x.numel() * 2
     res = torch.randn(1, tokens, hidden, generator=g, **bf)

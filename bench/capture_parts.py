@@ -1,10 +1,12 @@
 """Parts of the capture benchmark (bench_capture.py): kernel time by class of one forward, the
-argmax and one features copy alone, and the disk's write bandwidth (the writers' physical limit)."""
+argmax and one features copy alone, the disk's write bandwidth (the writers' physical limit), and what a
+failed run reports (its traceback and the GPU's memory)."""
 
 from __future__ import annotations
 
 import os
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -112,3 +114,16 @@ def disk_write_bandwidth(directory: Path, gib: float = 4.0, block_mib: int = 16)
     return n * len(block) / secs
 
 
+def failure_report() -> str:
+    """The traceback of the exception being handled and, on a GPU, its memory: a CUDA error says nothing of where."""
+    text = traceback.format_exc()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        try:
+            free, total = torch.cuda.mem_get_info()
+            text += (f"GPU memory: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free; this process: "
+                     f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated, "
+                     f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved, "
+                     f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB\n")
+        except Exception as err:  # a sticky CUDA error can fail these too
+            text += f"GPU memory not readable: {type(err).__name__}: {err}\n"
+    return text

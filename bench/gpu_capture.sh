@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One device call (<= 600 s, fresh machine) for issue 24's capture: the compiled capture kernels alone in other
-# compile modes (bench_capture_kernels.py: the norms as fused2 and fused3 compile them), then capture's compute
-# at the Qwen3.5-27B shape, fused2 against fused3 in alternating runs, and capture_job's own path over 50 passes
-# (bench_capture.py, the default sink job:idle), the fused capture paths' gpu tests (features against eager, the
-# evaluator on fused3), then, as the time left allows, the writers alone on this machine's disk
+# compile modes (bench_capture_kernels.py: the norms as capture compiles them and as the former compile did), then
+# fused2's compute at the Qwen3.5-27B shape and capture_job's own path over 50 passes (bench_capture.py, the
+# default sink job:idle), the fused capture paths' gpu tests (features against eager, the evaluator on fused2),
+# then, as the time left allows, the writers alone on this machine's disk
 # (bench_capture_drain.py, CPU only). Everything is written under OUT (default $OUT).
 #   bench/gpu_capture.sh [DEADLINE_S]      (seconds from the start the whole call must end by; default 570)
 #   VARIANTS, E2E, PROFILE, SINKS: bench_capture.py's --variants, --e2e, --profile (none by default), --sinks
-#   EVAL_K: the evaluator's fused gpu tests to run (pytest -k; default the fused3 one); KERNELS=0: no kernel bench
+#   EVAL_K: the evaluator's fused gpu tests to run (pytest -k; default the fused2 one); KERNELS=0: no kernel bench
 # The wheels (.whl/, git-ignored) must be carried with the call.
 set -u
 cd "$(dirname "$0")/.."
@@ -25,8 +25,8 @@ t0=$(date +%s)
 k=32768:keep
 profile=${PROFILE:-}
 timeout $(($(left) > 60 ? $(left) - 20 : 40)) python3 bench/bench_capture.py --pool 256 --batches 2 \
-    --variants "${VARIANTS:-$k:fused2,$k:fused3,$k:fused2,$k:fused3}" ${profile:+--profile "$profile"} \
-    --e2e "${E2E:-$k:fused3}" --sinks "${SINKS:-job:idle}" --writers 4 --e2e-batches 50 --e2e-distinct 5 \
+    --variants "${VARIANTS:-$k:fused2}" ${profile:+--profile "$profile"} \
+    --e2e "${E2E:-$k:fused2}" --sinks "${SINKS:-job:idle}" --writers 4 --e2e-batches 50 --e2e-distinct 5 \
     --disk-gib 2 --shard-dir /tmp/bench_shards/s --json "$out/capture.json" >"$out/capture.log" 2>&1
 echo "capture rc=$? s=$(($(date +%s) - t0))"
 grep -E "^compute|^end to end|disk write|^profile|idle between|by size|by the host op|rel L2|error|GPU memory|File \"" \
@@ -36,12 +36,12 @@ if [ "$(left)" -gt 60 ]; then  # the fused paths' features on a bf16 hybrid agai
     timeout $(($(left) - 10)) python3 -m pytest -m gpu -v -s -rA -p no:cacheprovider tests/test_fused_layers.py \
         >"$out/gpu_fused_layers.log" 2>&1
     echo "gpu_fused_layers rc=$? s=$(($(date +%s) - t0))"
-    grep -E "PASSED|FAILED|ERROR|passed|failed|fused3 vs" "$out/gpu_fused_layers.log" | tail -8
+    grep -E "PASSED|FAILED|ERROR|passed|failed|fused2 vs" "$out/gpu_fused_layers.log" | tail -8
 fi
 if [ "$(left)" -gt 100 ]; then  # the evaluator on a fused capture path: the same kernels, features, live decoding
     t0=$(date +%s)
     TORCH_LOGS=recompiles timeout $(($(left) - 10)) python3 -m pytest -m gpu -v -s -rA -p no:cacheprovider tests/test_evaluator.py \
-        -k "fused_capture_kernels and ${EVAL_K:-fused3}" >"$out/gpu_eval_fused.log" 2>&1
+        -k "fused_capture_kernels and ${EVAL_K:-fused2}" >"$out/gpu_eval_fused.log" 2>&1
     echo "gpu_eval_fused rc=$? s=$(($(date +%s) - t0))"
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/gpu_eval_fused.log" | tail -6
 fi

@@ -27,7 +27,7 @@ SHARD_SCHEMA_VERSION = 2
 FEATURE_DTYPES = ("bfloat16", "float16", "float32")
 # capture.kernels -> the kernel path its features carry (capture/fused_target.py, capture/fused_layers.py);
 # eager keeps the GDN layers' own path, fla or torch
-CAPTURE_KERNEL_PATHS = {"fused": "fla_fused", "fused2": "fla_fused2", "fused3": "fla_fused3"}
+CAPTURE_KERNEL_PATHS = {"fused": "fla_fused", "fused2": "fla_fused2"}
 KERNEL_PATHS = ("fla", "torch", *CAPTURE_KERNEL_PATHS.values())
 WEIGHT_FILE_PATTERNS = ("*.safetensors", "*.bin")
 

@@ -26,7 +26,8 @@ get braceexpand==0.1.7 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0
     jsonschema-specifications==2025.9.1 rpds-py==2026.9.1 \
     anyio==4.16.0 httpx2==2.16.2 httpcore2==2.16.2 truststore \
     hjson==3.1.0
-# openai (regenerate's client) and the two packages only it needs
+# openai (regenerate's client) and the two packages only it needs, out of .whl/ (where earlier builds put them)
+rm -f "$out"/openai-*.whl "$out"/jiter-*.whl "$out"/sniffio-*.whl
 mkdir -p .whl-regen
 get -d .whl-regen openai==3.57.0 jiter==0.19.0 sniffio==1.3.1
 # deepspeed is a source package: a wheel without its compiled ops (JIT where needed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -106,7 +107,7 @@ def test_cuda_capture_uses_fla_and_refuses_torch_path():
 
 
 @pytest.mark.gpu
-def test_cuda_writer_pool_starts_and_pins_when_torch_has_cached_the_whole_card(tmp_path):
+def test_cuda_writer_pool_starts_and_pins_when_torch_has_cached_the_whole_card(tmp_path, caplog):
     """After forwards of varied shapes a capture process's allocator can hold the whole card, reserved and unused
     (the 27B capture bench on an H100: 78.5 of 79.2 GiB, 50.1 in use), and the writer pool's side stream failed
     with "CUDA error: out of memory": the driver allocates a stream, and a pinned buffer's mappings, outside torch's
@@ -116,24 +117,32 @@ def test_cuda_writer_pool_starts_and_pins_when_torch_has_cached_the_whole_card(t
     from dflash_dist.capture.driver_room import DRIVER_ROOM_BYTES
 
     assert torch.cuda.is_available()
-    blocks, size = [], 1 << 30
-    while size >= 2 << 20:  # every block torch can get, then all freed: reserved by its cache, unused
-        try:
-            blocks.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
-        except torch.OutOfMemoryError:
-            size //= 2
-    del blocks
-    free = torch.cuda.mem_get_info()[0]
-    assert free < DRIVER_ROOM_BYTES, free
+
+    def fill_the_cache() -> None:  # every block torch can get, then all freed: reserved by its cache, unused
+        blocks, size = [], 1 << 30
+        while size >= 2 << 20:
+            try:
+                blocks.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+            except torch.OutOfMemoryError:
+                size //= 2
+        del blocks
+        free = torch.cuda.mem_get_info()[0]
+        assert free < DRIVER_ROOM_BYTES, free
+
+    caplog.set_level(logging.INFO, logger="dflash_dist.capture.driver_room")
     shards = tmp_path / "shards"
-    pool = writer_pool(shards, writers=1, min_group_tokens=8, shard_bytes=1 << 20, device="cuda")
+    features, argmax, attention, items = pool_pass(torch.Generator().manual_seed(0), ["a", "b"], [40, 30], 32)
+    fill_the_cache()
+    pool = writer_pool(shards, writers=1, min_group_tokens=8, shard_bytes=1 << 20, device="cuda")  # its stream
     try:
-        features, argmax, attention, items = pool_pass(torch.Generator().manual_seed(0), ["a", "b"], [40, 30], 32)
+        fill_the_cache()  # again: the pass's buffer is made and pinned at its first submit
         pool.submit(features.cuda(), argmax.cuda(), attention.cuda(), items)
         counts = pool.close()
     except BaseException:
         pool.abort()
         raise
+    given_back = [r for r in caplog.records if "given back to the driver" in r.getMessage()]
+    assert len(given_back) == 2, [r.getMessage() for r in caplog.records]  # before the stream, before the pin
     assert counts.samples == 2
     written = {s.key: s for r in read_manifest(shards) for s in iter_shard_samples(shards / r.name)}
     assert sorted(written) == ["a", "b"] and torch.equal(written["b"].features, features[1, :30])

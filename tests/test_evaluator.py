@@ -280,11 +280,11 @@ def test_the_evaluator_refuses_fused_capture_kernels_where_capture_would(tiny, t
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernels", ["fused", "fused2", "fused3"])
+@pytest.mark.parametrize("kernels", ["fused", "fused2"])
 def test_cuda_evaluator_measures_on_the_fused_capture_kernels(tiny, tmp_path, monkeypatch, kernels):
-    """capture.kernels fused / fused2 / fused3 on the GPU: the evaluator's target runs the same kernels as
+    """capture.kernels fused / fused2 on the GPU: the evaluator's target runs the same kernels as
     capture's (load_target + apply_capture_kernels, what CaptureJob.load does), so it accepts the
-    provenance the run plan expects of the shards ("fla_fused" / "fla_fused2" / "fla_fused3"); its held-out
+    provenance the run plan expects of the shards ("fla_fused" / "fla_fused2"); its held-out
     features are bitwise those of that capture path on the same sequence; live decoding runs on the
     fused model (through the cache: fused2's rewritten forwards fall back to transformers' there, its
     norms and conv stay fused) and its tau is that of replay over live's own sequences within 10%

@@ -295,8 +295,7 @@ def _cuda_hybrid():
 @pytest.mark.gpu
 def test_cuda_fused2_features_match_eager_and_fused_bf16():
     """A Qwen3.5 hybrid (hidden 1024, 8 layers, partial RoPE) in bf16 on fla: fused2 (compiled
-    layer rewrites + fla conv) and fused3 (fused2, its norms compiled for their widths) against eager fla
-    and against fused, features and argmax."""
+    layer rewrites + fla conv) against eager fla and against fused, features and argmax."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     from dflash_dist.capture.fused_target import fuse_target
@@ -313,9 +312,6 @@ def test_cuda_fused2_features_match_eager_and_fused_bf16():
     fuse_target(model, layers=True)
     fused2 = capture_features(model, ids, layers)
     unfuse_target(model, torch_conv)
-    fuse_target(model, layers=True, static_norms=True)
-    fused3 = capture_features(model, ids, layers)
-    unfuse_target(model, torch_conv)
 
     def rel(a, b):
         return float((a.features.float() - b.features.float()).norm() / b.features.float().norm())
@@ -325,14 +321,11 @@ def test_cuda_fused2_features_match_eager_and_fused_bf16():
 
     print(
         f"fused2 vs eager rel L2 {rel(fused2, eager):.2e} argmax {agree(fused2, eager):.3f}; fused vs eager "
-        f"{rel(fused, eager):.2e} / {agree(fused, eager):.3f}; fused2 vs fused {rel(fused2, fused):.2e}; "
-        f"fused3 vs eager {rel(fused3, eager):.2e} / {agree(fused3, eager):.3f}, vs fused2 {rel(fused3, fused2):.2e} "
-        f"(bitwise: {torch.equal(fused3.features, fused2.features)})"
+        f"{rel(fused, eager):.2e} / {agree(fused, eager):.3f}; fused2 vs fused {rel(fused2, fused):.2e}"
     )
-    for got in (fused2, fused3):
-        assert torch.isfinite(got.features).all()
-        assert rel(got, eager) < 2 * rel(fused, eager) + 1e-2  # bf16 rounding of the same math
-        assert agree(got, eager) > 0.8
+    assert torch.isfinite(fused2.features).all()
+    assert rel(fused2, eager) < 2 * rel(fused, eager) + 1e-2  # bf16 rounding of the same math
+    assert agree(fused2, eager) > 0.8
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
 """capture/fused_target.py's compile_kernel, the one torch.compile wrapper of the fused capture kernels
-(capture.kernels=fused/fused2/fused3, kernel paths "fla_fused"/"fla_fused2"/"fla_fused3"): a kernel never runs
-eagerly under the fused path's name. Past its recompile limit plain torch.compile runs the call in eager without a
+(capture.kernels=fused/fused2, kernel paths "fla_fused"/"fla_fused2"): a kernel never runs eagerly under the
+fused path's name. Past its recompile limit plain torch.compile runs the call in eager without a
 word (dynamo's RUN_ONLY fallback); these kernels raise instead. Tested on CPU through the production
 entry points (`_compiled()`, `gpu_kernels()`), which build every compiled capture kernel."""
 
@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from torch import nn
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list as cache_entries
 from torch._dynamo.utils import counters
 
@@ -22,8 +23,7 @@ from dflash_dist.capture import fused_layers, fused_target
 
 
 def _clear():
-    for cached in (fused_target._compiled, fused_target._silu_mul_kernel, fused_layers.gpu_kernels,
-                   fused_layers._pointwise, fused_layers._compiled_rope):  # fmt: skip
+    for cached in (fused_target._compiled, fused_layers.gpu_kernels, fused_layers._compiled_rope):
         cached.cache_clear()
     torch._dynamo.reset()
 
@@ -86,20 +86,19 @@ def test_capture_kernel_in_another_thread_compiles_to_its_limit_then_raises(fres
         pool.submit(other_thread).result()
 
 
-@pytest.mark.parametrize("static_norms", [False, True], ids=["fused2", "fused3"])
-def test_every_capture_kernel_goes_through_the_guard_and_compiles_whole_on_cpu(fresh_kernels, static_norms):
-    """fullgraph=True turns a graph break into an error too: each compiled kernel of the fused paths
-    (fused3: the norms compiled for their widths) traces as one graph (on CPU here; the trace does not depend
-    on the device) and equals its eager function."""
+def test_every_capture_kernel_goes_through_the_guard_and_compiles_whole_on_cpu(fresh_kernels):
+    """fullgraph=True turns a graph break into an error too: each compiled kernel of both fused paths
+    traces as one graph (on CPU here; the trace does not depend on the device) and equals its eager
+    function."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
     def guarded(k):
         return isinstance(k, functools.partial) and k.func is strict_compile._guarded
 
-    rms, gated, silu_mul = fused_target._compiled(static_norms)
-    k = fused_layers.gpu_kernels(static_norms)
+    rms, gated, silu_mul = fused_target._compiled()
+    k = fused_layers.gpu_kernels()
     assert all(guarded(f) for f in (rms, gated, silu_mul, k.gating, k.gated_norm, k.add_norm, k.gate_out))
-    assert guarded(fused_layers._compiled_rope(apply_rotary_pos_emb, static_norms))
+    assert guarded(fused_layers._compiled_rope(apply_rotary_pos_emb))
 
     gen = torch.Generator().manual_seed(1)
     b, t, h, d = 2, 5, 3, 8
@@ -131,7 +130,7 @@ def test_silu_mul_is_one_graph_for_every_token_count_and_equals_eager(fresh_kern
     """SwiGLU's silu * up compiles with its width static and every other dimension dynamic (static_width): one
     graph serves every token count and batch size a capture, generation or verification forward brings (none of
     size 1 here, which specialises), each call equal to eager; a width it has not seen compiles again. The
-    RMSNorm keeps every dimension dynamic."""
+    RMSNorm likewise, with plain-tensor weights too."""
     rms, _, silu_mul = fused_target._compiled()
     gen = torch.Generator().manual_seed(3)
     width = 24
@@ -146,45 +145,64 @@ def test_silu_mul_is_one_graph_for_every_token_count_and_equals_eager(fresh_kern
     for t in (6, 11):
         rms(torch.randn(2, t, width, generator=gen), weight=torch.ones(width), eps=1e-6)
     rms(torch.randn(2, 6, 40, generator=gen), weight=torch.ones(40), eps=1e-6)
-    assert len(cache_entries(fused_target._rms_norm.__code__)) == 1  # dynamic=True: every dimension
+    assert len(cache_entries(fused_target._rms_norm.__code__)) == 2  # the norms too: one graph per width
 
 
-def test_fused3_compiles_each_norm_once_per_width_for_every_token_count(fresh_kernels):
-    """capture.kernels=fused3: every row reduction (RMSNorm, gated RMSNorm, add + RMSNorm, q/k norm + RoPE) is
-    compiled for its width, every other dimension dynamic: one graph per width whatever the token count and batch
-    (the 27B capture's 5120-wide norms, 128-wide gated norm and 256-wide q/k norms: one graph each), each call
-    equal to the eager function; fused2's compiles stay apart (another kernel path, other graphs)."""
+def test_norms_compile_once_per_width_and_equal_the_former_dynamic_compile_bit_for_bit(fresh_kernels):
+    """Every capture norm (RMSNorm, gated RMSNorm, add + RMSNorm, q/k norm + RoPE) is compiled for its width, every
+    other dimension dynamic: one graph per width whatever the token count and batch, each call equal to eager.
+    With their weights as the model's nn.Parameters, as capture calls them, they give bit for bit what the former
+    dynamic=True compile gave: torch.compile specialises a Parameter's shape and the row's width with it, so that
+    compile reduced each row for its width too, and the kernel path "fla_fused2" stands (compile_kernel)."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
-    rms, gated, _ = fused_target._compiled(True)
-    k = fused_layers.gpu_kernels(True)
-    assert fused_target._compiled(True)[2] is fused_target._compiled(False)[2]  # SwiGLU's one kernel
-    assert k.add_norm is not fused_layers.gpu_kernels(False).add_norm
+    rms, gated, _ = fused_target._compiled()
+    k = fused_layers.gpu_kernels()
     gen = torch.Generator().manual_seed(5)
 
     def r(*shape):
         return torch.randn(*shape, generator=gen).bfloat16()
 
+    def param(t):
+        return nn.Parameter(t, requires_grad=False)
+
+    def norms(rms_, gated_, add_norm, x, z, res, w):
+        return [rms_(x, weight=w, eps=1e-6), gated_(x, z, weight=w, eps=1e-6), *add_norm(res, x, w, 1e-6)]
+
     shapes = ((2, 7), (2, 31), (3, 5), (4, 160))
-    for b, t in shapes:
-        for width in (24, 40):
-            x, z, res, w = r(b, t, width), r(b, t, width), r(b, t, width), r(width)
-            torch.testing.assert_close(rms(x, weight=w, eps=1e-6), fused_target._rms_norm(x, w, 1e-6))
-            torch.testing.assert_close(gated(x, z, weight=w, eps=1e-6), fused_target._gated_rms_norm(x, z, w, 1e-6))
-            for got, want in zip(k.add_norm(res, x, w, 1e-6), fused_layers._add_rms_norm(res, x, w, 1e-6), strict=True):
-                torch.testing.assert_close(got, want)
-    for f in (fused_target._rms_norm, fused_target._gated_rms_norm, fused_layers._add_rms_norm):
-        assert len(cache_entries(f.__code__)) == 2, f.__name__  # one graph per width, none made dynamic
+    cases = [(r(b, t, w), r(b, t, w), r(b, t, w), param(r(w))) for b, t in shapes for w in (24, 40)]
     graphs = counters["stats"]["unique_graphs"]
-    for b, t in shapes:
-        # fp32 here: the CPU backend drops bf16 roundings inside a fused kernel (compile_kernel's docstring), which
-        # RoPE's sums of products then show; CUDA keeps them (tests/test_fused_layers.py's bf16 features on the GPU)
-        args = (*(r(b, t, 3, 16).float() for _ in range(2)), r(16).float(), r(16).float(), 1e-6,
-                *(r(b, t, 8).float() for _ in range(2)))  # fmt: skip
+    now = [norms(rms, gated, k.add_norm, *case) for case in cases]
+    assert counters["stats"]["unique_graphs"] == graphs + 6  # 3 kernels x 2 widths, none made dynamic
+    for got, (x, z, res, w) in zip(now, cases, strict=True):
+        want = [fused_target._rms_norm(x, w, 1e-6), fused_target._gated_rms_norm(x, z, w, 1e-6),
+                *fused_layers._add_rms_norm(res, x, w, 1e-6)]  # fmt: skip
+        for g_, w_ in zip(got, want, strict=True):
+            torch.testing.assert_close(g_, w_)
+    former = [fused_target.compile_kernel(f) for f in (fused_target._rms_norm, fused_target._gated_rms_norm,
+                                                       fused_layers._add_rms_norm)]  # fmt: skip
+    for got, case in zip(now, cases, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(got, norms(*former, *case), strict=True))
+
+    rope_cases = [(r(b, t, 3, 16), r(b, t, 2, 16), param(r(16)), param(r(16)), 1e-6, r(b, t, 8), r(b, t, 8))
+                  for b, t in shapes]  # fmt: skip
+    graphs = counters["stats"]["unique_graphs"]
+    now_rope = [k.norm_rope(apply_rotary_pos_emb, *args) for args in rope_cases]
+    assert counters["stats"]["unique_graphs"] == graphs + 1  # one graph (a partial: no code entry to count)
+    b, t = shapes[0]  # RoPE's width (cos/sin's last dimension) is static too: another rotary width, another graph
+    k.norm_rope(apply_rotary_pos_emb, r(b, t, 3, 16), r(b, t, 2, 16), param(r(16)), param(r(16)), 1e-6,
+                r(b, t, 4), r(b, t, 4))  # fmt: skip
+    assert counters["stats"]["unique_graphs"] == graphs + 2
+    former_rope = fused_target.compile_kernel(functools.partial(fused_layers._norm_rope, apply_rotary_pos_emb))
+    for got, args in zip(now_rope, rope_cases, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(got, former_rope(*args), strict=True))
+    # against eager in fp32: the CPU backend drops bf16 roundings inside a fused kernel (compile_kernel's
+    # docstring), which RoPE's sums of products then show; CUDA keeps them (test_fused_layers' bf16 features)
+    for args in rope_cases:
+        args = tuple(a.float() if isinstance(a, torch.Tensor) else a for a in args)
         got, want = k.norm_rope(apply_rotary_pos_emb, *args), fused_layers._norm_rope(apply_rotary_pos_emb, *args)
         for g_, w_ in zip(got, want, strict=True):
             torch.testing.assert_close(g_, w_)
-    assert counters["stats"]["unique_graphs"] == graphs + 1  # q/k norm + RoPE: one graph (a partial: no code entry)
 
 
 def test_static_last_dim_needs_dynamic_none():

@@ -19,7 +19,7 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.gpu
 
-GPU_KERNEL_PATHS = ("fla", "fla_fused", "fla_fused2", "fla_fused3")
+GPU_KERNEL_PATHS = ("fla", "fla_fused", "fla_fused2")
 
 
 def _env() -> dict:

@@ -538,16 +538,17 @@ def test_regen_config_errors_name_the_field(target_dir, tmp_path, capsys) -> Non
 
 def test_the_local_target_path_imports_without_the_openai_client() -> None:
     """Regenerating with the local target needs no server client: an offline GPU machine carries
-    openai apart (.whl-regen/); only a regen.url run imports it, and then names it if it is missing."""
+    openai apart (.whl-regen/); only a regen.url run imports it, and then names it and the fix if it is missing."""
     probe = (
         "import sys; sys.modules['openai'] = None\n"  # an import of openai now raises ImportError
         "import dflash_dist.capture.regenerate as r, launcher.cli\n"
         "try:\n"
         "    r.ServerGenerator('http://127.0.0.1:1/v1', 'm', None, 1, 0, 1.0, None, {})\n"
-        "except ImportError as err:\n"
+        "except r.RegenError as err:\n"
         "    print('server path:', err)\n"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "server path:" in done.stdout and "openai" in done.stdout, done.stdout
+    assert "server path: regen.url=http://127.0.0.1:1/v1" in done.stdout, done.stdout
+    assert "pip install openai==3.57.0" in done.stdout and ".whl-regen/" in done.stdout, done.stdout

@@ -99,28 +99,21 @@ def reference_kernels() -> Kernels:
 
 
 @functools.cache
-def gpu_kernels(static_norms: bool = False) -> Kernels:
-    """fused2's kernels; static_norms: fused3's, the row reductions (add + norm, gated norm, q/k norm + RoPE)
-    compiled for their widths (fused_target.compile_kernel)."""
-    gating, gate_out = _pointwise()
-    add_norm = compile_kernel(_add_rms_norm, static_width=static_norms)
-    gated_norm = _compiled(static_norms)[1]
-    norm_rope = functools.partial(_compiled_norm_rope, static_norms)
-    return Kernels(_fla_conv, gating, gated_norm, add_norm, gate_out, norm_rope)
+def gpu_kernels() -> Kernels:
+    """fused2's kernels: the norms (add + norm, gated norm, q/k norm + RoPE) compiled for their widths
+    (fused_target.compile_kernel), gating and the output gate with every dimension dynamic."""
+    gating, gate_out = (compile_kernel(f) for f in (_gating, _gate_out))
+    add_norm = compile_kernel(_add_rms_norm, static_width=True)
+    return Kernels(_fla_conv, gating, _compiled()[1], add_norm, gate_out, _compiled_norm_rope)
 
 
 @functools.cache
-def _pointwise() -> tuple[Callable, Callable]:
-    return compile_kernel(_gating), compile_kernel(_gate_out)
+def _compiled_rope(rope: Callable) -> Callable:
+    return compile_kernel(functools.partial(_norm_rope, rope), static_width=True)
 
 
-@functools.cache
-def _compiled_rope(rope: Callable, static_norms: bool) -> Callable:
-    return compile_kernel(functools.partial(_norm_rope, rope), static_width=static_norms)
-
-
-def _compiled_norm_rope(static_norms: bool, rope, *args):
-    return _compiled_rope(rope, static_norms)(*args)
+def _compiled_norm_rope(rope, *args):
+    return _compiled_rope(rope)(*args)
 
 
 # bench_capture's "fused2copies" mode: the two copy cuts off (one conv, split views copied by fla; transformers'

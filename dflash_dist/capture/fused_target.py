@@ -22,8 +22,7 @@ from dflash_dist.model.capture import check_kernel_path
 from dflash_dist.strict_compile import strict_compile
 from dflash_dist.target.loading import TargetIdentity, provenance_for
 
-# capture.kernels -> kernel path: fused, these kernels; fused2, these plus capture/fused_layers.py; fused3, fused2
-# with every row reduction compiled for its width (`static_norms`)
+# capture.kernels -> kernel path: fused, these kernels; fused2, these plus capture/fused_layers.py
 KERNEL_PATH_OF = CAPTURE_KERNEL_PATHS
 
 
@@ -77,9 +76,11 @@ def compile_kernel(f, static_width: bool = False):
     `static_width`: the last dimension static (every other dynamic, strict_compile's static_last_dim): one graph
     per width for every token count. A pointwise kernel keeps its bits under any tiling: SwiGLU's silu * up at
     the Qwen3.5-27B capture shape 1.104 -> 1.002 ms a call on an H100, bitwise (bench_capture_kernels.py,
-    docs/BENCHMARKS.md sixteenth session), in every fused path. A row reduction (the norms) compiled for its
-    width reduces the row in one block (0.366 -> 0.227 ms for the 5120-wide RMSNorm there) and so sums in
-    another order: only under fused3, whose features carry their own kernel path."""
+    docs/BENCHMARKS.md sixteenth session). The norms keep theirs too: their weights are nn.Parameters, whose
+    shapes torch.compile specialises (force_parameter_static_shapes), and the row's width with them through the
+    broadcast, so even under dynamic=True they were compiled for their widths, the same graphs
+    (tests/test_fused_target.py). Marking the width also makes RoPE's cos/sin width static in q/k norm + RoPE,
+    a pointwise part: capture's compute +0.9% on an H100 (docs/BENCHMARKS.md nineteenth session)."""
     name = getattr(f, "__name__", None) or getattr(getattr(f, "func", None), "__name__", repr(f))
     return strict_compile(
         f,
@@ -99,26 +100,19 @@ def compile_kernel(f, static_width: bool = False):
 
 
 @functools.cache
-def _silu_mul_kernel():
-    return compile_kernel(_silu_mul, static_width=True)
+def _compiled():
+    """(RMSNorm, gated RMSNorm, silu * up), each compiled for its width (compile_kernel's static_width)."""
+    return tuple(compile_kernel(f, static_width=True) for f in (_rms_norm, _gated_rms_norm, _silu_mul))
 
 
-@functools.cache
-def _compiled(static_norms: bool = False):
-    """(RMSNorm, gated RMSNorm, silu * up) compiled; static_norms: the norms for their widths (fused3)."""
-    return (compile_kernel(_rms_norm, static_width=static_norms),
-            compile_kernel(_gated_rms_norm, static_width=static_norms), _silu_mul_kernel())  # fmt: skip
-
-
-def fuse_target(model: nn.Module, conv: bool = True, layers: bool = False, static_norms: bool = False) -> int:
+def fuse_target(model: nn.Module, conv: bool = True, layers: bool = False) -> int:
     """Switch a Qwen3.5-family target on CUDA to the fused path (module docstring; conv=False
     leaves the causal conv to transformers: a bench variant); returns the number of modules
     changed. Weights are arguments, so one compiled graph serves every layer. layers=True: also
-    the rewritten layer forwards of capture/fused_layers.py (capture.kernels=fused2); static_norms=True:
-    every row reduction compiled for its width (capture.kernels=fused3, with layers)."""
+    the rewritten layer forwards of capture/fused_layers.py (capture.kernels=fused2)."""
     if not any(p.is_cuda for p in model.parameters()):
         raise ValueError("capture.kernels=fused needs the target on CUDA (target.device=cuda): its kernels are Triton")
-    rms, gated, silu_mul = _compiled(static_norms)
+    rms, gated, silu_mul = _compiled()
     n = 0
     for m in model.modules():
         kind = type(m).__name__
@@ -138,7 +132,7 @@ def fuse_target(model: nn.Module, conv: bool = True, layers: bool = False, stati
     if layers:
         from dflash_dist.capture.fused_layers import fuse_layers, gpu_kernels
 
-        n += fuse_layers(model, gpu_kernels(static_norms))
+        n += fuse_layers(model, gpu_kernels())
     model.dflash_fused = True
     return n
 
@@ -157,7 +151,7 @@ def apply_capture_kernels(kernels: str, model: nn.Module, kernel_path: str) -> s
             "(set target.device=cuda with flash-linear-attention and triton installed, or "
             "capture.kernels=eager)"
         )
-    fuse_target(model, layers=kernels in ("fused2", "fused3"), static_norms=kernels == "fused3")
+    fuse_target(model, layers=kernels == "fused2")
     return KERNEL_PATH_OF[kernels]
 
 

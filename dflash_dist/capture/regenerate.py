@@ -187,8 +187,14 @@ class ServerGenerator:
         self.url, self.model, self.sampling = url, model, sampling
         self.concurrency, self.max_retries, self.template_kwargs = concurrency, max_retries, template_kwargs
         self.chunk_size = 4 * concurrency
-        import openai
-
+        try:
+            import openai
+        except ImportError:
+            raise RegenError(
+                f"regen.url={url}: regenerating against a server needs the openai client, which this Python lacks: "
+                "pip install openai==3.57.0 (setup.py's pin; on a machine without a registry, the wheels of "
+                "launcher/offline_wheels.sh's .whl-regen/), or regenerate with the local target (no regen.url)"
+            ) from None
         self.openai = openai
         self.client = openai.OpenAI(base_url=url, api_key=api_key or "none", max_retries=max_retries, timeout=timeout_s)
 

@@ -148,16 +148,20 @@ def test_silu_mul_is_one_graph_for_every_token_count_and_equals_eager(fresh_kern
     assert len(cache_entries(fused_target._rms_norm.__code__)) == 2  # the norms too: one graph per width
 
 
-def test_norms_compile_once_per_width_and_equal_the_former_dynamic_compile_bit_for_bit(fresh_kernels):
+def test_norms_compile_once_per_width_as_the_former_compile_did_through_their_parameter_weights(fresh_kernels):
     """Every capture norm (RMSNorm, gated RMSNorm, add + RMSNorm, q/k norm + RoPE) is compiled for its width, every
-    other dimension dynamic: one graph per width whatever the token count and batch, each call equal to eager.
-    With their weights as the model's nn.Parameters, as capture calls them, they give bit for bit what the former
-    dynamic=True compile gave: torch.compile specialises a Parameter's shape and the row's width with it, so that
-    compile reduced each row for its width too, and the kernel path "fla_fused2" stands (compile_kernel)."""
+    other dimension dynamic: one graph per width whatever the token count and batch, with Parameter weights (the
+    model's) and plain ones alike, each call equal to eager. The former dynamic=True compile made one graph per
+    width too where the weight is an nn.Parameter, as every capture call site passes it: torch.compile specialises
+    a Parameter's shape and the row's width with it, so the norms' graphs are the ones they were and kernel path
+    "fla_fused2" stands; with a plain weight it made one graph of a dynamic width. (On the CPU either compile gives
+    the same bits, so bits cannot tell them apart here: the graphs do.)"""
     from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
     rms, gated, _ = fused_target._compiled()
     k = fused_layers.gpu_kernels()
+    former = [fused_target.compile_kernel(f) for f in (fused_target._rms_norm, fused_target._gated_rms_norm,
+                                                       fused_layers._add_rms_norm)]  # fmt: skip
     gen = torch.Generator().manual_seed(5)
 
     def r(*shape):
@@ -166,36 +170,42 @@ def test_norms_compile_once_per_width_and_equal_the_former_dynamic_compile_bit_f
     def param(t):
         return nn.Parameter(t, requires_grad=False)
 
-    def norms(rms_, gated_, add_norm, x, z, res, w):
-        return [rms_(x, weight=w, eps=1e-6), gated_(x, z, weight=w, eps=1e-6), *add_norm(res, x, w, 1e-6)]
+    def norms(rms_, gated_, add_norm, x, z, res, w):  # each call its own copies: a width-static compile marks them
+        def weight():
+            return w if isinstance(w, nn.Parameter) else w.clone()
+
+        return [rms_(x.clone(), weight=weight(), eps=1e-6), gated_(x.clone(), z.clone(), weight=weight(), eps=1e-6),
+                *add_norm(res.clone(), x.clone(), weight(), 1e-6)]  # fmt: skip
+
+    def new_graphs(kernels, cases) -> int:  # graphs of a fresh start (dynamo caches per function, not per compile)
+        torch._dynamo.reset()
+        graphs = counters["stats"]["unique_graphs"]
+        for x, z, res, w in cases:
+            got = norms(*kernels, x, z, res, w)
+            want = [fused_target._rms_norm(x, w, 1e-6), fused_target._gated_rms_norm(x, z, w, 1e-6),
+                    *fused_layers._add_rms_norm(res, x, w, 1e-6)]  # fmt: skip
+            for g_, w_ in zip(got, want, strict=True):
+                torch.testing.assert_close(g_, w_)
+        return counters["stats"]["unique_graphs"] - graphs
 
     shapes = ((2, 7), (2, 31), (3, 5), (4, 160))
-    cases = [(r(b, t, w), r(b, t, w), r(b, t, w), param(r(w))) for b, t in shapes for w in (24, 40)]
-    graphs = counters["stats"]["unique_graphs"]
-    now = [norms(rms, gated, k.add_norm, *case) for case in cases]
-    assert counters["stats"]["unique_graphs"] == graphs + 6  # 3 kernels x 2 widths, none made dynamic
-    for got, (x, z, res, w) in zip(now, cases, strict=True):
-        want = [fused_target._rms_norm(x, w, 1e-6), fused_target._gated_rms_norm(x, z, w, 1e-6),
-                *fused_layers._add_rms_norm(res, x, w, 1e-6)]  # fmt: skip
-        for g_, w_ in zip(got, want, strict=True):
-            torch.testing.assert_close(g_, w_)
-    former = [fused_target.compile_kernel(f) for f in (fused_target._rms_norm, fused_target._gated_rms_norm,
-                                                       fused_layers._add_rms_norm)]  # fmt: skip
-    for got, case in zip(now, cases, strict=True):
-        assert all(torch.equal(a, b) for a, b in zip(got, norms(*former, *case), strict=True))
+    cases = [(r(b, t, w), r(b, t, w), r(b, t, w), r(w)) for b, t in shapes for w in (24, 40)]
+    with_params = [(x, z, res, param(w)) for x, z, res, w in cases]
+    assert new_graphs((rms, gated, k.add_norm), with_params) == 6  # 3 kernels x 2 widths, none made dynamic
+    assert new_graphs(former, with_params) == 6  # the former compile: the Parameter fixed each width
+    assert new_graphs((rms, gated, k.add_norm), cases) == 6  # plain weights: still one graph per width
+    assert new_graphs(former, cases) == 3  # where the width came from the weight alone: one dynamic graph
 
     rope_cases = [(r(b, t, 3, 16), r(b, t, 2, 16), param(r(16)), param(r(16)), 1e-6, r(b, t, 8), r(b, t, 8))
                   for b, t in shapes]  # fmt: skip
     graphs = counters["stats"]["unique_graphs"]
-    now_rope = [k.norm_rope(apply_rotary_pos_emb, *args) for args in rope_cases]
+    for args in rope_cases:
+        k.norm_rope(apply_rotary_pos_emb, *args)
     assert counters["stats"]["unique_graphs"] == graphs + 1  # one graph (a partial: no code entry to count)
     b, t = shapes[0]  # RoPE's width (cos/sin's last dimension) is static too: another rotary width, another graph
     k.norm_rope(apply_rotary_pos_emb, r(b, t, 3, 16), r(b, t, 2, 16), param(r(16)), param(r(16)), 1e-6,
                 r(b, t, 4), r(b, t, 4))  # fmt: skip
     assert counters["stats"]["unique_graphs"] == graphs + 2
-    former_rope = fused_target.compile_kernel(functools.partial(fused_layers._norm_rope, apply_rotary_pos_emb))
-    for got, args in zip(now_rope, rope_cases, strict=True):
-        assert all(torch.equal(a, b) for a, b in zip(got, former_rope(*args), strict=True))
     # against eager in fp32: the CPU backend drops bf16 roundings inside a fused kernel (compile_kernel's
     # docstring), which RoPE's sums of products then show; CUDA keeps them (test_fused_layers' bf16 features)
     for args in rope_cases:

@@ -78,8 +78,8 @@ def compile_kernel(f, static_width: bool = False):
     the Qwen3.5-27B capture shape 1.104 -> 1.002 ms a call on an H100, bitwise (bench_capture_kernels.py,
     docs/BENCHMARKS.md sixteenth session). The norms keep theirs too: their weights are nn.Parameters, whose
     shapes torch.compile specialises (force_parameter_static_shapes), and the row's width with them through the
-    broadcast, so even under dynamic=True they were compiled for their widths, the same graphs
-    (tests/test_fused_target.py). Marking the width also makes RoPE's cos/sin width static in q/k norm + RoPE,
+    broadcast, so even under dynamic=True they were compiled for their widths, the same graphs (counted in
+    tests/test_fused_target.py). Marking the width also makes RoPE's cos/sin width static in q/k norm + RoPE,
     a pointwise part: capture's compute +0.9% on an H100 (docs/BENCHMARKS.md nineteenth session)."""
     name = getattr(f, "__name__", None) or getattr(getattr(f, "func", None), "__name__", repr(f))
     return strict_compile(

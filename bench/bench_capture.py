@@ -49,7 +49,7 @@ from torch import nn
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from data_pipeline.provenance import SHARD_SCHEMA_VERSION, Provenance, installed_versions
+from data_pipeline.provenance import CAPTURE_KERNEL_PATHS, SHARD_SCHEMA_VERSION, Provenance, installed_versions
 from dflash_dist.capture.fused_layers import set_copy_cuts
 from dflash_dist.capture.fused_target import fuse_target, unfuse_target
 from dflash_dist.config import Config
@@ -227,7 +227,6 @@ def run_job(model, batches: list[Batch], layer_ids: list[int], a, provenance, mo
     deleted as they land unless --keep-shards (ShardJanitor). (seconds to the last pass submitted
     and its copies done, seconds to the last shard listed, SinkCounts)."""
     from dflash_dist.capture.capture_job import CaptureJob
-    from dflash_dist.capture.fused_target import KERNEL_PATH_OF
 
     shard_dir = Path(a.shard_dir)
     shutil.rmtree(shard_dir, ignore_errors=True)
@@ -240,7 +239,7 @@ def run_job(model, batches: list[Batch], layer_ids: list[int], a, provenance, mo
     set_copy_cuts(True)
     if mode != "eager":
         fuse_target(model, layers=mode == "fused2")
-        path = KERNEL_PATH_OF["fused" if mode == "fusedconv" else mode]
+        path = CAPTURE_KERNEL_PATHS["fused" if mode == "fusedconv" else mode]
         provenance = dataclasses.replace(provenance, kernel_path=path)
     assert tuple(layer_ids) == provenance.layer_ids
     job = CaptureJob(cfg, model, provenance, shard_dir)

@@ -28,7 +28,8 @@ t0=$(date +%s)
 k=32768:keep
 timeout $(($(left) > 60 ? $(left) - 15 : 40)) python3 bench/bench_capture.py --pool 256 --batches 2 \
     --variants "${CAPTURE_VARIANTS:-$k:fused2}" --e2e "${E2E:-$k:fused2}" --sinks job:idle --writers 4 \
-    --e2e-batches 50 --e2e-distinct 5 --disk-gib 2 --shard-dir /tmp/bench_shards/s --json "$out/capture.json" >"$out/capture.log" 2>&1
+    --e2e-batches 50 --e2e-distinct 5 --disk-gib 2 --shard-dir /tmp/bench_shards/s --json "$out/capture.json" \
+    >"$out/capture.log" 2>&1
 echo "capture rc=$? s=$(($(date +%s) - t0))"
 grep -E "^compute|^end to end|disk write" "$out/capture.log" | tail -8
 if [ "$(left)" -gt 60 ]; then

@@ -292,7 +292,8 @@ def test_cuda_evaluator_measures_on_the_fused_capture_kernels(tiny, tmp_path, mo
     come near); a live worker accepts the path."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    from dflash_dist.capture.fused_target import KERNEL_PATH_OF, apply_capture_kernels
+    from data_pipeline.provenance import CAPTURE_KERNEL_PATHS
+    from dflash_dist.capture.fused_target import apply_capture_kernels
     from dflash_dist.evaluator.measure import _WORKER, live_worker_init
     from dflash_dist.model.capture import capture_features, check_kernel_path
     from dflash_dist.target.loading import expected_provenance, load_target, target_identity
@@ -310,22 +311,22 @@ def test_cuda_evaluator_measures_on_the_fused_capture_kernels(tiny, tmp_path, mo
     publish(tiny, out, "trained", 5)
     model, tokenizer = load_target(cfg, target_dir)
     expected = expected_provenance(cfg, target_dir, target_identity(cfg, target_dir), tokenizer)
-    assert expected.kernel_path == KERNEL_PATH_OF[kernels]
+    assert expected.kernel_path == CAPTURE_KERNEL_PATHS[kernels]
     ev = Evaluator(cfg, out, target_dir, tiny["prompts"], expected=expected)  # refused before: it ran "fla"
-    assert ev.provenance.kernel_path == KERNEL_PATH_OF[kernels]
+    assert ev.provenance.kernel_path == CAPTURE_KERNEL_PATHS[kernels]
     ref = ev.references()[0]
-    assert apply_capture_kernels(kernels, model, check_kernel_path(model, False)) == KERNEL_PATH_OF[kernels]
+    assert apply_capture_kernels(kernels, model, check_kernel_path(model, False)) == CAPTURE_KERNEL_PATHS[kernels]
     ids = torch.tensor([list(ref.sequence[: ref.end])], device="cuda")
     cap = capture_features(model, ids, ev.identity.layer_ids, with_argmax=False)
     assert torch.equal(cap.features[0], ref.features)
     (result,) = ev.run_until(lambda: (True, 5), poll_s=0.05)
     ev.close()
-    assert result.kernel_path == KERNEL_PATH_OF[kernels] and result.tau_chain >= 1.0
+    assert result.kernel_path == CAPTURE_KERNEL_PATHS[kernels] and result.tau_chain >= 1.0
     live = result.live
     print(f"{kernels}: replay tau {result.tau_chain:.3f}, live {live['tau_chain']:.3f}, "
           f"replay over live's own {live['replay_own']['tau_chain']:.3f}")
     assert live["tau_chain"] == pytest.approx(live["replay_own"]["tau_chain"], rel=0.1)
-    live_worker_init(cfg.to_dict(), str(out / "export" / "step_5"), KERNEL_PATH_OF[kernels], 1, ev.weights)
+    live_worker_init(cfg.to_dict(), str(out / "export" / "step_5"), CAPTURE_KERNEL_PATHS[kernels], 1, ev.weights)
     assert _WORKER["error"] is None and "model" in _WORKER
     _WORKER.clear()
 

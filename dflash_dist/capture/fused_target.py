@@ -22,9 +22,6 @@ from dflash_dist.model.capture import check_kernel_path
 from dflash_dist.strict_compile import strict_compile
 from dflash_dist.target.loading import TargetIdentity, provenance_for
 
-# capture.kernels -> kernel path: fused, these kernels; fused2, these plus capture/fused_layers.py
-KERNEL_PATH_OF = CAPTURE_KERNEL_PATHS
-
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3_5RMSNorm.forward, as one function of its inputs."""
@@ -152,7 +149,7 @@ def apply_capture_kernels(kernels: str, model: nn.Module, kernel_path: str) -> s
             "capture.kernels=eager)"
         )
     fuse_target(model, layers=kernels == "fused2")
-    return KERNEL_PATH_OF[kernels]
+    return CAPTURE_KERNEL_PATHS[kernels]  # fused: these kernels; fused2: these plus capture/fused_layers.py
 
 
 def features_provenance(cfg, ident: TargetIdentity, model: nn.Module, tokenizer) -> tuple[Provenance, str]:

@@ -333,8 +333,8 @@ def test_new_rope_layout_hands_the_norm_a_contiguous_gradient(restore_switches, 
 @pytest.mark.parametrize("kernels", ["liger", "compile"])
 def test_gpu_rope_layout_and_in_place_norm_are_bitwise(kernels, restore_switches, fresh_dynamo):
     """bf16 on CUDA, flex_attention, the real kernels: RoPE on [b, T, heads, d] and liger's in-place
-    RMSNorm backward give bitwise the loss and gradients of the former forms (under compile every
-    gradient but q_proj's, which its GEMM accumulates in another order, rel < 1e-4); for liger the
+    RMSNorm backward give bitwise the loss and gradients of the former forms (under compile the in-place
+    switch bitwise, the layouts within bf16 rounding: see below); for liger the
     defaults drop the zeros_like of every plain norm's backward (LigerRMSNormFunction; the fused add + norm's
     backward allocates with empty_like in either form, so the count is the plain norms' backwards the step
     runs, not 4 per layer + 2 as before the add-norm default) and its dY copies. From a fresh
@@ -358,16 +358,20 @@ def test_gpu_rope_layout_and_in_place_norm_are_bitwise(kernels, restore_switches
                                  count.get("LigerRMSNormFunctionBackward", 0))
     if kernels == "liger":
         assert all(_same(runs["bhtd", False], r) for r in runs.values()), _differences(runs, ("bhtd", False))
-    else:  # inductor on CUDA: the loss bitwise; q's projection gradient takes dq in the other layout, and the
-        # GEMM's accumulation order with it (H200, 2026-12-06: q_proj.weight of both layers, rel 1.13e-05, the
-        # rest bitwise); bitwise on CPU (test_compiled_set_rope_layouts_are_bitwise_equal)
-        base_out, base_g = runs["bhtd", False]
+    else:  # inductor on CUDA compiles each layout's norm + RoPE as its own graph and may tile its RMSNorm
+        # reduction otherwise, so the q/k norm's bf16 output and everything after it may round otherwise
+        # (H200, 2026-12-06: only q_proj.weight differed, rel 1.13e-05; H100, 2026-12-07: loss +1.14e-05 of 9.57,
+        # every gradient, worst rel 3.9e-03 at a layer's input norm); bitwise on the CPU
+        # (test_compiled_set_rope_layouts_are_bitwise_equal), which also checks the layouts' strides. A RoPE
+        # on the wrong axis or positions moves q/k's gradients by O(1). The in-place switch is liger's only: the
+        # compile set runs the same graphs with it on or off, bitwise
         where = _differences(runs, ("bhtd", False))
-        for key, (out, g) in runs.items():
-            assert torch.equal(out.loss, base_out.loss), where
-            for n in base_g:
-                exact = torch.equal(g[n], base_g[n])
-                assert exact or ("q_proj" in n and _rel(g[n], base_g[n]) < 1e-4), (key, n, where)
+        for layout in ("bhtd", "bthd"):
+            assert _same(runs[layout, False], runs[layout, True]), (layout, _differences(runs, (layout, False)))
+        (base_out, base_g), (out, g) = runs["bhtd", False], runs["bthd", False]
+        assert abs(float(out.loss) - float(base_out.loss)) <= 1e-5 * abs(float(base_out.loss)), where
+        for n in base_g:
+            assert _rel(g[n], base_g[n]) < 2e-2, (n, where)
     if kernels == "liger":
         layers = d.config.num_hidden_layers
         norms = ops["bthd", True][2]

@@ -8,7 +8,9 @@
 #   bench/gpu_capture.sh [DEADLINE_S]      (seconds from the start the whole call must end by; default 570)
 #   VARIANTS, E2E, PROFILE, SINKS: bench_capture.py's --variants, --e2e, --profile (none by default), --sinks
 #   EVAL_K: the evaluator's fused gpu tests to run (pytest -k; default the fused2 one); KERNELS=0: no kernel bench
-# The wheels (.whl/, git-ignored) must be carried with the call.
+# The wheels (.whl/, git-ignored) must be carried with the call. The capture step over 50 passes took 227 s on an
+# H100 whose compile caches a call before had filled, and was cut at 303 s on a fresh machine (2026-12-07): give it
+# 360 s or more in a call's first command.
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu_capture}

@@ -124,7 +124,7 @@ def test_token_store_round_trip_is_atomic_verified_and_refuses_damage(tmp_path):
 # ---------------------------------------------------------------------------- the decision
 def test_auto_decides_by_the_set_against_the_cap_and_keeps_a_recorded_mode(tmp_path):
     from dflash_dist.config import Config
-    from dflash_dist.orchestration.later_epochs import CAPTURE_FLOP_S, KEEP, RECAPTURE, decide
+    from dflash_dist.orchestration.later_epochs import KEEP, RECAPTURE, capture_flop_s, decide
 
     cfg = Config()
     cfg.capture.later_epochs, cfg.capture.shard_bytes, cfg.capture.num_actors = "auto", 10**9, 6
@@ -136,10 +136,16 @@ def test_auto_decides_by_the_set_against_the_cap_and_keeps_a_recorded_mode(tmp_p
     assert d.set_bytes == tokens * width == 61_440_000_000_000  # 61.4 TB: configs/qwen3.6-27b.yaml's figure
     assert d.keep_disk_bytes == d.set_bytes  # every shard kept: later epochs re-read them
     assert d.recapture_disk_bytes == 4 * 10**12 + 6 * 10**9 + tokens * 5 + samples * 4096  # cap + 1 shard/actor
-    one = tokens * 2 * params / CAPTURE_FLOP_S / 3600
+    one = tokens * 2 * params / capture_flop_s("eager") / 3600
     assert d.keep_gpu_hours == pytest.approx(one) and d.recapture_gpu_hours == pytest.approx(6 * one)
     assert 38 < one < 39  # 1.2e9 tokens x 2 x 25.6e9 / (0.56 x 790e12 FLOP/s)
     assert any("capture.later_epochs=auto: recapture" in line for line in d.lines())
+    # the GPU-hours follow the capture kernels' rate, and the printed line names which
+    cfg.capture.kernels = "fused2"
+    fused = decide(cfg, samples, tokens, "given", width, params)
+    assert fused.recapture_gpu_hours == pytest.approx(6 * one * 0.56 / 0.70) and fused.capture_kernels == "fused2"
+    assert any("capture.kernels=fused2 at 0.70 x 790 TFLOP/s" in line for line in fused.lines())
+    cfg.capture.kernels = "eager"
     cfg.capture.max_buffer_bytes = 100 * 10**12
     assert decide(cfg, samples, tokens, "given", width, params).mode == KEEP  # the set fits the cap
     cfg.capture.max_buffer_bytes = None
@@ -164,6 +170,22 @@ def test_auto_decides_by_the_set_against_the_cap_and_keeps_a_recorded_mode(tmp_p
     assert read_mode(tmp_path) == KEEP
     write_mode(tmp_path, RECAPTURE)
     assert read_mode(tmp_path) == RECAPTURE
+
+
+def test_every_capture_kernel_setting_has_a_capture_rate_and_plans_without_one_read_as_eager():
+    """The GPU-hours the run plan prints follow capture.kernels: each of its values has a measured rate;
+    a plan written before the field (its LaterEpochs record without capture_kernels) reads as eager."""
+    import dataclasses
+    import typing
+
+    from dflash_dist.config import CaptureSection, Config
+    from dflash_dist.orchestration.later_epochs import CAPTURE_RATES, LaterEpochs, decide
+
+    assert set(typing.get_args(CaptureSection.model_fields["kernels"].annotation)) == set(CAPTURE_RATES)
+    record = dataclasses.asdict(decide(Config(), 10, 1000, "given", 100, 10**9))
+    assert record.pop("capture_kernels") == "eager"
+    old = LaterEpochs(**record)
+    assert old.capture_kernels == "eager" and any("capture.kernels=eager at 0.56" in x for x in old.lines())
 
 
 def test_config_rules_of_later_epochs():

@@ -10,10 +10,13 @@ once per epoch.
                bytes per token; tar headers, ids, masks and argmax not counted)
   disk       keep: the set (epochs > 1: every shard is re-read); recapture: min(epochs x set,
                cap + one shard per producer) plus the token store (~5 bytes per token + tar headers)
-  GPU-hours  = passes x tokens x 2 x target params / (0.56 x 790e12 FLOP/s) / 3600, passes = 1 (keep)
-               or epochs (recapture); params without the input embedding (a lookup); 0.56 x 790 TFLOP/s
-               is the capture forward rate measured on one H200 (SPEC.md section 6: 27B shape, fla, 56% of
-               the 790 TFLOP/s bf16 matmul rate measured there). Regeneration (the same both ways) is not counted.
+  GPU-hours  = passes x tokens x 2 x target params / (rate x 790e12 FLOP/s) / 3600, passes = 1 (keep)
+               or epochs (recapture); params without the input embedding (a lookup); rate is capture's
+               share of the 790 TFLOP/s bf16 matmul rate measured on one H200 at the 27B shape, by
+               capture.kernels (CAPTURE_RATES): eager 0.56 (SPEC.md section 6: the plain fla forward), fused2
+               0.70 (capture_job end to end over 50 passes, 10817 tokens/s: docs/BENCHMARKS.md, the eighth
+               lease), fused as fused2 (their compute measured equal there, 11236 and 11230 tokens/s side by
+               side). Regeneration (the same both ways) is not counted.
 
 auto picks recapture when there are several epochs and one epoch's set would not fit the cap. The
 decision is recorded in the shard tree (epoch_dirs.write_mode) and kept by a resumed run.
@@ -29,8 +32,12 @@ from data_pipeline.epoch_dirs import KEEP, RECAPTURE
 
 log = logging.getLogger(__name__)
 
-CAPTURE_FLOP_S = 0.56 * 790e12  # one H200's capture forward rate (module docstring)
-RATE_SOURCE = "0.56 x 790 TFLOP/s, the capture rate measured on one H200 (SPEC.md section 6)"
+# capture.kernels -> (share of 790 TFLOP/s, where it was measured): one H200's capture rate (module docstring)
+CAPTURE_RATES = {
+    "eager": (0.56, "0.56 x 790 TFLOP/s, the plain forward measured on one H200 (SPEC.md section 6)"),
+    "fused": (0.70, "0.70 x 790 TFLOP/s, fused2's rate (fused's compute measured equal on one H200)"),
+    "fused2": (0.70, "0.70 x 790 TFLOP/s, capture_job end to end on one H200 (docs/BENCHMARKS.md, eighth lease)"),
+}
 STORE_BYTES_PER_TOKEN = 5  # int32 id + uint8 loss-mask entry
 STORE_BYTES_PER_SAMPLE = 4096  # three tar members' headers and padding
 
@@ -54,6 +61,7 @@ class LaterEpochs:
     target_params: int  # without the input embedding
     keep_gpu_hours: float
     recapture_gpu_hours: float
+    capture_kernels: str = "eager"  # capture.kernels, whose rate the GPU-hours assume (plans before it: eager)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -71,7 +79,8 @@ class LaterEpochs:
             f"{human_bytes(self.set_bytes)}; capture.max_buffer_bytes {cap}",
             f"  keep:      disk {human_bytes(self.keep_disk_bytes)}, target {keep_h} GPU-hours",
             f"  recapture: disk {human_bytes(self.recapture_disk_bytes)}, target {recapture_h} "
-            f"GPU-hours (at {RATE_SOURCE}; target {self.target_params / 1e9:.3g}B params without embedding)",
+            f"GPU-hours (capture.kernels={self.capture_kernels} at {CAPTURE_RATES[self.capture_kernels][1]}; "
+            f"target {self.target_params / 1e9:.3g}B params without embedding)",
             f"  capture.later_epochs={self.asked}: {self.mode} ({self.reason})",
         ]
 
@@ -94,9 +103,14 @@ def check_recorded(asked: str, recorded: str | None) -> None:
         )
 
 
-def gpu_hours(tokens: int, target_params: int) -> float:
-    """Target GPU-hours of one capture pass over `tokens` (module docstring)."""
-    return tokens * 2 * target_params / CAPTURE_FLOP_S / 3600
+def capture_flop_s(kernels: str) -> float:
+    """The capture rate CAPTURE_RATES gives `kernels` (a capture.kernels value), in FLOP/s."""
+    return CAPTURE_RATES[kernels][0] * 790e12
+
+
+def gpu_hours(tokens: int, target_params: int, kernels: str = "eager") -> float:
+    """Target GPU-hours of one capture pass over `tokens` on capture.kernels `kernels` (module docstring)."""
+    return tokens * 2 * target_params / capture_flop_s(kernels) / 3600
 
 
 def decide(
@@ -148,6 +162,7 @@ def decide(
         keep_disk,
         recapture_disk,
         target_params,
-        gpu_hours(tokens, target_params),
-        epochs * gpu_hours(tokens, target_params),
+        gpu_hours(tokens, target_params, c.kernels),
+        epochs * gpu_hours(tokens, target_params, c.kernels),
+        c.kernels,
     )

@@ -130,6 +130,28 @@ def timed(label: str, fn, out: dict):
     return value
 
 
+def profile_live(ev, drafter, refs, export: Path, out: dict) -> None:
+    """One more (warm) live decoding of the first prompt under torch.profiler: its wall time against the
+    device's busy time (host- or device-bound), and the ops that take the most of each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        measured = ev._measure_live(drafter, refs, export)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    rounds = sum(len(r) for r in measured.chain_rounds) + sum(len(r) for t in measured.tree_rounds.values() for r in t)
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events)
+    out["live_profile"] = {"s": round(wall, 2), "rounds": rounds, "device_busy_s": round(device_us / 1e6, 2)}
+    print(f"  live profile: {wall:.2f} s for {rounds} rounds ({1e3 * wall / max(rounds, 1):.1f} ms a round), device "
+          f"busy {device_us / 1e6:.2f} s", flush=True)  # fmt: skip
+    for key in ("self_device_time_total", "self_cpu_time_total"):
+        print(events.table(sort_by=key, row_limit=25, max_name_column_width=70), flush=True)
+
+
 def one_setting(kernels: str, root: Path, target_dir: Path, export: Path, prompts, args) -> dict:
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
@@ -147,6 +169,8 @@ def one_setting(kernels: str, root: Path, target_dir: Path, export: Path, prompt
         refs = refs[: args.live_prompts]  # live's worst case costs a target forward per token
         live = timed("live", lambda: ev._measure_live(drafter, refs, export), out)
         own = timed("replay_own", lambda: ev._replay_own(drafter, refs, live), out)
+        if args.profile_live:
+            profile_live(ev, drafter, refs[:1], export, out)
         rounds = sum(len(r) for r in live.chain_rounds) + sum(len(r) for t in live.tree_rounds.values() for r in t)
         out.update(live_prompts=len(refs), live_rounds=rounds,
                    ms_per_live_round=round(1e3 * out["live"]["s"] / max(rounds, 1), 2),
@@ -178,6 +202,7 @@ def main() -> int:
     ap.add_argument("--live-prompts", type=int, default=8, help="of those, decoded live")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--profile-live", action="store_true", help="profile one more live decoding of one prompt")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.small:

@@ -130,6 +130,11 @@ def timed(label: str, fn, out: dict):
     return value
 
 
+def live_rounds(measured) -> int:
+    """Rounds a live measurement ran: the chain's and every budget's."""
+    return sum(len(r) for r in measured.chain_rounds) + sum(len(r) for t in measured.tree_rounds.values() for r in t)
+
+
 def profile_live(ev, drafter, refs, export: Path, out: dict) -> None:
     """One more (warm) live decoding of the first prompt under torch.profiler: its wall time against the
     device's busy time (host- or device-bound), and the ops that take the most of each."""
@@ -142,7 +147,7 @@ def profile_live(ev, drafter, refs, export: Path, out: dict) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    rounds = sum(len(r) for r in measured.chain_rounds) + sum(len(r) for t in measured.tree_rounds.values() for r in t)
+    rounds = live_rounds(measured)
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events)
     out["live_profile"] = {"s": round(wall, 2), "rounds": rounds, "device_busy_s": round(device_us / 1e6, 2)}
@@ -171,7 +176,7 @@ def one_setting(kernels: str, root: Path, target_dir: Path, export: Path, prompt
         own = timed("replay_own", lambda: ev._replay_own(drafter, refs, live), out)
         if args.profile_live:
             profile_live(ev, drafter, refs[:1], export, out)
-        rounds = sum(len(r) for r in live.chain_rounds) + sum(len(r) for t in live.tree_rounds.values() for r in t)
+        rounds = live_rounds(live)
         out.update(live_prompts=len(refs), live_rounds=rounds,
                    ms_per_live_round=round(1e3 * out["live"]["s"] / max(rounds, 1), 2),
                    tau_replay=replay.result.tau_chain, tau_live=live.result.tau_chain,

@@ -13,10 +13,12 @@ once per epoch.
   GPU-hours  = passes x tokens x 2 x target params / (rate x 790e12 FLOP/s) / 3600, passes = 1 (keep)
                or epochs (recapture); params without the input embedding (a lookup); rate is capture's
                share of the 790 TFLOP/s bf16 matmul rate measured on one H200 at the 27B shape, by
-               capture.kernels (CAPTURE_RATES): eager 0.56 (SPEC.md section 6: the plain fla forward), fused2
-               0.70 (capture_job end to end over 50 passes, 10817 tokens/s: docs/BENCHMARKS.md, the eighth
-               lease), fused as fused2 (their compute measured equal there, 11236 and 11230 tokens/s side by
-               side). Regeneration (the same both ways) is not counted.
+               capture.kernels (CAPTURE_RATES), each converted from tokens/s with the parameters this formula
+               counts: eager 0.55 (SPEC.md section 6: 8.5k tokens/s, the plain fla forward alone, so no
+               shard writing: it flatters eager), fused2 0.70 (capture_job end to end over 50 passes, 10817
+               tokens/s: docs/BENCHMARKS.md, the eighth lease), fused assumed equal to fused2 (their compute
+               measured equal there, 11236 and 11230 tokens/s side by side; fused never ran end to end at
+               it). Regeneration (the same both ways) is not counted.
 
 auto picks recapture when there are several epochs and one epoch's set would not fit the cap. The
 decision is recorded in the shard tree (epoch_dirs.write_mode) and kept by a resumed run.
@@ -34,7 +36,7 @@ log = logging.getLogger(__name__)
 
 # capture.kernels -> (share of 790 TFLOP/s, where it was measured): one H200's capture rate (module docstring)
 CAPTURE_RATES = {
-    "eager": (0.56, "0.56 x 790 TFLOP/s, the plain forward measured on one H200 (SPEC.md section 6)"),
+    "eager": (0.55, "0.55 x 790 TFLOP/s, the plain forward's 8.5k tokens/s on one H200 (SPEC.md section 6)"),
     "fused": (0.70, "0.70 x 790 TFLOP/s, fused2's rate (fused's compute measured equal on one H200)"),
     "fused2": (0.70, "0.70 x 790 TFLOP/s, capture_job end to end on one H200 (docs/BENCHMARKS.md, eighth lease)"),
 }

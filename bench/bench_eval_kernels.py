@@ -30,7 +30,6 @@ import logging
 import os
 import re
 import sys
-import sysconfig
 import tempfile
 import time
 from collections import Counter
@@ -42,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_capture import QWEN35_27B, TINY, build_random_target, target_config  # noqa: E402
+from bench_eval_speed import live_rounds, tokenizer_texts  # noqa: E402
 
 from dflash_dist.capture.fused_target import RECOMPILE_LIMIT  # noqa: E402
 from dflash_dist.config import load_config  # noqa: E402
@@ -79,13 +79,7 @@ def graphs() -> int:
 def make_target(root: Path, small: bool, layers: int, device: str, dtype: torch.dtype) -> Path:
     """A random-weight Qwen3.5 target (the 27B widths, or the tiny shape) saved as an HF directory with a
     small BPE tokenizer (the evaluator reads token ids; the model's vocabulary is the 27B's)."""
-    texts, size = [], 0
-    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        texts.append(f.read_text(errors="replace"))
-        size += len(texts[-1])
-        if size > 1_000_000:
-            break
-    tokenizer = train_tokenizer(texts, 512 if small else 4096)
+    tokenizer = train_tokenizer(tokenizer_texts(1_000_000), 512 if small else 4096)
     config = target_config(tiny=small)
     base = TINY if small else QWEN35_27B
     if layers % 4:
@@ -93,9 +87,7 @@ def make_target(root: Path, small: bool, layers: int, device: str, dtype: torch.
     config.num_hidden_layers = layers
     config.layer_types = config.layer_types[:layers]
     config.vocab_size = max(base["vocab_size"], len(tokenizer))
-    model = build_random_target(config, device, dtype)
-    save_target(root / "target", model, tokenizer)
-    del model
+    save_target(root / "target", build_random_target(config, device, dtype), tokenizer)
     return root / "target"
 
 
@@ -116,9 +108,7 @@ def make_export(root: Path, cfg, target_dir: Path, device: str) -> Path:
     torch.manual_seed(1)
     with torch.device(device):
         drafter = DFlashDrafter(drafter_config_for(cfg, target_dir))
-    out = export_drafter(drafter, root / "export" / "step_1", dtype=torch.bfloat16 if device == "cuda" else None)
-    del drafter
-    return out
+    return export_drafter(drafter, root / "export" / "step_1", dtype=torch.bfloat16 if device == "cuda" else None)
 
 
 def timed(label: str, fn, out: dict):
@@ -129,11 +119,6 @@ def timed(label: str, fn, out: dict):
     out[label] = {"s": round(time.perf_counter() - t0, 2), "graphs": graphs() - g0}
     print(f"  {label}: {out[label]['s']} s, {out[label]['graphs']} graphs compiled", flush=True)
     return value
-
-
-def live_rounds(measured) -> int:
-    """Rounds a live measurement ran: the chain's and every budget's."""
-    return sum(len(r) for r in measured.chain_rounds) + sum(len(r) for t in measured.tree_rounds.values() for r in t)
 
 
 def profile_live(ev, drafter, refs, export: Path, out: dict) -> None:

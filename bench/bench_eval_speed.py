@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -36,19 +35,31 @@ from dflash_dist.model.export import export_drafter  # noqa: E402
 from dflash_dist.target.build_cache import save_target  # noqa: E402
 from dflash_dist.target.code_target import PRESETS  # noqa: E402
 from dflash_dist.target.lm_config import causal_lm, text_config  # noqa: E402
+from dflash_dist.target.stdlib_corpus import iter_sources, list_stdlib_files  # noqa: E402
 from dflash_dist.target.tiny_tokenizer import ENDOFTEXT, train_tokenizer  # noqa: E402
+
+
+def live_rounds(measured) -> int:
+    """Rounds a live measurement ran: the chain's and every budget's."""
+    return sum(len(r) for r in measured.chain_rounds) + sum(len(r) for t in measured.tree_rounds.values() for r in t)
+
+
+def tokenizer_texts(limit: int) -> list[str]:
+    """The stdlib corpus's first files (stdlib_corpus's listing and reading) up to `limit` characters: text for
+    a random-weight target's BPE, whose prompts here are random ids anyway."""
+    texts, size = [], 0
+    for _, text in iter_sources(list_stdlib_files()):
+        if size > limit:
+            break
+        texts.append(text)
+        size += len(text)
+    return texts
 
 
 def make_target(root: Path, preset: str, seed: int) -> tuple[Path, int, int]:
     """A random-weight target of the preset's shape saved as an HF directory; (dir, vocab, layers)."""
     settings = PRESETS[preset]
-    texts, size = [], 0
-    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):  # a few MB of source for the BPE
-        texts.append(f.read_text(errors="replace"))
-        size += len(texts[-1])
-        if size > 4_000_000:
-            break
-    tokenizer = train_tokenizer(texts, settings.vocab_size)
+    tokenizer = train_tokenizer(tokenizer_texts(4_000_000), settings.vocab_size)  # a few MB of source for the BPE
     torch.manual_seed(seed)
     model = causal_lm(text_config(settings.arch, settings, tokenizer.convert_tokens_to_ids(ENDOFTEXT)))
     save_target(root / "target", model, tokenizer)
@@ -122,9 +133,7 @@ def main() -> int:
             t0 = time.perf_counter()
             measured = ev._measure_live(drafter, live_refs, export)
             dt = time.perf_counter() - t0
-            rounds = sum(len(r) for r in measured.chain_rounds) + sum(
-                len(r) for t in measured.tree_rounds.values() for r in t
-            )
+            rounds = live_rounds(measured)
             out[f"live_workers_{workers}"] = {"s": round(dt, 2), "rounds": rounds,
                                               "ms_per_round": round(1e3 * dt / rounds, 2),
                                               "tau_chain": measured.result.tau_chain}  # fmt: skip

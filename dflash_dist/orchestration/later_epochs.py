@@ -34,11 +34,12 @@ from data_pipeline.epoch_dirs import KEEP, RECAPTURE
 
 log = logging.getLogger(__name__)
 
-# capture.kernels -> (share of 790 TFLOP/s, where it was measured): one H200's capture rate (module docstring)
+MATMUL_FLOP_S = 790e12  # the bf16 matmul rate measured on one H200 (SPEC.md section 6)
+# capture.kernels -> (share of MATMUL_FLOP_S, where it was measured): one H200's capture rate (module docstring)
 CAPTURE_RATES = {
-    "eager": (0.55, "0.55 x 790 TFLOP/s, the plain forward's 8.5k tokens/s on one H200 (SPEC.md section 6)"),
-    "fused": (0.70, "0.70 x 790 TFLOP/s, fused2's rate (fused's compute measured equal on one H200)"),
-    "fused2": (0.70, "0.70 x 790 TFLOP/s, capture_job end to end on one H200 (docs/BENCHMARKS.md, eighth lease)"),
+    "eager": (0.55, "the plain forward's 8.5k tokens/s on one H200 (SPEC.md section 6)"),
+    "fused": (0.70, "fused2's rate (fused's compute measured equal on one H200)"),
+    "fused2": (0.70, "capture_job end to end on one H200 (docs/BENCHMARKS.md, eighth lease)"),
 }
 STORE_BYTES_PER_TOKEN = 5  # int32 id + uint8 loss-mask entry
 STORE_BYTES_PER_SAMPLE = 4096  # three tar members' headers and padding
@@ -81,7 +82,7 @@ class LaterEpochs:
             f"{human_bytes(self.set_bytes)}; capture.max_buffer_bytes {cap}",
             f"  keep:      disk {human_bytes(self.keep_disk_bytes)}, target {keep_h} GPU-hours",
             f"  recapture: disk {human_bytes(self.recapture_disk_bytes)}, target {recapture_h} "
-            f"GPU-hours (capture.kernels={self.capture_kernels} at {CAPTURE_RATES[self.capture_kernels][1]}; "
+            f"GPU-hours (capture.kernels={self.capture_kernels} at {rate_text(self.capture_kernels)}; "
             f"target {self.target_params / 1e9:.3g}B params without embedding)",
             f"  capture.later_epochs={self.asked}: {self.mode} ({self.reason})",
         ]
@@ -107,7 +108,13 @@ def check_recorded(asked: str, recorded: str | None) -> None:
 
 def capture_flop_s(kernels: str) -> float:
     """The capture rate CAPTURE_RATES gives `kernels` (a capture.kernels value), in FLOP/s."""
-    return CAPTURE_RATES[kernels][0] * 790e12
+    return CAPTURE_RATES[kernels][0] * MATMUL_FLOP_S
+
+
+def rate_text(kernels: str) -> str:
+    """`kernels`' rate as the run plan prints it: the share, the matmul rate and where it was measured."""
+    share, source = CAPTURE_RATES[kernels]
+    return f"{share:.2f} x {MATMUL_FLOP_S / 1e12:.0f} TFLOP/s, {source}"
 
 
 def gpu_hours(tokens: int, target_params: int, kernels: str = "eager") -> float:
@@ -135,6 +142,7 @@ def decide(
     deletes_one_epoch = cap is not None and c.consumed_shards != "keep"
     keep_disk = min(set_bytes, bound) if epochs == 1 and deletes_one_epoch else set_bytes
     recapture_disk = (epochs * set_bytes if bound is None else min(epochs * set_bytes, bound)) + store
+    one_pass = gpu_hours(tokens, target_params, c.kernels)  # target GPU-hours of one capture
     if c.later_epochs != "auto":
         mode, reason = c.later_epochs, "as configured"
     elif epochs > 1 and cap is not None and set_bytes > cap:
@@ -164,7 +172,7 @@ def decide(
         keep_disk,
         recapture_disk,
         target_params,
-        gpu_hours(tokens, target_params, c.kernels),
-        epochs * gpu_hours(tokens, target_params, c.kernels),
+        one_pass,
+        epochs * one_pass,
         c.kernels,
     )
